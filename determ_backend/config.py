@@ -1,0 +1,135 @@
+"""Settings: one frozen dataclass.
+
+Precedence: field defaults < environment (``DETERM_*`` and ``REPRO_*``) <
+``torch.compile(..., options={...})`` (keys are field names, or the env-var names).
+Validation lives in ``__post_init__`` so every source is checked the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Tuple
+
+from .errors import ConfigError
+
+__all__ = ["DetermConfig", "load_config", "CHECKS"]
+
+CHECKS = ("determinism", "accuracy")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class DetermConfig:
+    dir: str = "./determ_out"
+    """Root output directory; each run writes into ``<dir>/<run_id>/`` (``DETERM_DIR``)."""
+
+    run_id: Optional[str] = None
+    """Name of this run's sub-directory; default: a timestamp plus the process id (``DETERM_RUN_ID``)."""
+
+    trace: bool = True
+    """Record a fingerprint trace of every traced tensor (``DETERM_TRACE``)."""
+
+    stats: bool = True
+    """Add min/max/mean/L2/nan/inf statistics to each trace record (``DETERM_STATS``)."""
+
+    save_tensors: bool = False
+    """Also store each traced tensor's data, content-addressed by fingerprint (``DETERM_SAVE_TENSORS``)."""
+
+    check: Tuple[str, ...] = ()
+    """Online checks: ``determinism`` and/or ``accuracy`` (``DETERM_CHECK``, comma-separated)."""
+
+    reference: Optional[str] = None
+    """A trace file or run directory to compare this run against online (``DETERM_REFERENCE``)."""
+
+    tol: float = 1e-3
+    """Tolerance for accuracy verdicts (``DETERM_TOL``)."""
+
+    fp64_multiplier: float = 2.0
+    """Accuracy: compiled error vs fp64 may be at most this multiple of eager's own error (``DETERM_FP64_MULTIPLIER``)."""
+
+    raise_on_divergence: bool = False
+    """Raise :class:`~determ_backend.errors.AccuracyError` when a check finds a divergence (``DETERM_RAISE``)."""
+
+    repro_after: Optional[str] = None
+    """``dynamo`` or ``aot``: where repro flows intercept (``REPRO_AFTER``)."""
+
+    repro_level: int = 2
+    """Repro level 1-4 (``REPRO_LEVEL``): 1 dump on error, 2 launcher on error, 3 launcher first + isolated minify, 4 accuracy."""
+
+    minify: bool = True
+    """Minify automatically after a level-4 accuracy failure (``DETERM_MINIFY``)."""
+
+    strict: bool = False
+    """Accuracy checks also compare non-floating outputs, and bitwise when ``tol`` is 0 (``DETERM_STRICT``)."""
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.check if c not in CHECKS]
+        if bad:
+            raise ConfigError(f"DETERM_CHECK: unknown check(s) {', '.join(bad)}; expected a comma-separated subset of {', '.join(CHECKS)}")
+        if self.repro_after not in (None, "dynamo", "aot"):
+            raise ConfigError(f"REPRO_AFTER={self.repro_after!r}; expected 'dynamo' or 'aot'")
+        if self.repro_level not in (1, 2, 3, 4):
+            raise ConfigError(f"REPRO_LEVEL={self.repro_level!r}; expected 1, 2, 3 or 4")
+        if not self.tol >= 0:
+            raise ConfigError(f"DETERM_TOL={self.tol!r}; expected a non-negative number")
+        if not self.fp64_multiplier > 0:
+            raise ConfigError(f"DETERM_FP64_MULTIPLIER={self.fp64_multiplier!r}; expected a positive number")
+
+    def replace(self, **changes: Any) -> "DetermConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_ENV = {
+    "dir": "DETERM_DIR", "run_id": "DETERM_RUN_ID", "trace": "DETERM_TRACE", "stats": "DETERM_STATS",
+    "save_tensors": "DETERM_SAVE_TENSORS", "check": "DETERM_CHECK", "reference": "DETERM_REFERENCE",
+    "tol": "DETERM_TOL", "fp64_multiplier": "DETERM_FP64_MULTIPLIER", "raise_on_divergence": "DETERM_RAISE",
+    "repro_after": "REPRO_AFTER", "repro_level": "REPRO_LEVEL", "minify": "DETERM_MINIFY", "strict": "DETERM_STRICT",
+}
+_BY_ENV = {v: k for k, v in _ENV.items()}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    f = {f.name: f for f in dataclasses.fields(DetermConfig)}[name]
+    kind = str(f.type)
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in _TRUE:
+                return True
+            if s in _FALSE:
+                return False
+            raise ValueError
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind.startswith("Tuple"):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(s.strip() for s in items if str(s).strip())
+        if kind.startswith("Optional"):
+            return None if value in (None, "") else str(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}={value!r}: expected {kind.lower()}") from None
+
+
+def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[str, str]] = None,
+                base: Optional[DetermConfig] = None) -> DetermConfig:
+    """Build a config from defaults (or ``base``), the environment, then ``options``."""
+    env = os.environ if env is None else env
+    values = {}
+    for name, var in _ENV.items():
+        if var in env:
+            values[name] = _coerce(name, env[var], var)
+    for key, value in (options or {}).items():
+        name = _BY_ENV.get(key, key)
+        if name not in _ENV:
+            raise ConfigError(f"unknown determ option {key!r}; expected one of {', '.join(sorted(_ENV))}")
+        values[name] = _coerce(name, value, f"options[{key!r}]")
+    return (base or DetermConfig()).replace(**values)

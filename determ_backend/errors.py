@@ -1,0 +1,51 @@
+"""determ's exception hierarchy.
+
+Every error determ raises on purpose derives from :class:`DetermError`, so callers
+(and the ``repro-tools`` CLI, which turns them into one line on stderr and exit
+code 2) can tell our diagnostics apart from bugs.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DetermError",
+    "ConfigError",
+    "UnsupportedDtypeError",
+    "DeviceUnavailableError",
+    "TraceFormatError",
+    "ReproError",
+    "AccuracyError",
+    "OracleError",
+]
+
+
+class DetermError(Exception):
+    """Root of every error determ raises deliberately."""
+
+
+class ConfigError(DetermError, ValueError):
+    """A setting (argument, ``DETERM_*``/``REPRO_*`` env var or compile option) has a bad value."""
+
+
+class UnsupportedDtypeError(DetermError, TypeError):
+    """A tensor's dtype or layout cannot be fingerprinted (e.g. a sparse tensor)."""
+
+
+class DeviceUnavailableError(DetermError, RuntimeError):
+    """A device (``cuda``, ``npu``, ``xpu``) was asked for but is not present here."""
+
+
+class TraceFormatError(DetermError, ValueError):
+    """A trace, dump or content-store file is missing, truncated, corrupt or of the wrong kind."""
+
+
+class ReproError(DetermError, RuntimeError):
+    """A repro script, launcher or content store cannot be used as given."""
+
+
+class AccuracyError(DetermError, AssertionError):
+    """Compiled results diverge from the eager/fp64 reference beyond tolerance."""
+
+
+class OracleError(DetermError, RuntimeError):
+    """An oracle cannot judge a candidate (e.g. the input graph does not fail at all)."""

@@ -1,0 +1,326 @@
+"""Tensor fingerprints: a 64-bit, order-aware, bitwise hash plus cheap statistics.
+
+The fingerprint is a function of (dtype, shape, logical bits) only: strides,
+storage offset and device do not enter it, so the same values hash the same in
+another process or on another device.  It is computed on the tensor's own device
+with torch ops (no copy of the data to the host); :func:`hash_tensors` does one
+host sync per device for a whole batch.
+
+Algorithm (every step exact integer arithmetic, so any reduction order and any
+backend -- torch CPU, torch on an accelerator, the Triton kernel in
+:mod:`determ_backend._fingerprint_triton` -- gives the same bits):
+
+1. the logical bytes, zero-padded to whole 32-bit words, are laid out as rows of
+   ``ROW_WORDS`` int32 words;
+2. each row is reduced to ``S_r = sum_c word[r, c] * K[c]  (mod 2**64)`` where
+   ``K[c]`` are odd 64-bit constants whose low 33 bits are pairwise distinct.
+   A change confined to one row (any bit flip, any swap of two words) therefore
+   always changes ``S_r``;
+3. rows are combined non-linearly: ``H = sum_r fmix64(S_r ^ P_r)`` with a
+   position constant ``P_r``, so moving data between rows changes ``H``;
+4. the result is ``fmix64(H ^ key(dtype, shape))``.
+
+The dtype/shape key is hashed on the host (it is metadata, not data).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from .errors import UnsupportedDtypeError
+
+__all__ = ["hash_tensor", "hash_tensors", "tensor_stats", "fingerprint_tensors", "ROW_WORDS"]
+
+ROW_WORDS = 4096
+"""Words (int32) per row; part of the definition of the hash, never change it."""
+
+_BLOCK_ROWS = 64  # rows reduced per kernel call on the torch path (cache-sized)
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = 0xFF51AFD7ED558CCD
+_M2 = 0xC4CEB9FE1A85EC53
+
+
+def _signed(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def _py_fmix(v: int) -> int:
+    v &= _MASK64
+    v ^= v >> 33
+    v = (v * _M1) & _MASK64
+    v ^= v >> 33
+    v = (v * _M2) & _MASK64
+    v ^= v >> 33
+    return v
+
+
+def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of an int64 tensor (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _fmix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _lsr(x, 33)
+    x = x * _signed(_M1)
+    x = x ^ _lsr(x, 33)
+    x = x * _signed(_M2)
+    return x ^ _lsr(x, 33)
+
+
+@functools.lru_cache(maxsize=None)
+def _host_weights() -> torch.Tensor:
+    low_mask = (1 << 33) - 1
+    vals = []
+    for c in range(ROW_WORDS):
+        high = _py_fmix(c + _GOLDEN) & ~low_mask
+        low = ((2 * c + 1) * (_M1 | 1)) & low_mask  # odd, distinct mod 2**33
+        vals.append(_signed(high | low))
+    return torch.tensor(vals, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=16)
+def row_weights(device: str) -> torch.Tensor:
+    """The ``K`` vector of step 2 on ``device`` (cached per device)."""
+    return _host_weights().to(device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _key(dtype: torch.dtype, shape: tuple) -> int:
+    digest = hashlib.blake2b(f"{dtype}|{shape}".encode(), digest_size=8).digest()
+    return _signed(int.from_bytes(digest, "little"))
+
+
+def _logical_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's logical elements as a flat contiguous uint8 tensor."""
+    if t.layout != torch.strided:
+        raise UnsupportedDtypeError(f"cannot fingerprint a tensor with layout {t.layout}; expected torch.strided")
+    t = t.detach()
+    if t.is_quantized:
+        t = t.int_repr()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    flat = t.contiguous().reshape(-1)
+    try:
+        return flat.view(torch.uint8)
+    except RuntimeError:
+        try:
+            return flat.clone().view(torch.uint8)
+        except RuntimeError as e:
+            raise UnsupportedDtypeError(f"cannot fingerprint dtype {t.dtype}: {e}") from None
+
+
+def _words(t: torch.Tensor):
+    """``(words, n_words)``: the logical bytes as int32 words; a partial last word is zero-padded."""
+    b = _logical_bytes(t)
+    n = b.numel()
+    if b.storage_offset() % 4:
+        b = b.clone()
+    n4, tail = divmod(n, 4)
+    words = b[: n4 * 4].view(torch.int32)
+    if tail:
+        pad = torch.zeros(4, dtype=torch.uint8, device=b.device)
+        pad[:tail] = b[n4 * 4:]
+        words = torch.cat([words, pad.view(torch.int32)])
+    return words
+
+
+def _row_sums_torch(rows: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
+    r = rows.shape[0]
+    if r <= _BLOCK_ROWS:
+        torch.sum(rows * k, 1, out=out)
+        return
+    scratch = torch.empty(_BLOCK_ROWS, ROW_WORDS, dtype=torch.int64, device=rows.device)
+    for r0 in range(0, r, _BLOCK_ROWS):
+        blk = rows[r0: r0 + _BLOCK_ROWS]
+        s = scratch[: blk.shape[0]]
+        torch.mul(blk, k, out=s)
+        torch.sum(s, 1, out=out[r0: r0 + blk.shape[0]])
+
+
+def _row_sums(rows: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[r] = sum_c rows[r, c] * k[c]`` (wrapping int64) for an (R, ROW_WORDS) int32 tensor."""
+    if rows.device.type == "cuda" and rows.shape[0] > _BLOCK_ROWS:
+        from . import _fingerprint_triton
+
+        if _fingerprint_triton.available():
+            _fingerprint_triton.row_sums(rows, k, out)
+            return
+    _row_sums_torch(rows, k, out)
+
+
+def _segment_sums(words: List[torch.Tensor], k: torch.Tensor) -> torch.Tensor:
+    """Row sum of each short (<= ROW_WORDS) word vector, batched into a constant number of ops."""
+    dev = k.device
+    lengths = torch.tensor([w.numel() for w in words], device=dev)
+    flat = torch.cat(words)
+    starts = torch.cumsum(lengths, 0) - lengths
+    seg = torch.repeat_interleave(torch.arange(len(words), device=dev), lengths)
+    pos = torch.arange(flat.numel(), device=dev) - starts[seg]
+    out = torch.zeros(len(words), dtype=torch.int64, device=dev)
+    return out.index_add_(0, seg, flat * k[pos])
+
+
+def _finish(sums: torch.Tensor, rowpos: torch.Tensor, seg: torch.Tensor, keys: List[int], device) -> torch.Tensor:
+    """Combine row sums into one int64 fingerprint per tensor (device-side, no sync)."""
+    acc = torch.zeros(len(keys), dtype=torch.int64, device=device)
+    if sums.numel():
+        mixed = _fmix(sums ^ _fmix((rowpos + 1) * _signed(_GOLDEN)))
+        acc.index_add_(0, seg, mixed)
+    return _fmix(acc ^ torch.tensor(keys, dtype=torch.int64, device=device))
+
+
+def _hash_one_device(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
+    k = row_weights(str(device))
+    small_words, small_ix = [], []
+    parts_s, parts_p, parts_g = [], [], []
+    for i, t in enumerate(tensors):
+        w = _words(t)
+        n = w.numel()
+        if n == 0:
+            continue
+        if n <= ROW_WORDS:
+            small_words.append(w)
+            small_ix.append(i)
+            continue
+        full_rows = n // ROW_WORDS
+        rem = n - full_rows * ROW_WORDS
+        sums = torch.empty(full_rows + (rem > 0), dtype=torch.int64, device=device)
+        _row_sums(w[: full_rows * ROW_WORDS].view(full_rows, ROW_WORDS), k, sums[:full_rows])
+        if rem:
+            torch.sum(w[full_rows * ROW_WORDS:] * k[:rem], 0, out=sums[full_rows])
+        parts_s.append(sums)
+        parts_p.append(torch.arange(sums.numel(), device=device))
+        parts_g.append(torch.full((sums.numel(),), i, dtype=torch.int64, device=device))
+    if small_words:
+        parts_s.append(_segment_sums(small_words, k))
+        parts_p.append(torch.zeros(len(small_ix), dtype=torch.int64, device=device))
+        parts_g.append(torch.tensor(small_ix, dtype=torch.int64, device=device))
+    keys = [_key(t.dtype, tuple(t.shape)) for t in tensors]
+    if not parts_s:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return _finish(empty, empty, empty, keys, device)
+    cat = (lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0])
+    return _finish(cat(parts_s), cat(parts_p), cat(parts_g), keys, device)
+
+
+def _hash_device_values(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """One int64 device scalar per tensor (no host sync)."""
+    by_dev: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedDtypeError(f"hash_tensor expects a torch.Tensor, got {type(t).__name__}")
+        by_dev.setdefault(t.device, []).append(i)
+    result: List[Optional[torch.Tensor]] = [None] * len(tensors)
+    for dev, idx in by_dev.items():
+        vals = _hash_one_device([tensors[i] for i in idx], dev)
+        for j, i in enumerate(idx):
+            result[i] = vals[j]
+    return result  # type: ignore[return-value]
+
+
+def hash_tensors(tensors: Iterable[torch.Tensor]) -> List[int]:
+    """Fingerprints of many tensors, with one host sync per device at the end."""
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    vals = _hash_device_values(tensors)
+    by_dev: Dict[torch.device, List[int]] = {}
+    for i, v in enumerate(vals):
+        by_dev.setdefault(v.device, []).append(i)
+    out = [0] * len(tensors)
+    for idx in by_dev.values():
+        host = torch.stack([vals[i] for i in idx]).cpu().tolist()
+        for i, v in zip(idx, host):
+            out[i] = v & _MASK64
+    return out
+
+
+def hash_tensor(t: torch.Tensor) -> int:
+    """64-bit fingerprint in ``[0, 2**64)`` of ``t``'s dtype, shape and logical bits."""
+    return hash_tensors([t])[0]
+
+
+_STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
+
+
+def _stats_vector(t: torch.Tensor) -> torch.Tensor:
+    """Float64 device vector [min, max, mean, l2, nan, inf, numel]."""
+    t = t.detach()
+    if t.is_quantized:
+        t = t.dequantize()
+    n = t.numel()
+    dev = t.device
+    if n == 0:
+        return torch.tensor([math.nan, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=dev)
+    if t.is_complex():
+        nan = torch.isnan(t).sum()
+        inf = torch.isinf(t).sum()
+        t = t.abs()
+    elif t.is_floating_point():
+        if t.element_size() == 1:  # float8 types have few kernels
+            t = t.float()
+        nan = torch.isnan(t).sum()
+        inf = torch.isinf(t).sum()
+    else:
+        t = t.to(torch.float64) if t.dtype == torch.bool or t.dtype.itemsize < 8 or not t.dtype.is_signed else t
+        nan = inf = torch.zeros((), dtype=torch.int64, device=dev)
+    mn, mx = torch.aminmax(t.reshape(-1))
+    mean = t.sum(dtype=torch.float64) / n
+    l2 = torch.linalg.vector_norm(t.to(torch.float64) if not t.is_floating_point() else t, dtype=torch.float64)
+    parts = [mn, mx, mean, l2, nan, inf]
+    return torch.stack([p.to(torch.float64) for p in parts] + [torch.tensor(float(n), dtype=torch.float64, device=dev)])
+
+
+def _stats_dict(v: List[float]) -> dict:
+    d = dict(zip(_STAT_KEYS, v[:6]))
+    d["nan"] = int(d["nan"])
+    d["inf"] = int(d["inf"])
+    if v[6] == 0:
+        d["min"] = d["max"] = d["mean"] = None
+    return d
+
+
+def fingerprint_tensors(tensors: Iterable[torch.Tensor], stats: bool = True) -> List[dict]:
+    """``[{"hash": int, **stats}]`` for each tensor; one host sync per device."""
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    hashes = _hash_device_values(tensors)
+    rows: List[torch.Tensor] = []
+    for t, h in zip(tensors, hashes):
+        parts = [h.to(torch.float64)]  # placeholder slot: the hash travels separately below
+        if stats:
+            parts.append(_stats_vector(t))
+        rows.append(torch.cat([p.reshape(-1) for p in parts]))
+    by_dev: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dev.setdefault(t.device, []).append(i)
+    out: List[dict] = [{} for _ in tensors]
+    for idx in by_dev.values():
+        host_h = torch.stack([hashes[i] for i in idx]).cpu().tolist()
+        host_s = torch.stack([rows[i] for i in idx]).cpu().tolist() if stats else None
+        for j, i in enumerate(idx):
+            rec = {"hash": host_h[j] & _MASK64}
+            if stats:
+                rec.update(_stats_dict(host_s[j][1:]))
+            out[i] = rec
+    return out
+
+
+def tensor_stats(t: torch.Tensor) -> dict:
+    """``{min, max, mean, l2, nan, inf}`` of ``t`` with float64 accumulation.
+
+    NaNs propagate into min/max/mean/l2 as torch does (their count is in ``nan``);
+    complex tensors report statistics of their magnitudes; an empty tensor has
+    ``None`` for min/max/mean and 0 for the rest.
+    """
+    return _stats_dict(_stats_vector(t).cpu().tolist())
