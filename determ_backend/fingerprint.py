@@ -18,7 +18,9 @@ backend -- torch CPU, torch on an accelerator, the Triton kernel in
    always changes ``S_r``;
 3. rows are combined non-linearly: ``H = sum_r fmix64(S_r ^ P_r)`` with a
    position constant ``P_r``, so moving data between rows changes ``H``;
-4. the result is ``fmix64(H ^ key(dtype, shape))``.
+4. the result is ``fmix64(H ^ key(dtype, shape))``; a quantized tensor is hashed
+   through its integer representation and its key also holds its quantizer
+   (scheme, scale(s), zero point(s)), which is part of its value.
 
 The dtype/shape key is hashed on the host (it is metadata, not data).
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,9 +94,42 @@ def row_weights(device: str) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=4096)
-def _key(dtype: torch.dtype, shape: tuple) -> int:
-    digest = hashlib.blake2b(f"{dtype}|{shape}".encode(), digest_size=8).digest()
+def _key(dtype: torch.dtype, shape: tuple, extra: str = "") -> int:
+    digest = hashlib.blake2b(f"{dtype}|{shape}{extra}".encode(), digest_size=8).digest()
     return _signed(int.from_bytes(digest, "little"))
+
+
+def _quantizer(t: torch.Tensor) -> str:
+    """A quantized tensor's value depends on its quantizer, so that enters the key ("" otherwise)."""
+    if not t.is_quantized:
+        return ""
+    scheme = t.qscheme()
+    if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return f"|{scheme}|{t.q_scale()!r}|{t.q_zero_point()}"
+    return (f"|{scheme}|{t.q_per_channel_axis()}|{t.q_per_channel_scales().tolist()!r}"
+            f"|{t.q_per_channel_zero_points().tolist()!r}")
+
+
+def _tensor_key(t: torch.Tensor) -> int:
+    """Step 4's key: dtype and shape (and the quantizer of a quantized tensor)."""
+    return _key(t.dtype, tuple(t.shape), _quantizer(t))
+
+
+def _check_tensor(t, what: str = "hash_tensor") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedDtypeError(f"{what} expects a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "meta":
+        raise UnsupportedDtypeError(f"{what}: a tensor on the 'meta' device has no data to fingerprint "
+                                    f"(dtype {t.dtype}, shape {tuple(t.shape)})")
+
+
+def _same_size_int(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as the integer dtype of its element size (any strides), or ``t`` if none."""
+    size = t.element_size()
+    for d in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        if d.itemsize == size:
+            return t if t.dtype == d else t.view(d)
+    return t
 
 
 def _logical_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -108,6 +143,8 @@ def _logical_bytes(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = _same_size_int(t)  # copying ints works for every dtype, storage-only ones included
     flat = t.contiguous().reshape(-1)
     try:
         return flat.view(torch.uint8)
@@ -118,8 +155,11 @@ def _logical_bytes(t: torch.Tensor) -> torch.Tensor:
             raise UnsupportedDtypeError(f"cannot fingerprint dtype {t.dtype}: {e}") from None
 
 
-def _words(t: torch.Tensor):
-    """``(words, n_words)``: the logical bytes as int32 words; a partial last word is zero-padded."""
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The logical bytes as a flat int32 tensor; a partial last word is zero-padded."""
+    if (t.layout == torch.strided and t.element_size() in (4, 8, 16) and t.is_contiguous()
+            and not (t.is_quantized or t.is_conj() or t.is_neg())):
+        return t.detach().reshape(-1).view(torch.int32)  # common case: already whole aligned words
     b = _logical_bytes(t)
     n = b.numel()
     if b.storage_offset() % 4:
@@ -204,7 +244,7 @@ def _hash_one_device(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
         parts_s.append(_segment_sums(small_words, k))
         parts_p.append(torch.zeros(len(small_ix), dtype=torch.int64, device=device))
         parts_g.append(torch.tensor(small_ix, dtype=torch.int64, device=device))
-    keys = [_key(t.dtype, tuple(t.shape)) for t in tensors]
+    keys = [_tensor_key(t) for t in tensors]
     if not parts_s:
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return _finish(empty, empty, empty, keys, device)
@@ -212,16 +252,19 @@ def _hash_one_device(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     return _finish(cat(parts_s), cat(parts_p), cat(parts_g), keys, device)
 
 
-def _hash_device_values(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """One int64 device scalar per tensor (no host sync)."""
+def _hash_groups(tensors: Sequence[torch.Tensor]) -> List[Tuple[List[int], torch.Tensor]]:
+    """``[(indices, int64 device vector of their fingerprints)]``, one entry per device (no host sync)."""
     by_dev: Dict[torch.device, List[int]] = {}
     for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise UnsupportedDtypeError(f"hash_tensor expects a torch.Tensor, got {type(t).__name__}")
+        _check_tensor(t)
         by_dev.setdefault(t.device, []).append(i)
+    return [(idx, _hash_one_device([tensors[i] for i in idx], dev)) for dev, idx in by_dev.items()]
+
+
+def _hash_device_values(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """One int64 device scalar per tensor (no host sync)."""
     result: List[Optional[torch.Tensor]] = [None] * len(tensors)
-    for dev, idx in by_dev.items():
-        vals = _hash_one_device([tensors[i] for i in idx], dev)
+    for idx, vals in _hash_groups(tensors):
         for j, i in enumerate(idx):
             result[i] = vals[j]
     return result  # type: ignore[return-value]
@@ -230,37 +273,53 @@ def _hash_device_values(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 def hash_tensors(tensors: Iterable[torch.Tensor]) -> List[int]:
     """Fingerprints of many tensors, with one host sync per device at the end."""
     tensors = list(tensors)
-    if not tensors:
-        return []
-    vals = _hash_device_values(tensors)
-    by_dev: Dict[torch.device, List[int]] = {}
-    for i, v in enumerate(vals):
-        by_dev.setdefault(v.device, []).append(i)
     out = [0] * len(tensors)
-    for idx in by_dev.values():
-        host = torch.stack([vals[i] for i in idx]).cpu().tolist()
-        for i, v in zip(idx, host):
+    for idx, vals in _hash_groups(tensors):
+        for i, v in zip(idx, vals.cpu().tolist()):
             out[i] = v & _MASK64
     return out
 
 
+_ROW0 = _py_fmix(_GOLDEN)  # step 3's position term of row 0: fmix((0 + 1) * GOLDEN)
+
+
 def hash_tensor(t: torch.Tensor) -> int:
-    """64-bit fingerprint in ``[0, 2**64)`` of ``t``'s dtype, shape and logical bits."""
-    return hash_tensors([t])[0]
+    """64-bit fingerprint in ``[0, 2**64)`` of ``t``'s dtype, shape and logical bits.
+
+    Equal to ``hash_tensors([t])[0]``.  A tensor on the ``meta`` device (no data)
+    raises :class:`UnsupportedDtypeError`.
+    """
+    _check_tensor(t)
+    if t.numel() * t.element_size() > 4 * ROW_WORDS:
+        return hash_tensors([t])[0]
+    words = _words(t)
+    n = words.numel()
+    # One row at most: the same arithmetic as _hash_one_device/_finish, with steps 3-4 on the host.
+    acc = 0
+    if n:
+        acc = _py_fmix(int((words * row_weights(str(words.device))[:n]).sum().item()) ^ _ROW0)
+    return _py_fmix(acc ^ _tensor_key(t))
 
 
 _STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
+_NO_ARITHMETIC = frozenset(getattr(torch, name) for name in (
+    "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16", "float4_e2m1fn_x2",
+    *(f"int{b}" for b in range(1, 8)), *(f"uint{b}" for b in range(1, 8)),
+) if isinstance(getattr(torch, name, None), torch.dtype))
+"""Storage-only dtypes (bit containers, packed fp4, sub-byte int shells): hashable, but no statistics."""
 
 
 def _stats_vector(t: torch.Tensor) -> torch.Tensor:
     """Float64 device vector [min, max, mean, l2, nan, inf, numel]."""
+    _check_tensor(t, "tensor_stats")
     t = t.detach()
     if t.is_quantized:
         t = t.dequantize()
     n = t.numel()
     dev = t.device
-    if n == 0:
-        return torch.tensor([math.nan, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=dev)
+    if n == 0 or t.dtype in _NO_ARITHMETIC:  # numel slot 0 or -1: _stats_dict reports None
+        return torch.tensor([math.nan, math.nan, math.nan, 0.0 if n == 0 else math.nan, 0.0, 0.0,
+                             0.0 if n == 0 else -1.0], dtype=torch.float64, device=dev)
     if t.is_complex():
         nan = torch.isnan(t).sum()
         inf = torch.isinf(t).sum()
@@ -284,8 +343,10 @@ def _stats_dict(v: List[float]) -> dict:
     d = dict(zip(_STAT_KEYS, v[:6]))
     d["nan"] = int(d["nan"])
     d["inf"] = int(d["inf"])
-    if v[6] == 0:
+    if v[6] <= 0:  # empty (0) or a storage-only dtype (-1)
         d["min"] = d["max"] = d["mean"] = None
+    if v[6] < 0:
+        d["l2"] = None
     return d
 
 
@@ -321,6 +382,8 @@ def tensor_stats(t: torch.Tensor) -> dict:
 
     NaNs propagate into min/max/mean/l2 as torch does (their count is in ``nan``);
     complex tensors report statistics of their magnitudes; an empty tensor has
-    ``None`` for min/max/mean and 0 for the rest.
+    ``None`` for min/max/mean and 0 for the rest; a storage-only dtype (``bits8``,
+    ``float4_e2m1fn_x2``, ``uint4``, ...) has ``None`` for min/max/mean/l2.
+    A tensor on the ``meta`` device raises :class:`UnsupportedDtypeError`.
     """
     return _stats_dict(_stats_vector(t).cpu().tolist())
