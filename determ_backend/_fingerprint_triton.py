@@ -34,14 +34,25 @@ __all__ = ["available", "interpreting", "row_sums", "hash_tensor_via_kernel"]
 _BLOCK = 1024  # columns per step of a program's loop; divides ROW_WORDS
 
 
-def interpreting() -> bool:
-    """True when Triton is installed and ``TRITON_INTERPRET`` asks for its CPU interpreter."""
-    if triton is None:
-        return False
+def _interpret_flag() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (on CPU tensors).
+
+    That needs ``TRITON_INTERPRET=1`` in the environment *before* Triton is first
+    imported: Triton builds its own library functions (``tl.sum``...) in one mode
+    at import time, so setting the variable later does not work.
+    """
+    if triton is None or not _interpret_flag():
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
 
 
 def available() -> bool:
