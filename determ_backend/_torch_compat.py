@@ -71,3 +71,127 @@ def dynamo_reset() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+# --- inductor instrumentation (determ_backend.inductor_instrument) -------------------------------
+
+def boxed_nop(gm, example_inputs):
+    """The fw/bw compiler ``aot_eager`` uses (runs the graph as Python, boxed calling convention)."""
+    from torch._dynamo.backends.debugging import boxed_nop as _bn
+
+    return _bn(gm, example_inputs)
+
+
+def aot_eager(gm, example_inputs, fw_compiler=None, bw_compiler=None, **kwargs):
+    from torch._dynamo.backends.debugging import aot_eager as _ae
+
+    return _ae(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler, **kwargs)
+
+
+def inductor_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def compiled_source(compiled) -> Any:
+    """``(source_code, fx_cache_key, bound call)`` of an inductor ``CompiledFxGraph`` (None parts when absent)."""
+    return (getattr(compiled, "source_code", None), getattr(compiled, "_fx_graph_cache_key", None),
+            getattr(compiled, "current_callable", None))
+
+
+def set_compiled_callable(compiled, fn) -> None:
+    compiled.current_callable = fn
+
+
+def _buffer_origins(scheduler) -> Dict[str, Dict[str, Any]]:
+    out: Dict[str, Dict[str, Any]] = {}
+    for snode in scheduler.nodes:
+        subs = snode.get_nodes() if hasattr(snode, "get_nodes") else [snode]
+        for sub in subs:
+            for buf in sub.get_outputs():
+                node = buf.node
+                origin = getattr(node, "origin_node", None)
+                origins = getattr(node, "origins", None) or getattr(getattr(sub, "node", None), "origins", ()) or ()
+                out[buf.get_name()] = {
+                    "origin": origin.name if origin is not None else None,
+                    "origins": [o.name for o in origins if getattr(o, "op", None) != "output"],
+                }
+    return out
+
+
+@contextlib.contextmanager
+def capture_buffer_origins(sink: list) -> Iterator[None]:
+    """While active, each inductor codegen appends ``{buffer name: {origin, origins}}`` to ``sink``.
+
+    Also installs a no-op post-grad pass whose uuid enters inductor's FX cache key, so
+    instrumented compiles have cache entries of their own (produced with this hook active).
+    """
+    from torch._inductor import config as icfg
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.scheduler import Scheduler
+
+    user_pass = icfg.post_grad_custom_post_pass
+
+    class _DetermTag(CustomGraphPass):
+        def __call__(self, graph):
+            if user_pass is not None:
+                user_pass(graph)
+
+        def uuid(self):
+            inner = user_pass.uuid() if hasattr(user_pass, "uuid") else None
+            return ("determ-buffer-origins-v1", inner)
+
+    original = Scheduler.codegen
+
+    def codegen(self, *a, **k):
+        sink.append(_buffer_origins(self))
+        return original(self, *a, **k)
+
+    Scheduler.codegen = codegen
+    try:
+        with icfg.patch(post_grad_custom_post_pass=_DetermTag()):
+            yield
+    finally:
+        Scheduler.codegen = original
+
+
+@contextlib.contextmanager
+def autograd_cache_disabled() -> Iterator[None]:
+    """AOTAutograd's cache would skip inductor's inner compile (and so our instrumentation)."""
+    import torch._functorch.config as fcfg
+
+    with fcfg.patch(enable_autograd_cache=False):
+        yield
+
+
+# --- eager dispatch modes (determ_backend.modes) -------------------------------------------------
+
+def eval_frame_setter() -> Callable:
+    """Dynamo's C ``set_eval_frame(callback) -> previous``.  The previous callback is not
+    None/False exactly while a ``torch.compile``'d function is running (compiled or skipped)."""
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set
+
+    return _set
+
+
+def dynamo_skip_code(code) -> None:
+    """Never let dynamo compile a frame of ``code`` (frames it calls are unaffected).
+
+    A dispatch mode's ``__torch_dispatch__`` runs while the mode is popped; inside a
+    ``torch.compile``'d region dynamo would otherwise try to compile it."""
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+
+
+def current_autograd_node_getter() -> Callable:
+    """``torch._C._current_autograd_node``: the autograd Node being executed (None outside backward)."""
+    return torch._C._current_autograd_node
+
+
+def debug_mode_class():
+    """PyTorch's ``DebugMode`` (``torch.utils._debug_mode``), for reference benchmarks."""
+    from torch.utils._debug_mode import DebugMode
+
+    return DebugMode

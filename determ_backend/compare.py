@@ -24,7 +24,7 @@ import torch
 from .fingerprint import hash_tensor
 from .trace import Record, TensorStore
 
-__all__ = ["Pair", "Comparison", "align", "tensor_metrics", "fp64_close", "rmse", "compare_traces", "EPS"]
+__all__ = ["Pair", "Comparison", "align", "find_roots", "tensor_metrics", "fp64_close", "rmse", "compare_traces", "EPS"]
 
 EPS = 1e-12
 _KEY_MATCH_FRACTION = 0.5
@@ -258,14 +258,17 @@ def compare_traces(a: Sequence[Record], b: Sequence[Record], tol: Optional[float
                    pairs: Optional[List[Pair]] = None) -> Comparison:
     """Align ``a`` with ``b``, judge every pair (bitwise, or within ``tol``), and find the root causes."""
     pairs = align(a, b) if pairs is None else pairs
-    by_id: Dict[tuple, Pair] = {}
     for p in pairs:
         _judge(p, tol, store_a, store_b)
-        if p.a is not None:
-            by_id[p.a.key] = p
+    return find_roots(pairs, "bitwise" if tol is None else f"tol={tol:g}")
+
+
+def find_roots(pairs: List[Pair], mode: str) -> Comparison:
+    """Mark the root causes among already-judged ``pairs``: divergent records whose inputs all agree."""
+    by_id: Dict[tuple, Pair] = {p.a.key: p for p in pairs if p.a is not None}
     roots = []
     for p in pairs:
-        if p.equal is False and _inputs_agree(p, by_id):
+        if p.equal is False and p.a is not None and p.b is not None and _inputs_agree(p, by_id):
             p.root_cause = True
             roots.append(p)
-    return Comparison(pairs, roots, "bitwise" if tol is None else f"tol={tol:g}")
+    return Comparison(pairs, roots, mode)

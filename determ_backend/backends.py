@@ -1,0 +1,168 @@
+"""The compile backends ``determ_eager``, ``determ_aot_eager`` and ``determ_inductor``.
+
+Registered through the ``torch_dynamo_backends`` entry-point group, so
+``torch.compile(model, backend="determ_inductor")`` works without importing
+determ.  Each wraps the like-named torch backend; with tracing and every check
+off the result is the wrapped backend's, unchanged.  Settings come from
+:mod:`determ_backend.config` (env vars, then ``options=``).  Repro flows
+(``REPRO_AFTER``) are delegated to :mod:`repro_tools.after_dynamo` and
+:mod:`repro_tools.after_aot`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Optional
+
+import torch.fx as fx
+
+from . import _torch_compat
+from .checks import GraphExec
+from .config import DetermConfig, load_config
+from .inductor_instrument import instrument_compiled, load_origins, save_origins
+from .instrument import graph_node_infos, instrument_graph, param_names
+from .recorder import NodeInfo, Recorder
+from .run import Run, get_run
+
+__all__ = ["determ_eager", "determ_aot_eager", "determ_inductor", "make_backend"]
+
+log = logging.getLogger(__name__)
+
+
+def _active(cfg: DetermConfig) -> bool:
+    return bool(cfg.trace or cfg.check or cfg.reference)
+
+
+def _recorder(run: Run, cfg: DetermConfig, graph: str, stage: str, infos: List[NodeInfo]) -> Recorder:
+    return Recorder(graph, stage, infos, stats=cfg.stats, rank=run.rank, run=run.id)
+
+
+def _fx_exec(gm: fx.GraphModule, run: Run, cfg: DetermConfig, graph: str, stage: str,
+             display: Dict[str, str], boxed: bool) -> GraphExec:
+    infos, index = graph_node_infos(gm, display)
+    rec = _recorder(run, cfg, graph, stage, infos)
+    inst = instrument_graph(gm, rec, index)
+    fn = _torch_compat.boxed_nop(inst, []) if boxed else inst.forward
+    return GraphExec(fn, rec, run, cfg, reference_gm=gm, boxed=boxed)
+
+
+def _eager_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig) -> Callable:
+    if not _active(cfg):
+        return gm.forward
+    run = get_run(cfg)
+    return _fx_exec(gm, run, cfg, run.next_graph_id(), "dynamo", param_names(gm), boxed=False)
+
+
+def _placeholder_display(gm: fx.GraphModule) -> List[Optional[str]]:
+    names = param_names(gm)
+    return [names.get(n.name) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+class _AotNames:
+    """Maps AOT placeholders (``primals_3``, ``arg2_1``) to module paths, by position in the forward."""
+
+    def __init__(self, dynamo_gm: fx.GraphModule):
+        self.positional = _placeholder_display(dynamo_gm)
+        self.by_name: Dict[str, str] = {}
+
+    def for_graph(self, gm: fx.GraphModule, forward: bool) -> Dict[str, str]:
+        phs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        if forward and len(phs) >= len(self.positional):
+            for name, disp in zip(phs, self.positional):
+                if disp:
+                    self.by_name[name] = disp
+        return {n: self.by_name[n] for n in phs if n in self.by_name}
+
+
+def _aot_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compiler=None) -> Callable:
+    if not _active(cfg) and wrap_compiler is None:
+        return _torch_compat.aot_eager(gm, example_inputs)
+    run = get_run(cfg) if _active(cfg) else None
+    graph = run.next_graph_id() if run else "g"
+    names = _AotNames(gm)
+
+    def make(stage: str) -> Callable:
+        def compiler(fx_g: fx.GraphModule, inputs):
+            if run is None:
+                return _torch_compat.boxed_nop(fx_g, inputs)
+            disp = names.for_graph(fx_g, forward=stage == "aot_forward")
+            return _fx_exec(fx_g, run, cfg, graph, stage, disp, boxed=True)
+
+        return wrap_compiler(compiler, stage) if wrap_compiler else compiler
+
+    return _torch_compat.aot_eager(gm, example_inputs, fw_compiler=make("aot_forward"), bw_compiler=make("aot_backward"))
+
+
+def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compiler=None) -> Callable:
+    if not _active(cfg) and wrap_compiler is None:
+        return _torch_compat.compile_fx(gm, example_inputs)
+    run = get_run(cfg) if _active(cfg) else None
+    graph = run.next_graph_id() if run else "g"
+    names = _AotNames(gm)
+
+    def inner(fx_g: fx.GraphModule, inputs, **kwargs):
+        if run is None:
+            return _torch_compat.compile_fx_inner(fx_g, inputs, **kwargs)
+        backward = bool(kwargs.get("is_backward"))
+        stage = "inductor_backward" if backward else "inductor_forward"
+        disp = names.for_graph(fx_g, forward=not backward)
+        sink: list = []
+        with _torch_compat.capture_buffer_origins(sink):
+            compiled = _torch_compat.compile_fx_inner(fx_g, inputs, **kwargs)
+        _, key, _ = _torch_compat.compiled_source(compiled)
+        origins: Dict[str, Any] = {}
+        for o in sink:
+            origins.update(o)
+        if origins:
+            save_origins(key, origins)
+        else:
+            origins = load_origins(key)
+        rec = instrument_compiled(compiled, fx_g, lambda infos: _recorder(run, cfg, graph, stage, infos), origins, disp)
+        if rec is None:
+            return compiled
+        exec_ = GraphExec(compiled.current_callable, rec, run, cfg, reference_gm=fx_g, boxed=True)
+        _torch_compat.set_compiled_callable(compiled, exec_)
+        return compiled
+
+    inner_compile = wrap_compiler(inner, "inductor") if wrap_compiler else inner
+    with _torch_compat.autograd_cache_disabled():
+        if "accuracy" in cfg.check:
+            with _torch_compat.inductor_config_patch({"fallback_random": True}):
+                return _torch_compat.compile_fx(gm, example_inputs, inner_compile=inner_compile)
+        return _torch_compat.compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+_IMPLS = {"eager": _eager_impl, "aot_eager": _aot_impl, "inductor": _inductor_impl}
+
+
+def make_backend(kind: str, options: Optional[Dict[str, Any]] = None) -> Callable:
+    """A dynamo backend callable for ``kind`` (``eager``/``aot_eager``/``inductor``) with fixed options."""
+    impl = _IMPLS[kind]
+
+    def backend(gm: fx.GraphModule, example_inputs, **kwargs):
+        opts = dict(options or {})
+        opts.update(kwargs.pop("options", None) or {})
+        cfg = load_config(opts)
+        if cfg.repro_after == "dynamo":
+            from repro_tools import after_dynamo
+
+            inner = lambda g, i: _run_impl(kind, g, i, cfg.replace(repro_after=None))
+            return after_dynamo.wrap_backend(inner, cfg)(gm, example_inputs)
+        return _run_impl(kind, gm, example_inputs, cfg)
+
+    backend.__name__ = f"determ_{kind}"
+    return backend
+
+
+def _run_impl(kind: str, gm, example_inputs, cfg: DetermConfig):
+    if cfg.repro_after == "aot" and kind != "eager":
+        from repro_tools import after_aot
+
+        wrap = lambda compiler, stage: after_aot.wrap_compiler(compiler, cfg, compiler_name=kind)
+        return _IMPLS[kind](gm, example_inputs, cfg, wrap_compiler=wrap)
+    return _IMPLS[kind](gm, example_inputs, cfg)
+
+
+determ_eager = make_backend("eager")
+determ_aot_eager = make_backend("aot_eager")
+determ_inductor = make_backend("inductor")

@@ -1,0 +1,138 @@
+"""FX graph instrumentation: a copy of a graph that reports every node's value to
+a :class:`~determ_backend.recorder.Recorder`.
+
+Recording calls are inserted as graph nodes (not an Interpreter), so the
+instrumented graph runs as generated Python code at close to the original speed
+and computes exactly the same values.  The inductor path, which instruments the
+generated wrapper code instead of the FX graph, lives in
+:mod:`determ_backend.inductor_instrument`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from .recorder import NodeInfo, Recorder
+
+__all__ = ["node_source", "op_name", "param_names", "instrument_graph", "graph_node_infos"]
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def node_source(node: fx.Node) -> Optional[str]:
+    """``file:line (function)`` of the user code that produced ``node`` (innermost frame)."""
+    st = node.meta.get("stack_trace")
+    if not st:
+        return None
+    frames = _FRAME.findall(st)
+    if not frames:
+        return None
+    f, line, fn = frames[-1]
+    return f"{f}:{line} ({fn})"
+
+
+def op_name(node: fx.Node) -> str:
+    t = node.target
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "get_attr":
+        return "get_attr"
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if node.op == "call_module":
+        return f"module:{t}"
+    if isinstance(t, torch._ops.OpOverload):
+        return f"aten.{t._opname}.{t._overloadname}" if t.namespace == "aten" else str(t)
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return f"{t._qualified_op_name}".replace("::", ".")
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__name__", None) or str(t)
+    if mod.startswith("torch") or mod in ("_operator", "operator", "builtins"):
+        return f"{mod.replace('_operator', 'operator')}.{name}"
+    return f"{mod}.{name}" if mod else name
+
+
+_SRC_PART = re.compile(r"member='(_modules|_parameters|_buffers)'\), index='([^']*)'")
+
+
+def _source_path(src) -> Optional[str]:
+    """A dynamo Source of a parameter/buffer -> its module path (``layers.2.weight``)."""
+    parts = _SRC_PART.findall(repr(src))
+    if not parts or parts[-1][0] == "_modules":
+        return None
+    return ".".join(p for _, p in parts)
+
+
+def param_names(gm: fx.GraphModule) -> Dict[str, str]:
+    """Placeholder name -> module path (``layers.2.weight``) for placeholders that are parameters/buffers."""
+    out: Dict[str, str] = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        src = getattr(n.meta.get("grapharg"), "source", None)
+        path = _source_path(src) if src is not None else None
+        if path:
+            out[n.name] = path
+    return out
+
+
+def _tensor_args(node: fx.Node) -> List[str]:
+    names: List[str] = []
+    for a in node.all_input_nodes:
+        if a.name not in names:
+            names.append(a.name)
+    return names
+
+
+def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = None) -> Tuple[List[NodeInfo], Dict[str, int]]:
+    """A NodeInfo per placeholder/get_attr/compute node, and node name -> index."""
+    display = display or {}
+    infos: List[NodeInfo] = []
+    index: Dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        if n.op == "placeholder":
+            kind = "param" if n.name in display else "input"
+            info = NodeInfo(node=display.get(n.name, n.name), op="input", kind=kind,
+                            extra={"placeholder": n.name} if n.name in display else None)
+        elif n.op == "get_attr":
+            info = NodeInfo(node=n.name, op="get_attr", kind="param", extra={"attr": str(n.target)})
+        else:
+            ins = tuple(display.get(a, a) for a in _tensor_args(n))
+            info = NodeInfo(node=n.name, op=op_name(n), source=node_source(n), inputs=ins)
+        index[n.name] = len(infos)
+        infos.append(info)
+    return infos, index
+
+
+def instrument_graph(gm: fx.GraphModule, recorder: Recorder, index: Dict[str, int]) -> fx.GraphModule:
+    """A copy of ``gm`` that calls ``recorder.capture(i, value)`` after every node in ``index``."""
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    g = new.graph
+    capture = recorder.capture
+    nodes = list(g.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    if anchor is None:
+        with g.inserting_before(nodes[0]):
+            g.call_function(recorder.begin_call, ())
+    else:
+        with g.inserting_after(anchor):
+            last = g.call_function(recorder.begin_call, ())
+        for p in placeholders:
+            if p.name in index:
+                with g.inserting_after(last):
+                    last = g.call_function(capture, (index[p.name], p))
+    for n in nodes:
+        if n.op in ("output", "placeholder") or n.name not in index:
+            continue
+        with g.inserting_after(n):
+            g.call_function(capture, (index[n.name], n))
+    new.recompile()
+    return new

@@ -1,0 +1,147 @@
+"""A run: the output directory of one process's determ session, its trace
+writer, its findings and its ``report.json``.
+
+Runs are shared by every graph compiled with the same output settings in a
+process (a model with graph breaks writes one trace).  They are kept in a small
+registry owned by :class:`RunRegistry`; :func:`finish_all` (also registered with
+``atexit``) closes traces and writes the final reports.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .config import DetermConfig
+from .errors import AccuracyError
+from .trace import TRACE_NAME, Record, TraceWriter, atomic_write_text
+
+__all__ = ["Run", "get_run", "finish_all", "current_rank"]
+
+log = logging.getLogger(__name__)
+
+
+def current_rank() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+def _default_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+
+
+class Run:
+    """One output directory: ``trace.jsonl``, ``report.json`` and any dumps."""
+
+    def __init__(self, config: DetermConfig):
+        self.config = config
+        self.id = config.run_id or _default_run_id()
+        self.rank = current_rank()
+        sub = self.id if self.rank == 0 and not (torch.distributed.is_available() and torch.distributed.is_initialized()) else f"{self.id}/rank{self.rank}"
+        self.dir = Path(config.dir) / sub
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._writer: Optional[TraceWriter] = None
+        self._lock = threading.Lock()
+        self._graphs = 0
+        self.findings: List[Dict[str, Any]] = []
+        self.checker_errors: List[str] = []
+        self._write_report()
+
+    @property
+    def trace_path(self) -> Path:
+        return self.dir / TRACE_NAME
+
+    def next_graph_id(self) -> str:
+        with self._lock:
+            gid = f"g{self._graphs}"
+            self._graphs += 1
+            return gid
+
+    def write(self, records: List[Record]) -> None:
+        if not self.config.trace or not records:
+            return
+        with self._lock:
+            if self._writer is None:
+                self._writer = TraceWriter(self.trace_path, run=self.id, meta={"rank": self.rank})
+        self._writer.write(records)
+
+    def add_finding(self, check: str, summary: Dict[str, Any]) -> None:
+        """Record a divergence found by ``check``; log one line; raise if configured to."""
+        fd = summary.get("first_divergence") or {}
+        finding = {"check": check, **summary}
+        with self._lock:
+            self.findings.append(finding)
+        m = fd.get("metrics") or {}
+        metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+        log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s %s", check, fd.get("graph"),
+                    fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>", metrics)
+        self._write_report()
+        if self.config.raise_on_divergence:
+            raise AccuracyError(f"determ {check}: first divergence at node {fd.get('node')} ({fd.get('op')}) "
+                                f"{fd.get('source') or ''}; report: {self.dir / 'report.json'}")
+
+    def add_checker_error(self, check: str, message: str) -> None:
+        with self._lock:
+            self.checker_errors.append(f"{check}: {message}")
+        log.error("determ %s check could not run: %s", check, message)
+        self._write_report()
+
+    def report(self) -> Dict[str, Any]:
+        first = None
+        if self.findings:
+            fd = self.findings[0].get("first_divergence") or {}
+            first = {k: fd.get(k) for k in ("graph", "stage", "call", "node", "op", "source", "metrics")}
+            first["check"] = self.findings[0]["check"]
+        return {"run": self.id, "rank": self.rank, "checks": list(self.config.check) + (["reference"] if self.config.reference else []),
+                "divergent": bool(self.findings), "first_divergence": first, "findings": self.findings,
+                "checker_errors": self.checker_errors, "graphs": self._graphs,
+                "trace": str(self.trace_path) if self.config.trace else None}
+
+    def _write_report(self) -> None:
+        atomic_write_text(self.dir / "report.json", json.dumps(self.report(), indent=2, default=str))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+        self._write_report()
+
+
+class RunRegistry:
+    """Runs of this process keyed by their output directory settings."""
+
+    def __init__(self) -> None:
+        self._runs: Dict[tuple, Run] = {}
+        self._lock = threading.Lock()
+
+    def get(self, config: DetermConfig) -> Run:
+        key = (os.path.abspath(config.dir), config.run_id, config.check, config.reference, config.trace)
+        with self._lock:
+            run = self._runs.get(key)
+            if run is None:
+                run = self._runs[key] = Run(config)
+            return run
+
+    def finish_all(self) -> List[Run]:
+        with self._lock:
+            runs = list(self._runs.values())
+            self._runs.clear()
+        for r in runs:
+            r.close()
+        return runs
+
+
+_REGISTRY = RunRegistry()
+get_run = _REGISTRY.get
+finish_all = _REGISTRY.finish_all
+atexit.register(finish_all)
