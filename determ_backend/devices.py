@@ -27,6 +27,8 @@ __all__ = [
     "get_rng_state",
     "set_rng_state",
     "parse_device_spec",
+    "manual_seed",
+    "require",
 ]
 
 DEVICE_TYPES = ("cpu", "cuda", "npu", "xpu")
@@ -76,9 +78,23 @@ def available_devices() -> List[str]:
     return [k for k in DEVICE_TYPES if is_available(k)]
 
 
+def _split(device) -> Tuple[str, Optional[int]]:
+    """``(type, index)`` of a ``torch.device`` or a string such as ``"npu:1"``.
+
+    Strings are parsed here rather than by ``torch.device``, which knows ``npu``
+    only after ``torch_npu`` has been imported.
+    """
+    if isinstance(device, torch.device):
+        return device.type, device.index
+    m = re.match(r"^(\w+)(?::(\d+))?$", str(device).strip())
+    if not m or m.group(1) not in DEVICE_TYPES:
+        raise ConfigError(f"unknown device {device!r}; expected one of {', '.join(DEVICE_TYPES)} with an optional :INDEX")
+    return m.group(1), None if m.group(2) is None else int(m.group(2))
+
+
 def synchronize(device) -> None:
     """Wait for all queued work on ``device`` (a no-op on CPU)."""
-    kind = torch.device(device).type
+    kind = _split(device)[0]
     if kind != "cpu" and is_available(kind):
         device_module(kind).synchronize()
 
@@ -110,12 +126,12 @@ def manual_seed(seed: int) -> List[str]:
     return seeded
 
 
-_SPEC = re.compile(r"^(cpu|cuda|npu|xpu)(:\d+)?(?::([a-z0-9]+))?$")
+_SPEC = re.compile(r"^(cpu|cuda|npu|xpu)(:\d+)?(?::([a-z0-9_]+))?$")
 
 
 def parse_device_spec(spec: str) -> Tuple[str, Optional[torch.dtype]]:
     """``"cuda:1:float64"`` -> ``("cuda:1", torch.float64)``; ``"cpu:float64"`` -> ``("cpu", torch.float64)``."""
-    m = _SPEC.match(spec.strip())
+    m = _SPEC.match(spec.strip()) if isinstance(spec, str) else None
     if not m:
         raise ConfigError(f"bad device spec {spec!r}; expected DEVICE[:INDEX][:DTYPE], e.g. cpu, cuda:0, cpu:float64")
     dev = m.group(1) + (m.group(2) or "")
@@ -129,8 +145,10 @@ def parse_device_spec(spec: str) -> Tuple[str, Optional[torch.dtype]]:
 
 def require(device: str) -> None:
     """Raise :class:`DeviceUnavailableError` unless ``device`` (a type or ``type:index``) is usable here."""
-    kind = torch.device(device).type
+    kind, index = _split(device)
     if kind not in DEVICE_TYPES:
         raise ConfigError(f"unknown device {device!r}; expected one of {', '.join(DEVICE_TYPES)}")
     if not is_available(kind):
         raise DeviceUnavailableError(f"device {device!r} is not available on this machine (available: {', '.join(available_devices())})")
+    if kind != "cpu" and index is not None and index >= device_count(kind):
+        raise DeviceUnavailableError(f"device {device!r} is not available: this machine has {device_count(kind)} {kind} device(s)")
