@@ -5,6 +5,7 @@ Per-device seeding lives in :mod:`determ_backend.devices`.
 
 from __future__ import annotations
 
+import operator
 import os
 import random
 from typing import Any, Dict
@@ -25,8 +26,9 @@ def seed_all(seed: int = 1234, deterministic: bool = False) -> Dict[str, Any]:
 
     Returns a dict describing what was set.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+    if isinstance(seed, bool) or not hasattr(type(seed), "__index__") or not 0 <= operator.index(seed) < 2**32:
         raise ConfigError(f"seed_all: seed must be an int in [0, 2**32), got {seed!r}")
+    seed = operator.index(seed)  # numpy integers are fine too
     done: Dict[str, Any] = {"seed": seed}
     random.seed(seed)
     os.environ["PYTHONHASHSEED"] = str(seed)
