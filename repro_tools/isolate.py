@@ -1,0 +1,225 @@
+"""Oracle queries in a persistent worker process: crash- and hang-proof, torch imported once.
+
+:class:`Worker` (the parent side) starts ``python -m repro_tools.isolate`` once and
+reuses it for every query; a query that kills the worker (segfault, ``abort``)
+or outlives its timeout is answered from the outside (``crash`` / ``hang``) and
+the worker is restarted for the next one.  Candidates travel as files, never
+pickles: the graph as Python source and the inputs for
+``torch.load(weights_only=True)`` (:mod:`repro_tools.graph_code`); requests and
+answers are JSON lines on the worker's stdin and a private copy of its stdout
+(the worker's own prints go to its log).
+
+Judging itself lives in :mod:`repro_tools.oracles`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from determ_backend.errors import OracleError
+
+from . import oracles
+from .graph_code import load_tensors, read_graph_dir, write_graph_dir
+from .oracles import OracleSpec, Signature, Verdict
+
+__all__ = ["Worker", "serve"]
+
+log = logging.getLogger(__name__)
+_STARTUP_TIMEOUT = 180.0
+
+
+def _signal_name(returncode: Optional[int]) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit {returncode}"
+
+
+class Worker:
+    """A persistent oracle worker; ``check``/``observe`` like :class:`repro_tools.oracles.InProcessRunner`."""
+
+    def __init__(self, startup_timeout: float = _STARTUP_TIMEOUT, env: Optional[Dict[str, str]] = None):
+        self.startup_timeout = startup_timeout
+        self.extra_env = dict(env or {})
+        self.tmp = Path(tempfile.mkdtemp(prefix="determ_worker_"))
+        self.proc: Optional[subprocess.Popen] = None
+        self._buf = b""
+        self.calls = 0
+        self.starts = 0
+        self._log = None
+
+    # ------------------------------------------------------------ process
+    def _env(self) -> Dict[str, str]:
+        env = dict(os.environ)
+        paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        env.update(self.extra_env)
+        return env
+
+    def _start(self) -> None:
+        self._log = open(self.tmp / "worker.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "repro_tools.isolate"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, env=self._env(),
+                                     start_new_session=True)
+        self._buf = b""
+        self.starts += 1
+        msg = self._read(self.startup_timeout)
+        if not isinstance(msg, dict) or not msg.get("ready"):
+            tail = self.log_tail()
+            self._kill()
+            raise OracleError(f"oracle worker failed to start ({msg}); log tail: {tail}")
+
+    def _kill(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and any compile helpers it started
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, chars: int = 2000) -> str:
+        p = self.tmp / "worker.log"
+        return p.read_text(errors="replace")[-chars:] if p.exists() else ""
+
+    def _read(self, timeout: float) -> Any:
+        """One JSON line from the worker; ``"timeout"`` or ``"died"`` when there is none."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return "died"
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self._kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ queries
+    def _request(self, op: str, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
+        self.calls += 1
+        qdir = self.tmp / f"q{self.calls}"
+        write_graph_dir(gm, inputs, qdir)
+        if self.proc is None or self.proc.poll() is not None:
+            self._kill()
+            self._start()
+        req = {"op": op, "dir": str(qdir), "spec": spec.to_json()}
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        ans = self._read(spec.timeout)
+        if ans == "timeout":
+            self._kill()
+        elif ans == "died":
+            code = self.proc.wait()
+            ans = {"died": _signal_name(code)}
+            self._kill()
+        return ans, qdir
+
+    def check(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
+        t0 = time.perf_counter()
+        ans, qdir = self._request("check", spec, gm, inputs)
+        shutil.rmtree(qdir, ignore_errors=True)
+        took = time.perf_counter() - t0
+        if ans == "timeout":
+            sig = Signature("hang", "timeout", f"no answer within {spec.timeout:g} s")
+            return Verdict(spec.kind == "hang", sig, sig.message, took)
+        if "died" in ans:
+            sig = Signature("crash", ans["died"], self.log_tail(400))
+            same = spec.expected is None or spec.expected.type == sig.type
+            return Verdict(spec.kind == "crash" and same, sig, f"worker died: {ans['died']}", took)
+        if "error" in ans:
+            raise OracleError(f"oracle worker: {ans['error']}")
+        v = ans["verdict"]
+        sig = Signature(**v["signature"]) if v.get("signature") else None
+        return Verdict(v["fails"], sig, v.get("detail", ""), took)
+
+    def observe(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:
+        ans, qdir = self._request("observe", spec, gm, inputs)
+        try:
+            if ans == "timeout" or "died" in ans:
+                raise OracleError(f"instrumented run did not finish ({ans if ans == 'timeout' else ans['died']})")
+            if "error" in ans:
+                raise OracleError(f"instrumented run failed: {ans['error']}")
+            return load_tensors(qdir / "observed.pt")
+        finally:
+            shutil.rmtree(qdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- worker side
+
+def _handle(req: Dict[str, Any]) -> Dict[str, Any]:
+    spec = OracleSpec.from_json(req["spec"])
+    gm, inputs, _ = read_graph_dir(req["dir"])
+    if req["op"] == "observe":
+        sides = oracles.observe(spec, gm, inputs)
+        torch.save(sides, Path(req["dir"]) / "observed.pt")
+        return {"ok": True}
+    if spec.kind in oracles.ISOLATED_ONLY:  # surviving the candidate means it does not crash / hang
+        v = oracles.check(spec.replace(kind="error", expected=None), gm, inputs)
+        v = Verdict(False, v.signature, f"{spec.kind} did not happen")
+    else:
+        v = oracles.check(spec, gm, inputs)
+    return {"verdict": {"fails": v.fails, "detail": v.detail,
+                        "signature": dataclasses.asdict(v.signature) if v.signature else None}}
+
+
+def serve() -> int:
+    """The worker loop: one JSON request per stdin line, one JSON answer per line."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything printed by torch or a compiler goes to the log, not the protocol
+    sys.stdout = sys.stderr
+    proto.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            ans = _handle(json.loads(line))
+        except Exception as e:  # reported to the parent, which raises it there
+            ans = {"error": f"{type(e).__name__}: {e}"}
+        proto.write(json.dumps(ans) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

@@ -1,0 +1,237 @@
+"""The minifier: localize first, then shrink; checkpoints, ``--resume``, progress, summary.
+
+:func:`minify` checks that the input graph fails the oracle, runs
+:func:`~repro_tools.passes.localize_culprit` (one instrumented run and a verified
+cut: a handful of queries for a single culprit), falls back to the general passes
+when localization does not apply or does not verify, and finishes with
+single-node removal so the result is 1-minimal.  The final result is checked by
+the oracle once more.  After every improvement a checkpoint repro and a JSON state
+file are written to ``out_dir``, so a killed run continues with ``resume=True``.
+
+Reading/writing repro files lives in :mod:`repro_tools.repro_io`; candidates in
+:mod:`repro_tools.subgraph`; the search loop in :mod:`repro_tools.reducer`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from tqdm import tqdm
+
+from determ_backend.errors import OracleError, ReproError
+from determ_backend.trace import atomic_write_text
+
+from . import passes
+from .oracles import ISOLATED_ONLY, InProcessRunner, OracleSpec, Signature
+from .reducer import BudgetExhausted, Reducer
+from .repro_io import write_repro_any
+from .subgraph import Candidate, GraphView, source_line
+
+__all__ = ["minify", "MinifyResult"]
+
+log = logging.getLogger(__name__)
+STATE_FILE = "minify_state.json"
+_STATE_FORMAT = "determ-minify-state"
+_ERROR_KINDS = ("compile_error", "runtime_error", "error", "crash", "hang")
+
+
+@dataclass
+class MinifyResult:
+    gm: fx.GraphModule
+    inputs: List[Any]
+    summary: Dict[str, Any] = field(default_factory=dict)
+
+
+class _Session:
+    """One minification: the reducer plus its checkpoints, state file and progress bar."""
+
+    def __init__(self, view: GraphView, spec: OracleSpec, runner: Any, out_dir: Optional[Path],
+                 budget: int, progress: bool, meta: Dict[str, Any]):
+        self.view, self.spec, self.runner, self.out_dir = view, spec, runner, out_dir
+        self.meta = meta
+        self.t0 = time.perf_counter()
+        self.seconds_before = 0.0
+        self.checkpoints = 0
+        self.localize_done = False
+        self.bar = tqdm(total=budget, desc="minify", unit="query", file=sys.stderr, disable=not progress,
+                        dynamic_ncols=True)
+        self.r: Optional[Reducer] = None
+
+    def seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.t0
+
+    def on_query(self, r: Reducer) -> None:
+        self.bar.n = r.queries
+        self.bar.set_postfix(nodes=len(r.current.keep), refresh=True)
+
+    def on_improve(self, r: Reducer) -> None:
+        self.bar.set_postfix(nodes=len(r.current.keep), refresh=True)
+        if self.out_dir is None:
+            return
+        self.checkpoints += 1
+        gm, inputs = self.view.materialize(r.current)
+        write_repro_any(gm, inputs, self.out_dir / "checkpoints" / f"{self.checkpoints:03d}", self._meta(r))
+        self.save_state(r)
+
+    def _meta(self, r: Reducer) -> Dict[str, Any]:
+        m = dict(self.meta)
+        m.update(oracle=self.spec.kind, compiler=self.spec.compiler_label(), config=dict(self.spec.config),
+                 oracle_spec=self.spec.to_json(portable=False), culprit=r.culprit)
+        return m
+
+    # ------------------------------------------------------------ state
+    def save_state(self, r: Reducer) -> None:
+        c = r.current
+        for name in {c.values} - {"ref"}:
+            torch.save(self.view.value_maps[name], self.out_dir / f"values_{name}.pt")
+        state = {"format": _STATE_FORMAT, "version": 1, "start_key": self.meta.get("start_key"),
+                 "spec": self.spec.to_json(portable=False), "queries": r.queries, "seconds": self.seconds(),
+                 "current": {"keep": sorted(c.keep, key=self.view.order.__getitem__),
+                             "outputs": list(c.outputs) if c.outputs is not None else None,
+                             "values": c.values, "merge_inputs": c.merge_inputs},
+                 "culprit": r.culprit, "localized": r.localized, "localize_done": self.localize_done,
+                 "checkpoints": self.checkpoints, "cache": r.cache}
+        atomic_write_text(self.out_dir / STATE_FILE, json.dumps(state))
+
+    def load_state(self, start_key: str) -> Optional[Dict[str, Any]]:
+        path = self.out_dir / STATE_FILE if self.out_dir is not None else None
+        if path is None or not path.is_file():
+            log.warning("--resume: no %s in %s; starting from the beginning", STATE_FILE, self.out_dir)
+            return None
+        try:
+            state = json.loads(path.read_text())
+        except ValueError as e:
+            raise ReproError(f"{path}: corrupt minifier state ({e}); delete it to start over") from e
+        if state.get("format") != _STATE_FORMAT or state.get("start_key") != start_key:
+            raise ReproError(f"{path}: state belongs to a different graph or format; use another --out or delete it")
+        for name in {state["current"]["values"]} - {"ref"}:
+            f = self.out_dir / f"values_{name}.pt"
+            try:
+                self.view.value_maps[name] = torch.load(f, weights_only=True)
+            except (OSError, RuntimeError) as e:
+                raise ReproError(f"{f}: cannot load recorded values ({e})") from e
+        self.seconds_before = float(state.get("seconds", 0.0))
+        self.checkpoints = int(state.get("checkpoints", 0))
+        self.localize_done = bool(state.get("localize_done"))
+        return state
+
+
+def _make_runner(spec: OracleSpec, isolate: bool):
+    if isolate or spec.kind in ISOLATED_ONLY:
+        from .isolate import Worker
+
+        return Worker()
+    return InProcessRunner()
+
+
+def _culprit_info(view: GraphView, r: Reducer) -> Optional[Dict[str, Any]]:
+    keep = r.current.keep
+    name = r.culprit if r.culprit in keep else None
+    if name is None:
+        name = max(keep, key=view.order.__getitem__) if keep else None
+    if name is None:
+        return None
+    node = view.by_name[name]
+    return {"node": name, "op": view.op_name(name), "source": source_line(node), "code": node.format_node()}
+
+
+def _search(s: _Session, r: Reducer, localize: bool) -> bool:
+    """All passes; returns True when the budget ran out first."""
+    try:
+        if localize and not s.localize_done:
+            passes.localize_culprit(r)
+            s.localize_done = True
+            if s.out_dir is not None:
+                s.save_state(r)
+        if not r.localized:
+            for p in passes.FALLBACK:
+                p(r)
+        while passes.remove_single_nodes(r) | passes.prune_outputs(r):
+            pass
+    except BudgetExhausted as e:
+        log.warning("%s; returning the smallest failing graph found so far", e)
+        return True
+    return False
+
+
+def minify(gm: fx.GraphModule, inputs: Sequence[Any], spec: OracleSpec, *, runner: Any = None,
+           isolate: bool = False, budget: int = 500, localize: bool = True,
+           out_dir: Optional[Union[str, Path]] = None, resume: bool = False, progress: bool = True,
+           meta: Optional[Dict[str, Any]] = None) -> MinifyResult:
+    """Shrink ``gm`` to a small graph that still fails ``spec``'s oracle.
+
+    ``runner``: an object with ``check``/``observe`` (default: in-process, or a
+    persistent :class:`~repro_tools.isolate.Worker` with ``isolate=True`` or for
+    crash/hang oracles).  ``out_dir``: checkpoints, state and the final repro.
+    Raises :class:`OracleError` when the input graph does not fail.
+    """
+    view = GraphView(gm, inputs)
+    out = Path(out_dir) if out_dir is not None else None
+    own_runner = runner is None
+    runner = runner if runner is not None else _make_runner(spec, isolate)
+    try:
+        return _minify(view, spec, runner, out, budget, localize, resume, progress, dict(meta or {}))
+    finally:
+        if own_runner:
+            runner.close()
+
+
+def _minify(view, spec, runner, out, budget, localize, resume, progress, meta) -> MinifyResult:
+    start = view.normalize(view.full())
+    gm0, in0 = view.materialize(start)
+    meta["start_key"] = start_key = view.key(gm0, in0)
+    s = _Session(view, spec, runner, out, budget, progress, meta)
+    state = s.load_state(start_key) if resume else None
+    try:
+        if state is not None:
+            exp = state["spec"].get("expected")
+            s.spec = spec = spec.replace(expected=Signature(**exp) if exp else None)
+            c = state["current"]
+            cur = Candidate(frozenset(c["keep"]), tuple(c["outputs"]) if c["outputs"] is not None else None,
+                            c["values"], c["merge_inputs"])
+            r = Reducer(view, spec, runner, cur, budget=budget, cache=state["cache"], queries=state["queries"],
+                        on_improve=s.on_improve, on_query=s.on_query)
+            r.culprit, r.localized = state.get("culprit"), bool(state.get("localized"))
+            log.info("resuming: %d nodes, %d queries spent", len(cur.keep), r.queries)
+        else:
+            v = runner.check(spec, gm0, in0)
+            if not v.fails:
+                raise OracleError(f"input graph does not fail the {spec.kind} oracle ({v.detail or 'no failure'}); "
+                                  "nothing to minify")
+            if spec.kind in _ERROR_KINDS and v.signature is not None:
+                s.spec = spec = spec.replace(expected=v.signature)
+            r = Reducer(view, spec, runner, start, budget=budget, queries=1, on_improve=s.on_improve,
+                        on_query=s.on_query)
+            r.cache[start_key] = True
+        s.r = r
+        if out is not None:
+            s.save_state(r)
+        exhausted = _search(s, r, localize)
+        gm_f, in_f = view.materialize(r.current)
+        final = runner.check(spec, gm_f, in_f)
+        r.queries += 1
+        s.on_query(r)
+        if not final.fails:
+            raise OracleError(f"the minified graph ({len(r.current.keep)} nodes) no longer fails on a re-check "
+                              f"({final.detail}); the oracle looks flaky; last checkpoint in {out}")
+    finally:
+        s.bar.close()
+    repro_path = None
+    if out is not None:
+        s.save_state(r)
+        repro_path = str(write_repro_any(gm_f, in_f, out / "minimal", s._meta(r)))
+    summary = {"kind": spec.kind, "compiler": spec.compiler_label(),
+               "nodes_before": len(gm0.graph.nodes), "nodes_after": len(gm_f.graph.nodes),
+               "ops_before": len(start.keep), "ops_after": len(r.current.keep), "queries": r.queries,
+               "cache_hits": r.cache_hits, "seconds": round(s.seconds(), 3), "localized": r.localized,
+               "budget_exhausted": exhausted, "culprit": _culprit_info(view, r), "failure": final.signature.short()
+               if final.signature else final.detail, "repro_path": repro_path}
+    return MinifyResult(gm_f, in_f, summary)

@@ -1,0 +1,190 @@
+"""Localization: one instrumented run names the culprit node; its cut is verified with one query.
+
+The current candidate is compiled once with every intermediate tensor as an extra
+output (works with any compiler, inductor on CPU included).  Then, per node in
+graph order, the node's *local* error is measured:
+
+* accuracy: the compiled value against an eager re-execution of that node alone on
+  the *compiled* values of its inputs (fp64 re-execution as the reference), so
+  error inherited from upstream does not count;
+* nondeterminism: the first node whose two runs differ bitwise while its inputs agree;
+* cross_device: the first node whose device-A and device-B values differ beyond
+  tolerance while its inputs agree.
+
+The first node with local error is the culprit.  Its cut (the node alone, its
+inputs as placeholders holding recorded values: the eager reference first, then
+the observed values) is asked of the oracle; if the bug needs neighbours, the
+producers are added a ring at a time.  When nothing verifies, the minifier falls
+back to the general passes, starting from the prefix ending at the culprit.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import replace
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from determ_backend.compare import fp64_close
+from determ_backend.errors import DetermError
+from determ_backend.fingerprint import hash_tensors
+
+from ..oracles import outputs_differ
+from ..reducer import BudgetExhausted, Reducer
+from ..subgraph import Candidate, GraphView
+
+__all__ = ["localize_culprit", "find_culprit"]
+
+log = logging.getLogger(__name__)
+LOCALIZABLE = ("accuracy", "nondeterminism", "cross_device")
+_RINGS = 2
+
+
+def _run_node(view: GraphView, name: str, env: Dict[str, Any], to64: bool = False) -> Any:
+    """Re-execute one node eagerly with its inputs taken from ``env``."""
+    n = view.by_name[name]
+
+    def val(a):
+        v = env[a.name]
+        if isinstance(v, torch.Tensor):
+            v = v.clone()
+            if to64 and v.is_floating_point():
+                v = v.to(torch.float64)
+        return v
+
+    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), val)
+    with torch.no_grad():
+        if n.op == "call_function":
+            return n.target(*args, **kwargs)
+        if n.op == "call_method":
+            return getattr(args[0], n.target)(*args[1:], **kwargs)
+        return view.gm.get_submodule(n.target)(*args, **kwargs)
+
+
+def _observed_of(view: GraphView, name: str, seen: Dict[str, Any]) -> Optional[Any]:
+    """The observed value of a node; for a multi-output op, ``{index: value}`` from its getitems."""
+    if view.is_tensor(name):
+        return seen.get(name)
+    parts = {view.by_name[u].args[1]: seen[u] for u in view.users_of(name) if view.is_getitem(u) and u in seen}
+    return parts or None
+
+
+def _accuracy_bad(view: GraphView, name: str, comp: Dict[str, Any], env: Dict[str, Any], spec) -> bool:
+    got = _observed_of(view, name, comp)
+    if got is None:
+        return False
+    try:
+        local = _run_node(view, name, env)
+    except Exception as e:  # a node that cannot be re-run alone is not judged
+        log.debug("cannot re-run %s alone: %s", name, e)
+        return False
+    try:
+        local64 = _run_node(view, name, env, to64=True)
+    except Exception:  # no fp64 kernel: judge without the fp64 reference
+        local64 = None
+    pairs = [(local, got, local64)] if not isinstance(got, dict) else \
+        [(local[i], g, local64[i] if local64 is not None else None) for i, g in got.items()]
+    for want, have, ref in pairs:
+        if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):
+            continue
+        if spec.strict:
+            bad = want.dtype != have.dtype or want.shape != have.shape or len(set(hash_tensors([want, have]))) > 1
+        else:
+            bad = want.is_floating_point() and not fp64_close(want, have, ref if isinstance(ref, torch.Tensor) else None,
+                                                              spec.tol, spec.multiplier)
+        if bad:
+            return True
+    return False
+
+
+def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], spec, hashes) -> Optional[bool]:
+    if name not in a or name not in b:
+        return None
+    if hashes is not None:
+        return hashes[0][name] != hashes[1][name]
+    return outputs_differ(a[name], b[name], spec)
+
+
+def find_culprit(view: GraphView, keep, sides: List[Dict[str, Any]], spec) -> Optional[str]:
+    """The first node (graph order) with local error, or None."""
+    order = [n for n in view.compute if n in keep]
+    if spec.kind == "accuracy":
+        comp = sides[0]
+        env = dict(view.ref)
+        env.update(comp)
+        for n in order:
+            if not view.is_getitem(n) and _accuracy_bad(view, n, comp, env, spec):
+                return n
+        return None
+    hashes = None
+    if spec.kind == "nondeterminism":
+        hashes = []
+        for side in sides[:2]:
+            names = [k for k, v in side.items() if isinstance(v, torch.Tensor)]
+            hashes.append(dict(zip(names, hash_tensors([side[k] for k in names]))))
+    a, b = sides[0], sides[1]
+    for n in order:
+        if _differs(view, n, a, b, spec, hashes):
+            ins = [_differs(view, i, a, b, spec, hashes) for i in view.inputs_of(n) if i in keep]
+            if not any(ins):
+                src = view.inputs_of(n)[0] if view.is_getitem(n) else None
+                return src if src is not None and src in keep and not view.is_tensor(src) else n
+    return None
+
+
+def _value_map(view: GraphView, side: Dict[str, Any]) -> Dict[str, Any]:
+    """Observed values cast back to the reference's dtype and device."""
+    out = {}
+    for k, v in side.items():
+        ref = view.ref.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(ref, torch.Tensor):
+            out[k] = v.detach().to(device=ref.device, dtype=ref.dtype)
+    return out
+
+
+def _rings(view: GraphView, culprit: str, keep) -> List[frozenset]:
+    core = {culprit} | {u for u in view.users_of(culprit) if view.is_getitem(u) and not view.is_tensor(culprit)}
+    out, cur = [frozenset(core)], set(core)
+    for _ in range(_RINGS):
+        grown = cur | {a for n in cur for a in view.inputs_of(n) if a in keep}
+        grown |= {u for a in grown if not view.is_tensor(a) for u in view.users_of(a) if view.is_getitem(u) and u in keep}
+        if grown == cur:
+            break
+        out.append(frozenset(grown))
+        cur = grown
+    return out
+
+
+def localize_culprit(r: Reducer) -> bool:
+    """Instrumented run, culprit, verified cut.  True when a cut around the culprit still fails."""
+    if r.spec.kind not in LOCALIZABLE:
+        return False
+    view, start = r.view, r.current
+    inst = Candidate(start.keep, view.with_outputs(start.keep), start.values)
+    try:
+        sides = r.observe(inst)
+    except BudgetExhausted:
+        raise
+    except (DetermError, RuntimeError, TypeError, ValueError, AssertionError) as e:  # compile of the instrumented graph
+        log.info("instrumented run failed (%s: %s); falling back to the general reducer", type(e).__name__, e)
+        return False
+    culprit = find_culprit(view, start.keep, sides, r.spec)
+    if culprit is None:
+        log.info("instrumented run shows no node with local error; falling back to the general reducer")
+        return False
+    r.culprit = culprit
+    log.info("culprit: %s (%s)", culprit, view.op_name(culprit))
+    names = ["ref"]
+    for i, side in enumerate(sides[:2]):
+        view.value_maps[f"side{i}"] = _value_map(view, side)
+        names.append(f"side{i}")
+    for ring in _rings(view, culprit, start.keep):
+        for values in names:
+            if r.consider(Candidate(ring, None, values)):
+                r.localized = True
+                return True
+    order = [n for n in view.compute if n in start.keep]
+    r.consider(replace(start, keep=frozenset(order[:order.index(culprit) + 1]), outputs=None))
+    return False
