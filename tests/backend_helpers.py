@@ -1,0 +1,92 @@
+"""Shared helpers for the backend tests: small models, a genuinely nondeterministic
+custom op, and one-line runners that compile, run and load the trace/report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from determ_backend import run as run_mod
+from determ_backend.trace import Record, read_trace
+
+_GEN = torch.Generator().manual_seed(12345)  # never reseeded: the order changes from call to call
+
+
+@torch.library.custom_op("determ_test::nd_rowsum", mutates_args=())
+def nd_rowsum(x: torch.Tensor) -> torch.Tensor:
+    """Row sums accumulated sequentially in a random column order (float rounding differs per call)."""
+    perm = torch.randperm(x.shape[-1], generator=_GEN).tolist()
+    acc = x[..., perm[0]].clone()
+    for j in perm[1:]:  # float32 accumulation, order-dependent rounding
+        acc = acc + x[..., j]
+    return acc.unsqueeze(-1)
+
+
+@nd_rowsum.register_fake
+def _(x):
+    return x.new_empty(x.shape[:-1] + (1,))
+
+
+def _nd_setup(ctx, inputs, output):
+    ctx.n = inputs[0].shape[-1]
+
+
+def _nd_backward(ctx, grad):
+    return grad.expand(*grad.shape[:-1], ctx.n).clone()
+
+
+nd_rowsum.register_autograd(_nd_backward, setup_context=_nd_setup)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d_in: int = 8, d_hidden: int = 16, d_out: int = 4):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(d_in, d_hidden), torch.nn.ReLU(),
+                                          torch.nn.Linear(d_hidden, d_out))
+
+    def forward(self, x):
+        return self.layers(x).sin()
+
+
+class NondetModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.lin(x)
+        s = nd_rowsum(h * 1000.0)
+        return (h * s).tanh() + 1.0
+
+
+class BreakModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(x).cos()
+
+
+def compile_run(model: torch.nn.Module, inputs: Tuple[Any, ...], backend: str, out_dir: Path, run_id: str,
+                backward: bool = False, **options) -> Tuple[Any, Path]:
+    """Compile ``model`` with a determ backend writing to ``out_dir/run_id``, run it once, close the run."""
+    torch._dynamo.reset()
+    opts: Dict[str, Any] = {"dir": str(out_dir), "run_id": run_id}
+    opts.update(options)
+    f = torch.compile(model, backend=backend, options=opts)
+    y = f(*inputs)
+    if backward:
+        y.sum().backward()
+    run_mod.finish_all()
+    return y, out_dir / run_id
+
+
+def load(run_dir: Path) -> Tuple[List[Record], Dict[str, Any]]:
+    return read_trace(run_dir), json.loads((run_dir / "report.json").read_text())

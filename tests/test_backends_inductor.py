@@ -1,0 +1,68 @@
+"""determ_inductor on real inductor (C++ CPU backend).  Few and small: each cold compile costs seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from backend_helpers import MLP, compile_run, load
+
+pytestmark = pytest.mark.slow
+
+
+def test_inductor_trace_is_bit_identical_and_names_buffers_by_fx_node(tmp_path):
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(5, 8)
+    torch._dynamo.reset()
+    ref = torch.compile(m, backend="inductor")(x)
+    ref.sum().backward()
+    ref_grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    y, run_dir = compile_run(m, (x,), "determ_inductor", tmp_path, "ind", backward=True)
+    assert torch.equal(y, ref)
+    assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), ref_grads))
+    recs, report = load(run_dir)
+    assert {r.stage for r in recs} == {"inductor_forward", "inductor_backward"}
+    nodes = [r for r in recs if r.kind == "node"]
+    assert nodes and all(r.op.startswith("aten.") for r in nodes), [r.op for r in nodes]
+    assert all((r.extra or {}).get("buffer", "").startswith("buf") for r in nodes)
+    assert {"layers.0.weight", "layers.2.weight"} <= {r.node for r in recs if r.kind == "param"}
+    assert any(r.kind == "output" for r in recs)
+    assert report["divergent"] is False
+
+
+_ACCURACY_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import torch._inductor.config as ic
+    ic.cpp.inject_relu_bug_TESTING_ONLY = "accuracy"
+    torch.manual_seed(0)
+    class M(torch.nn.Module):
+        def __init__(s):
+            super().__init__(); s.l1 = torch.nn.Linear(8, 16); s.l2 = torch.nn.Linear(16, 4)
+        def forward(s, x):
+            h = torch.relu(s.l1(x))
+            return s.l2(h).sin()
+    f = torch.compile(M(), backend="determ_inductor", options={"dir": sys.argv[1], "run_id": "acc", "check": "accuracy"})
+    with torch.no_grad():
+        f(torch.randn(3, 8))
+""")
+
+
+def test_accuracy_check_names_injected_relu_bug(tmp_path):
+    script = tmp_path / "acc.py"
+    script.write_text(_ACCURACY_SCRIPT)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    _, report = load(tmp_path / "acc")
+    fd = report["first_divergence"]
+    assert report["divergent"] and fd["check"] == "accuracy"
+    assert fd["op"] == "aten.relu.default" and fd["node"] == "relu"
+    assert "acc.py:10" in fd["source"]  # the torch.relu line
+    assert fd["metrics"]["err_compiled_vs_fp64"] > fd["metrics"]["err_eager_vs_fp64"]
+    assert "determ accuracy divergence" in r.stderr and "node=relu" in r.stderr
