@@ -195,3 +195,37 @@ def debug_mode_class():
     from torch.utils._debug_mode import DebugMode
 
     return DebugMode
+
+
+# --- repro scripts and flows (repro_tools.repro_script, repro_tools.after_dynamo, repro_tools.after_aot) -------
+
+def config_diffs() -> Dict[str, str]:
+    """Non-default inductor / dynamo / functorch config as Python statements (``codegen_config``), by module."""
+    import torch._dynamo.config as dc
+    import torch._functorch.config as fc
+    import torch._inductor.config as ic
+
+    return {"inductor": ic.codegen_config(), "dynamo": dc.codegen_config(), "functorch": fc.codegen_config()}
+
+
+def custom_op_module(qualname: str):
+    """The Python module that defined custom op ``ns::name`` with ``torch.library.custom_op`` (None if unknown)."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(qualname)
+    fn = getattr(opdef, "_init_fn", None)
+    return getattr(fn, "__module__", None)
+
+
+def is_fake_tensor(t) -> bool:
+    """A FakeTensor (no data: compile-time example inputs after AOT)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def symint_hint(s):
+    """A concrete int for a SymInt (its hint when it is symbolic)."""
+    node = getattr(s, "node", None)
+    hint = getattr(node, "hint", None)
+    return int(hint) if hint is not None else int(s)
