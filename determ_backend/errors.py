@@ -16,6 +16,7 @@ __all__ = [
     "ReproError",
     "AccuracyError",
     "OracleError",
+    "NondeterminismError",
 ]
 
 
@@ -49,3 +50,7 @@ class AccuracyError(DetermError, AssertionError):
 
 class OracleError(DetermError, RuntimeError):
     """An oracle cannot judge a candidate (e.g. the input graph does not fail at all)."""
+
+
+class NondeterminismError(DetermError, RuntimeError):
+    """Two executions that should be bitwise identical are not (an op run twice, or a run vs its reference)."""
