@@ -1,0 +1,420 @@
+"""Per-op records for the eager dispatch modes (:mod:`determ_backend.modes`).
+
+:class:`OpRecorder` turns each aten op seen by a dispatch mode into trace
+records (one per tensor the op returns or writes), with:
+
+* ``node``: ``<op>@<file>:<line>#<k>`` -- the k-th call of that op from that user
+  source line (backward ops: ``.../bw#k``, named after the forward line that
+  created their autograd node).  Names are stable when another line gains or loses
+  an op, so two runs pair by name; ``.j`` suffixes the outputs of multi-output ops;
+* ``inputs``: the records that produced the op's tensor inputs (tensor identity
+  and version counter, so in-place updates are followed); a tensor not produced
+  under the mode (parameter, user input, a value made elsewhere) gets an
+  ``input``/``param`` record of its own when first consumed;
+* ``in_hashes`` / ``hash``: fingerprints, batched (small tensors are cloned and
+  hashed every few hundred ops; large ones get a device-side hash at once), so
+  the cost is one host sync per batch, not per tensor.
+
+The mode classes, the human-readable log and the comparisons live elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import _torch_compat as _compat
+from . import fingerprint as _fp
+from .trace import Record, format_hash
+
+__all__ = ["OpRecorder", "OpEvent", "iter_args", "written_tensors", "user_frames", "short_source"]
+
+FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, node) of its forward op
+_CLONE_LIMIT = 1 << 20  # bytes: smaller outputs are cloned and hashed in a batch, larger hashed at once
+_INTERNAL_ROOTS = tuple(os.path.join(p, "") for p in (
+    os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
+    sysconfig.get_paths()["stdlib"]))
+
+
+def _is_internal(filename: str) -> bool:
+    return filename.startswith(_INTERNAL_ROOTS) or filename.startswith("<frozen")
+
+
+class _FrameFilter:
+    """Which code objects are user code (cached per code object)."""
+
+    def __init__(self) -> None:
+        self._cache: Dict[Any, bool] = {}
+
+    def user_frames(self, frame, depth: int) -> list:
+        out = []
+        cache = self._cache
+        while frame is not None:
+            code = frame.f_code
+            internal = cache.get(code)
+            if internal is None:
+                internal = cache[code] = _is_internal(code.co_filename)
+            if not internal:
+                out.append(frame)
+                if len(out) >= depth:
+                    break
+            frame = frame.f_back
+        return out
+
+
+def user_frames(frame, depth: int = 8) -> List[str]:
+    """``file:line in function`` of the first ``depth`` frames outside torch, determ and the stdlib."""
+    return [f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" for f in _FrameFilter().user_frames(frame, depth)]
+
+
+def short_source(source: Optional[str]) -> str:
+    """``/a/b/model.py:12`` -> ``model.py:12`` (``?`` when unknown)."""
+    return os.path.basename(source) if source else "?"
+
+
+def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bool = False) -> list:
+    """Append ``(path, value)`` for every tensor in ``args``/``kwargs``, also inside lists and tuples
+    (non-tensor leaves too when ``with_values``).  Paths: ``args[0]``, ``args[1][2]``, ``weight=``."""
+    for i, a in enumerate(args):
+        _walk(f"args[{i}]", a, out, with_values)
+    for k, v in kwargs.items():
+        _walk(f"{k}=", v, out, with_values)
+    return out
+
+
+def _walk(path: str, a: Any, out: list, with_values: bool) -> None:
+    if isinstance(a, torch.Tensor):
+        out.append((path, a))
+    elif isinstance(a, (list, tuple)) and a and not isinstance(a, torch.Size):
+        for j, x in enumerate(a):
+            _walk(f"{path}[{j}]", x, out, with_values)
+    elif with_values:
+        out.append((path, a))
+
+
+def _schema_writes(func) -> Tuple[Tuple[int, str], ...]:
+    """Positions and names of the arguments ``func`` writes to (``Tensor(a!)``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return ()
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _returns_view(func) -> bool:
+    schema = getattr(func, "_schema", None)
+    returns = schema.returns if schema is not None else ()
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _first_tensor(args: Sequence):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    return x
+    return None
+
+
+def written_tensors(result: Any, writes: Tuple[Tuple[int, str], ...], args: Sequence, kwargs: Dict[str, Any]) -> list:
+    """Tensors an op produced: those it returns, then those it wrote to but did not return."""
+    outs: list = []
+    _leaves(result, outs)
+    if writes:
+        seen = {id(t) for t in outs if isinstance(t, torch.Tensor)}
+        for i, name in writes:
+            a = args[i] if i < len(args) else kwargs.get(name)
+            for t in _leaves(a, []):
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    outs.append(t)
+    return outs
+
+
+def _leaves(x: Any, out: list) -> list:
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            _leaves(y, out)
+    elif isinstance(x, (torch.Tensor, bool, int, float)) and not isinstance(x, torch.SymInt):
+        out.append(x)
+    return out
+
+
+def _version(t: Optional[torch.Tensor]) -> int:
+    if t is None:
+        return -1
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+def _mem_key(t: torch.Tensor) -> Optional[tuple]:
+    try:
+        return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+    except RuntimeError:  # no storage (sparse, functional wrappers)
+        return None
+
+
+def _hashable(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and t.device.type != "meta" and type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+class OpEvent:
+    """One op (or one first-seen input) as the log prints it."""
+
+    __slots__ = ("op", "source", "stack", "args", "outs", "devices", "in_recs", "backward", "compiled")
+
+    def __init__(self, op, source, stack, args, outs, devices, in_recs, backward=None, compiled=False):
+        self.op, self.source, self.stack, self.args = op, source, stack, args  # args: (path, Record|None, value, device)
+        self.outs, self.devices, self.in_recs = outs, devices, in_recs
+        self.backward, self.compiled = backward, compiled
+
+
+class OpRecorder:
+    """Fingerprint records of the ops a dispatch mode sees.  Thread-safe.
+
+    ``sink(events)`` is called with the finished :class:`OpEvent` batches in op order.
+    ``names`` maps tensors (parameters, buffers) to names for their ``param`` records.
+    """
+
+    def __init__(self, sink: Callable[[List[OpEvent]], None], run: Optional[str] = None, stats: bool = False,
+                 stack_depth: int = 1, names: Optional[Dict[int, Tuple[weakref.ref, str]]] = None,
+                 describe_args: bool = False, batch: int = 512, rank: int = 0):
+        self.sink, self.run, self.stats, self.stack_depth = sink, run, stats, max(1, stack_depth)
+        self.describe_args, self.batch, self.rank = describe_args, batch, rank
+        self.names = names or {}
+        self.seq = 0
+        self.compiled_ops = 0
+        self.lock = threading.RLock()
+        self._frames = _FrameFilter()
+        self._producers: Dict[tuple, tuple] = {}  # memory key -> (StorageWeakRef, Record, version)
+        self._counts: Dict[tuple, int] = {}
+        self._writes: Dict[Any, tuple] = {}
+        self._pending: List[tuple] = []  # (Record, clone or None, device hash or None, device stats or None)
+        self._pending_bytes = 0
+        self._events: List[OpEvent] = []
+        self._autograd_node = _compat.current_autograd_node_getter()
+
+    # -- source lines --------------------------------------------------------------------------
+    def _where(self, frame) -> Tuple[Optional[str], Optional[List[str]]]:
+        frames = self._frames.user_frames(frame, self.stack_depth)
+        if not frames:
+            return None, None
+        f = frames[0]
+        source = f"{f.f_code.co_filename}:{f.f_lineno}"
+        if self.stack_depth == 1:
+            return source, None
+        return source, [f"{g.f_code.co_filename}:{g.f_lineno} in {g.f_code.co_name}" for g in frames]
+
+    def _name(self, op: str, source: Optional[str], suffix: str = "") -> str:
+        base = f"{op}@{short_source(source)}{suffix}"
+        k = self._counts.get(base, 0)
+        self._counts[base] = k + 1
+        return f"{base}#{k}"
+
+    # -- producers ---------------------------------------------------------------------------
+    # Keyed by memory (address, dtype, shape, strides, device) rather than by Python object: a
+    # tensor made inside a C++ kernel (``weight.t()`` in ``linear``) reaches the next op as a new
+    # Python object.  An entry is valid while its storage is alive and its version is unchanged.
+    def producer(self, t: torch.Tensor) -> Optional[Record]:
+        key = _mem_key(t)
+        ent = self._producers.get(key) if key is not None else None
+        if ent is not None and ent[2] == _version(t) and not ent[0].expired():
+            return ent[1]
+        return None
+
+    def set_producer(self, t: torch.Tensor, rec: Record, version: Optional[int] = None) -> None:
+        """``version`` given: ``t`` is a view (same memory as an input), so an entry still valid for
+        the same memory keeps its original producer (``detach``/``t().t()`` are not new values)."""
+        key = _mem_key(t)
+        if key is None:
+            return
+        if version is not None:
+            ent = self._producers.get(key)
+            if ent is not None and ent[2] == version and not ent[0].expired():
+                return
+        self._producers[key] = (StorageWeakRef(t.untyped_storage()), rec, _version(t) if version is None else version)
+
+    def _input_record(self, t: torch.Tensor, source: Optional[str], events: list) -> Record:
+        named = self.names.get(id(t))
+        if named is not None and named[0]() is t:
+            k = self._counts.get(named[1], 0)
+            self._counts[named[1]] = k + 1
+            rec = self._record(named[1] if k == 0 else f"{named[1]}#{k}", "param", "param", source, t)
+        else:
+            rec = self._record(self._name("input", source), "input", "input", source, t)
+        self._capture(rec, t)
+        self.set_producer(t, rec)
+        events.append(OpEvent(rec.op, source, None, [], [rec], [str(t.device)], []))
+        return rec
+
+    def _record(self, node: str, op: str, kind: str, source: Optional[str], t, inputs=(), extra=None) -> Record:
+        seq = self.seq
+        self.seq += 1
+        if isinstance(t, torch.Tensor):
+            dtype, shape = str(t.dtype).replace("torch.", ""), list(t.shape)
+        else:
+            dtype, shape = f"py_{type(t).__name__}", []
+        return Record(graph="eager", stage="eager", node=node, op=op, kind=kind, seq=seq, source=source,
+                      dtype=dtype, shape=shape, inputs=[r.node for r in inputs], rank=self.rank, run=self.run,
+                      extra=extra)
+
+    # -- the two halves of an op -----------------------------------------------------------------
+    def begin(self, func, args, kwargs, frame, compiled: bool) -> tuple:
+        """Before the op runs: resolve its inputs (hashing first-seen ones as they are now)."""
+        node = self._autograd_node()
+        backward = fwd = None
+        if node is not None:
+            backward = node.name()
+            fwd = node.metadata.get(FORWARD_KEY)
+        source, stack = self._where(frame)
+        if fwd is not None:
+            stack = (stack or [source]) if self.stack_depth > 1 else None
+            source = fwd[0]
+        found = iter_args(args, kwargs, [], self.describe_args)
+        in_recs, arg_desc, events = [], [], []
+        grad_on = node is None and torch.is_grad_enabled()
+        for path, t in found:
+            if not isinstance(t, torch.Tensor):
+                arg_desc.append((path, None, t, None))
+                continue
+            rec = self.producer(t)
+            if rec is None:
+                rec = self._input_record(t, source, events)
+            elif grad_on and t.requires_grad:
+                self._tag_grad_fn(t, rec)
+            in_recs.append(rec)
+            if self.describe_args:
+                arg_desc.append((path, rec, None, str(t.device)))
+        return (func, source, stack, backward, compiled, in_recs, arg_desc, events)
+
+    @staticmethod
+    def _tag_grad_fn(t: torch.Tensor, rec: Record) -> None:
+        gf = t.grad_fn
+        if gf is not None:
+            md = gf.metadata
+            if FORWARD_KEY not in md:
+                md[FORWARD_KEY] = (rec.source, rec.node)
+
+    def end(self, ctx: tuple, result, args, kwargs, nondeterministic: bool = False) -> List[Record]:
+        """After the op ran: one record per tensor (or Python scalar) it produced."""
+        func, source, stack, backward, compiled, in_recs, arg_desc, events = ctx
+        info = self._writes.get(func)
+        if info is None:
+            info = self._writes[func] = (_schema_writes(func), _returns_view(func))
+        writes, is_view = info
+        outs = written_tensors(result, writes, args, kwargs)
+        # a view shares its base's version counter only once autograd has wrapped it
+        version = _version(in_recs and _first_tensor(args)) if is_view and in_recs else None
+        op = str(func)
+        base = self._name(op, source, "/bw" if backward else "")
+        extra = self._extra(stack, backward, compiled, nondeterministic)
+        recs = []
+        for j, t in enumerate(outs):
+            rec = self._record(base if len(outs) == 1 else f"{base}.{j}", op, "node", source, t, in_recs, extra)
+            self._capture(rec, t)
+            if isinstance(t, torch.Tensor):
+                self.set_producer(t, rec, version)
+            recs.append(rec)
+        if compiled:
+            self.compiled_ops += 1
+        devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else []
+        events.append(OpEvent(op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled))
+        self._events.extend(events)
+        if len(self._pending) >= self.batch or self._pending_bytes >= 64 * _CLONE_LIMIT:
+            self.flush()
+        return recs
+
+    @staticmethod
+    def _extra(stack, backward, compiled, nondeterministic) -> Optional[dict]:
+        extra = {}
+        if stack:
+            extra["stack"] = stack
+        if backward:
+            extra["backward"] = backward
+        if compiled:
+            extra["compiled_region"] = "eager"
+        if nondeterministic:
+            extra["non_deterministic"] = True
+        return extra or None
+
+    def add_external(self, node: str, op: str, kind: str, t: torch.Tensor, source: Optional[str],
+                     stack: Optional[List[str]] = None, extra: Optional[dict] = None,
+                     inputs: Sequence[Record] = ()) -> Record:
+        """A record made outside dispatch (``observe``), produced by nothing the mode saw."""
+        with self.lock:
+            ex = dict(extra or {})
+            if stack:
+                ex["stack"] = stack
+            rec = self._record(node, op, kind, source, t, inputs, ex or None)
+            self._capture(rec, t)
+            if isinstance(t, torch.Tensor):
+                self.set_producer(t, rec)
+            self._events.append(OpEvent(op, source, stack, [], [rec], [str(t.device)], list(inputs)))
+            return rec
+
+    # -- fingerprints ----------------------------------------------------------------------------
+    def _capture(self, rec: Record, t) -> None:
+        if not isinstance(t, torch.Tensor):  # a Python scalar an op returned (item(), is_nonzero, ...)
+            t = torch.tensor(t, dtype=torch.float64 if isinstance(t, float) else None)
+        elif not _hashable(t):
+            rec.extra = dict(rec.extra or {}, unhashable=f"{t.layout}/{t.device.type}/{type(t).__name__}")
+            return
+        t = t.detach()
+        nbytes = t.numel() * t.element_size()
+        if nbytes <= _CLONE_LIMIT:
+            self._pending.append((rec, t.clone(), None, None))
+        else:
+            h = _fp._hash_device_values([t])[0]
+            s = _fp._stats_vector(t) if self.stats else None
+            self._pending.append((rec, None, h, s))
+        self._pending_bytes += min(nbytes, _CLONE_LIMIT)
+
+    def flush(self) -> None:
+        """Fingerprint everything pending (one host sync per device) and hand finished events to the sink."""
+        with self.lock:
+            pending, self._pending, self._pending_bytes = self._pending, [], 0
+            events, self._events = self._events, []
+            if pending:
+                _resolve(pending, self.stats)
+            for ev in events:
+                hashes = [r.hash for r in ev.in_recs]
+                for r in ev.outs:
+                    r.in_hashes = list(hashes)
+            self._prune()
+        if events:
+            self.sink(events)
+
+    def _prune(self) -> None:
+        if len(self._producers) > 4096:
+            self._producers = {k: v for k, v in self._producers.items() if not v[0].expired()}
+
+
+def _resolve(pending: List[tuple], stats: bool) -> None:
+    """Fill ``hash`` (and ``stats``) of pending records; one transfer per device."""
+    small = [k for k, p in enumerate(pending) if p[1] is not None]
+    if small:
+        hs = _fp._hash_device_values([pending[k][1] for k in small])
+        for k, h in zip(small, hs):
+            rec, clone = pending[k][0], pending[k][1]
+            pending[k] = (rec, None, h, _fp._stats_vector(clone) if stats else None)
+    by_dev: Dict[torch.device, List[int]] = {}
+    for k, p in enumerate(pending):
+        by_dev.setdefault(p[2].device, []).append(k)
+    for idx in by_dev.values():
+        hs = torch.stack([pending[k][2] for k in idx]).cpu().tolist()
+        ss = torch.stack([pending[k][3] for k in idx]).cpu().tolist() if stats else None
+        for j, k in enumerate(idx):
+            rec = pending[k][0]
+            rec.hash = format_hash(hs[j])
+            if ss is not None:
+                rec.stats = _fp._stats_dict(ss[j])
