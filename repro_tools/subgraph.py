@@ -152,6 +152,25 @@ class GraphView:
     def outputs_of(self, cand: Candidate) -> Tuple[str, ...]:
         return cand.outputs if cand.outputs is not None else self.frontier(cand.keep)
 
+    def without(self, cand: Candidate, names) -> Candidate:
+        """``cand`` minus ``names``: removed nodes become placeholders; a removed output passes its
+        output role to its nearest kept producers (so removing the last node keeps its inputs observable)."""
+        keep = cand.keep - set(names)
+        outs: List[str] = []
+        stack = list(reversed(self.outputs_of(cand)))
+        seen = set()
+        while stack:
+            o = stack.pop()
+            if o in seen:
+                continue
+            seen.add(o)
+            if o in keep:
+                outs.append(o)
+            elif o in cand.keep:
+                stack.extend(reversed(self.inputs_of(o)))
+        outs = sorted(set(outs), key=self.order.__getitem__)
+        return replace(cand, keep=keep, outputs=tuple(outs))
+
     def normalize(self, cand: Candidate) -> Optional[Candidate]:
         """Closure over non-placeholder values, then dead-code elimination; None when nothing is left."""
         keep = set(cand.keep) & set(self.compute)

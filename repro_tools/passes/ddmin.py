@@ -13,7 +13,6 @@ Debugging", FSE 2021).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Dict, List
 
 from ..reducer import Reducer
@@ -45,7 +44,7 @@ def remove_nodes_probdd(r: Reducer, p0: float = 0.0) -> bool:
         removal = _pick(alive, p)
         if len(removal) >= len(r.current.keep):
             removal = removal[:-1]
-        if r.consider(replace(r.current, keep=r.current.keep - set(removal))):
+        if r.consider(r.view.without(r.current, removal)):
             progress = True
             continue
         fail_prob = 1.0 - math.prod(1.0 - p[n] for n in removal)

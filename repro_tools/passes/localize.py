@@ -21,7 +21,6 @@ back to the general passes, starting from the prefix ending at the culprit.
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import replace
 from typing import Any, Dict, List, Optional
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from ..reducer import Reducer
 
@@ -14,6 +13,6 @@ def remove_single_nodes(r: Reducer) -> bool:
     for name in sorted(r.current.keep, key=r.view.order.__getitem__, reverse=True):
         if name not in r.current.keep or len(r.current.keep) == 1:
             continue
-        if r.consider(replace(r.current, keep=r.current.keep - {name})):
+        if r.consider(r.view.without(r.current, {name})):
             progress = True
     return progress

@@ -1,0 +1,98 @@
+"""Each minifier pass alone, on tiny graphs, against a plain predicate."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import minifier_helpers as H
+from repro_tools import passes
+from repro_tools.oracles import OracleSpec
+from repro_tools.reducer import BudgetExhausted, PredicateRunner, Reducer
+from repro_tools.subgraph import GraphView
+
+
+def reduce_with(pass_list, gm, inputs, predicate, budget=500):
+    view = GraphView(gm, inputs)
+    r = Reducer(view, OracleSpec(kind="error", compiler="eager"), PredicateRunner(predicate), view.full(), budget=budget)
+    for p in pass_list:
+        p(r)
+    return r
+
+
+def ops(gm):
+    return sorted(str(n.target) for n in H.compute_nodes(gm))
+
+
+def has(*names):
+    return lambda gm, inputs: all(any(name in str(n.target) for n in H.compute_nodes(gm)) for name in names)
+
+
+def chain():  # x -> mul -> erf -> add -> relu -> sum
+    return make_fx(lambda x: ((torch.relu(torch.erf(x * 2) + 1)).sum(0),))(torch.randn(4, 3)), [torch.randn(4, 3)]
+
+
+def result_ops(r):
+    gm, _ = r.view.materialize(r.current)
+    return ops(gm)
+
+
+@pytest.mark.parametrize("pass_list,pred,want", [
+    ([passes.truncate_suffix], has("erf"), ["aten.erf.default"]),
+    ([passes.remove_nodes_probdd], has("erf", "relu"), ["aten.add.Tensor", "aten.erf.default", "aten.relu.default"]),
+    ([passes.remove_nodes_probdd, passes.remove_single_nodes], has("erf", "relu"),
+     ["aten.add.Tensor", "aten.erf.default", "aten.relu.default"]),  # without add, erf is dead code
+    ([passes.remove_single_nodes], has("relu", "sum"), ["aten.relu.default", "aten.sum.dim_IntList"]),
+    ([passes.remove_single_nodes], has("mul", "sum"),  # every node in between keeps mul alive
+     ["aten.add.Tensor", "aten.erf.default", "aten.mul.Tensor", "aten.relu.default", "aten.sum.dim_IntList"]),
+])
+def test_pass_alone(pass_list, pred, want):
+    gm, inputs = chain()
+    r = reduce_with(pass_list, gm, inputs, pred)
+    assert result_ops(r) == want
+    assert pred(*r.view.materialize(r.current))
+
+
+def test_truncate_suffix_names_the_culprit_in_log_n_queries():
+    gm, inputs = H.mlp_graph(layers=4)
+    r = reduce_with([passes.truncate_suffix], gm, inputs, has("erf"))
+    assert result_ops(r) == ["aten.erf.default"] and r.culprit == "erf"
+    assert r.queries <= len(r.view.compute).bit_length() + 2
+
+
+def test_prune_outputs_keeps_one_failing_output():
+    gm = make_fx(lambda x: (x + 1, x * 2, torch.erf(x), x - 3))(torch.randn(5))
+    r = reduce_with([passes.prune_outputs], gm, [torch.randn(5)], has("erf"))
+    assert r.view.outputs_of(r.current) == ("erf",)
+
+
+def test_consolidate_inputs_merges_identical_placeholders():
+    a = torch.randn(5)
+    gm = make_fx(lambda x, y: (torch.erf(x) + torch.erf(y),))(a, a.clone())
+    r = reduce_with([passes.consolidate_inputs], gm, [a, a.clone()], lambda gm, ins: len(ins) >= 1)
+    out_gm, ins = r.view.materialize(r.current)
+    assert len(ins) == 1 and torch.equal(out_gm(*ins)[0], 2 * torch.erf(a))
+
+
+def test_single_node_removal_result_is_1_minimal():
+    gm, inputs = H.mlp_graph(layers=2)
+    pred = has("erf", "native_layer_norm")
+    r = reduce_with([passes.truncate_suffix, passes.remove_nodes_probdd, passes.remove_single_nodes], gm, inputs, pred)
+    for name in r.current.keep:  # no single node can go
+        smaller = r.view.normalize(r.view.without(r.current, {name}))
+        assert smaller is None or not pred(*r.view.materialize(smaller))
+
+
+def test_cache_prevents_repeated_queries():
+    gm, inputs = chain()
+    calls = []
+    r = reduce_with([passes.truncate_suffix], gm, inputs, lambda g, i: calls.append(1) or has("erf")(g, i))
+    n = len(calls)
+    r.current = r.view.normalize(r.view.full())
+    passes.truncate_suffix(r)  # the same candidates again: answered from the cache
+    assert len(calls) == n and r.cache_hits >= n - 1
+
+
+def test_budget_is_enforced():
+    gm, inputs = H.mlp_graph(layers=3)
+    with pytest.raises(BudgetExhausted):
+        reduce_with([passes.remove_nodes_probdd], gm, inputs, has("erf"), budget=3)

@@ -1,0 +1,94 @@
+"""Oracles: each kind judges a failing and a passing graph; error matching; spec validation."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from determ_backend.errors import ConfigError
+from repro_tools.oracles import OracleSpec, Signature, check, similar
+
+
+def _graph(fn, *inputs):
+    return make_fx(fn)(*inputs), list(inputs)
+
+
+def _erf_graph():
+    return _graph(lambda x: (torch.erf(x * 2).sum(0),), torch.randn(4, 3))
+
+
+def _cancel_graph():
+    return _graph(lambda x: ((x + 1e8) - 1e8,), torch.rand(8))
+
+
+def _plain_graph():
+    return _graph(lambda x: (torch.relu(x) * 3,), torch.randn(8))
+
+
+CASES = [  # (kind, compiler, graph, fails)
+    ("accuracy", "minifier_helpers:wrong_erf", _erf_graph, True),
+    ("accuracy", "aot_eager", _erf_graph, False),
+    ("compile_error", "minifier_helpers:erf_compile_error", _erf_graph, True),
+    ("compile_error", "minifier_helpers:erf_runtime_error", _erf_graph, False),
+    ("runtime_error", "minifier_helpers:erf_runtime_error", _erf_graph, True),
+    ("error", "minifier_helpers:erf_runtime_error", _erf_graph, True),
+    ("error", "eager", _erf_graph, False),
+    ("nondeterminism", "minifier_helpers:noisy_erf", _erf_graph, True),
+    ("nondeterminism", "aot_eager", _erf_graph, False),
+    ("cross_device", "eager", _cancel_graph, True),
+    ("cross_device", "eager", _plain_graph, False),
+]
+
+
+@pytest.mark.parametrize("kind,compiler,make,fails", CASES, ids=[f"{c[0]}-{c[1].split(':')[-1]}-{c[3]}" for c in CASES])
+def test_oracle_kinds(kind, compiler, make, fails):
+    gm, inputs = make()
+    v = check(OracleSpec(kind=kind, compiler=compiler), gm, inputs)
+    assert v.fails is fails, v
+
+
+def test_strict_accuracy_sees_last_bit_differences():
+    gm, inputs = _graph(lambda x: (x.sum(0),), torch.randn(64, 3))
+    rev = lambda gm, ex: (lambda x: (torch.flip(x, [0]).sum(0),))  # same math, other summation order  # noqa: E731
+    assert not check(OracleSpec(kind="accuracy", compiler=rev), gm, inputs).fails
+    strict = check(OracleSpec(kind="accuracy", compiler=rev, strict=True), gm, inputs)
+    assert strict.fails == (not torch.equal(inputs[0].sum(0), torch.flip(inputs[0], [0]).sum(0)))
+
+
+def test_expected_error_keeps_search_on_the_same_bug():
+    gm, inputs = _graph(lambda x: (torch.erf(x).sum(0),), torch.randn(4, 3))
+    first = check(OracleSpec(kind="compile_error", compiler="minifier_helpers:erf_compile_error"), gm, inputs)
+    other = OracleSpec(kind="compile_error", compiler="minifier_helpers:sum_compile_error", expected=first.signature)
+    v = check(other, gm, inputs)
+    assert not v.fails and "different error" in v.detail
+
+
+@pytest.mark.parametrize("a,b,same", [
+    (("compile", "E", "no lowering for aten.erf at line 12"), ("compile", "E", "no lowering for aten.erf at line 97"), True),
+    (("compile", "E", "no lowering for aten.erf"), ("runtime", "E", "no lowering for aten.erf"), False),
+    (("compile", "E", "no lowering for aten.erf"), ("compile", "F", "no lowering for aten.erf"), False),
+    (("compile", "E", "error: /tmp/a/b.cpp:3: 'x' undeclared"), ("compile", "E", "error: /tmp/c.cpp:9: 'x' undeclared"), True),
+    (("compile", "E", "shape mismatch in mm: 3 vs 4"), ("compile", "E", "no lowering for aten.erf"), False),
+])
+def test_similar(a, b, same):
+    assert similar(Signature(*a), Signature(*b), 0.5) is same
+
+
+@pytest.mark.parametrize("kw", [{"kind": "bogus"}, {"kind": "cross_device", "devices": ("cpu",)},
+                                {"kind": "cross_device", "devices": ("cpu", "gpu")}, {"runs": 1}, {"similarity": 2.0}])
+def test_bad_spec_is_a_config_error(kw):
+    with pytest.raises(ConfigError):
+        OracleSpec(**kw)
+
+
+def test_crash_oracle_needs_isolation():
+    gm, inputs = _erf_graph()
+    with pytest.raises(ConfigError, match="isolated"):
+        check(OracleSpec(kind="crash", compiler="minifier_helpers:abort_on_erf"), gm, inputs)
+
+
+def test_spec_json_round_trip():
+    spec = OracleSpec(kind="error", compiler="minifier_helpers:wrong_erf", config={"fallback_random": True},
+                      expected=Signature("compile", "E", "m"))
+    assert OracleSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ConfigError, match="importable"):
+        OracleSpec(compiler=lambda gm, ex: gm).to_json()
