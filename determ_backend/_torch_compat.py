@@ -231,6 +231,25 @@ def symint_hint(s):
     return int(hint) if hint is not None else int(s)
 
 
+# --- API dump hooks (determ_backend.dump) ---------------------------------------------------------
+
+def queue_autograd_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current backward pass finishes (call from inside an autograd hook)."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(fn)
+
+
+def is_compiled_module(module) -> bool:
+    """True for a ``torch.compile``d module (``OptimizedModule``) or one compiled in place with ``Module.compile()``."""
+    import sys
+
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # nothing can be compiled before dynamo is imported
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
 # --- eager dispatch modes (determ_backend.modes) -------------------------------------------------
 
 def eval_frame_setter() -> Callable:
