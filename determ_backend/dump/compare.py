@@ -1,0 +1,309 @@
+"""Comparing two dumps: ptdbg's ``compare`` / ``compare_distributed`` and the root cause.
+
+Calls of the two dumps are paired by sequence alignment of their signatures
+(API + direction + output shapes, not dtypes) with
+:func:`determ_backend.compare.align`, so an extra or missing op, or counters
+shifted by one, do not break the pairing (names with call counters are never
+used to pair).  Tensors of a pair are matched by argument name.
+
+Root cause (our column): a call whose output diverges while all its inputs
+match -- parameters excepted (a call that consumes a changed weight *is* where
+the divergence starts); for a backward record the inputs are the incoming
+gradients and the forward call's inputs.  "Match" is bitwise equality when
+both dumps come from the same device type and the dtypes agree, ptdbg's
+``Accuracy Reached`` otherwise (e.g. CPU vs NPU, bf16 vs fp32).
+
+Metrics live in :mod:`.metrics`; reading dumps in :mod:`.parse`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from ..compare import align
+from ..errors import ConfigError, TraceFormatError
+from ..trace import Record, atomic_write_text
+from .metrics import accuracy_reached, payload_metrics, stats_metrics, tensor_match
+from .parse import Dump, find_index, rank_dirs, read_dump
+
+__all__ = ["compare", "compare_dumps", "compare_distributed", "auto_analyze", "analyze", "DumpComparison", "CSV_COLUMNS"]
+
+log = logging.getLogger(__name__)
+
+CSV_COLUMNS = [
+    "NPU Name", "Bench Name", "NPU Tensor Dtype", "Bench Tensor Dtype", "NPU Tensor Shape", "Bench Tensor Shape",
+    "Cosine", "MaxAbsErr", "MaxRelativeErr", "One Thousandth Err Ratio", "Five Thousandths Err Ratio",
+    "Max diff", "Min diff", "Mean diff", "L2norm diff",
+    "NPU max", "NPU min", "NPU mean", "NPU l2norm", "Bench max", "Bench min", "Bench mean", "Bench l2norm",
+    "NPU Hash", "Bench Hash", "Bitwise Equal", "Accuracy Reached or Not", "Root Cause", "Err_message",
+]
+_STACK_COLUMN = "NPU_Stack_Info"
+
+
+@dataclass
+class ApiPair:
+    """Two aligned calls and the verdicts of their tensors."""
+
+    a: Optional[Dict[str, Any]]
+    b: Optional[Dict[str, Any]]
+    rows: List[Dict[str, Any]] = field(default_factory=list)
+    inputs_match: Optional[bool] = None
+    output_diverges: bool = False
+    root_cause: bool = False
+
+    @property
+    def name(self) -> str:
+        return (self.a or self.b)["name"]
+
+
+@dataclass
+class DumpComparison:
+    pairs: List[ApiPair]
+    exact: bool
+    csv_path: Optional[Path] = None
+
+    @property
+    def rows(self) -> List[Dict[str, Any]]:
+        return [r for p in self.pairs for r in p.rows]
+
+    @property
+    def root_causes(self) -> List[ApiPair]:
+        return [p for p in self.pairs if p.root_cause]
+
+    @property
+    def first_divergence(self) -> Optional[ApiPair]:
+        return next((p for p in self.pairs if p.output_diverges), None)
+
+    @property
+    def divergent(self) -> bool:
+        return self.first_divergence is not None
+
+
+def _to_record(e: Dict[str, Any], side: str, i: int) -> Record:
+    shapes = [t.get("shape") for t in e.get("outputs", []) if "shape" in t]
+    return Record(graph=side, stage="api", node=e["name"], op=f"{e.get('op')}.{e.get('dir')}", kind=e.get("dir", "node"),
+                  shape=shapes, extra={"i": i})
+
+
+def _fmt(v: Any) -> Any:
+    return "N/A" if v is None else v
+
+
+def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, db: Dump, exact: bool):
+    row: Dict[str, Any] = {c: "N/A" for c in CSV_COLUMNS}
+    row.update({"NPU Name": name_a or "N/A", "Bench Name": name_b or "N/A", "Root Cause": "No", "Err_message": ""})
+    for side, t in (("NPU", ta), ("Bench", tb)):
+        if t is None or "dtype" not in t:
+            continue
+        row[f"{side} Tensor Dtype"], row[f"{side} Tensor Shape"] = t["dtype"], t["shape"]
+        st = t.get("stats") or {}
+        for k, col in (("max", "max"), ("min", "min"), ("mean", "mean"), ("l2", "l2norm")):
+            row[f"{side} {col}"] = _fmt(st.get(k))
+        row[f"{side} Hash"] = t.get("hash", "N/A")
+    if ta is None or tb is None:
+        row["Err_message"] = "no counterpart in the other dump (extra or missing op or argument)"
+        return row, None
+    if "dtype" not in ta or "dtype" not in tb:
+        same = ta.get("value") == tb.get("value")
+        row["Bitwise Equal"] = "Yes" if same else "No"
+        row["Accuracy Reached or Not"] = "Yes" if same else "No"
+        return row, same
+    m: Dict[str, Any] = {"same_dtype": ta["dtype"] == tb["dtype"]}
+    if "hash" in ta and "hash" in tb:
+        m["bitwise"] = ta["hash"] == tb["hash"] and m["same_dtype"]
+    if ta.get("stats") and tb.get("stats"):
+        m.update(stats_metrics(ta["stats"], tb["stats"]))
+    if "payload" in ta and "payload" in tb and da.has_payloads and db.has_payloads:
+        m.update(payload_metrics(da.tensor(ta), db.tensor(tb)))
+    elif "hash" in ta and "hash" in tb:
+        row["Err_message"] = "statistics only"
+    for key, col in (("cosine", "Cosine"), ("max_abs", "MaxAbsErr"), ("max_rel", "MaxRelativeErr"),
+                     ("one", "One Thousandth Err Ratio"), ("five", "Five Thousandths Err Ratio"),
+                     ("max_diff", "Max diff"), ("min_diff", "Min diff"), ("mean_diff", "Mean diff"),
+                     ("l2_diff", "L2norm diff")):
+        if key in m:
+            row[col] = m[key]
+    if "error" in m:
+        row["Err_message"] = m["error"]
+    if "bitwise" in m:
+        row["Bitwise Equal"] = "Yes" if m["bitwise"] else "No"
+    row["Accuracy Reached or Not"] = accuracy_reached(m)
+    return row, tensor_match(m, exact)
+
+
+def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool) -> Dict[str, List[Optional[bool]]]:
+    """Fill ``pa.rows``; returns the match verdicts of the ``inputs`` (non-parameter) and ``outputs``."""
+    verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "outputs": []}
+    for io_ in ("inputs", "outputs"):
+        la = (pa.a or {}).get(io_, [])
+        lb = (pa.b or {}).get(io_, [])
+        by_b = {t.get("name"): t for t in lb}
+        names = [t.get("name") for t in la] + [n for n in by_b if n not in {t.get("name") for t in la}]
+        by_a = {t.get("name"): t for t in la}
+        for n in names:
+            ta, tb = by_a.get(n), by_b.get(n)
+            row, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
+                                 f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, exact)
+            row["_io"], row["_match"] = io_, v
+            pa.rows.append(row)
+            if io_ == "inputs" and ((ta or tb) or {}).get("param"):
+                continue
+            verdicts[io_].append(v)
+    return verdicts
+
+
+def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: Optional[bool] = None) -> DumpComparison:
+    """Align two dumps (``a`` is the NPU/test side, ``b`` the benchmark) and judge every tensor."""
+    da = a if isinstance(a, Dump) else read_dump(a)
+    db = b if isinstance(b, Dump) else read_dump(b)
+    if exact is None:
+        exact = da.header.get("device") == db.header.get("device")
+    ra = [_to_record(e, "a", i) for i, e in enumerate(da.entries)]
+    rb = [_to_record(e, "b", i) for i, e in enumerate(db.entries)]
+    pairs: List[ApiPair] = []
+    for p in align(ra, rb):
+        pairs.append(ApiPair(da.entries[p.a.extra["i"]] if p.a is not None else None,
+                             db.entries[p.b.extra["i"]] if p.b is not None else None))
+    fwd_inputs: Dict[str, Optional[bool]] = {}
+    for pa in pairs:
+        if pa.a is None or pa.b is None:
+            for side, e, d in (("NPU", pa.a, da), ("Bench", pa.b, db)):
+                if e is not None:
+                    _unmatched_rows(pa, e, side)
+            continue
+        v = _pair_tensors(pa, da, db, exact)
+        ins = all(x is True for x in v["inputs"])
+        if pa.a.get("dir") == "backward":
+            fwd = pa.a["name"][: -len("backward")] + "forward"
+            ins = ins and fwd_inputs.get(fwd, True) is not False
+        else:
+            fwd_inputs[pa.a["name"]] = ins
+        pa.inputs_match = ins
+        pa.output_diverges = any(x is False for x in v["outputs"])
+        pa.root_cause = pa.output_diverges and ins
+        if pa.root_cause:
+            for r in pa.rows:
+                if r["_io"] == "outputs" and r["_match"] is False:
+                    r["Root Cause"] = "Yes"
+    return DumpComparison(pairs, exact)
+
+
+def _unmatched_rows(pa: ApiPair, e: Dict[str, Any], side: str) -> None:
+    for io_ in ("inputs", "outputs"):
+        for t in e.get(io_, []):
+            n = f"{e['name']}_{t.get('name')}"
+            row, _ = _tensor_row(n if side == "NPU" else None, n if side == "Bench" else None,
+                                 t if side == "NPU" else None, t if side == "Bench" else None, None, None, True)
+            row["_io"], row["_match"] = io_, None
+            pa.rows.append(row)
+
+
+def write_csv(cmp: DumpComparison, path: Path, stack_mode: bool = False) -> Path:
+    buf = io.StringIO()
+    cols = CSV_COLUMNS + ([_STACK_COLUMN] if stack_mode else [])
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    for p in cmp.pairs:
+        stack = "\n".join((p.a or {}).get("stack") or []) if stack_mode else None
+        for i, r in enumerate(p.rows):
+            row = dict(r)
+            if stack_mode:
+                row[_STACK_COLUMN] = stack if i == 0 else ""
+            w.writerow(row)
+    atomic_write_text(path, buf.getvalue())
+    cmp.csv_path = path
+    return path
+
+
+def analyze(cmp: DumpComparison, out=None) -> str:
+    """Name the first root-cause API with its source and stack (printed, and returned)."""
+    roots = cmp.root_causes
+    if roots:
+        p = roots[0]
+        bad = [r for r in p.rows if r["Root Cause"] == "Yes"] or p.rows
+        r = bad[0]
+        lines = [f"root cause: {p.a['name']} (bench: {p.b['name']}): its inputs match but its output does not",
+                 f"  {r['NPU Name']}: Cosine={r['Cosine']} MaxAbsErr={r['MaxAbsErr']} "
+                 f"Bitwise Equal={r['Bitwise Equal']} Accuracy Reached or Not={r['Accuracy Reached or Not']}",
+                 f"  at {p.a.get('source') or '?'}"]
+        lines += [f"    {s}" for s in p.a.get("stack") or []]
+        if len(roots) > 1:
+            lines.append(f"  ({len(roots) - 1} more root-cause APIs in the CSV)")
+    elif cmp.first_divergence is not None:
+        p = cmp.first_divergence
+        lines = [f"first divergence: {p.name}, but its inputs already differ: no root cause among the dumped APIs "
+                 f"(the model inputs differ, or the culprit was not dumped)", f"  at {(p.a or {}).get('source') or '?'}"]
+    else:
+        unmatched = sum(1 for p in cmp.pairs if p.a is None or p.b is None)
+        lines = [f"no divergence: every paired API agrees ({unmatched} unpaired calls)"]
+    text = "\n".join(lines)
+    print(text, file=out)
+    return text
+
+
+auto_analyze = analyze
+
+
+def _timestamp() -> str:
+    return time.strftime("%Y%m%d%H%M%S")
+
+
+def _unique(path: Path) -> Path:
+    n, p = 1, path
+    while p.exists():
+        p = path.with_name(f"{path.stem}_{n}{path.suffix}")
+        n += 1
+    return p
+
+
+def compare(input_param: Dict[str, Any], output_path: Union[str, Path], stack_mode: bool = False,
+            auto_analyze: bool = True, suffix: str = "", fuzzy_match: bool = False,
+            exact: Optional[bool] = None) -> DumpComparison:
+    """ptdbg's ``compare``: writes ``compare_result{suffix}_{timestamp}.csv`` into ``output_path``.
+
+    ``input_param``: ``npu_pkl_path`` and ``bench_pkl_path`` (index files or rank directories);
+    ``npu_dump_data_dir``/``bench_dump_data_dir`` are accepted and checked but not needed.  Pairing is
+    always by alignment, so ``fuzzy_match`` has no effect."""
+    if not isinstance(input_param, dict):
+        raise ConfigError(f"compare: input_param must be a dict, got {type(input_param).__name__}")
+    for key in ("npu_pkl_path", "bench_pkl_path"):
+        if not input_param.get(key):
+            raise ConfigError(f"compare: input_param needs {key!r} (a dump.pkl index or rank directory)")
+    for key in ("npu_dump_data_dir", "bench_dump_data_dir"):
+        if input_param.get(key) and not Path(input_param[key]).is_dir():
+            raise TraceFormatError(f"compare: {key} {input_param[key]}: no such directory")
+    out = Path(output_path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"compare: output_path {out} is not a directory")
+    cmp = compare_dumps(find_index(input_param["npu_pkl_path"]), find_index(input_param["bench_pkl_path"]), exact)
+    out.mkdir(parents=True, exist_ok=True)
+    ts = _timestamp()
+    write_csv(cmp, _unique(out / f"compare_result{suffix}_{ts}.csv"), stack_mode)
+    if auto_analyze:
+        text = analyze(cmp)
+        atomic_write_text(_unique(out / f"advisor{suffix}_{ts}.txt"), text + "\n")
+    log.info("compare: wrote %s", cmp.csv_path)
+    return cmp
+
+
+def compare_distributed(npu_dump_dir: Union[str, Path], bench_dump_dir: Union[str, Path],
+                        output_path: Union[str, Path], **kwargs: Any) -> List[DumpComparison]:
+    """Compare rank by rank: ``<npu>/rank<N>`` with ``<bench>/rank<N>``; both runs must have the same ranks."""
+    ra, rb = rank_dirs(npu_dump_dir), rank_dirs(bench_dump_dir)
+    if not ra:
+        raise TraceFormatError(f"{npu_dump_dir}: no rank<N> directories")
+    if sorted(ra) != sorted(rb):
+        raise TraceFormatError(f"compare_distributed: {npu_dump_dir} has ranks {sorted(ra)} but {bench_dump_dir} has "
+                               f"{sorted(rb)}; both runs must use the same number of ranks")
+    results = []
+    for rank in ra:
+        pa, pb = find_index(ra[rank]), find_index(rb[rank])
+        param = {"npu_pkl_path": str(pa), "bench_pkl_path": str(pb)}
+        results.append(compare(param, output_path, suffix=f"_rank{rank}-rank{rank}", **kwargs))
+    return results

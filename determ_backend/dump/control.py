@@ -1,0 +1,277 @@
+"""The ptdbg_ascend functional interface: ``set_dump_path``, ``register_hook``,
+``set_dump_switch``, ``set_overflow_check_switch``, ``module_dump``...
+
+The interface is process-global by design (existing scripts call these
+functions from anywhere), so its state lives in one :class:`_Controller`
+object.  Nothing happens at import: hooks are installed when a dump is switched
+on and removed when it is switched off; open dumps are closed at normal
+interpreter exit (``atexit``).
+
+Output layout: ``<fpath>/<dump_tag>/rank<R>/<prefix>dump.pkl`` (JSON Lines index)
+and ``<prefix>dump/tensors.bin`` (payloads), ``<prefix>`` being ``api_stack_``,
+``list_``... for modes other than ``all`` and ``overflow_`` for the overflow check.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .. import devices
+from ..errors import ConfigError, DeviceUnavailableError
+from ..seed import seed_all as _seed_all
+from .hooks import Recorder
+from .modules import Installation
+from .overflow import OverflowCounter
+from .session import DumpSession, default_header
+from .switch import DumpSettings
+
+__all__ = ["acc_cmp_dump", "overflow_check", "seed_all", "set_dump_path", "register_hook", "set_dump_switch",
+           "set_overflow_check_switch", "module_dump", "module_dump_end", "remove_hooks", "dump_parameters",
+           "get_dump_dir"]
+
+log = logging.getLogger(__name__)
+
+
+class _HookKind:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+acc_cmp_dump = _HookKind("acc_cmp_dump")
+"""``register_hook(model, acc_cmp_dump)``: dump API data for accuracy comparison."""
+
+overflow_check = _HookKind("overflow_check")
+"""``register_hook(model, overflow_check, overflow_nums=N)``: find APIs that overflow."""
+
+
+def _needs_npu(what: str) -> None:
+    msg = f"{what}: ACL-level dumps are an Ascend driver feature and need an Ascend NPU with torch_npu"
+    if not devices.is_available("npu"):
+        raise DeviceUnavailableError(msg + "; no NPU is available on this machine (use mode='all' or 'api_stack')")
+    raise ConfigError(msg + "; determ does not drive ACL dumps: use the API-level modes, or msprobe's ACL dump")
+
+
+def _current_rank() -> Tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _Controller:
+    """Process-wide dump state behind the functional interface."""
+
+    def __init__(self) -> None:
+        self.root: Optional[Path] = None
+        self.rank: Optional[int] = None
+        self.models: List[torch.nn.Module] = []
+        self.regions: List[Tuple[str, torch.nn.Module]] = []
+        self.overflow: Optional[OverflowCounter] = None
+        self.sessions: Dict[str, DumpSession] = {}
+        self.installation: Optional[Installation] = None
+        self.settings: Optional[DumpSettings] = None
+        self.ring_bytes: Optional[int] = None
+
+    def rank_dir(self) -> Path:
+        if self.root is None:
+            raise ConfigError("no dump path: call set_dump_path(fpath) before switching a dump on")
+        rank = self.rank if self.rank is not None else _current_rank()[0]
+        return self.root / f"rank{rank}"
+
+    def session(self, prefix: str, task: str, mode: str) -> DumpSession:
+        s = self.sessions.get(prefix)
+        rank_dir = self.rank_dir()
+        if s is not None and s.rank_dir == rank_dir and s.tensors == (task in ("tensor", "overflow_check")):
+            s.reopen()
+            return s
+        if s is not None:
+            s.close()
+        rank, world = _current_rank()
+        header = default_header(self.rank if self.rank is not None else rank, world, mode, task)
+        header["device"] = _model_device(self.models)
+        s = DumpSession(rank_dir, prefix, header, tensors=task in ("tensor", "overflow_check"),
+                        ring_bytes=self.ring_bytes)
+        self.sessions[prefix] = s
+        return s
+
+    def switch_on(self, settings: DumpSettings) -> None:
+        self.switch_off()
+        session = self.session(settings.prefix, settings.task, settings.mode)
+        rec = Recorder(session, settings)
+        self.installation = Installation(rec, self.models, self.regions)
+        self.settings = settings
+
+    def overflow_on(self) -> None:
+        self.switch_off()
+        session = self.session("overflow_", "overflow_check", "overflow_check")
+        rec = Recorder(session, DumpSettings(), overflow=self.overflow)
+        self.installation = Installation(rec, self.models, ())
+
+    def switch_off(self) -> None:
+        inst, self.installation = self.installation, None
+        if inst is not None:
+            inst.remove()
+            inst.rec.flusher.flush()
+        self.close_sessions()
+
+    def close_sessions(self) -> None:
+        errors = []
+        for s in self.sessions.values():
+            try:
+                s.close()
+            except Exception as e:  # close every session, then report the first failure
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+_STATE = _Controller()
+
+
+def _model_device(models: Sequence[torch.nn.Module]) -> str:
+    for m in models:
+        for p in m.parameters():
+            return p.device.type
+    return "cpu"
+
+
+def _close_at_exit() -> None:
+    try:
+        _STATE.switch_off()
+    except Exception as e:  # at exit there is no caller left to raise to
+        log.error("determ dump: could not finish the dump at exit: %s", e)
+
+
+atexit.register(_close_at_exit)
+
+
+def seed_all(seed: int = 1234, mode: bool = False) -> Dict[str, Any]:
+    """ptdbg's ``seed_all``: seed every RNG; ``mode=True`` also turns on deterministic algorithms."""
+    return _seed_all(seed, deterministic=bool(mode))
+
+
+def set_dump_path(fpath: Optional[Union[str, os.PathLike]] = None, dump_tag: str = "ptdbg_dump") -> Path:
+    """Dump under ``<fpath>/<dump_tag>/rank<R>/``; ``fpath`` defaults to ``$ASCEND_WORK_PATH/dump_data``."""
+    if fpath is None:
+        work = os.environ.get("ASCEND_WORK_PATH")
+        if not work:
+            raise ConfigError("set_dump_path: give fpath (or set ASCEND_WORK_PATH)")
+        fpath = Path(work) / "dump_data"
+    if not isinstance(dump_tag, str) or not dump_tag or "/" in dump_tag or dump_tag in (".", ".."):
+        raise ConfigError(f"set_dump_path: dump_tag must be a plain directory name, got {dump_tag!r}")
+    p = Path(fpath)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"set_dump_path: {p} exists and is not a directory")
+    _STATE.switch_off()
+    _STATE.sessions.clear()
+    _STATE.root = p / dump_tag
+    return _STATE.root
+
+
+def get_dump_dir() -> Path:
+    """The directory this process dumps into (``<fpath>/<dump_tag>/rank<R>``)."""
+    return _STATE.rank_dir()
+
+
+def register_hook(model: torch.nn.Module, hook: _HookKind, overflow_nums: int = 1, dump_mode: str = "api",
+                  dump_config: Optional[str] = None, rank: Optional[int] = None) -> None:
+    """Attach the dump to ``model``: ``hook`` is ``acc_cmp_dump`` or ``overflow_check``.
+
+    The model is used for its parameters/gradients (recorded before each optimizer step) and its
+    compiled submodules (recorded as opaque regions); APIs are recorded process-wide.
+    ``overflow_check`` starts checking at once (``set_overflow_check_switch`` toggles it).
+    """
+    if hook not in (acc_cmp_dump, overflow_check):
+        raise ConfigError(f"register_hook: hook must be acc_cmp_dump or overflow_check, got {hook!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"register_hook: model must be a torch.nn.Module, got {type(model).__name__}")
+    if dump_mode == "acl":
+        _needs_npu("register_hook(dump_mode='acl')")
+    if dump_mode != "api":
+        raise ConfigError(f"register_hook: dump_mode={dump_mode!r}; expected 'api' (or 'acl' on an Ascend NPU)")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ConfigError(f"register_hook: rank must be a non-negative int, got {rank!r}")
+    _STATE.rank = rank
+    if model not in _STATE.models:
+        _STATE.models.append(model)
+    if hook is overflow_check:
+        _STATE.overflow = OverflowCounter(overflow_nums)
+        _STATE.overflow_on()
+
+
+def set_dump_switch(switch: str, mode: str = "all", scope: Optional[Sequence[str]] = None,
+                    api_list: Optional[Sequence[str]] = None, filter_switch: str = "ON",
+                    dump_mode: Union[None, str, Sequence[str]] = None, summary_only: bool = False) -> None:
+    """Start (``"ON"``) or stop (``"OFF"``) dumping; see :mod:`determ_backend.dump.switch` for the modes.
+    Switching off flushes every payload and completes the index."""
+    if switch not in ("ON", "OFF"):
+        raise ConfigError(f"set_dump_switch: switch must be 'ON' or 'OFF', got {switch!r}")
+    if mode == "acl":
+        _needs_npu("set_dump_switch(mode='acl')")
+    if switch == "OFF":
+        _STATE.switch_off()
+        return
+    settings = DumpSettings.build(mode, scope, api_list, filter_switch, dump_mode, summary_only)
+    _STATE.switch_on(settings)
+
+
+def set_overflow_check_switch(switch: str, filter_switch: str = "OFF") -> None:
+    """Turn the overflow check registered with ``register_hook(model, overflow_check)`` on or off."""
+    if switch not in ("ON", "OFF"):
+        raise ConfigError(f"set_overflow_check_switch: switch must be 'ON' or 'OFF', got {switch!r}")
+    if _STATE.overflow is None:
+        raise ConfigError("set_overflow_check_switch: call register_hook(model, overflow_check) first")
+    if switch == "ON":
+        _STATE.overflow.enabled = True
+        _STATE.overflow_on()
+    else:
+        _STATE.switch_off()
+
+
+def module_dump(module: torch.nn.Module, module_name: str) -> None:
+    """Record every call of ``module`` as one entry ``<module_name>_<n>_forward`` (its inner APIs are not
+    recorded separately); takes effect at the next ``set_dump_switch("ON")`` or at once if a dump is on."""
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"module_dump: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(module_name, str) or not module_name:
+        raise ConfigError(f"module_dump: module_name must be a non-empty string, got {module_name!r}")
+    _STATE.regions.append((module_name, module))
+    _reinstall()
+
+
+def module_dump_end() -> None:
+    """Stop recording modules given to :func:`module_dump` as whole entries."""
+    _STATE.regions.clear()
+    _reinstall()
+
+
+def _reinstall() -> None:
+    if _STATE.installation is not None and _STATE.settings is not None:
+        inst = _STATE.installation
+        inst.remove()
+        _STATE.installation = Installation(inst.rec, _STATE.models, _STATE.regions)
+
+
+def dump_parameters() -> None:
+    """Record the registered models' parameters and gradients now (also done before each optimizer step)."""
+    if _STATE.installation is None:
+        raise ConfigError("dump_parameters: no dump is on (call set_dump_switch('ON') first)")
+    _STATE.installation.snapshot_parameters()
+
+
+def remove_hooks() -> None:
+    """Switch everything off, close the dumps and forget registered models (a clean slate)."""
+    _STATE.switch_off()
+    _STATE.models.clear()
+    _STATE.regions.clear()
+    _STATE.overflow = None
+    _STATE.rank = None

@@ -1,0 +1,226 @@
+"""Recording torch API calls: the ``__torch_function__`` mode and the recorder.
+
+:class:`DumpMode` is a :class:`torch.overrides.TorchFunctionMode`: while a dump
+is on it sees every top-level call of a torch function, ``Tensor`` method or
+``torch.nn.functional`` function (calls made *inside* an API, e.g. the
+``Tensor.softmax`` inside ``F.softmax``, are not top-level and are not
+recorded, as in ptdbg).  Nothing is monkeypatched for these APIs; the mode is
+pushed when the dump switch goes on and popped when it goes off.
+
+:class:`Recorder` turns a call into a forward record (after the call; inputs of
+in-place calls are fingerprinted before it) and arranges its backward record
+(:mod:`.backward`).  In overflow-check mode it writes only the calls whose
+outputs become non-finite from finite inputs (:mod:`.overflow`).
+
+Module-level records (compiled regions, ``module_dump``), collectives and
+parameter snapshots live in :mod:`.modules`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import backward as bw
+from .apis import ApiInfo, api_table, is_inplace
+from .entries import call_items, describe, output_items
+from .overflow import DumpOverflowError, OverflowCounter, nonfinite
+from .session import DumpSession
+from .switch import DumpSettings, Selector
+
+__all__ = ["DumpMode", "Recorder", "guard", "passthrough", "user_source", "user_stack"]
+
+log = logging.getLogger(__name__)
+
+_tls = threading.local()
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@contextlib.contextmanager
+def guard() -> Iterator[None]:
+    """Torch calls made by the dump machinery itself are not recorded."""
+    prev = getattr(_tls, "busy", False)
+    _tls.busy = True
+    try:
+        yield
+    finally:
+        _tls.busy = prev
+
+
+def passthrough() -> bool:
+    """True inside the dump machinery or inside a region recorded as a whole (compiled module, module_dump)."""
+    return getattr(_tls, "busy", False) or getattr(_tls, "opaque", 0) > 0
+
+
+def enter_opaque() -> None:
+    _tls.opaque = getattr(_tls, "opaque", 0) + 1
+
+
+def exit_opaque() -> None:
+    _tls.opaque = max(0, getattr(_tls, "opaque", 0) - 1)
+
+
+def _user_frames() -> Iterator[Any]:
+    f = sys._getframe(2)
+    while f is not None:
+        if not f.f_code.co_filename.startswith(_SKIP_DIRS):
+            yield f
+        f = f.f_back
+
+
+def user_source() -> Optional[str]:
+    """``file:line`` of the innermost frame outside torch and determ."""
+    for f in _user_frames():
+        return f"{f.f_code.co_filename}:{f.f_lineno}"
+    return None
+
+
+def user_stack(limit: int = 30) -> List[str]:
+    """User frames, innermost first: ``File "x.py", line 3, in forward``."""
+    out = []
+    for f in _user_frames():
+        out.append(f'File "{f.f_code.co_filename}", line {f.f_lineno}, in {f.f_code.co_name}')
+        if len(out) >= limit:
+            break
+    return out
+
+
+class Recorder:
+    """Writes the records of one dump session."""
+
+    def __init__(self, session: DumpSession, settings: DumpSettings, overflow: Optional[OverflowCounter] = None):
+        self.session = session
+        self.settings = settings
+        self.selector = Selector(settings)
+        self.overflow = overflow
+        self.task = "overflow_check" if overflow is not None else settings.task
+        self.flusher = bw.BackwardFlusher()
+        self._keep_non_float = settings.filter_switch == "OFF"
+
+    # ---- describing and writing ----------------------------------------------------------------
+    def describe(self, items: Sequence[Tuple[str, Any]], io: str) -> List[Dict[str, Any]]:
+        if self.overflow is None and not self.settings.keeps(io):
+            return []
+        data = self.task != "stack"
+        store = self.session.store if self.task in ("tensor", "overflow_check") else None
+        return describe(items, self.session.cache, stats=data, data=data, keep_non_float=self._keep_non_float,
+                        store=store)
+
+    def write(self, call: str, info: ApiInfo, direction: str, ins: List[Dict[str, Any]],
+              outs: List[Dict[str, Any]], source: Optional[str] = None, stack: Optional[List[str]] = None,
+              **extra: Any) -> None:
+        entry: Dict[str, Any] = {"name": f"{call}_{direction}", "op": info.op, "dir": direction}
+        if source:
+            entry["source"] = source
+        entry["inputs"] = ins
+        entry["outputs"] = outs
+        if stack is not None:
+            entry["stack"] = stack
+        entry.update(extra)
+        self.session.write(entry)
+
+    # ---- forward --------------------------------------------------------------------------------
+    def api_call(self, info: ApiInfo, func: Callable, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        call = f"{info.key}_{self.session.next_call(info.key)}"
+        if self.overflow is not None:
+            return self._overflow_call(call, info, func, args, kwargs)
+        fwd = self.selector.select(call, info, "forward")
+        bwd = self.selector.may_backward(call, info) and torch.is_grad_enabled()
+        if not (fwd or bwd):
+            return func(*args, **kwargs)
+        with guard():
+            items = call_items(args, kwargs)
+            inplace = is_inplace(info, kwargs)
+            pre = self.describe(items, "input") if fwd and inplace else None
+            edges = bw.prepare(items) if bwd else None
+            min_seq = bw.sequence_probe() if edges and edges[0] and inplace else None
+            source = user_source()
+            stack = user_stack() if self.settings.with_stack else None
+        out = func(*args, **kwargs)
+        with guard():
+            outs = output_items(out)
+            if fwd:
+                ins = pre if pre is not None else self.describe(items, "input")
+                self.write(call, info, "forward", ins, self.describe(outs, "output"), source, stack)
+            if edges and edges[0]:
+                self._attach(call, info, edges, outs, source, stack, min_seq)
+        return out
+
+    def _attach(self, call: str, info: ApiInfo, edges, outs, source, stack, min_seq, **extra: Any) -> None:
+        def emit(_name: str, grad_ins, grad_outs) -> None:
+            self.emit_backward(call, info, grad_ins, grad_outs, source, stack, **extra)
+
+        bw.attach(call, edges[0], edges[1], outs, self.flusher, emit, guard, min_seq)
+
+    def emit_backward(self, call: str, info: ApiInfo, grad_ins, grad_outs, source, stack, **extra: Any) -> None:
+        if self.overflow is not None:
+            self._check_overflow(call, info, "backward", grad_ins, grad_outs, None, source)
+            return
+        if not self.selector.select(call, info, "backward"):
+            return
+        self.write(call, info, "backward", self.describe(grad_ins, "input"), self.describe(grad_outs, "output"),
+                   source, stack, **extra)
+
+    # ---- overflow check -------------------------------------------------------------------------
+    def _overflow_call(self, call: str, info: ApiInfo, func: Callable, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        if not self.overflow.enabled:
+            return func(*args, **kwargs)
+        with guard():
+            items = call_items(args, kwargs)
+            inplace = is_inplace(info, kwargs)
+            before = None
+            if inplace:  # keep the pre-call values: the call overwrites them
+                before = [(n, v.detach().clone() if isinstance(v, torch.Tensor) else v) for n, v in items]
+            edges = bw.prepare(items) if torch.is_grad_enabled() else None
+            min_seq = bw.sequence_probe() if edges and edges[0] and inplace else None
+        out = func(*args, **kwargs)
+        with guard():
+            outs = output_items(out)
+            source = user_source()
+            if edges and edges[0]:
+                self._attach(call, info, edges, outs, source, None, min_seq)
+            self._check_overflow(call, info, "forward", before if before is not None else items, outs, func, source)
+        return out
+
+    def _check_overflow(self, call: str, info: ApiInfo, direction: str, ins, outs, func, source) -> None:
+        if not self.overflow.enabled:
+            return
+        if not nonfinite([v for _, v in outs]) or nonfinite([v for _, v in ins]):
+            return
+        self.write(call, info, direction, self.describe(ins, "input"), self.describe(outs, "output"), source,
+                   None, overflow=self.overflow.count + 1)
+        name = f"{call}_{direction}"
+        log.warning("overflow: %s produced nan/inf from finite inputs (at %s)", name, source or "?")
+        if self.overflow.hit():
+            self.overflow.enabled = False
+            self.session.close()
+            raise DumpOverflowError(f"[overflow {self.overflow.count} times]: first overflowing API {name} at "
+                                    f"{source or '?'}; dump file is saved in '{self.session.index_path}'")
+
+
+class DumpMode(TorchFunctionMode):
+    """Routes every top-level torch API call to a :class:`Recorder`."""
+
+    def __init__(self, recorder: Recorder):
+        super().__init__()
+        self.recorder = recorder
+        self.table = api_table()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling() or passthrough():
+            return func(*args, **kwargs)
+        try:
+            info = self.table.get(func)
+        except TypeError:
+            info = None
+        if info is None:
+            return func(*args, **kwargs)
+        return self.recorder.api_call(info, func, args, kwargs)
