@@ -21,6 +21,7 @@ __all__ = ["main", "build_parser"]
 _COMMANDS = (
     "cmd_diff",
     "minify_cmd",
+    "ranks",
 )
 
 
