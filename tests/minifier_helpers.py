@@ -130,3 +130,22 @@ def mlp_graph(layers: int = 2, width: int = 8, batch: int = 4, backward: bool = 
 
 def compute_nodes(gm: fx.GraphModule) -> List[fx.Node]:
     return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def wrong_erf_add_pair(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """Wrong where an erf feeds an add and the erf itself is not a graph output (so it is "fused" away):
+    a fusion-dependent bug that disappears when every intermediate is returned."""
+    g = fx.Graph()
+    env = {}
+    for n in gm.graph.nodes:
+        new = g.node_copy(n, lambda a: env[a])
+        if n.op == "call_function" and n.target is torch.ops.aten.add.Tensor and any(
+                a.op == "call_function" and a.target in ERF_TARGETS and all(u.op != "output" for u in a.users)
+                for a in n.all_input_nodes):
+            new.target = _add_plus_eps
+        env[n] = new
+    return fx.GraphModule(gm, g).forward
+
+
+def _add_plus_eps(a, b, **kw):
+    return torch.ops.aten.add.Tensor(a, b, **kw) + 0.05
