@@ -9,11 +9,18 @@ from .errors import (AccuracyError, ConfigError, DetermError, DeviceUnavailableE
                      TraceFormatError, UnsupportedDtypeError)
 from .fingerprint import fingerprint_tensors, hash_tensor, hash_tensors, tensor_stats
 from .seed import seed_all
+from .errors import NondeterminismError
+from .modes import BitwiseEquivalenceMode, HashDebugTrace, HashMode, read_hash_log
+from .observer import (Observer, ObserverContext, disable_mode, enable_mode, marking_non_deterministic, observe,
+                       observe_grad, observe_non_deterministic)
 
 __all__ = [
     "hash_tensor", "hash_tensors", "tensor_stats", "fingerprint_tensors", "seed_all",
     "DetermError", "ConfigError", "UnsupportedDtypeError", "DeviceUnavailableError", "TraceFormatError",
     "ReproError", "AccuracyError", "OracleError",
+    "NondeterminismError", "HashMode", "HashDebugTrace", "BitwiseEquivalenceMode", "read_hash_log",
+    "Observer", "ObserverContext", "observe", "observe_grad", "observe_non_deterministic", "marking_non_deterministic",
+    "enable_mode", "disable_mode",
 ]
 
 __version__ = "0.1.0"

@@ -3,10 +3,11 @@
 :class:`OpRecorder` turns each aten op seen by a dispatch mode into trace
 records (one per tensor the op returns or writes), with:
 
-* ``node``: ``<op>@<file>:<line>#<k>`` -- the k-th call of that op from that user
-  source line (backward ops: ``.../bw#k``, named after the forward line that
-  created their autograd node).  Names are stable when another line gains or loses
-  an op, so two runs pair by name; ``.j`` suffixes the outputs of multi-output ops;
+* ``node``: ``<op>@<file>:<function>+<line offset>#<k>`` -- the k-th call of that
+  op from that user line (backward ops: ``.../bw#k``, named after the forward line
+  that created their autograd node).  Names are stable when another line gains or
+  loses an op, or lines move in another function, so two runs pair by name; ``.j``
+  suffixes the outputs of multi-output ops; ``source`` keeps the absolute file:line;
 * ``inputs``: the records that produced the op's tensor inputs (tensor identity
   and version counter, so in-place updates are followed); a tensor not produced
   under the mode (parameter, user input, a value made elsewhere) gets an
@@ -33,9 +34,9 @@ from . import _torch_compat as _compat
 from . import fingerprint as _fp
 from .trace import Record, format_hash
 
-__all__ = ["OpRecorder", "OpEvent", "iter_args", "written_tensors", "user_frames", "short_source"]
+__all__ = ["OpRecorder", "OpEvent", "iter_args", "written_tensors", "user_frames"]
 
-FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, node) of its forward op
+FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, name location) of its forward op
 _CLONE_LIMIT = 1 << 20  # bytes: smaller outputs are cloned and hashed in a batch, larger hashed at once
 _INTERNAL_ROOTS = tuple(os.path.join(p, "") for p in (
     os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
@@ -71,11 +72,6 @@ class _FrameFilter:
 def user_frames(frame, depth: int = 8) -> List[str]:
     """``file:line in function`` of the first ``depth`` frames outside torch, determ and the stdlib."""
     return [f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" for f in _FrameFilter().user_frames(frame, depth)]
-
-
-def short_source(source: Optional[str]) -> str:
-    """``/a/b/model.py:12`` -> ``model.py:12`` (``?`` when unknown)."""
-    return os.path.basename(source) if source else "?"
 
 
 def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bool = False) -> list:
@@ -205,18 +201,24 @@ class OpRecorder:
         self._autograd_node = _compat.current_autograd_node_getter()
 
     # -- source lines --------------------------------------------------------------------------
-    def _where(self, frame) -> Tuple[Optional[str], Optional[List[str]]]:
+    def _where(self, frame) -> Tuple[Optional[str], str, Optional[List[str]]]:
+        """``(source file:line, location for names, stack)`` of the first user frame.
+
+        The location is ``file:function+offset`` (line relative to the function's first
+        line), so names survive lines added or removed in other functions."""
         frames = self._frames.user_frames(frame, self.stack_depth)
         if not frames:
-            return None, None
+            return None, "?", None
         f = frames[0]
-        source = f"{f.f_code.co_filename}:{f.f_lineno}"
+        code = f.f_code
+        source = f"{code.co_filename}:{f.f_lineno}"
+        loc = f"{os.path.basename(code.co_filename)}:{code.co_name}+{f.f_lineno - code.co_firstlineno}"
         if self.stack_depth == 1:
-            return source, None
-        return source, [f"{g.f_code.co_filename}:{g.f_lineno} in {g.f_code.co_name}" for g in frames]
+            return source, loc, None
+        return source, loc, [f"{g.f_code.co_filename}:{g.f_lineno} in {g.f_code.co_name}" for g in frames]
 
-    def _name(self, op: str, source: Optional[str], suffix: str = "") -> str:
-        base = f"{op}@{short_source(source)}{suffix}"
+    def _name(self, op: str, loc: str, suffix: str = "") -> str:
+        base = f"{op}@{loc}{suffix}"
         k = self._counts.get(base, 0)
         self._counts[base] = k + 1
         return f"{base}#{k}"
@@ -244,14 +246,14 @@ class OpRecorder:
                 return
         self._producers[key] = (StorageWeakRef(t.untyped_storage()), rec, _version(t) if version is None else version)
 
-    def _input_record(self, t: torch.Tensor, source: Optional[str], events: list) -> Record:
+    def _input_record(self, t: torch.Tensor, source: Optional[str], loc: str, events: list) -> Record:
         named = self.names.get(id(t))
         if named is not None and named[0]() is t:
             k = self._counts.get(named[1], 0)
             self._counts[named[1]] = k + 1
             rec = self._record(named[1] if k == 0 else f"{named[1]}#{k}", "param", "param", source, t)
         else:
-            rec = self._record(self._name("input", source), "input", "input", source, t)
+            rec = self._record(self._name("input", loc), "input", "input", source, t)
         self._capture(rec, t)
         self.set_producer(t, rec)
         events.append(OpEvent(rec.op, source, None, [], [rec], [str(t.device)], []))
@@ -276,10 +278,9 @@ class OpRecorder:
         if node is not None:
             backward = node.name()
             fwd = node.metadata.get(FORWARD_KEY)
-        source, stack = self._where(frame)
-        if fwd is not None:
-            stack = (stack or [source]) if self.stack_depth > 1 else None
-            source = fwd[0]
+        source, loc, stack = self._where(frame)
+        if fwd is not None:  # name backward ops after the forward line that created their node
+            source, loc = fwd
         found = iter_args(args, kwargs, [], self.describe_args)
         in_recs, arg_desc, events = [], [], []
         grad_on = node is None and torch.is_grad_enabled()
@@ -289,25 +290,26 @@ class OpRecorder:
                 continue
             rec = self.producer(t)
             if rec is None:
-                rec = self._input_record(t, source, events)
+                rec = self._input_record(t, source, loc, events)
             elif grad_on and t.requires_grad:
                 self._tag_grad_fn(t, rec)
             in_recs.append(rec)
             if self.describe_args:
                 arg_desc.append((path, rec, None, str(t.device)))
-        return (func, source, stack, backward, compiled, in_recs, arg_desc, events)
+        return (func, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
 
     @staticmethod
     def _tag_grad_fn(t: torch.Tensor, rec: Record) -> None:
         gf = t.grad_fn
         if gf is not None:
             md = gf.metadata
-            if FORWARD_KEY not in md:
-                md[FORWARD_KEY] = (rec.source, rec.node)
+            if FORWARD_KEY not in md and "@" in rec.node:
+                loc = rec.node.split("@", 1)[1].rsplit("#", 1)[0]
+                md[FORWARD_KEY] = (rec.source, loc[:-3] if loc.endswith("/bw") else loc)
 
     def end(self, ctx: tuple, result, args, kwargs, nondeterministic: bool = False) -> List[Record]:
         """After the op ran: one record per tensor (or Python scalar) it produced."""
-        func, source, stack, backward, compiled, in_recs, arg_desc, events = ctx
+        func, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
         info = self._writes.get(func)
         if info is None:
             info = self._writes[func] = (_schema_writes(func), _returns_view(func))
@@ -316,7 +318,7 @@ class OpRecorder:
         # a view shares its base's version counter only once autograd has wrapped it
         version = _version(in_recs and _first_tensor(args)) if is_view and in_recs else None
         op = str(func)
-        base = self._name(op, source, "/bw" if backward else "")
+        base = self._name(op, loc, "/bw" if backward else "")
         extra = self._extra(stack, backward, compiled, nondeterministic)
         recs = []
         for j, t in enumerate(outs):

@@ -21,12 +21,13 @@ Per-op recording lives in :mod:`determ_backend._modes_record`, the log format in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
 import weakref
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
@@ -163,6 +164,20 @@ class HashMode(TorchDispatchMode):
         else:
             self.flush()
             self._active = False
+
+    @property
+    def is_recording(self) -> bool:
+        return self._on_stack and self._active
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run inside are not recorded (the mode stays where it is on the dispatch stack)."""
+        prev = self._active
+        self._active = False
+        try:
+            yield
+        finally:
+            self._active = prev
 
     def flush(self) -> None:
         """Fingerprint pending outputs; afterwards :attr:`records` (and the trace file) are complete."""

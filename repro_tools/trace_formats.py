@@ -19,7 +19,7 @@ def _is_text_log(path: Path) -> bool:
 def _load_text_log(path: Path, allow_partial: bool) -> List[Record]:
     from determ_backend.modes import read_hash_log  # provided by the eager tools
 
-    return read_hash_log(path)
+    return read_hash_log(path, allow_partial=allow_partial)
 
 
 LOADERS: Tuple[Tuple[Callable[[Path], bool], Callable[[Path, bool], List[Record]]], ...] = (
