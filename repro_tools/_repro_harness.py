@@ -1,19 +1,14 @@
-"""Runtime of a generated ``repro.py``: loading inputs, compiling, checking, the subcommands.
+"""Runtime of a generated ``repro.py``, part 2: compiling, checking, the subcommands.
 
-:mod:`repro_tools.repro_script` copies this file's source (minus the placeholder
-block below) into every script it writes, after the script's data (``META``,
-``INPUTS``, ``ATTRS``) and its ``class Repro``.  It must therefore import nothing
-but the standard library and torch: a repro runs where only torch is installed.
-determ is imported lazily, only by the ``minify`` and ``analyze`` subcommands.
+Copied into every script after :mod:`repro_tools._repro_inputs` (see there).
+Only the standard library and torch may be imported here; determ is imported
+lazily, by the ``minify`` and ``analyze`` subcommands only.
 """
 
 import argparse
 import contextlib
 import copy
-import hashlib
-import json
 import os
-import struct
 import subprocess
 import sys
 import traceback
@@ -21,143 +16,13 @@ import traceback
 import torch
 
 # --- placeholders: replaced by the generated script's own definitions (not copied) ---
-META = {}
-INPUTS = []
-ATTRS = []
+from repro_tools._repro_inputs import META, INPUTS, ReproInputError, _device, _dtype, load_args  # noqa: F401
 Repro = torch.nn.Module
 
 
 def compile_config():
     return []
 # --- end placeholders ---
-
-try:  # inside determ's process, input errors are determ's ReproError (a DetermError)
-    from determ_backend.errors import ReproError as _ReproBase
-except ImportError:
-    _ReproBase = RuntimeError
-
-
-class ReproInputError(_ReproBase):
-    """The repro's content store, an input file or a setting cannot be used."""
-
-
-def _here():
-    return os.path.dirname(os.path.abspath(__file__))
-
-
-def _store_dirs():
-    dirs = [os.path.join(_here(), META.get("store", "repro_store"))]
-    if META.get("store_abs"):
-        dirs.append(META["store_abs"])
-    return dirs
-
-
-def read_storage(key):
-    """Bytes of one stored storage (a one-tensor safetensors file), checksum verified."""
-    tried = [os.path.join(d, key + ".safetensors") for d in _store_dirs()]
-    path = next((p for p in tried if os.path.isfile(p)), None)
-    if path is None:
-        raise ReproInputError(f"{tried[0]}: missing input file (content store of {os.path.basename(__file__)}; "
-                              "copy the repro_store directory next to the script)")
-    with open(path, "rb") as f:
-        blob = f.read()
-    try:
-        (n,) = struct.unpack("<Q", blob[:8])
-        header = json.loads(blob[8:8 + n])
-        start, end = header["data"]["data_offsets"]
-        data = bytearray(blob[8 + n + start:8 + n + end])
-    except (struct.error, ValueError, KeyError, TypeError):
-        raise ReproInputError(f"{path}: corrupt content store file (not a one-tensor safetensors file)") from None
-    if hashlib.sha256(data).hexdigest()[:len(key)] != key:
-        raise ReproInputError(f"{path}: corrupt content store file (checksum does not match its name)")
-    return data
-
-
-def _dtype(name):
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ReproInputError(f"{__file__}: unknown dtype {name!r} in the input description")
-    return dt
-
-
-def _device(spec, override):
-    dev = torch.device(override or spec.get("device", "cpu"))
-    if dev.type != "cpu":
-        mod = getattr(torch, dev.type, None)
-        if mod is None or not mod.is_available():
-            raise ReproInputError(f"input {spec.get('name')!r} needs device {dev}, which is not available here "
-                                  "(use --device cpu to run on the CPU)")
-    return dev
-
-
-def _span(shape, stride, offset):
-    if any(s == 0 for s in shape):
-        return offset
-    return offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride))
-
-
-def make_tensor(spec, gen, device=None, cache=None):
-    """One tensor from its description: stored storage bytes, or regenerated with ``gen``."""
-    dtype, dev = _dtype(spec["dtype"]), _device(spec, device)
-    shape, stride, offset = spec["shape"], spec["stride"], spec.get("offset", 0)
-    key = spec.get("storage")
-    if key is not None:
-        if cache is None or key not in cache:
-            raw = read_storage(key)
-            base = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-            base = base.to(dev)
-            if cache is not None:
-                cache[key] = base
-        else:
-            base = cache[key]
-        t = torch.empty(0, dtype=dtype, device=dev).set_(base.untyped_storage(), offset, shape, stride)
-    else:
-        n = _span(shape, stride, offset)
-        if dtype.is_floating_point or dtype.is_complex:
-            flat = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
-        elif dtype == torch.bool:
-            flat = torch.randint(0, 2, (n,), generator=gen).bool()
-        else:
-            flat = torch.randint(0, 2, (n,), generator=gen).to(dtype)
-        t = flat.to(dev).as_strided(shape, stride, offset)
-    if spec.get("requires_grad"):
-        t.requires_grad_(True)
-    return t
-
-
-def _value(spec, gen, device, cache):
-    if spec["kind"] == "tensor":
-        return make_tensor(spec, gen, device, cache)
-    if spec["kind"] == "device":
-        return torch.device(spec["value"])
-    if spec["kind"] == "dtype":
-        return _dtype(spec["value"])
-    return spec.get("value")
-
-
-def load_args(device=None):
-    """The graph's inputs: from the content store, or regenerated (fixed seed) when data was not saved."""
-    gen = torch.Generator().manual_seed(int(META.get("seed", 1234)))
-    cache = {}
-    return [_value(s, gen, device, cache) for s in INPUTS]
-
-
-def install_attrs(root, device=None):
-    """Parameters, buffers and constants of ``Repro`` (``ATTRS``), installed by dotted name."""
-    gen = torch.Generator().manual_seed(int(META.get("seed", 1234)) + 1)
-    cache = {}
-    for spec in ATTRS:
-        t = make_tensor(spec, gen, device, cache)
-        *path, leaf = spec["name"].split(".")
-        mod = root
-        for p in path:
-            if not hasattr(mod, p):
-                mod.add_module(p, torch.nn.Module())
-            mod = getattr(mod, p)
-        if spec.get("attr_kind") == "parameter":
-            mod.register_parameter(leaf, torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad))
-        else:
-            mod.register_buffer(leaf, t.detach())
 
 
 def _clone(args):
@@ -281,57 +146,99 @@ def _report(stage, err):
     return 1
 
 
-def _run_checks(args_ns):
-    kind = args_ns.kind or META.get("kind", "any")
+def _setup(ns):
     try:
-        mod = Repro()
-        args = load_args(args_ns.device)
-        if args_ns.device:
-            mod.to(args_ns.device)
-        compiler = resolve_compiler(META.get("compiler", "eager"))
+        mod, args = Repro(), load_args(ns.device)
+        if ns.device:
+            mod.to(ns.device)
+        return mod, args, resolve_compiler(META.get("compiler", "eager"))
     except ReproInputError:
         raise
     except Exception as err:
         raise ReproInputError(f"{__file__}: cannot set up the repro ({type(err).__name__}: {err})") from err
+
+
+def _on(spec, mod, args):
+    """``mod`` and ``args`` moved to a device spec such as ``cuda`` or ``cpu:float64``."""
+    dev, _, dt = spec.partition(":")
+    dtype = _dtype(dt) if dt and not dt.isdigit() else None
+    dev = _device({"device": dev if not dt.isdigit() else spec, "name": spec}, None)
+    m = copy.deepcopy(mod).to(dev)
+    moved = [a.detach().to(dev) if isinstance(a, torch.Tensor) else a for a in args]
+    if dtype is not None:
+        m = m.to(dtype)
+        moved = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in moved]
+    return m, moved
+
+
+def _cross_device(mod, compiler, args, tol):
+    runs = []
+    for spec in META.get("devices", ["cpu", "cpu:float64"]):
+        m, a = _on(spec, mod, args)
+        runs.append([o.detach().double().cpu() for o in _flat(compile_repro(m, a, compiler)(a))
+                     if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())])
+    bad = [i for i, (x, y) in enumerate(zip(*runs)) if not torch.allclose(x, y, atol=tol, rtol=tol, equal_nan=True)]
+    return f"outputs {bad} differ beyond tol={tol:g} between {' and '.join(META.get('devices', []))}" if bad else None
+
+
+def _check(kind, mod, fn, compiler, args, ns):
+    """A message when ``kind`` reproduces (errors propagate), else None."""
+    if kind == "accuracy":
+        msg = check_accuracy(mod, fn, args, ns.tol, ns.strict)
+        return msg and f"AccuracyError: {msg}"
+    if kind == "nondeterminism":
+        outs = []
+        for _ in range(int(META.get("runs", 2))):
+            torch.manual_seed(int(META.get("seed", 1234)))
+            outs.append(run_fwd_maybe_bwd(fn, args))
+        same = all(_bitwise_equal(outs[0], o) for o in outs[1:])
+        return None if same else "runs of the compiled graph on identical inputs differ bitwise"
+    if kind == "cross_device":
+        return _cross_device(mod, compiler, args, ns.tol)
+    fn(_clone(args))
+    return None
+
+
+def _run_checks(ns):
+    kind = ns.kind or META.get("kind", "any")
+    mod, args, compiler = _setup(ns)
     try:
         fn = compile_repro(mod, args, compiler)
     except Exception as err:
         return _report("compile_error", err)
     try:
-        if kind == "accuracy":
-            msg = check_accuracy(mod, fn, args, args_ns.tol, args_ns.strict)
-            if msg:
-                print(f"reproduced accuracy: AccuracyError: {msg}")
-                return 1
-        elif kind == "nondeterminism":
-            outs = []
-            for _ in range(2):
-                torch.manual_seed(int(META.get("seed", 1234)))
-                outs.append(run_fwd_maybe_bwd(fn, args))
-            if not _bitwise_equal(*outs):
-                print("reproduced nondeterminism: two runs of the compiled graph on identical inputs differ bitwise")
-                return 1
-        else:
-            fn(_clone(args))
+        msg = _check(kind, mod, fn, compiler, args, ns)
     except Exception as err:
         return _report("runtime_error", err)
+    if msg:
+        print(f"reproduced {kind}: {msg}")
+        return 1
     print(f"not reproduced: the compiled graph ran and passed the {kind} check")
     return 0
 
 
-def _run(args_ns):
-    kind = args_ns.kind or META.get("kind", "any")
-    if kind in ("crash", "any") and not args_ns.in_process:
-        cmd = [sys.executable, os.path.abspath(__file__), "run", "--in-process"] + _forward_flags(args_ns)
-        proc = subprocess.run(cmd)
-        if proc.returncode < 0:
-            import signal
-            name = signal.Signals(-proc.returncode).name
-            print(f"reproduced crash: the compiled graph killed the process with {name}")
-            return 1
-        return proc.returncode
+def _run_isolated(ns, kind):
+    """Crash and hang checks: the same command in a child process, judged by how it ends."""
+    cmd = [sys.executable, os.path.abspath(__file__), "run", "--in-process"] + _forward_flags(ns)
+    timeout = float(META.get("timeout", 300)) if kind == "hang" else None
+    try:
+        proc = subprocess.run(cmd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"reproduced hang: no answer within {timeout:g} s")
+        return 1
+    if proc.returncode < 0:
+        import signal
+        print(f"reproduced crash: the compiled graph killed the process with {signal.Signals(-proc.returncode).name}")
+        return 1
+    return proc.returncode
+
+
+def _run(ns):
+    kind = ns.kind or META.get("kind", "any")
+    if kind in ("crash", "hang", "any") and not ns.in_process:
+        return _run_isolated(ns, kind)
     with config_applied():
-        return _run_checks(args_ns)
+        return _run_checks(ns)
 
 
 def _forward_flags(ns):
@@ -393,7 +300,8 @@ def main(argv=None):
     if command == "get-args":
         p.add_argument("--out", help="also save the inputs to this file (torch.save)")
     else:
-        p.add_argument("--kind", choices=("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash", "any"),
+        p.add_argument("--kind", choices=("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash",
+                                          "hang", "cross_device", "any"),
                        help=f"failure to check for (default: the recorded one, {META.get('kind', 'any')})")
         p.add_argument("--tol", type=float, default=float(META.get("tol", 1e-3)), help="accuracy tolerance")
         p.add_argument("--strict", action="store_true", default=bool(META.get("strict")),
