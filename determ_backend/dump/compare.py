@@ -95,7 +95,8 @@ def _fmt(v: Any) -> Any:
     return "N/A" if v is None else v
 
 
-def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, db: Dump, exact: bool):
+def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, db: Dump):
+    """A CSV row and the metrics of one tensor pair (metrics None when a side is missing)."""
     row: Dict[str, Any] = {c: "N/A" for c in CSV_COLUMNS}
     row.update({"NPU Name": name_a or "N/A", "Bench Name": name_b or "N/A", "Root Cause": "No", "Err_message": ""})
     for side, t in (("NPU", ta), ("Bench", tb)):
@@ -110,10 +111,9 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
         row["Err_message"] = "no counterpart in the other dump (extra or missing op or argument)"
         return row, None
     if "dtype" not in ta or "dtype" not in tb:
-        same = ta.get("value") == tb.get("value")
-        row["Bitwise Equal"] = "Yes" if same else "No"
-        row["Accuracy Reached or Not"] = "Yes" if same else "No"
-        return row, same
+        same = ta.get("value") == tb.get("value") and ta.get("type") == tb.get("type")
+        row["Bitwise Equal"] = row["Accuracy Reached or Not"] = "Yes" if same else "No"
+        return row, {"bitwise": same, "same_dtype": True}
     m: Dict[str, Any] = {"same_dtype": ta["dtype"] == tb["dtype"]}
     if "hash" in ta and "hash" in tb:
         m["bitwise"] = ta["hash"] == tb["hash"] and m["same_dtype"]
@@ -134,26 +134,32 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
     if "bitwise" in m:
         row["Bitwise Equal"] = "Yes" if m["bitwise"] else "No"
     row["Accuracy Reached or Not"] = accuracy_reached(m)
-    return row, tensor_match(m, exact)
+    return row, m
 
 
 def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool) -> Dict[str, List[Optional[bool]]]:
-    """Fill ``pa.rows``; returns the match verdicts of the ``inputs`` (non-parameter) and ``outputs``."""
-    verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "outputs": []}
+    """Fill ``pa.rows``; returns the match verdicts of the (non-parameter) ``inputs`` and the ``outputs``.
+
+    Bitwise verdicts only when ``exact`` and every paired tensor of the call has the same dtype on both sides:
+    a call fed a bf16 tensor on one side and fp32 on the other is judged by tolerance, outputs included."""
+    found = []
     for io_ in ("inputs", "outputs"):
         la = (pa.a or {}).get(io_, [])
         lb = (pa.b or {}).get(io_, [])
-        by_b = {t.get("name"): t for t in lb}
-        names = [t.get("name") for t in la] + [n for n in by_b if n not in {t.get("name") for t in la}]
-        by_a = {t.get("name"): t for t in la}
-        for n in names:
+        by_a, by_b = {t.get("name"): t for t in la}, {t.get("name"): t for t in lb}
+        order = [t.get("name") for t in la] + [n for n in by_b if n not in by_a]
+        for n in order:
             ta, tb = by_a.get(n), by_b.get(n)
-            row, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
-                                 f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, exact)
-            row["_io"], row["_match"] = io_, v
-            pa.rows.append(row)
-            if io_ == "inputs" and ((ta or tb) or {}).get("param"):
-                continue
+            row, m = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
+                                 f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db)
+            found.append((io_, row, m, bool((ta or tb or {}).get("param"))))
+    api_exact = exact and all(m is None or m.get("same_dtype", True) for _, _, m, _ in found)
+    verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "outputs": []}
+    for io_, row, m, param in found:
+        v = None if m is None else tensor_match(m, api_exact)
+        row["_io"], row["_match"] = io_, v
+        pa.rows.append(row)
+        if not (io_ == "inputs" and param):
             verdicts[io_].append(v)
     return verdicts
 
@@ -199,7 +205,7 @@ def _unmatched_rows(pa: ApiPair, e: Dict[str, Any], side: str) -> None:
         for t in e.get(io_, []):
             n = f"{e['name']}_{t.get('name')}"
             row, _ = _tensor_row(n if side == "NPU" else None, n if side == "Bench" else None,
-                                 t if side == "NPU" else None, t if side == "Bench" else None, None, None, True)
+                                 t if side == "NPU" else None, t if side == "Bench" else None, None, None)
             row["_io"], row["_match"] = io_, None
             pa.rows.append(row)
 

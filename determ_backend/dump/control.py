@@ -54,7 +54,7 @@ overflow_check = _HookKind("overflow_check")
 
 
 def _needs_npu(what: str) -> None:
-    msg = f"{what}: ACL-level dumps are an Ascend driver feature and need an Ascend NPU with torch_npu"
+    msg = f"{what} needs an Ascend NPU: ACL-level dumps are a feature of the Ascend driver and torch_npu"
     if not devices.is_available("npu"):
         raise DeviceUnavailableError(msg + "; no NPU is available on this machine (use mode='all' or 'api_stack')")
     raise ConfigError(msg + "; determ does not drive ACL dumps: use the API-level modes, or msprobe's ACL dump")

@@ -88,7 +88,7 @@ def tensor_match(m: Dict[str, Any], exact: bool) -> Optional[bool]:
         return True
     if "error" in m:
         return False
-    if exact and m.get("same_dtype", True) and "bitwise" in m:
+    if exact and "bitwise" in m:
         return False
     verdict = accuracy_reached(m)
     return None if verdict == "N/A" else verdict == "Yes"

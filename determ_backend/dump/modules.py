@@ -72,7 +72,9 @@ class _RegionHooks:
             call = f"{self.info.key}_{self.rec.session.next_call(self.info.key)}"
             items = call_items(args, kwargs)
             bwd = self.rec.overflow is None and self.rec.selector.may_backward(call, self.info) and torch.is_grad_enabled()
-            edges = bw.prepare(items) if bwd else None
+            # the region's own parameters count as inputs of its backward record (their gradients are outputs)
+            params = [(f"input.{n.replace('_orig_mod.', '')}", p) for n, p in module.named_parameters()]
+            edges = bw.prepare(items + params) if bwd else None
             min_seq = bw.sequence_probe() if edges and edges[0] else None
             stack = user_stack() if self.rec.settings.with_stack else None
             self._stack.append((call, edges, min_seq, user_source(), stack))

@@ -1,0 +1,216 @@
+"""API dump + compare: root cause, alignment, dtypes, statistics mode, overflow, compiled regions."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from determ_backend import dump
+from determ_backend.dump import hooks as dump_hooks
+from determ_backend.errors import ConfigError, DetermError, DeviceUnavailableError, TraceFormatError
+from dump_helpers import batch, compare_two, dump_run, make_net, names, train_step
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    dump.remove_hooks()
+
+
+def _root_causes(cmp):
+    return [p.a["name"] for p in cmp.root_causes]
+
+
+def test_star_import_gives_the_ptdbg_names():
+    ns = {}
+    exec("from determ_backend.dump import *", ns)
+    for name in ("seed_all", "set_dump_path", "register_hook", "set_dump_switch", "set_overflow_check_switch",
+                 "compare", "compare_distributed", "parse", "acc_cmp_dump", "overflow_check"):
+        assert name in ns
+
+
+def test_records_forward_and_backward_with_ptdbg_names(tmp_path):
+    idx = dump_run(tmp_path, "a", make_net())
+    got = names(idx)
+    for n in ("Functional_conv2d_0_forward", "Functional_relu_0_forward", "Tensor_flatten_0_forward",
+              "Functional_linear_0_forward", "Torch_relu_0_forward", "Functional_linear_1_forward",
+              "Functional_cross_entropy_0_forward", "Functional_linear_0_backward", "Functional_conv2d_0_backward"):
+        assert n in got
+    d = dump.read_dump(idx)
+    conv_b = d.by_name("Functional_conv2d_0_backward")
+    # backward inputs: grad of the output; outputs: grads of weight and bias (x does not require grad)
+    assert [t["shape"] for t in conv_b["inputs"]] == [[4, 4, 6, 6]]
+    assert sorted(t["name"] for t in conv_b["outputs"]) == ["output.1", "output.2"]
+    lin = d.by_name("Functional_linear_0_forward")
+    assert [t.get("param", False) for t in lin["inputs"]] == [False, True, True]
+
+
+def test_backward_gradients_are_the_real_gradients(tmp_path):
+    net = make_net()
+    idx = dump_run(tmp_path, "a", net)
+    d = dump.read_dump(idx)
+    e = d.by_name("Functional_linear_1_backward")
+    grad_w = next(t for t in e["outputs"] if t["name"] == "output.1")
+    assert torch.equal(d.tensor(grad_w), net.fc2.weight.grad)
+
+
+def test_perturbed_layer_is_the_root_cause_not_its_backward_or_consumers(tmp_path):
+    a = dump_run(tmp_path, "a", make_net())
+    b = dump_run(tmp_path, "b", make_net(perturb="fc1.weight"))
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Functional_linear_0_forward"]
+    rows = list(csv.DictReader(open(cmp.csv_path)))
+    yes = [r["NPU Name"] for r in rows if r["Root Cause"] == "Yes"]
+    assert yes == ["Functional_linear_0_forward_output"]
+    before = [r for r in rows if r["NPU Name"].startswith("Functional_conv2d_0_forward")]
+    assert all(r["Bitwise Equal"] == "Yes" for r in before)
+
+
+def test_extra_identity_op_does_not_break_the_pairing(tmp_path):
+    a = dump_run(tmp_path, "a", make_net())
+    b = dump_run(tmp_path, "b", make_net(extra=True, perturb="fc2.weight"))
+    cmp = compare_two(b, a, tmp_path / "out")
+    unpaired = [(p.a or p.b)["name"] for p in cmp.pairs if p.a is None or p.b is None]
+    assert unpaired == ["Torch_relu_0_forward", "Torch_relu_0_backward"]
+    shifted = next(p for p in cmp.pairs if p.a and p.a["name"] == "Torch_relu_1_forward")
+    assert shifted.b["name"] == "Torch_relu_0_forward" and not shifted.output_diverges
+    assert _root_causes(cmp) == ["Functional_linear_1_forward"]
+
+
+def test_no_divergence_between_identical_runs(tmp_path, capsys):
+    a = dump_run(tmp_path, "a", make_net())
+    b = dump_run(tmp_path, "b", make_net())
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert not cmp.divergent and not cmp.root_causes
+    assert "no divergence" in capsys.readouterr().out
+
+
+def test_bf16_against_fp32(tmp_path):
+    a = dump_run(tmp_path, "fp32", make_net())
+    b = dump_run(tmp_path, "bf16", make_net(dtype=torch.bfloat16), step=lambda n: train_step(n, torch.bfloat16))
+    cmp = compare_two(b, a, tmp_path / "out")
+    unpaired = [(p.a or p.b)["name"] for p in cmp.pairs if p.a is None or p.b is None]
+    assert unpaired == ["Tensor_float_0_backward"]  # .float() of a float32 tensor returns it: no backward there
+    rows = list(csv.DictReader(open(cmp.csv_path)))
+    conv = next(r for r in rows if r["NPU Name"] == "Functional_conv2d_0_forward_output")
+    assert (conv["NPU Tensor Dtype"], conv["Bench Tensor Dtype"]) == ("torch.bfloat16", "torch.float32")
+    assert float(conv["Cosine"]) > 0.99 and conv["Accuracy Reached or Not"] == "Yes"
+    assert not cmp.root_causes
+    c = dump_run(tmp_path, "bf16bad", make_net(dtype=torch.bfloat16, perturb="fc1.weight", scale=0.5),
+                 step=lambda n: train_step(n, torch.bfloat16))
+    assert _root_causes(compare_two(c, a, tmp_path / "out2"))[:1] == ["Functional_linear_0_forward"]
+
+
+def test_statistics_only_dumps_compare(tmp_path):
+    a = dump_run(tmp_path, "a", make_net(), summary_only=True)
+    b = dump_run(tmp_path, "b", make_net(perturb="fc1.weight"), summary_only=True)
+    assert not (a.parent / "dump" / "tensors.bin").exists()
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Functional_linear_0_forward"]
+    row = next(r for r in cmp.rows if r["NPU Name"] == "Functional_linear_0_forward_output")
+    assert row["Cosine"] == "N/A" and row["Err_message"] == "statistics only" and row["Max diff"] != "N/A"
+
+
+@pytest.mark.parametrize("switch, expect, absent", [
+    (dict(mode="all"), ["Functional_conv2d_0_forward", "Functional_conv2d_0_backward"], []),
+    (dict(mode="list", scope=["Functional_linear_1_forward", "Torch_relu_0_backward"]),
+     ["Functional_linear_1_forward", "Torch_relu_0_backward"], ["Functional_linear_1_backward", "Torch_relu_0_forward"]),
+    (dict(mode="range", scope=["Tensor_flatten_0_forward", "Torch_relu_0_forward"]),
+     ["Tensor_flatten_0_forward", "Functional_linear_0_forward", "Torch_relu_0_forward"],
+     ["Functional_relu_0_forward", "Functional_linear_1_forward"]),
+    (dict(mode="api_list", api_list=["relu"]), ["Functional_relu_0_forward", "Torch_relu_0_backward"],
+     ["Functional_linear_0_forward"]),
+    (dict(mode="all", dump_mode=["backward"]), ["Functional_linear_0_backward"], ["Functional_linear_0_forward"]),
+])
+def test_dump_switch_selects_calls(tmp_path, switch, expect, absent):
+    got = names(dump_run(tmp_path, "a", make_net(), **switch))
+    assert all(n in got for n in expect) and not any(n in got for n in absent)
+
+
+@pytest.mark.parametrize("mode", ["api_stack", "stack"])
+def test_stack_modes_record_call_stacks(tmp_path, mode):
+    d = dump.read_dump(dump_run(tmp_path, "a", make_net(), mode=mode))
+    e = d.by_name("Functional_linear_0_forward")
+    assert any("dump_helpers.py" in s and "forward" in s for s in e["stack"])
+    has_data = "hash" in e["outputs"][0]
+    assert has_data == (mode == "api_stack")
+    assert dump.parse(d.path, "Functional_linear_0_forward")[0].startswith("Functional_linear_0_forward")
+
+
+def test_dump_mode_input_keeps_only_inputs_and_filter_off_keeps_scalars(tmp_path):
+    d = dump.read_dump(dump_run(tmp_path, "a", make_net(), dump_mode=["forward", "input"], filter_switch="OFF"))
+    e = d.by_name("Tensor_flatten_0_forward")
+    assert e["outputs"] == [] and {"name": "input.1", "type": "int", "value": 1} in e["inputs"]
+
+
+def test_acl_modes_need_an_ascend_npu(tmp_path):
+    dump.set_dump_path(tmp_path)
+    with pytest.raises(DeviceUnavailableError, match="needs an Ascend NPU"):
+        dump.set_dump_switch("ON", mode="acl", scope=["Tensor_permute_1_forward"])
+    with pytest.raises(DeviceUnavailableError, match="needs an Ascend NPU"):
+        dump.register_hook(make_net(), dump.acc_cmp_dump, dump_mode="acl", dump_config="./dump.json")
+
+
+def _overflowing_step(net):
+    x, _ = batch()
+    y = net(x)
+    z = torch.exp(y * 1e4)  # first overflow: exp of large finite values
+    (z * 2).sum()          # inputs already inf: not counted
+    torch.exp(y * 2e4)      # second overflow
+
+
+@pytest.mark.parametrize("nums, stops", [(1, True), (-1, False)])
+def test_overflow_check_finds_first_overflowing_api(tmp_path, nums, stops):
+    dump.set_dump_path(tmp_path, dump_tag="ovf")
+    dump.register_hook(make_net(), dump.overflow_check, overflow_nums=nums)
+    if stops:
+        with pytest.raises(dump.DumpOverflowError, match=r"overflow 1 times.*Torch_exp_0_forward"):
+            _overflowing_step(make_net())
+    else:
+        _overflowing_step(make_net())
+        dump.set_overflow_check_switch("OFF")
+    d = dump.read_dump(tmp_path / "ovf" / "rank0" / "overflow_dump.pkl")
+    expect = ["Torch_exp_0_forward"] if stops else ["Torch_exp_0_forward", "Torch_exp_1_forward"]
+    assert [e["name"] for e in d.entries] == expect
+    out = d.tensor(d.entries[0]["outputs"][0])
+    assert torch.isinf(out).any() and torch.isfinite(d.tensor(d.entries[0]["inputs"][0])).all()
+
+
+def test_compiled_model_is_an_opaque_entry_not_missing(tmp_path):
+    torch._dynamo.reset()
+    net = make_net()
+    compiled = torch.compile(net, backend="aot_eager")
+    x, t = batch()
+    expected = compiled(x)
+    idx = dump_run(tmp_path, "c", compiled, step=lambda n: F.cross_entropy(n(x), t).backward())
+    d = dump.read_dump(idx)
+    got = [e["name"] for e in d.entries]
+    assert got[0] == "Compiled_OptimizedModule_0_forward" and "Compiled_OptimizedModule_0_backward" in got
+    assert not any(n.startswith(("Functional_linear", "Functional_conv2d")) for n in got)
+    region = d.entries[0]
+    assert region["opaque"] is True and "determ backend" in region["note"]
+    assert torch.equal(d.tensor(region["outputs"][0]), expected)
+    assert not dump_hooks.passthrough()
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path):
+    a = dump_run(tmp_path, "a", make_net())
+    with pytest.raises(TraceFormatError, match="no such dump"):
+        compare_two(tmp_path / "missing", a, tmp_path / "out")
+    lines = a.read_text().splitlines()
+    cut = tmp_path / "cut" / "dump.pkl"
+    cut.parent.mkdir()
+    cut.write_text("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(TraceFormatError, match="truncated dump index"):
+        compare_two(cut, a, tmp_path / "out")
+    with pytest.raises(ConfigError, match="bench_pkl_path"):
+        dump.compare({"npu_pkl_path": str(a)}, tmp_path / "out")
+    data = a.parent / "dump" / "tensors.bin"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(TraceFormatError, match="truncated payload file"):
+        compare_two(a, a, tmp_path / "out")
+    with pytest.raises(DetermError, match="mode='range' needs scope"):
+        dump.set_dump_switch("ON", mode="range", scope=["x"])
