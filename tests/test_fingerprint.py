@@ -392,9 +392,9 @@ def _stable_tensors():  # its source also runs in the child process
             base[:5].to(torch.uint16), torch.tensor(-0.0), torch.zeros(0, 2)]
 
 
-@pytest.mark.parametrize("hashseed", ["0", "12345"])
-def test_same_value_in_a_fresh_process(hashseed):
-    env = dict(os.environ, PYTHONHASHSEED=hashseed)
+def test_same_value_in_a_fresh_process():
+    """Another interpreter, one intra-op thread, a fixed str-hash seed (ours is random): same values."""
+    env = dict(os.environ, PYTHONHASHSEED="12345")
     child = _CHILD.replace("{source}", inspect.getsource(_stable_tensors))
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=120, check=True)
     assert json.loads(out.stdout) == hash_tensors(_stable_tensors())
