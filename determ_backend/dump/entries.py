@@ -137,6 +137,12 @@ class FingerprintCache:
         except TypeError:  # tensors that do not support weak references are simply not cached
             pass
 
+    def forget(self, items: Sequence[Tuple[str, Any]]) -> None:
+        """Drop the tensors of ``items``: a call wrote into them (collectives do not bump ``_version``)."""
+        for _, v in items:
+            if isinstance(v, torch.Tensor):
+                self._entries.pop(id(v), None)
+
     def clear(self) -> None:
         self._entries.clear()
 

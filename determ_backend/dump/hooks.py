@@ -145,6 +145,8 @@ class Recorder:
             stack = user_stack() if self.settings.with_stack else None
         out = func(*args, **kwargs)
         with guard():
+            if inplace:
+                self.session.cache.forget(items)
             outs = output_items(out)
             if fwd:
                 ins = pre if pre is not None else self.describe(items, "input")

@@ -110,10 +110,12 @@ def _dist_wrapper(rec: Recorder, name: str, orig: Callable) -> Callable:
         if rec.overflow is not None or not rec.selector.select(call, info, "forward"):
             return orig(*args, **kwargs)
         with guard():
-            ins = rec.describe(call_items(args, kwargs), "input")
+            items = call_items(args, kwargs)
+            ins = rec.describe(items, "input")
             source = user_source()
         work = orig(*args, **kwargs)
         with guard():
+            rec.session.cache.forget(items)
             if kwargs.get("async_op") and work is not None:
                 work.wait()  # the output is only defined once the collective completed
             out: List[tuple] = []
