@@ -103,6 +103,8 @@ def read_dump(path: Union[str, Path], allow_partial: bool = False) -> Dump:
     if not footer and not allow_partial:
         raise TraceFormatError(f"{p}: truncated dump index (no end line: the dump was not switched off, or the "
                                f"process died)")
+    if footer.get("complete") is False and not allow_partial:
+        raise TraceFormatError(f"{p}: incomplete dump: writing its tensor payloads failed (disk full?)")
     data_dir = p.parent / p.name[: -len(".pkl")]
     return Dump(p, header, entries, footer, data_dir if data_dir.is_dir() else None)
 

@@ -1,0 +1,134 @@
+"""The dump's payload pack and index: dedup, ring buffer wrap-around, disk full, on/off phases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from determ_backend import dump
+from determ_backend.dump.writer import IndexWriter, PayloadWriter, read_payload
+from determ_backend.errors import TraceFormatError
+from determ_backend.fingerprint import hash_tensor
+from determ_backend.trace import format_hash
+from dump_helpers import dump_run, make_net, train_step
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    dump.remove_hooks()
+
+
+def _put_all(w: PayloadWriter, tensors):
+    return [(t, w.put(format_hash(hash_tensor(t)), t)) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64])
+def test_payloads_round_trip_and_identical_tensors_are_stored_once(tmp_path, dtype):
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(64, 33, generator=g) * 10).to(dtype)
+    tensors = [base, base.clone(), base.t(), base[3], torch.zeros((), dtype=dtype)]
+    w = PayloadWriter(tmp_path / "tensors.bin", ring_bytes=1 << 16)
+    locs = _put_all(w, tensors)
+    w.close()
+    assert locs[0][1] == locs[1][1]  # same bytes, same place
+    assert w.size == sum(t.numel() * t.element_size() for t in tensors) - base.numel() * base.element_size()
+    for t, (off, n) in locs:
+        e = {"payload": [off, n], "dtype": str(t.dtype), "shape": list(t.shape)}
+        assert torch.equal(read_payload(tmp_path, e), t)
+
+
+def test_ring_buffer_wraps_and_large_tensors_bypass_it(tmp_path):
+    w = PayloadWriter(tmp_path / "tensors.bin", ring_bytes=4096)
+    tensors = [torch.full((97 + i,), float(i)) for i in range(200)] + [torch.arange(5000.0)]  # last > ring/2
+    locs = _put_all(w, tensors)
+    w.close()
+    for t, (off, n) in locs:
+        assert torch.equal(read_payload(tmp_path, {"payload": [off, n], "dtype": "torch.float32",
+                                                   "shape": list(t.shape)}), t)
+
+
+def test_later_inplace_changes_do_not_tear_stored_payloads(tmp_path):
+    w = PayloadWriter(tmp_path / "tensors.bin", ring_bytes=1 << 20)
+    t = torch.arange(1000.0)
+    (off, n), = [loc for _, loc in _put_all(w, [t])]
+    t.mul_(-1)
+    w.close()
+    assert torch.equal(read_payload(tmp_path, {"payload": [off, n], "dtype": "torch.float32", "shape": [1000]}),
+                       torch.arange(1000.0))
+
+
+def test_disk_full_is_a_clear_error(tmp_path):
+    os.symlink("/dev/full", tmp_path / "tensors.bin")
+    w = PayloadWriter(tmp_path / "tensors.bin", ring_bytes=1 << 16)
+    with pytest.raises(dump.DumpWriteError, match=r"tensors.bin: cannot write tensor payloads \(No space left on device\)"):
+        for i in range(100):
+            w.put(str(i), torch.full((1000,), float(i)))
+        w.close()
+
+
+def test_disk_full_during_a_dump_is_raised_when_switching_off(tmp_path):
+    data = tmp_path / "t" / "rank0" / "dump"
+    data.mkdir(parents=True)
+    os.symlink("/dev/full", data / "tensors.bin")
+    with pytest.raises(dump.DumpWriteError, match="the disk may be full"):
+        dump_run(tmp_path, "t", make_net())
+    with pytest.raises(TraceFormatError, match="incomplete dump"):
+        dump.read_dump(tmp_path / "t" / "rank0" / "dump.pkl")
+
+
+def test_file_size_limit_in_a_subprocess_is_a_clear_error(tmp_path):
+    code = textwrap.dedent(f"""
+        import resource, signal, sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+        from determ_backend import dump
+        from dump_helpers import dump_run, make_net
+        try:
+            dump_run({str(tmp_path)!r}, "t", make_net())
+        except dump.DumpWriteError as e:
+            print("ERR", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ERR" in out.stdout and "File too large" in out.stdout, out.stderr[-2000:]
+
+
+def test_index_reopen_appends_after_removing_the_footer(tmp_path):
+    w = IndexWriter(tmp_path / "dump.pkl", {"rank": 0})
+    w.write({"name": "a"})
+    w.close(payload_bytes=0)
+    w.reopen()
+    w.write({"name": "b"})
+    w.close(payload_bytes=0)
+    d = dump.read_dump(tmp_path / "dump.pkl")
+    assert [e["name"] for e in d.entries] == ["a", "b"] and d.footer["count"] == 2
+
+
+def test_switching_off_and_on_keeps_one_index_and_counters(tmp_path):
+    net = make_net()
+    dump.set_dump_path(tmp_path, dump_tag="t")
+    dump.register_hook(net, dump.acc_cmp_dump)
+    for _ in range(2):
+        dump.set_dump_switch("ON", dump_mode=["forward"])
+        train_step(net)
+        dump.set_dump_switch("OFF")
+    names = [e["name"] for e in dump.read_dump(tmp_path / "t" / "rank0" / "dump.pkl").entries]
+    assert "Functional_linear_0_forward" in names and "Functional_linear_2_forward" in names
+    d = dump.read_dump(tmp_path / "t" / "rank0" / "dump.pkl")
+    conv = [e for e in d.entries if e["op"] == "Functional.conv2d"]
+    assert conv[0]["inputs"][1]["payload"] == conv[1]["inputs"][1]["payload"]  # same weight: stored once
+
+
+def test_a_pickle_index_is_refused(tmp_path):
+    import pickle
+
+    p = tmp_path / "dump.pkl"
+    p.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(TraceFormatError, match="never unpickles"):
+        dump.read_dump(p)
