@@ -250,6 +250,20 @@ def is_compiled_module(module) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
+# --- reference tools used by benchmarks -----------------------------------------------------------
+
+def debug_mode_hashing(hash_fn: str = "hash_tensor"):
+    """PyTorch's ``DebugMode`` with tensor-hash logging, as a context manager (None if unavailable)."""
+    try:
+        from torch.utils._debug_mode import DebugMode
+    except ImportError:
+        return None
+    stack = contextlib.ExitStack()
+    stack.enter_context(DebugMode())
+    stack.enter_context(DebugMode.log_tensor_hashes(hash_fn=hash_fn))
+    return stack
+
+
 # --- eager dispatch modes (determ_backend.modes) -------------------------------------------------
 
 def eval_frame_setter() -> Callable:
@@ -273,3 +287,12 @@ def dynamo_skip_code(code) -> None:
 def current_autograd_node_getter() -> Callable:
     """``torch._C._current_autograd_node``: the autograd Node being executed (None outside backward)."""
     return torch._C._current_autograd_node
+
+
+# --- repro_tools.minifier / scripts/bench_minifier.py ---
+
+def fx_minifier(gm, inputs, module_fails, **kwargs):
+    """PyTorch's own delta-debugging minifier (``torch._functorch.fx_minifier.minifier``), the baseline."""
+    from torch._functorch.fx_minifier import minifier as _minifier
+
+    return _minifier(gm, inputs, module_fails, **kwargs)

@@ -69,14 +69,19 @@ def resolve_compiler(compiler: Compiler) -> Callable:
 
 
 def compile_graph(compiler: Compiler, gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
-    """Compile ``gm`` with ``compiler`` for ``inputs``; returns the compiled callable."""
-    return resolve_compiler(compiler)(gm, list(inputs))
+    """Compile ``gm`` with ``compiler`` for ``inputs``; returns a callable taking positional inputs.
+
+    Dynamo backends are called with positional arguments (as dynamo does); inductor's
+    after-aot entry (``inductor_inner``) returns a boxed callable taking a list.
+    """
+    fn = resolve_compiler(compiler)(gm, list(inputs))
+    if compiler == "inductor_inner":
+        return lambda *args: fn(list(args))
+    return fn
 
 
 def call_compiled(fn: Callable, inputs: Sequence[Any]) -> Any:
-    """Call a compiled graph with positional inputs, honouring the boxed calling convention."""
-    if getattr(fn, "_boxed_call", False):
-        return fn(list(inputs))
+    """Call a graph compiled by :func:`compile_graph`."""
     return fn(*inputs)
 
 
