@@ -35,13 +35,23 @@ def repro_script_module():
     return importlib.import_module("repro_tools.repro_script")
 
 
+def _user_paths() -> List[str]:
+    """sys.path entries outside the interpreter's own prefix (where a ``module:function`` compiler may live)."""
+    prefixes = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    out = []
+    for p in sys.path:
+        if p and Path(p).is_dir() and not any(str(Path(p).resolve()).startswith(x) for x in prefixes):
+            out.append(str(Path(p).resolve()))
+    return out
+
+
 def write_repro_any(gm: fx.GraphModule, inputs: Sequence[Any], directory: Union[str, Path],
                     meta: Optional[Dict[str, Any]] = None) -> Path:
     """Write a repro of ``(gm, inputs)`` into ``directory``; returns the file to run / minify."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     meta = dict(meta or {})
-    meta.setdefault("sys_path", [p for p in sys.path if p])
+    meta.setdefault("sys_path", _user_paths())
     mod = repro_script_module()
     if mod is not None:
         return Path(mod.write_repro(gm, list(inputs), d / "repro.py", meta=meta))
