@@ -24,3 +24,13 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+__all__.append("wrap_backend")
+
+
+def __getattr__(name):  # lazy: repro_tools (and torch._dynamo) load only when asked for
+    if name == "wrap_backend":
+        from repro_tools.after_dynamo import wrap_backend
+
+        return wrap_backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

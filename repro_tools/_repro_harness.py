@@ -273,11 +273,19 @@ def _get_args(ns):
 def _determ(command, rest):
     try:
         from repro_tools.cli import main as determ_main
+        from repro_tools.repro_flows import minify_script
     except ImportError:
         print(f"{os.path.basename(__file__)} {command}: needs determ (pip install determ); "
               "'run' and 'get-args' work with torch alone", file=sys.stderr)
         return 2
-    return determ_main([command, os.path.abspath(__file__)] + rest)
+    from determ_backend.errors import DetermError
+    try:
+        if command == "minify":
+            return minify_script(os.path.abspath(__file__), rest)
+        return determ_main([command, os.path.abspath(__file__)] + rest)
+    except DetermError as err:
+        print(f"{os.path.basename(__file__)} {command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 def _version_warning():

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _BUILTIN_NAMESPACES = {"aten", "prims", "quantized", "higher_order", "_c10d_functional", "c10d_functional",
                        "_dtensor", "inductor", "profiler", "debugprims", "rngprims", "_quantized", "quantized_decomposed"}
+_CALL_OPS = ("call_function", "call_method", "call_module")
 _RUNTIME = [Path(__file__).with_name("_repro_inputs.py"), Path(__file__).with_name("_repro_harness.py")]
 
 
@@ -66,6 +67,13 @@ def _leaf_module_expr(mod: torch.nn.Module, target: str) -> str:
     return f"torch.nn.{repr(mod)}"
 
 
+def _last_frame(stack_trace: str) -> str:
+    """The innermost ``File ..., line N, in f`` line of a node's stack trace, with its code line."""
+    lines = stack_trace.rstrip().splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.strip().startswith("File ")]
+    return "\n".join(lines[starts[-1]:starts[-1] + 2]) if starts else stack_trace[-300:]
+
+
 class CodeWriter:
     """Emits one class per (sub)graph; collects imports, custom-op modules and tensor attributes."""
 
@@ -75,6 +83,7 @@ class CodeWriter:
         self.op_modules: List[str] = []
         self.attrs: List[Dict[str, Any]] = []
         self.classes: List[str] = []
+        self.nodes: List[List[Any]] = []
 
     def module_class(self, gm: fx.GraphModule, cls_name: str, prefix: str = "") -> str:
         code = gm.graph.python_code(root_module="self", verbose=True)
@@ -83,6 +92,9 @@ class CodeWriter:
             if line:
                 self.imports.setdefault(k, line)
         self._scan_custom_ops(gm)
+        if not prefix:
+            self.nodes = [[n.name, _last_frame(n.meta["stack_trace"]) if n.meta.get("stack_trace") else None]
+                          for n in gm.graph.nodes if n.op in _CALL_OPS]
         init = self._init_lines(gm, prefix)
         body = "\n".join("    " + ln if ln.strip() else "" for ln in code.src.strip("\n").splitlines())
         src = f"class {cls_name}(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
@@ -189,6 +201,7 @@ def script_text(m: Dict[str, Any], specs: List[Dict[str, Any]], writer: CodeWrit
              "META = " + pprint.pformat(m, width=110, sort_dicts=True) + "\n",
              "INPUTS = " + pprint.pformat(specs, width=110) + "\n",
              "ATTRS = " + pprint.pformat(writer.attrs, width=110) + "\n",
+             "NODES = " + pprint.pformat(writer.nodes, width=110) + "  # [node name, user source line], in order\n",
              _config_function({"inductor": m.get("config", {}), **m.get("config_other", {})}),
              *writer.classes,
              "\n# ---- runtime (written by determ's repro_tools; needs only torch) ----\n" + _runtime_source(),

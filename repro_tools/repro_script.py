@@ -222,24 +222,43 @@ def load_repro(path: Union[str, Path], device: Optional[str] = None) -> Tuple[fx
     if device:
         root.to(device)
     inputs = module.load_args(device)
-    gm = fx.GraphModule(root, _retrace(root).graph, class_name="Repro")
+    gm = _retrace(root, getattr(module, "NODES", []))
     return gm, inputs, dict(module.META)
 
 
-def _retrace(root: torch.nn.Module) -> fx.GraphModule:
+class _NamingTracer(fx.Tracer):
+    """Traces ``Repro`` back into a graph whose call nodes get their original names and source lines."""
+
+    def __init__(self, nodes: Sequence[Sequence[Any]]):
+        super().__init__()
+        self._pending = [tuple(n) for n in nodes]
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        src = None
+        if kind in ("call_function", "call_method", "call_module") and self._pending:
+            name, src = self._pending.pop(0)
+        node = super().create_node(kind, target, args, kwargs, name, None if isinstance(type_expr, str) else type_expr)
+        if src:
+            node.meta["stack_trace"] = src
+        return node
+
+
+def _retrace(root: torch.nn.Module, nodes: Sequence[Sequence[Any]]) -> fx.GraphModule:
+    tracer = _NamingTracer(nodes)
     try:
-        gm = fx.symbolic_trace(root)
+        graph = tracer.trace(root)
     except Exception as e:  # fx raises many kinds on untraceable code
         raise ReproError(f"the Repro module cannot be traced back into a graph ({type(e).__name__}: {e})") from e
-    for n in gm.graph.nodes:  # the script's "f32[4, 4]" annotations are comments, not types
+    for n in graph.nodes:  # the script's "f32[4, 4]" annotations are comments, not types
         if isinstance(n.type, str):
             n.type = None
-    gm.recompile()
-    return gm
+    return fx.GraphModule(tracer.root, graph, class_name="Repro")
 
 
-def copy_repro(src: Union[str, Path], dst: Union[str, Path]) -> Path:
-    """Copy a repro script and the store files it needs to ``dst`` (a file path); returns ``dst``."""
+def copy_repro(src: Union[str, Path], dst: Union[str, Path], updates: Optional[Dict[str, Any]] = None) -> Path:
+    """Copy a repro script and the store files it needs to ``dst`` (a file path); returns ``dst``.
+
+    ``updates`` changes ``META`` entries of the copy (e.g. ``{"launcher": False}``)."""
     src, dst = Path(src).resolve(), Path(dst).resolve()
     lit = _literals(src, ("META", "INPUTS", "ATTRS"))
     sources = [src.parent / lit["META"].get("store", STORE_NAME), Path(lit["META"].get("store_abs") or src.parent)]
@@ -247,7 +266,7 @@ def copy_repro(src: Union[str, Path], dst: Union[str, Path]) -> Path:
     keys = [spec["storage"] for spec in lit["INPUTS"] + lit["ATTRS"] if spec.get("storage")]
     copy_store_files(keys, sources, dst_store)
     text = src.read_text(encoding="utf-8")
-    meta = dict(lit["META"], store=STORE_NAME, store_abs=str(dst_store), script_name=dst.name)
+    meta = dict(lit["META"], store=STORE_NAME, store_abs=str(dst_store), script_name=dst.name, **(updates or {}))
     text = _replace_meta(text, src, meta)
     atomic_write_text(dst, text)
     os.chmod(dst, 0o755)

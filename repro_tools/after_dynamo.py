@@ -1,0 +1,116 @@
+"""The after-dynamo repro flows (``REPRO_AFTER=dynamo``, ``REPRO_LEVEL=1..4``) for any backend.
+
+:func:`wrap_backend` turns a dynamo backend (a name such as ``"inductor"`` or a
+callable ``f(gm, example_inputs)``) into one that, per level:
+
+1. on a compile or runtime error writes ``repro.py``;
+2. on an error writes ``minifier_launcher.py`` (running it minifies);
+3. writes the launcher *before* compiling (a segfault still leaves it), then
+   on an error minifies in an isolated process;
+4. checks the compiled graph against eager with an fp64 reference
+   (:func:`repro_tools.accuracy.same_two_models`, forward and backward) on the
+   example inputs; on a divergence writes the launcher, minifies (unless
+   ``DETERM_MINIFY=0``) and raises :class:`~determ_backend.errors.AccuracyError`.
+   An error while checking is reported as a checker error, never swallowed.
+
+Errors are re-raised after dumping.  Dumps, minification and the summary live
+in :mod:`repro_tools.repro_flows`; the after-aot flows in :mod:`repro_tools.after_aot`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch.fx as fx
+
+from determ_backend import _torch_compat as tc
+from determ_backend.config import DetermConfig, load_config
+from determ_backend.errors import AccuracyError
+from determ_backend.run import get_run
+
+from .accuracy import same_two_models
+from .repro_flows import LAUNCHER, GraphDump
+from .repro_script import compiler_ref
+
+__all__ = ["wrap_backend"]
+
+log = logging.getLogger(__name__)
+
+
+def _compiler_label(backend: Union[str, Callable], name: Optional[str]) -> tuple:
+    if name is not None:
+        return name, []
+    try:
+        return compiler_ref(backend)
+    except Exception as e:  # an unimportable callable: the repro names it, and says it cannot be resolved
+        log.warning("backend %r has no importable name (%s); repro scripts will need it edited in", backend, e)
+        return getattr(backend, "__name__", repr(backend)), []
+
+
+def wrap_backend(backend: Union[str, Callable], config: Optional[DetermConfig] = None, *,
+                 name: Optional[str] = None) -> Callable:
+    """A dynamo backend running ``backend`` under the after-dynamo repro flows.
+
+    ``config``: a :class:`~determ_backend.config.DetermConfig` (default: from the environment at
+    each compile).  ``name``: how repro scripts name the backend (default: its registered name or
+    ``module:function``); use it when ``backend`` is a closure.
+    """
+    label, sys_path = _compiler_label(backend, name)
+
+    def repro_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        cfg = config if config is not None else load_config()
+        inner = tc.lookup_backend(backend) if isinstance(backend, str) else backend
+        dump = GraphDump(cfg, "dynamo", label, copy.deepcopy(gm), {"sys_path": sys_path, "only_fwd": False})
+        return _compile(inner, gm, list(example_inputs), kwargs, cfg, dump)
+
+    repro_backend.__name__ = f"repro_{label}".replace(":", "_").replace(".", "_")
+    return repro_backend
+
+
+def _compile(inner: Callable, gm: fx.GraphModule, inputs: list, kwargs: dict, cfg: DetermConfig,
+             dump: GraphDump) -> Callable:
+    level = cfg.repro_level
+    launcher = dump.write(LAUNCHER, inputs, "any", launcher=True) if level == 3 else None
+    try:
+        compiled = inner(gm, inputs, **kwargs)
+    except Exception as e:
+        dump.on_failure("compile_error", inputs, e, launcher)
+        raise
+    if level == 4:
+        _check_accuracy(compiled, inputs, cfg, dump)
+        return compiled
+    return _guard_runtime(compiled, dump, launcher)
+
+
+def _check_accuracy(compiled: Callable, inputs: list, cfg: DetermConfig, dump: GraphDump) -> None:
+    result = same_two_models(copy.deepcopy(dump.gm), compiled, inputs, only_fwd=False, tol=cfg.tol,
+                             multiplier=cfg.fp64_multiplier, strict=cfg.strict)
+    if result.status == "same":
+        return
+    if result.status == "checker_error":
+        get_run(cfg).add_checker_error("repro accuracy", result.detail)
+        return
+    if result.status == "compiled_error":
+        dump.on_failure("runtime_error", inputs, result.error)
+        raise result.error
+    dump.on_failure("accuracy", inputs, detail=f"AccuracyError: {result.detail}")
+    raise AccuracyError(f"compiled graph ({dump.compiler}) is less accurate than eager against fp64: {result.detail}; "
+                        f"dumps in {dump.dir}")
+
+
+def _guard_runtime(compiled: Callable, dump: GraphDump, launcher) -> Callable:
+    boxed = bool(getattr(compiled, "_boxed_call", False))
+
+    def run(*args: Any) -> Any:
+        saved = list(args[0]) if boxed else list(args)
+        try:
+            return compiled(*args)
+        except Exception as e:
+            dump.on_failure("runtime_error", saved, e, launcher)
+            raise
+
+    if boxed:
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,213 @@
+"""What the repro flows do once a graph fails: dump, minify, copy, summarize.
+
+Shared by :mod:`repro_tools.after_dynamo` and :mod:`repro_tools.after_aot`
+(which decide *when* a graph failed, per ``REPRO_LEVEL``).  A :class:`GraphDump`
+owns one failing graph's directory ``<DETERM_DIR>/<run id>/repro/<after>-<n>/``:
+``repro.py`` (level 1) or ``minifier_launcher.py`` (levels 2-4; level 3 writes it
+before compiling), the minifier's checkpoints and minimal result under
+``minify/``; nothing there is ever overwritten.  The final ``repro.py`` is also
+copied to the working directory and its path is the last line of the stderr
+summary.
+
+:func:`minify_script` is what a launcher's ``minify`` subcommand runs: it finds
+out how the script fails (when the launcher was written before the failure was
+known), runs :mod:`repro_tools.minifier` (or, where that is not installed, keeps
+the full graph, clearly labelled "not minified"), and copies the result.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch.fx as fx
+
+from determ_backend.config import DetermConfig
+from determ_backend.errors import DetermError, ReproError
+from determ_backend.run import get_run
+
+from .repro_script import capture_compile_config, copy_repro, read_meta, write_repro
+
+__all__ = ["GraphDump", "minify_script", "print_summary", "LAUNCHER", "REPRO"]
+
+log = logging.getLogger(__name__)
+
+LAUNCHER = "minifier_launcher.py"
+REPRO = "repro.py"
+_REPRODUCED = re.compile(r"^reproduced (\w+):", re.M)
+
+
+def _unique_dir(parent: Path, prefix: str) -> Path:
+    parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    while True:
+        d = parent / f"{prefix}-{n}"
+        try:
+            d.mkdir()
+            return d
+        except FileExistsError:
+            n += 1
+
+
+def print_summary(title: str, lines: Sequence[str], final: Optional[Path]) -> None:
+    """A short block on stderr; the last line is the path to act on."""
+    out = [f"determ repro: {title}"] + [f"  {ln}" for ln in lines]
+    if final is not None:
+        out.append(str(final))
+    print("\n".join(out), file=sys.stderr, flush=True)
+
+
+class GraphDump:
+    """One intercepted graph's dumps: its directory, its launcher/repro, minification, the summary."""
+
+    def __init__(self, config: DetermConfig, after: str, compiler: str, gm: fx.GraphModule,
+                 extra_meta: Optional[Dict[str, Any]] = None):
+        self.config, self.after, self.compiler, self.gm = config, after, compiler, gm
+        self.compile_config = capture_compile_config()  # at compile time, not at dump time
+        self.extra_meta = dict(extra_meta or {})
+        self._dir: Optional[Path] = None
+        self.failed = False
+
+    @property
+    def dir(self) -> Path:
+        if self._dir is None:
+            self._dir = _unique_dir(get_run(self.config).dir / "repro", self.after)
+        return self._dir
+
+    def meta(self, kind: str, error: Optional[BaseException] = None, launcher: bool = False) -> Dict[str, Any]:
+        m = {"kind": kind, "compiler": self.compiler, "after": self.after, "config": self.compile_config,
+             "launcher": launcher, "repro_level": self.config.repro_level, "tol": self.config.tol,
+             "multiplier": self.config.fp64_multiplier, "strict": self.config.strict}
+        if error is not None:
+            m["error"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+        m.update(self.extra_meta)
+        return m
+
+    def write(self, name: str, inputs: Sequence[Any], kind: str, error: Optional[BaseException] = None,
+              launcher: bool = False) -> Path:
+        path = self.dir / name
+        if path.exists():
+            path = self.dir / f"{path.stem}-{len(list(self.dir.glob(path.stem + '*.py')))}.py"
+        return write_repro(self.gm, list(inputs), path, meta=self.meta(kind, error, launcher))
+
+    def on_failure(self, kind: str, inputs: Sequence[Any], error: Optional[BaseException] = None,
+                   launcher: Optional[Path] = None, detail: str = "") -> Optional[Path]:
+        """Dump (and minify, per level) a graph's first failure; returns the final repro (or launcher) path.
+
+        A failure to dump is logged, not raised, so the caller can re-raise the original error."""
+        if self.failed:
+            return None
+        self.failed = True
+        try:
+            return self._on_failure(kind, inputs, error, launcher, detail)
+        except (DetermError, OSError) as e:
+            log.error("determ repro: could not dump the failing graph (%s): %s", kind, e)
+            return None
+
+    def _on_failure(self, kind: str, inputs: Sequence[Any], error: Optional[BaseException],
+                    launcher: Optional[Path], detail: str) -> Optional[Path]:
+        level = self.config.repro_level
+        what = f"{kind} in a graph compiled with {self.compiler!r} (after {self.after}, level {level})"
+        lines = [detail or (f"{type(error).__name__}: {str(error).strip()[:300]}" if error else kind)]
+        if level == 1:
+            path = self.write(REPRO, inputs, kind, error)
+            final = copy_repro(path, Path.cwd() / REPRO)
+            print_summary(what, lines + [f"repro: {path}", f"copied to the working directory: {final}"], final)
+            return final
+        if launcher is None or level != 3:
+            launcher = self.write(LAUNCHER, inputs, kind, error, launcher=True)
+        if level == 2 or (level == 4 and not self.config.minify):
+            hint = "DETERM_MINIFY=0: not minified; " if level == 4 else ""
+            print_summary(what, lines + [f"{hint}run the launcher to minify: python {launcher}"], launcher)
+            return launcher
+        print_summary(what, lines + [f"launcher: {launcher}", "minifying ..."], None)
+        if level == 3:
+            rc = subprocess.run([sys.executable, str(launcher), "minify", "--kind", kind, "--known-failure"]).returncode
+            final = Path.cwd() / REPRO if rc == 1 else None
+        else:
+            final = _minify_in_process(launcher, kind)
+        return final
+
+
+def _minify_in_process(launcher: Path, kind: str) -> Optional[Path]:
+    try:
+        rc = minify_script(launcher, ["--kind", kind, "--known-failure"])
+    except ReproError as e:
+        log.error("minifying %s failed: %s", launcher, e)
+        return None
+    return Path.cwd() / REPRO if rc == 1 else None
+
+
+def _detect_kind(path: Path, timeout: float) -> Optional[str]:
+    """How the script fails: ``python script run`` in a child process (isolated, so a crash is seen)."""
+    try:
+        proc = subprocess.run([sys.executable, str(path), "run"], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "hang"
+    m = _REPRODUCED.search(proc.stdout)
+    if proc.returncode == 2:
+        raise ReproError(f"{path}: cannot run it ({proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''})")
+    return m.group(1) if m else None
+
+
+def _pop_option(argv: List[str], name: str) -> Optional[str]:
+    if name in argv:
+        i = argv.index(name)
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        del argv[i:i + 2]
+        return value
+    return None
+
+
+def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
+    """Minify a repro/launcher script; the minimal ``repro.py`` goes under ``<script dir>/minify*/`` and to the cwd.
+
+    Exit code as ``repro-tools minify``: 1 when a minimal repro was written (the failure reproduces),
+    0 when the script does not fail, 2 for bad input.
+    """
+    path = Path(path).resolve()
+    argv = list(argv)
+    known = "--known-failure" in argv  # the flows saw it fail: keep the full graph if minifying stops
+    argv = [a for a in argv if a != "--known-failure"]
+    meta = read_meta(path)
+    kind = _pop_option(argv, "--kind") or meta.get("kind", "any")
+    if kind == "any":
+        kind = _detect_kind(path, float(meta.get("timeout", 300)))
+        if kind is None:
+            print_summary(f"{path.name} does not fail here; nothing to minify", [], None)
+            return 0
+    sys.path.extend(p for p in meta.get("sys_path", []) if p not in sys.path)  # the compiler's module (workers inherit)
+    out = Path(_pop_option(argv, "--out") or _unique_dir(path.parent, "minify"))
+    if importlib.util.find_spec("repro_tools.minifier") is None:
+        return _not_minified(path, out, kind, "repro_tools.minifier is not installed")
+    from .cli import main as cli_main
+
+    rc = cli_main(["minify", str(path), "--kind", kind, "--out", str(out)] + argv)
+    minimal = out / "minimal" / REPRO
+    if rc != 1 or not minimal.is_file():
+        if not known:
+            return rc
+        return _not_minified(path, out, kind, f"the minifier stopped (exit {rc}; see above)")
+    final = copy_repro(minimal, Path.cwd() / REPRO)
+    print_summary(f"minimal repro of {kind} ({path.name})",
+                  [f"original: {path}", f"checkpoints: {out / 'checkpoints'}", f"minimal: {minimal}",
+                   "copied to the working directory:"], final)
+    return 1
+
+
+def _not_minified(path: Path, out: Path, kind: str, why: str) -> int:
+    """The full failing graph as the repro, labelled "not minified"."""
+    log.warning("%s: not minified (%s); the repro is the full failing graph", path, why)
+    out.mkdir(parents=True, exist_ok=True)
+    full = copy_repro(path, out / REPRO, {"launcher": False, "minified": False, "kind": kind})
+    final = copy_repro(full, Path.cwd() / REPRO)
+    print_summary(f"repro of {kind} ({path.name}), NOT minified: {why}",
+                  [f"original: {path}", f"repro: {full}", "copied to the working directory:"], final)
+    return 1
