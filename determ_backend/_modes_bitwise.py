@@ -20,16 +20,16 @@ import logging
 import math
 import struct
 import sys
-import weakref
 from typing import Any, Dict, List
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import _torch_compat as _compat
 from . import devices
-from ._modes_record import FORWARD_KEY, _FrameFilter, _schema_writes, written_tensors
+from ._modes_record import FORWARD_KEY, _FrameFilter, _mem_key, _schema_writes, written_tensors
 from .compare import tensor_metrics
 from .errors import NondeterminismError
 from .fingerprint import hash_tensors
@@ -105,7 +105,7 @@ class BitwiseEquivalenceMode(TorchDispatchMode):
         self.mismatches: List[Dict[str, Any]] = []
         self.ops_checked = 0
         self._frames = _FrameFilter()
-        self._sources: Dict[int, tuple] = {}  # id(output) -> (weakref, source): forward lines for backward ops
+        self._sources: Dict[tuple, tuple] = {}  # output memory -> (storage ref, source): lines for backward ops
         self._writes: Dict[Any, tuple] = {}
         self._set_eval_frame = _compat.eval_frame_setter()
         self._autograd_node = _compat.current_autograd_node_getter()
@@ -165,20 +165,22 @@ class BitwiseEquivalenceMode(TorchDispatchMode):
     def _note_outputs(self, outs: list, frame) -> None:
         frames = self._frames.user_frames(frame, 1)
         source = f"{frames[0].f_code.co_filename}:{frames[0].f_lineno}" if frames else None
-        if self._autograd_node() is None and torch.is_grad_enabled():
+        if self._autograd_node() is None:  # (custom autograd Functions run their forward without grad)
             for t in outs:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    self._sources[id(t)] = (weakref.ref(t), source)
+                key = _mem_key(t) if isinstance(t, torch.Tensor) else None
+                if key is not None:
+                    self._sources[key] = (StorageWeakRef(t.untyped_storage()), source)
             if len(self._sources) > 4096:
-                self._sources = {k: v for k, v in self._sources.items() if v[0]() is not None}
+                self._sources = {k: v for k, v in self._sources.items() if not v[0].expired()}
 
     def _tag_inputs(self, args, kwargs) -> None:
         """Give the autograd nodes of this op's inputs the forward line that produced them."""
         if not self._sources or self._autograd_node() is not None:
             return
         for t in tree_flat(args, kwargs):
-            ent = self._sources.get(id(t))
-            if ent is not None and ent[0]() is t and t.grad_fn is not None:
+            key = _mem_key(t)
+            ent = self._sources.get(key) if key is not None else None
+            if ent is not None and not ent[0].expired() and t.grad_fn is not None:
                 md = t.grad_fn.metadata
                 if FORWARD_KEY not in md:
                     md[FORWARD_KEY] = (ent[1], None)

@@ -21,6 +21,7 @@ The mode classes, the human-readable log and the comparisons live elsewhere.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sysconfig
 import threading
@@ -103,21 +104,21 @@ def _schema_writes(func) -> Tuple[Tuple[int, str], ...]:
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
+def _uninitialized(func) -> bool:
+    """Ops whose outputs are uninitialized memory (``empty``, ``empty_like``, ``new_empty_strided``...)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and "empty" in schema.name and not schema.is_mutable
+
+
+def _uninitialized_hash(rec: Record) -> str:
+    digest = hashlib.blake2b(f"uninitialized|{rec.dtype}|{rec.shape}".encode(), digest_size=8).digest()
+    return format_hash(int.from_bytes(digest, "little"))
+
+
 def _returns_view(func) -> bool:
     schema = getattr(func, "_schema", None)
     returns = schema.returns if schema is not None else ()
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
-def _first_tensor(args: Sequence):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a
-        if isinstance(a, (list, tuple)):
-            for x in a:
-                if isinstance(x, torch.Tensor):
-                    return x
-    return None
 
 
 def written_tensors(result: Any, writes: Tuple[Tuple[int, str], ...], args: Sequence, kwargs: Dict[str, Any]) -> list:
@@ -198,6 +199,7 @@ class OpRecorder:
         self._pending: List[tuple] = []  # (Record, clone or None, device hash or None, device stats or None)
         self._pending_bytes = 0
         self._events: List[OpEvent] = []
+        self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
         self._autograd_node = _compat.current_autograd_node_getter()
 
     # -- source lines --------------------------------------------------------------------------
@@ -228,23 +230,33 @@ class OpRecorder:
     # tensor made inside a C++ kernel (``weight.t()`` in ``linear``) reaches the next op as a new
     # Python object.  An entry is valid while its storage is alive and its version is unchanged.
     def producer(self, t: torch.Tensor) -> Optional[Record]:
+        if self._unsettled:
+            self._settle()
         key = _mem_key(t)
         ent = self._producers.get(key) if key is not None else None
         if ent is not None and ent[2] == _version(t) and not ent[0].expired():
             return ent[1]
         return None
 
-    def set_producer(self, t: torch.Tensor, rec: Record, version: Optional[int] = None) -> None:
-        """``version`` given: ``t`` is a view (same memory as an input), so an entry still valid for
-        the same memory keeps its original producer (``detach``/``t().t()`` are not new values)."""
+    def set_producer(self, t: torch.Tensor, rec: Record, view: bool = False) -> None:
+        """``view``: ``t`` shares memory with an input, so an entry still valid for the same memory
+        keeps its original producer (``detach``/``t().t()`` make no new values)."""
         key = _mem_key(t)
         if key is None:
             return
-        if version is not None:
+        version = _version(t)
+        if view:
             ent = self._producers.get(key)
             if ent is not None and ent[2] == version and not ent[0].expired():
                 return
-        self._producers[key] = (StorageWeakRef(t.untyped_storage()), rec, _version(t) if version is None else version)
+        self._producers[key] = (StorageWeakRef(t.untyped_storage()), rec, version)
+
+    def _settle(self) -> None:
+        """Register the last op's outputs.  Deferred to the next op because autograd bumps the version
+        counter of in-place results, and gives views their base's counter, after the op returns."""
+        unsettled, self._unsettled = self._unsettled, []
+        for t, rec, view in unsettled:
+            self.set_producer(t, rec, view)
 
     def _input_record(self, t: torch.Tensor, source: Optional[str], loc: str, events: list) -> Record:
         named = self.names.get(id(t))
@@ -273,6 +285,8 @@ class OpRecorder:
     # -- the two halves of an op -----------------------------------------------------------------
     def begin(self, func, args, kwargs, frame, compiled: bool) -> tuple:
         """Before the op runs: resolve its inputs (hashing first-seen ones as they are now)."""
+        if self._unsettled:
+            self._settle()
         node = self._autograd_node()
         backward = fwd = None
         if node is not None:
@@ -312,20 +326,21 @@ class OpRecorder:
         func, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
         info = self._writes.get(func)
         if info is None:
-            info = self._writes[func] = (_schema_writes(func), _returns_view(func))
-        writes, is_view = info
+            info = self._writes[func] = (_schema_writes(func), _returns_view(func), _uninitialized(func))
+        writes, is_view, uninit = info
         outs = written_tensors(result, writes, args, kwargs)
-        # a view shares its base's version counter only once autograd has wrapped it
-        version = _version(in_recs and _first_tensor(args)) if is_view and in_recs else None
         op = str(func)
         base = self._name(op, loc, "/bw" if backward else "")
         extra = self._extra(stack, backward, compiled, nondeterministic)
         recs = []
         for j, t in enumerate(outs):
             rec = self._record(base if len(outs) == 1 else f"{base}.{j}", op, "node", source, t, in_recs, extra)
-            self._capture(rec, t)
+            if uninit:  # the memory holds garbage until written: hash what is defined, dtype and shape
+                rec.hash = _uninitialized_hash(rec)
+            else:
+                self._capture(rec, t)
             if isinstance(t, torch.Tensor):
-                self.set_producer(t, rec, version)
+                self._unsettled.append((t, rec, is_view))
             recs.append(rec)
         if compiled:
             self.compiled_ops += 1
@@ -361,7 +376,8 @@ class OpRecorder:
             self._capture(rec, t)
             if isinstance(t, torch.Tensor):
                 self.set_producer(t, rec)
-            self._events.append(OpEvent(op, source, stack, [], [rec], [str(t.device)], list(inputs)))
+            device = str(t.device) if isinstance(t, torch.Tensor) else "host"
+            self._events.append(OpEvent(op, source, stack, [], [rec], [device], list(inputs)))
             return rec
 
     # -- fingerprints ----------------------------------------------------------------------------
