@@ -264,31 +264,6 @@ def debug_mode_hashing(hash_fn: str = "hash_tensor"):
     return stack
 
 
-# --- eager dispatch modes (determ_backend.modes) -------------------------------------------------
-
-def eval_frame_setter() -> Callable:
-    """Dynamo's C ``set_eval_frame(callback) -> previous``.  The previous callback is not
-    None/False exactly while a ``torch.compile``'d function is running (compiled or skipped)."""
-    from torch._C._dynamo.eval_frame import set_eval_frame as _set
-
-    return _set
-
-
-def dynamo_skip_code(code) -> None:
-    """Never let dynamo compile a frame of ``code`` (frames it calls are unaffected).
-
-    A dispatch mode's ``__torch_dispatch__`` runs while the mode is popped; inside a
-    ``torch.compile``'d region dynamo would otherwise try to compile it."""
-    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-
-    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
-
-
-def current_autograd_node_getter() -> Callable:
-    """``torch._C._current_autograd_node``: the autograd Node being executed (None outside backward)."""
-    return torch._C._current_autograd_node
-
-
 # --- repro_tools.minifier / scripts/bench_minifier.py ---
 
 def fx_minifier(gm, inputs, module_fails, **kwargs):
