@@ -214,3 +214,24 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
         compare_two(a, a, tmp_path / "out")
     with pytest.raises(DetermError, match="mode='range' needs scope"):
         dump.set_dump_switch("ON", mode="range", scope=["x"])
+
+
+def test_backward_after_switching_off_records_nothing_and_does_not_fail(tmp_path):
+    net = make_net()
+    x, t = batch()
+    dump.set_dump_path(tmp_path, dump_tag="t")
+    dump.set_dump_switch("ON")
+    loss = F.cross_entropy(net(x), t)
+    dump.set_dump_switch("OFF")
+    loss.backward()
+    got = names(tmp_path / "t" / "rank0" / "dump.pkl")
+    assert "Functional_linear_1_forward" in got and not any(n.endswith("_backward") for n in got)
+
+
+def test_module_dump_records_a_module_as_one_entry(tmp_path):
+    net = make_net()
+    dump.module_dump(net.fc1, "MyFc1")
+    got = names(dump_run(tmp_path, "m", net))
+    assert "MyFc1_0_forward" in got and "MyFc1_0_backward" in got
+    assert "Functional_linear_0_forward" in got  # fc2: Functional_linear_0 now that fc1 is one entry
+    assert "Functional_linear_1_forward" not in got

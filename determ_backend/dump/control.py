@@ -121,6 +121,7 @@ class _Controller:
         if inst is not None:
             inst.remove()
             inst.rec.flusher.flush()
+            inst.rec.active = False
         self.close_sessions()
 
     def close_sessions(self) -> None:

@@ -103,6 +103,7 @@ class Recorder:
         self.task = "overflow_check" if overflow is not None else settings.task
         self.flusher = bw.BackwardFlusher()
         self._keep_non_float = settings.filter_switch == "OFF"
+        self.active = True  # False once the dump is switched off: late backward hooks then record nothing
 
     # ---- describing and writing ----------------------------------------------------------------
     def describe(self, items: Sequence[Tuple[str, Any]], io: str) -> List[Dict[str, Any]]:
@@ -162,6 +163,8 @@ class Recorder:
         bw.attach(call, edges[0], edges[1], outs, self.flusher, emit, guard, min_seq)
 
     def emit_backward(self, call: str, info: ApiInfo, grad_ins, grad_outs, source, stack, **extra: Any) -> None:
+        if not self.active or self.session.closed:
+            return
         if self.overflow is not None:
             self._check_overflow(call, info, "backward", grad_ins, grad_outs, None, source)
             return
