@@ -177,6 +177,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         pairs.append(ApiPair(da.entries[p.a.extra["i"]] if p.a is not None else None,
                              db.entries[p.b.extra["i"]] if p.b is not None else None))
     fwd_inputs: Dict[str, Optional[bool]] = {}
+    diverged_before = False
     for pa in pairs:
         if pa.a is None or pa.b is None:
             for side, e, d in (("NPU", pa.a, da), ("Bench", pa.b, db)):
@@ -185,7 +186,9 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
             continue
         v = _pair_tensors(pa, da, db, exact)
         ins = all(x is True for x in v["inputs"])
-        if pa.a.get("dir") == "backward":
+        if str(pa.a.get("op", "")).startswith("Parameter."):
+            ins = not diverged_before  # a parameter or gradient read-out depends on everything before it
+        elif pa.a.get("dir") == "backward":
             fwd = pa.a["name"][: -len("backward")] + "forward"
             ins = ins and fwd_inputs.get(fwd, True) is not False
         else:
@@ -193,6 +196,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         pa.inputs_match = ins
         pa.output_diverges = any(x is False for x in v["outputs"])
         pa.root_cause = pa.output_diverges and ins
+        diverged_before = diverged_before or pa.output_diverges
         if pa.root_cause:
             for r in pa.rows:
                 if r["_io"] == "outputs" and r["_match"] is False:
@@ -243,8 +247,15 @@ def analyze(cmp: DumpComparison, out=None) -> str:
             lines.append(f"  ({len(roots) - 1} more root-cause APIs in the CSV)")
     elif cmp.first_divergence is not None:
         p = cmp.first_divergence
-        lines = [f"first divergence: {p.name}, but its inputs already differ: no root cause among the dumped APIs "
-                 f"(the model inputs differ, or the culprit was not dumped)", f"  at {(p.a or {}).get('source') or '?'}"]
+        lines = [f"first divergence: {p.name}, but its inputs already differ: no root cause among the paired APIs",
+                 f"  at {(p.a or {}).get('source') or '?'}"]
+        i = cmp.pairs.index(p)
+        extra = [q for q in cmp.pairs[max(0, i - 5): i] if q.a is None or q.b is None]
+        if extra:
+            lines.append("  unpaired calls just before it (present in one dump only; a likely culprit): " +
+                         ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'})" for q in extra))
+        else:
+            lines.append("  (the model inputs differ, or the culprit was not dumped)")
     else:
         unmatched = sum(1 for p in cmp.pairs if p.a is None or p.b is None)
         lines = [f"no divergence: every paired API agrees ({unmatched} unpaired calls)"]
