@@ -107,12 +107,19 @@ class Recorder:
 
     # ---- describing and writing ----------------------------------------------------------------
     def describe(self, items: Sequence[Tuple[str, Any]], io: str) -> List[Dict[str, Any]]:
-        if self.overflow is None and not self.settings.keeps(io):
+        if self.overflow is None and io != "all" and not self.settings.keeps(io):
             return []
         data = self.task != "stack"
         store = self.session.store if self.task in ("tensor", "overflow_check") else None
         return describe(items, self.session.cache, stats=data, data=data, keep_non_float=self._keep_non_float,
                         store=store)
+
+    def describe_io(self, ins: Sequence[Tuple[str, Any]], outs: Sequence[Tuple[str, Any]]):
+        """Inputs and outputs of one call in one fingerprint batch: ``(input entries, output entries)``."""
+        both = self.describe([x for x in ins if self.overflow is not None or self.settings.keeps("input")] +
+                             [x for x in outs if self.overflow is not None or self.settings.keeps("output")], "all")
+        return ([e for e in both if e["name"].startswith("input")],
+                [e for e in both if e["name"].startswith("output")])
 
     def write(self, call: str, info: ApiInfo, direction: str, ins: List[Dict[str, Any]],
               outs: List[Dict[str, Any]], source: Optional[str] = None, stack: Optional[List[str]] = None,
@@ -150,8 +157,11 @@ class Recorder:
                 self.session.cache.forget(items)
             outs = output_items(out)
             if fwd:
-                ins = pre if pre is not None else self.describe(items, "input")
-                self.write(call, info, "forward", ins, self.describe(outs, "output"), source, stack)
+                if pre is not None:
+                    ins, out_entries = pre, self.describe(outs, "output")
+                else:
+                    ins, out_entries = self.describe_io(items, outs)
+                self.write(call, info, "forward", ins, out_entries, source, stack)
             if edges and edges[0]:
                 self._attach(call, info, edges, outs, source, stack, min_seq)
         return out
@@ -170,8 +180,8 @@ class Recorder:
             return
         if not self.selector.select(call, info, "backward"):
             return
-        self.write(call, info, "backward", self.describe(grad_ins, "input"), self.describe(grad_outs, "output"),
-                   source, stack, **extra)
+        ins, outs = self.describe_io(grad_ins, grad_outs)
+        self.write(call, info, "backward", ins, outs, source, stack, **extra)
 
     # ---- overflow check -------------------------------------------------------------------------
     def _overflow_call(self, call: str, info: ApiInfo, func: Callable, args: tuple, kwargs: Dict[str, Any]) -> Any:
@@ -199,8 +209,8 @@ class Recorder:
             return
         if not nonfinite([v for _, v in outs]) or nonfinite([v for _, v in ins]):
             return
-        self.write(call, info, direction, self.describe(ins, "input"), self.describe(outs, "output"), source,
-                   None, overflow=self.overflow.count + 1)
+        ins_e, outs_e = self.describe_io(ins, outs)
+        self.write(call, info, direction, ins_e, outs_e, source, None, overflow=self.overflow.count + 1)
         name = f"{call}_{direction}"
         log.warning("overflow: %s produced nan/inf from finite inputs (at %s)", name, source or "?")
         if self.overflow.hit():

@@ -92,8 +92,8 @@ class _RegionHooks:
             items = call_items(args, kwargs)
             outs = output_items(output)
             if self.rec.overflow is None and self.rec.selector.select(call, self.info, "forward"):
-                self.rec.write(call, self.info, "forward", self.rec.describe(items, "input"),
-                               self.rec.describe(outs, "output"), source, stack, **extra)
+                ins, outs_e = self.rec.describe_io(items, outs)
+                self.rec.write(call, self.info, "forward", ins, outs_e, source, stack, **extra)
             if edges and edges[0]:
                 self.rec._attach(call, self.info, edges, outs, source, stack, min_seq, **extra)
         return None
