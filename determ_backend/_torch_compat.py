@@ -271,3 +271,10 @@ def fx_minifier(gm, inputs, module_fails, **kwargs):
     from torch._functorch.fx_minifier import minifier as _minifier
 
     return _minifier(gm, inputs, module_fails, **kwargs)
+
+
+def fresh_inductor_cache():
+    """Context manager: a temporary inductor cache directory and cleared in-memory caches (a cold start)."""
+    from torch._inductor.utils import fresh_cache
+
+    return fresh_cache()

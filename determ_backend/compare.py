@@ -215,8 +215,8 @@ def describe(p: Pair) -> Dict[str, Any]:
 
 def _judge(p: Pair, tol: Optional[float], store_a: Optional[TensorStore], store_b: Optional[TensorStore]) -> None:
     a, b = p.a, p.b
-    if a is None or b is None:
-        p.equal = None
+    if a is None or b is None or (a.kind == "view" and b.kind == "view" and a.hash is None):
+        p.equal = None  # views are judged from their inputs in find_roots
         return
     if a.hash is not None and a.hash == b.hash and a.dtype == b.dtype and a.shape == b.shape:
         p.equal, p.metrics = True, {"bitwise": True}
@@ -266,9 +266,18 @@ def compare_traces(a: Sequence[Record], b: Sequence[Record], tol: Optional[float
 def find_roots(pairs: List[Pair], mode: str) -> Comparison:
     """Mark the root causes among already-judged ``pairs``: divergent records whose inputs all agree."""
     by_id: Dict[tuple, Pair] = {p.a.key: p for p in pairs if p.a is not None}
+    for p in pairs:
+        if p.a is not None and p.b is not None and p.a.kind == "view" and p.equal is None:
+            verdicts = [by_id[(p.a.graph, p.a.stage, p.a.call, n)].equal for n in p.a.inputs
+                        if (p.a.graph, p.a.stage, p.a.call, n) in by_id]
+            if verdicts and all(v is True for v in verdicts):
+                p.equal = True
+            elif any(v is False for v in verdicts):
+                p.equal, p.metrics = False, {"inherited_view": True}
     roots = []
     for p in pairs:
-        if p.equal is False and p.a is not None and p.b is not None and _inputs_agree(p, by_id):
+        if (p.equal is False and p.a is not None and p.b is not None and p.a.kind != "view"
+                and _inputs_agree(p, by_id)):
             p.root_cause = True
             roots.append(p)
     return Comparison(pairs, roots, mode)

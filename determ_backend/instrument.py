@@ -11,6 +11,7 @@ generated wrapper code instead of the FX graph, lives in
 from __future__ import annotations
 
 import copy
+import operator
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -81,6 +82,29 @@ def param_names(gm: fx.GraphModule) -> Dict[str, str]:
     return out
 
 
+_VIEW_METHODS = {"view", "view_as", "transpose", "permute", "unsqueeze", "squeeze", "expand", "expand_as", "t",
+                 "detach", "narrow", "unflatten", "swapaxes", "movedim", "unbind", "split", "chunk", "as_strided"}
+_VIEW_FUNCS = {"transpose", "permute", "unsqueeze", "squeeze", "t", "detach", "narrow", "swapaxes", "movedim",
+               "split", "chunk", "unbind"}
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` only re-views its input's data (its values follow from the input: not fingerprinted)."""
+    t = node.target
+    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+        return bool(t.is_view)
+    if node.op == "call_method":
+        return t in _VIEW_METHODS
+    if node.op == "call_function" and getattr(t, "__module__", "") in ("torch", "torch.functional"):
+        return getattr(t, "__name__", "") in _VIEW_FUNCS
+    return False
+
+
+def _is_sequence_valued(node: fx.Node) -> bool:
+    val = node.meta.get("val", node.meta.get("example_value"))
+    return isinstance(val, (tuple, list))
+
+
 def _tensor_args(node: fx.Node) -> List[str]:
     names: List[str] = []
     for a in node.all_input_nodes:
@@ -105,10 +129,25 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
             info = NodeInfo(node=n.name, op="get_attr", kind="param", extra={"attr": str(n.target)})
         else:
             ins = tuple(display.get(a, a) for a in _tensor_args(n))
-            info = NodeInfo(node=n.name, op=op_name(n), source=node_source(n), inputs=ins)
+            kind = "view" if is_view(n) else ("multi" if _is_sequence_valued(n) else "node")
+            op = op_name(n)
+            src = n.args[0] if n.target is operator.getitem and n.args and isinstance(n.args[0], fx.Node) else None
+            if src is not None and src.name in index and infos[index[src.name]].kind in ("multi", "view"):
+                # an element of a multi-output op: judged against that op's own inputs
+                parent = infos[index[src.name]]
+                ins, op, kind = parent.inputs, f"{parent.op}[{n.args[1]}]", parent.kind if parent.kind == "view" else "node"
+            info = NodeInfo(node=n.name, op=op, kind=kind, source=node_source(n), inputs=ins,
+                            extra=_meta_extra(n) if kind != "node" else None)
         index[n.name] = len(infos)
         infos.append(info)
     return infos, index
+
+
+def _meta_extra(n: fx.Node) -> Optional[dict]:
+    val = n.meta.get("val", n.meta.get("example_value"))
+    if isinstance(val, torch.Tensor):
+        return {"dtype": str(val.dtype).replace("torch.", ""), "shape": [int(s) if isinstance(s, int) else str(s) for s in val.shape]}
+    return None
 
 
 def instrument_graph(gm: fx.GraphModule, recorder: Recorder, index: Dict[str, int]) -> fx.GraphModule:
@@ -132,6 +171,8 @@ def instrument_graph(gm: fx.GraphModule, recorder: Recorder, index: Dict[str, in
     for n in nodes:
         if n.op in ("output", "placeholder") or n.name not in index:
             continue
+        if recorder.infos[index[n.name]].kind in ("view", "multi"):
+            continue  # views follow from their input; tuple values are captured by their getitem users
         with g.inserting_after(n):
             g.call_function(capture, (index[n.name], n))
     new.recompile()
