@@ -27,7 +27,6 @@ from .trace import Record, TensorStore
 __all__ = ["Pair", "Comparison", "align", "find_roots", "tensor_metrics", "fp64_close", "rmse", "compare_traces", "EPS"]
 
 EPS = 1e-12
-_KEY_MATCH_FRACTION = 0.5
 
 
 @dataclass
@@ -43,22 +42,34 @@ class Pair:
         return self.a if self.a is not None else self.b  # type: ignore[return-value]
 
 
+def _groups(records: Sequence[Record]) -> Dict[tuple, List[Record]]:
+    out: Dict[tuple, List[Record]] = {}
+    for r in records:
+        out.setdefault((r.graph, r.stage, r.call), []).append(r)
+    return out
+
+
 def align(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
-    """Pair the records of two traces, in the order of ``a`` (unmatched ``b`` records follow their neighbours)."""
-    b_by_key = {r.key: r for r in b}
-    hits = sum(1 for r in a if r.key in b_by_key)
-    if a and hits >= _KEY_MATCH_FRACTION * max(len(a), len(b)):
-        used = set()
-        pairs = []
-        for r in a:
-            m = b_by_key.get(r.key)
-            if m is not None and r.key not in used:
-                used.add(r.key)
-                pairs.append(Pair(r, m))
-            else:
-                pairs.append(Pair(r, None))
-        pairs.extend(Pair(None, r) for r in b if r.key not in used)
+    """Pair the records of two traces, in the order of ``a``.
+
+    Graph calls present in both traces are aligned call by call; inside a call,
+    records pair by name when the two sides have the same structure, else by
+    sequence alignment of op signatures (so one extra or missing op shifts
+    nothing).  When the calls do not correspond at all (eager vs compiled,
+    another device's graph), the whole traces are sequence-aligned.
+    """
+    ga, gb = _groups(a), _groups(b)
+    if ga and set(ga) == set(gb):
+        pairs: List[Pair] = []
+        for key, recs in ga.items():
+            pairs.extend(_align_group(recs, gb[key]))
         return pairs
+    return _align_group(a, b)
+
+
+def _align_group(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
+    if len(a) == len(b) and all(x.node == y.node and x.signature == y.signature for x, y in zip(a, b)):
+        return [Pair(x, y) for x, y in zip(a, b)]
     return _align_by_sequence(a, b)
 
 

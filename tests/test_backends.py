@@ -156,3 +156,33 @@ def test_entry_point_works_in_a_fresh_process_without_import(tmp_path):
     assert (tmp_path / "ep" / "trace.jsonl").is_file()
     recs, _ = load(tmp_path / "ep")
     assert {"weight", "bias"} <= {r.node for r in recs if r.kind == "param"}
+
+
+class _Extra(torch.nn.Module):
+    """MLP with optional extra ops in the middle; optionally a perturbed last layer."""
+
+    def __init__(self, extra: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.l3 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.extra = extra
+
+    def forward(self, x):
+        h = self.l1(x).relu()
+        if self.extra:
+            h = (h * 1.0).abs()
+        h = self.l2(h).relu()
+        return self.l3(h).relu().sin()
+
+
+def test_one_extra_op_does_not_misalign_and_root_is_found(tmp_path, capsys):
+    x = torch.randn(4, 8)
+    compile_run(_Extra(False), (x,), "determ_eager", tmp_path, "base")
+    m = _Extra(True)
+    with torch.no_grad():
+        m.l3.bias[0] += 0.5
+    compile_run(m, (x,), "determ_eager", tmp_path, "extra")
+    assert cli(["diff", str(tmp_path / "base"), str(tmp_path / "extra"), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert [r["node"] for r in out["root_causes"]] == ["l3.bias"]
+    assert out["unmatched_b"] == 2  # the two extra ops, nothing else
