@@ -14,7 +14,7 @@ minimum over several repetitions in this one process:
 Targets: ``hash_tensor`` <= 1.5x ``clone`` and >= 5x faster than ``host md5``.  A last
 line gives the per-tensor cost of fingerprinting small tensors, alone and batched.
 
-Usage: ``.venv/bin/python scripts/bench_fingerprint.py [--size-mib 256] [--reps 5]``
+Usage: ``.venv/bin/python scripts/bench_fingerprint.py [--size-mib 256] [--reps 5] [--threads N]``
 """
 
 from __future__ import annotations
@@ -128,9 +128,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Time determ's hash_tensor against clone, torch.hash_tensor, XOR and md5.")
     p.add_argument("--size-mib", type=int, default=256, help="size of each large test tensor in MiB (default 256)")
     p.add_argument("--reps", type=int, default=5, help="repetitions per method; the minimum is reported (default 5)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     args = p.parse_args(argv)
-    if args.size_mib < 1 or args.reps < 1:
-        p.error("--size-mib and --reps must be >= 1")
+    if args.size_mib < 1 or args.reps < 1 or (args.threads is not None and args.threads < 1):
+        p.error("--size-mib, --reps and --threads must be >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     failures: List[str] = []
     for dtype in (torch.float32, torch.bfloat16):
         failures += print_table(dtype, args.size_mib, bench_large(dtype, args.size_mib, args.reps))
