@@ -4,8 +4,9 @@
 :func:`~repro_tools.passes.localize_culprit` (one instrumented run and a verified
 cut: a handful of queries for a single culprit), falls back to the general passes
 when localization does not apply or does not verify, and finishes with
-single-node removal so the result is 1-minimal.  The final result is checked by
-the oracle once more.  After every improvement a checkpoint repro and a JSON state
+single-node removal so the result is 1-minimal.  The final result's failing
+verdict must come from a query made in this run; flaky kinds (nondeterminism,
+hang) and results restored by ``--resume`` are asked once more.  After every improvement a checkpoint repro and a JSON state
 file are written to ``out_dir``, so a killed run continues with ``resume=True``.
 
 Reading/writing repro files lives in :mod:`repro_tools.repro_io`; candidates in
@@ -30,7 +31,7 @@ from determ_backend.errors import OracleError, ReproError
 from determ_backend.trace import atomic_write_text
 
 from . import passes
-from .oracles import ISOLATED_ONLY, InProcessRunner, OracleSpec, Signature
+from .oracles import ISOLATED_ONLY, InProcessRunner, OracleSpec, Signature, Verdict
 from .reducer import BudgetExhausted, Reducer
 from .repro_io import write_repro_any
 from .subgraph import Candidate, GraphView, source_line
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "minify_state.json"
 _STATE_FORMAT = "determ-minify-state"
 _ERROR_KINDS = ("compile_error", "runtime_error", "error", "crash", "hang")
+_FLAKY_KINDS = ("nondeterminism", "hang")  # their final result is always asked again
 
 
 @dataclass
@@ -184,54 +186,71 @@ def minify(gm: fx.GraphModule, inputs: Sequence[Any], spec: OracleSpec, *, runne
             runner.close()
 
 
+def _resume(s: _Session, state: Dict[str, Any], spec: OracleSpec, budget: int) -> Reducer:
+    exp = state["spec"].get("expected")
+    s.spec = spec.replace(expected=Signature(**exp) if exp else None)
+    c = state["current"]
+    cur = Candidate(frozenset(c["keep"]), tuple(c["outputs"]) if c["outputs"] is not None else None,
+                    c["values"], c["merge_inputs"])
+    r = Reducer(s.view, s.spec, s.runner, cur, budget=budget, cache=state["cache"], queries=state["queries"],
+                on_improve=s.on_improve, on_query=s.on_query)
+    r.culprit, r.localized = state.get("culprit"), bool(state.get("localized"))
+    log.info("resuming: %d nodes, %d queries spent", len(cur.keep), r.queries)
+    return r
+
+
+def _start(s: _Session, start: Candidate, gm0: fx.GraphModule, in0: List[Any], budget: int) -> Reducer:
+    """Check the input graph (it must fail), remember its failure, and set up the reducer."""
+    v = s.runner.check(s.spec, gm0, in0)
+    if not v.fails:
+        raise OracleError(f"input graph does not fail the {s.spec.kind} oracle ({v.detail or 'no failure'}); "
+                          "nothing to minify")
+    if s.spec.kind in _ERROR_KINDS and v.signature is not None:
+        s.spec = s.spec.replace(expected=v.signature)
+    r = Reducer(s.view, s.spec, s.runner, start, budget=budget, queries=1, on_improve=s.on_improve,
+                on_query=s.on_query)
+    r.cache[s.meta["start_key"]] = True
+    r.verified[s.meta["start_key"]] = v
+    return r
+
+
+def _final_check(s: _Session, r: Reducer, gm: fx.GraphModule, inputs: List[Any]) -> Verdict:
+    """The oracle's verdict on the result: asked again for flaky kinds or when the answer came from a saved cache."""
+    v = r.verified.get(s.view.key(gm, inputs))
+    if v is not None and s.spec.kind not in _FLAKY_KINDS:
+        return v
+    v = s.runner.check(s.spec, gm, inputs)
+    r.queries += 1
+    s.on_query(r)
+    if not v.fails:
+        raise OracleError(f"the minified graph ({len(r.current.keep)} nodes) no longer fails on a re-check "
+                          f"({v.detail}); the oracle looks flaky; last checkpoint in {s.out_dir}")
+    return v
+
+
 def _minify(view, spec, runner, out, budget, localize, resume, progress, meta) -> MinifyResult:
     start = view.normalize(view.full())
     gm0, in0 = view.materialize(start)
-    meta["start_key"] = start_key = view.key(gm0, in0)
+    meta["start_key"] = view.key(gm0, in0)
     s = _Session(view, spec, runner, out, budget, progress, meta)
-    state = s.load_state(start_key) if resume else None
+    state = s.load_state(meta["start_key"]) if resume else None
     try:
-        if state is not None:
-            exp = state["spec"].get("expected")
-            s.spec = spec = spec.replace(expected=Signature(**exp) if exp else None)
-            c = state["current"]
-            cur = Candidate(frozenset(c["keep"]), tuple(c["outputs"]) if c["outputs"] is not None else None,
-                            c["values"], c["merge_inputs"])
-            r = Reducer(view, spec, runner, cur, budget=budget, cache=state["cache"], queries=state["queries"],
-                        on_improve=s.on_improve, on_query=s.on_query)
-            r.culprit, r.localized = state.get("culprit"), bool(state.get("localized"))
-            log.info("resuming: %d nodes, %d queries spent", len(cur.keep), r.queries)
-        else:
-            v = runner.check(spec, gm0, in0)
-            if not v.fails:
-                raise OracleError(f"input graph does not fail the {spec.kind} oracle ({v.detail or 'no failure'}); "
-                                  "nothing to minify")
-            if spec.kind in _ERROR_KINDS and v.signature is not None:
-                s.spec = spec = spec.replace(expected=v.signature)
-            r = Reducer(view, spec, runner, start, budget=budget, queries=1, on_improve=s.on_improve,
-                        on_query=s.on_query)
-            r.cache[start_key] = True
-        s.r = r
+        r = _resume(s, state, spec, budget) if state is not None else _start(s, start, gm0, in0, budget)
         if out is not None:
             s.save_state(r)
         exhausted = _search(s, r, localize)
         gm_f, in_f = view.materialize(r.current)
-        final = runner.check(spec, gm_f, in_f)
-        r.queries += 1
-        s.on_query(r)
-        if not final.fails:
-            raise OracleError(f"the minified graph ({len(r.current.keep)} nodes) no longer fails on a re-check "
-                              f"({final.detail}); the oracle looks flaky; last checkpoint in {out}")
+        final = _final_check(s, r, gm_f, in_f)
     finally:
         s.bar.close()
     repro_path = None
     if out is not None:
         s.save_state(r)
         repro_path = str(write_repro_any(gm_f, in_f, out / "minimal", s._meta(r)))
-    summary = {"kind": spec.kind, "compiler": spec.compiler_label(),
+    summary = {"kind": s.spec.kind, "compiler": s.spec.compiler_label(),
                "nodes_before": len(gm0.graph.nodes), "nodes_after": len(gm_f.graph.nodes),
                "ops_before": len(start.keep), "ops_after": len(r.current.keep), "queries": r.queries,
                "cache_hits": r.cache_hits, "seconds": round(s.seconds(), 3), "localized": r.localized,
-               "budget_exhausted": exhausted, "culprit": _culprit_info(view, r), "failure": final.signature.short()
-               if final.signature else final.detail, "repro_path": repro_path}
+               "budget_exhausted": exhausted, "culprit": _culprit_info(view, r),
+               "failure": final.signature.short() if final.signature else final.detail, "repro_path": repro_path}
     return MinifyResult(gm_f, in_f, summary)

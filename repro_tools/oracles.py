@@ -225,6 +225,11 @@ def _on_device(inputs: Sequence[Any], spec: str) -> List[Any]:
 def observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:
     """Raw outputs the localizer compares: accuracy -> [compiled]; nondeterminism -> one list per run;
     cross_device -> [device A, device B] (on CPU).  Errors propagate."""
+    with torch.random.fork_rng(devices=[]):
+        return _observe(spec, gm, inputs)
+
+
+def _observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:
     if spec.kind == "accuracy":
         return _compile_run(spec, gm, inputs)
     if spec.kind == "nondeterminism":
@@ -316,12 +321,13 @@ def check(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdic
     if spec.kind in ISOLATED_ONLY:
         raise ConfigError(f"oracle kind {spec.kind!r} needs an isolated worker (repro_tools.isolate)")
     t0 = time.perf_counter()
-    if spec.kind == "accuracy":
-        v = _judge_accuracy(spec, gm, inputs)
-    elif spec.kind in ("nondeterminism", "cross_device"):
-        v = _judge_outputs(spec, gm, inputs)
-    else:
-        v = _judge_error(spec, gm, inputs)
+    with torch.random.fork_rng(devices=[]):  # the oracle seeds; the caller's RNG state is left alone
+        if spec.kind == "accuracy":
+            v = _judge_accuracy(spec, gm, inputs)
+        elif spec.kind in ("nondeterminism", "cross_device"):
+            v = _judge_outputs(spec, gm, inputs)
+        else:
+            v = _judge_error(spec, gm, inputs)
     return dataclasses.replace(v, seconds=time.perf_counter() - t0)
 
 

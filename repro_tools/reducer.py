@@ -58,6 +58,8 @@ class Reducer:
         self.cache: Dict[str, bool] = dict(cache or {})
         self.queries = queries
         self.cache_hits = 0
+        self.verified: Dict[str, Verdict] = {}
+        """Failing verdicts asked in this run (not restored from a saved cache), by candidate key."""
         self.culprit: Optional[str] = None
         self.localized = False
         self.on_improve = on_improve
@@ -88,6 +90,8 @@ class Reducer:
             self._spend()
             v = self.runner.check(self.spec, gm, inputs)
             fails = self.cache[key] = bool(v.fails)
+            if fails:
+                self.verified[key] = v
             log.debug("query %d: %d nodes -> %s (%s)", self.queries, len(c.keep), fails, v.detail)
             self._after_query()
         else:
@@ -98,7 +102,7 @@ class Reducer:
                 self.on_improve(self)
         return fails
 
-    def observe(self, cand: Candidate) -> Dict[str, List[Any]]:
+    def observe(self, cand: Candidate) -> List[Dict[str, Any]]:
         """One instrumented run of ``cand``: per side, ``{output node name: value}``."""
         c = self.view.normalize(cand) or cand
         gm, inputs = self.view.materialize(c)

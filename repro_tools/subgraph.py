@@ -61,9 +61,9 @@ def record_values(gm: fx.GraphModule, inputs: Sequence[Any]) -> Tuple[Dict[str, 
     """Every node's eager value (by node name); stops at the first failing node (its error is returned)."""
     rec = _Recorder(gm)
     args = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-    torch.manual_seed(1234)
     try:
-        with torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(1234)
             rec.run(*args)
     except Exception as e:  # an eager failure limits which nodes can become placeholders; it is reported
         log.warning("eager run of the graph stops at node %d: %s: %s", len(rec.values), type(e).__name__, e)

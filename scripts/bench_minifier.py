@@ -6,8 +6,8 @@ forward+backward, traced to aten with make_fx) carry one injected culprit: a
 single erf node that a test compiler lowers wrongly (accuracy), refuses to
 compile (compile error) or makes nondeterministic; in the full run also a real
 inductor bug (``cpp.inject_relu_bug_TESTING_ONLY="accuracy"`` on the only relu).
-Both minifiers run in this process, one after the other (ours first, so any warm
-cache favours the baseline), asking the same oracle.  Printed per case: queries,
+Both minifiers run in this process, one after the other, asking the same oracle;
+the process is warmed up first and each minifier starts with cold inductor caches.  Printed per case: queries,
 seconds and final node count for both, the ratios, and PASS/FAIL against the
 targets on accuracy cases (<= 1/5 of the queries, <= 1/3 of the wall time, final
 repro no larger); other cases must end no larger.
@@ -146,13 +146,23 @@ def run_case(model, target, backward, bug, runner):
     builder = {"mlp": mlp, "transformer": transformer}[model]
     gm, inputs = sized(builder, target, backward, "relu" if bug == "inductor_relu" else "erf")
     spec = OracleSpec(kind=kind, compiler=compiler, config=config)
-    t0 = time.perf_counter()
-    res = minify(gm, inputs, spec, runner=runner, progress=False)
-    ours = (res.summary["queries"], time.perf_counter() - t0, res.summary["nodes_after"])
-    first = runner.check(spec, gm, inputs)  # the baseline gets the same failure to preserve
+    first = runner.check(spec, gm, inputs)  # also warms the process up (imports, toolchain) for both
     fx_spec = spec.replace(expected=first.signature) if kind.endswith("error") else spec
-    theirs = run_fx_minifier(gm, inputs, fx_spec, runner)
+    with _cold_compile_caches(compiler):
+        t0 = time.perf_counter()
+        res = minify(gm, inputs, spec, runner=runner, progress=False)
+        ours = (res.summary["queries"], time.perf_counter() - t0, res.summary["nodes_after"])
+    with _cold_compile_caches(compiler):
+        theirs = run_fx_minifier(gm, inputs, fx_spec, runner)
     return len(gm.graph.nodes), ours, theirs
+
+
+def _cold_compile_caches(compiler):
+    """Each minifier starts with empty inductor caches (neither profits from the other's compiles)."""
+    if not compiler.startswith("inductor"):
+        return contextlib.nullcontext()
+    tc.dynamo_reset()
+    return tc.fresh_inductor_cache()
 
 
 def main(argv=None) -> int:
