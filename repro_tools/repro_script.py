@@ -39,7 +39,7 @@ from determ_backend.trace import atomic_write_text
 from .repro_codegen import CodeWriter, script_text
 from .repro_store import STORE_NAME, StoreWriter, copy_store_files, describe_value, json_safe
 
-__all__ = ["write_repro", "load_repro", "read_meta", "copy_repro", "capture_compile_config", "capture_env",
+__all__ = ["write_repro", "load_repro", "read_meta", "import_script", "copy_repro", "capture_compile_config", "capture_env",
            "compiler_ref", "FAILURE_KINDS", "STORE_NAME"]
 
 log = logging.getLogger(__name__)
@@ -83,24 +83,30 @@ def capture_env() -> Dict[str, str]:
 
 
 def compiler_ref(compiler: Any) -> Tuple[str, List[str]]:
-    """``(name, sys_path)`` naming ``compiler`` in another process: a backend name, or ``module:qualname``."""
+    """``(name, sys_path)`` naming ``compiler`` in another process: a backend name, or ``module:qualname``
+    (``sys_path``: the directory to import that module from)."""
     if isinstance(compiler, str):
-        return compiler, []
+        mod = compiler.partition(":")[0] if ":" in compiler else None
+        return compiler, _import_root(mod) if mod else []
     mod, qual = getattr(compiler, "__module__", None), getattr(compiler, "__qualname__", None)
     if not (mod and qual) or "<" in qual or mod == "__main__":
         raise ReproError(f"compiler {compiler!r} has no importable name; pass a backend name or a module-level function")
-    module = importlib.import_module(mod)
-    path: List[str] = []
+    return f"{mod}:{qual}", _import_root(mod)
+
+
+def _import_root(mod: str) -> List[str]:
+    try:
+        module = importlib.import_module(mod)
+    except ImportError as e:
+        raise ReproError(f"compiler module {mod!r} cannot be imported ({e})") from None
     f = getattr(module, "__file__", None)
-    if f:
-        root = Path(f).resolve().parent
-        for _ in range(mod.count(".") + (1 if Path(f).name == "__init__.py" else 0)):
-            root = root.parent
-        path = [str(root)]
-    return f"{mod}:{qual}", path
+    if not f:
+        return []
+    root = Path(f).resolve().parent
+    for _ in range(mod.count(".") + (1 if Path(f).name == "__init__.py" else 0)):
+        root = root.parent
+    return [str(root)]
 
-
-# ------------------------------------------------------------------ writing
 
 def _split_config(cfg: Any) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
     """``(inductor entries, {other module: entries})`` from a nested or a flat (inductor-only) config."""
@@ -119,7 +125,7 @@ def _fill_meta(meta: Optional[Dict[str, Any]], inputs: Sequence[Any], path: Path
         m["kind"] = _ORACLE_KINDS.get(m.get("oracle"), m.get("oracle")) or "any"
     if m["kind"] not in FAILURE_KINDS:
         raise ReproError(f"meta['kind']={m['kind']!r}: expected one of {', '.join(FAILURE_KINDS)}")
-    if "compiler" in m and not isinstance(m["compiler"], str):
+    if "compiler" in m and (not isinstance(m["compiler"], str) or (":" in m["compiler"] and "sys_path" not in m)):
         m["compiler"], m["sys_path"] = compiler_ref(m["compiler"])
     m.setdefault("compiler", "eager")
     m.setdefault("after", "dynamo")
@@ -199,7 +205,9 @@ def _literals(path: Path, names: Sequence[str]) -> Dict[str, Any]:
     return out
 
 
-def _import_script(path: Path) -> types.ModuleType:
+def import_script(path: Union[str, Path]) -> types.ModuleType:
+    """The script as a module (its ``main``, ``Repro``, ``load_args``...), without running ``main``."""
+    path = Path(path).resolve()
     name = "_determ_repro_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -217,7 +225,7 @@ def load_repro(path: Union[str, Path], device: Optional[str] = None) -> Tuple[fx
     if meta.get("torch_version") and meta["torch_version"] != torch.__version__:
         log.warning("%s was written with torch %s, this is torch %s; the failure may not reproduce",
                     path, meta["torch_version"], torch.__version__)
-    module = _import_script(path)
+    module = import_script(path)
     root = module.Repro()
     if device:
         root.to(device)

@@ -1,0 +1,149 @@
+"""Shared helpers for the repro-script and repro-flow tests.
+
+Compilers here live at module level so generated scripts can import them by name
+(``repro_helpers:aot_relu_abort``; the tests directory is recorded in the script).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import torch
+
+from determ_backend.config import load_config
+
+TESTS = Path(__file__).resolve().parent
+_BLOCK_DETERM = ("import runpy, sys\n"
+                 "for m in ('determ_backend', 'repro_tools'): sys.modules[m] = None\n"
+                 "main = runpy.run_path(sys.argv[1], run_name='repro')['main']\n"
+                 "for cmd in sys.argv[2:]:\n"
+                 "    print('exit', cmd, main(cmd.split()), flush=True)\n")
+
+
+def model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A tiny graph whose only relu is the faulty op the test compilers break."""
+    return torch.relu(x @ w).sum(0) * 2
+
+
+def model_inputs(requires_grad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g).requires_grad_(requires_grad)
+
+
+def repro_config(tmp_path: Path, level: int, **options: Any):
+    return load_config({"repro_level": level, "dir": str(tmp_path / "out"), "run_id": "r", **options}, env={})
+
+
+def capture_graph(fn, *inputs) -> Tuple[torch.fx.GraphModule, List[Any]]:
+    """The dynamo graph of ``fn`` and its example inputs."""
+    got = []
+
+    def capture(gm, example_inputs):
+        got.append((gm, list(example_inputs)))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture)(*inputs)
+    return got[0]
+
+
+def run_script(path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python path args`` in a fresh process (cwd: the script's directory)."""
+    return _run([sys.executable, str(path), *args], path, timeout)
+
+
+def run_without_determ(path: Path, *commands: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """One fresh process where determ cannot be imported, running the script's ``main`` for each
+    command line in turn; prints ``exit <command> <code>`` after each."""
+    return _run([sys.executable, "-c", _BLOCK_DETERM, str(path), *commands], path, timeout)
+
+
+def run_main(path: Path, *args: str) -> int:
+    """The script's ``main(args)`` in this process (no process start-up)."""
+    from repro_tools.repro_script import import_script
+
+    return import_script(path).main(list(args))
+
+
+def _run(cmd: List[str], path: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=Path(path).parent, env=env)
+
+
+def forward_source(path: Path) -> str:
+    """The text of ``class Repro``'s ``forward`` in a generated script."""
+    text = Path(path).read_text()
+    cls = text[text.index("class Repro(torch.nn.Module):"):]
+    body = cls[cls.index("    def forward("):]
+    end = re.search(r"\n\S", body)
+    return body[:end.start()] if end else body
+
+
+def assert_reproduces(path: Path, kind: str, op: str, *args: str) -> subprocess.CompletedProcess:
+    """The script runs standalone, reproduces ``kind`` (exit 1) and its forward calls ``op``."""
+    proc = run_script(path, *args)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr[-3000:])
+    assert f"reproduced {kind}" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    assert op in forward_source(path), forward_source(path)
+    return proc
+
+
+def last_stderr_line(text: str) -> str:
+    return [ln for ln in text.strip().splitlines() if ln.strip()][-1]
+
+
+# ---------------------------------------------------------------- compilers (importable by name)
+
+def _has_relu(gm: torch.fx.GraphModule) -> bool:
+    return any(n.target in (torch.relu, torch.ops.aten.relu.default) for n in gm.graph.nodes)
+
+
+def relu_abort_backend(gm, example_inputs):
+    """A compiler that kills the process (SIGABRT) on graphs with a relu."""
+    if _has_relu(gm):
+        os.abort()
+    return gm
+
+
+def aot_relu_compile_error(gm, example_inputs):
+    if _has_relu(gm):
+        raise RuntimeError("relu is not supported by this compiler")
+    return gm
+
+
+def aot_relu_runtime_error(gm, example_inputs):
+    if not _has_relu(gm):
+        return gm
+
+    def run(*args):
+        raise RuntimeError("relu kernel failed at run time")
+
+    return run
+
+
+def aot_relu_accuracy_error(gm, example_inputs):
+    """relu(x) computed as x + 1 (on a copy: the graph handed in stays intact)."""
+    gm = copy.deepcopy(gm)
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.aten.relu.default:
+            n.target, n.args = torch.ops.aten.add.Tensor, (n.args[0], 1)
+    gm.recompile()
+    return gm
+
+
+def noisy_backend(gm, example_inputs):
+    """Nondeterministic: each call adds a different tiny offset (not tied to the torch seed)."""
+    calls = [0]
+
+    def run(*args):
+        calls[0] += 1
+        return [o + calls[0] * 1e-3 if isinstance(o, torch.Tensor) else o for o in gm(*args)]
+
+    return run
+
