@@ -53,15 +53,15 @@ def capture_graph(fn, *inputs) -> Tuple[torch.fx.GraphModule, List[Any]]:
     return got[0]
 
 
-def run_script(path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python path args`` in a fresh process (cwd: the script's directory)."""
-    return _run([sys.executable, str(path), *args], path, timeout)
+def run_script(path: Path, *args: str, timeout: float = 600, cwd: Path = None) -> subprocess.CompletedProcess:
+    """``python path args`` in a fresh process (cwd: ``cwd`` or the script's directory)."""
+    return _run([sys.executable, str(path), *args], cwd or Path(path).parent, timeout)
 
 
 def run_without_determ(path: Path, *commands: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """One fresh process where determ cannot be imported, running the script's ``main`` for each
     command line in turn; prints ``exit <command> <code>`` after each."""
-    return _run([sys.executable, "-c", _BLOCK_DETERM, str(path), *commands], path, timeout)
+    return _run([sys.executable, "-c", _BLOCK_DETERM, str(path), *commands], Path(path).parent, timeout)
 
 
 def run_main(path: Path, *args: str) -> int:
@@ -71,18 +71,19 @@ def run_main(path: Path, *args: str) -> int:
     return import_script(path).main(list(args))
 
 
-def _run(cmd: List[str], path: Path, timeout: float) -> subprocess.CompletedProcess:
+def _run(cmd: List[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=Path(path).parent, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 def forward_source(path: Path) -> str:
-    """The text of ``class Repro``'s ``forward`` in a generated script."""
+    """The code of ``class Repro``'s ``forward`` in a generated script (comment lines dropped)."""
     text = Path(path).read_text()
     cls = text[text.index("class Repro(torch.nn.Module):"):]
     body = cls[cls.index("    def forward("):]
     end = re.search(r"\n\S", body)
-    return body[:end.start()] if end else body
+    body = body[:end.start()] if end else body
+    return "\n".join(ln for ln in body.splitlines() if not ln.strip().startswith("#"))
 
 
 def assert_reproduces(path: Path, kind: str, op: str, *args: str) -> subprocess.CompletedProcess:
@@ -147,3 +148,19 @@ def noisy_backend(gm, example_inputs):
 
     return run
 
+
+
+def run_code(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh process, with the tests directory importable."""
+    return _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(TESTS)!r})\n" + code], cwd, timeout)
+
+
+def compile_and_fail(backend, x_w=None) -> BaseException:
+    """Compile and run :func:`model` with ``backend``; the exception it raises (it must raise)."""
+    torch._dynamo.reset()
+    x, w = x_w or model_inputs()
+    try:
+        torch.compile(model, backend=backend)(x, w)
+    except Exception as e:  # whatever the flow re-raised: the test inspects it
+        return e
+    raise AssertionError("compiling and running the model did not fail")
