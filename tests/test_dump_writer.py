@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from determ_backend import dump
-from determ_backend.dump.writer import IndexWriter, PayloadWriter, read_payload
+from determ_backend.dump.pipeline import DumpPipeline
+from determ_backend.dump.writer import IndexWriter, read_payload
 from determ_backend.errors import TraceFormatError
 from determ_backend.fingerprint import hash_tensor
 from determ_backend.trace import format_hash
@@ -24,52 +25,57 @@ def _clean():
     dump.remove_hooks()
 
 
-def _put_all(w: PayloadWriter, tensors):
-    return [(t, w.put(format_hash(hash_tensor(t)), t)) for t in tensors]
+def _dump_tensors(tmp_path, tensors, ring_bytes, mutate=None):
+    """Each tensor as one entry through a real pipeline; ``mutate`` runs after submission, before close."""
+    index = IndexWriter(tmp_path / "dump.pkl", {"rank": 0})
+    pipe = DumpPipeline(index, tmp_path / "dump" / "tensors.bin", ring_bytes=ring_bytes)
+    try:
+        for i, t in enumerate(tensors):
+            pipe.submit({"name": f"e{i}", "outputs": [{"name": "output", "dtype": str(t.dtype),
+                                                      "shape": list(t.shape), "_fp": pipe.tensor(t)}]})
+        if mutate:
+            mutate()
+    finally:
+        try:
+            pipe.close()
+        finally:
+            index.close(payload_bytes=pipe.size, complete=True)
+    d = dump.read_dump(tmp_path / "dump.pkl")
+    return d, [e["outputs"][0] for e in d.entries], pipe
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64])
 def test_payloads_round_trip_and_identical_tensors_are_stored_once(tmp_path, dtype):
     g = torch.Generator().manual_seed(0)
     base = (torch.randn(64, 33, generator=g) * 10).to(dtype)
-    tensors = [base, base.clone(), base.t(), base[3], torch.zeros((), dtype=dtype)]
-    w = PayloadWriter(tmp_path / "tensors.bin", ring_bytes=1 << 16)
-    locs = _put_all(w, tensors)
-    w.close()
-    assert locs[0][1] == locs[1][1]  # same bytes, same place
-    assert w.size == sum(t.numel() * t.element_size() for t in tensors) - base.numel() * base.element_size()
-    for t, (off, n) in locs:
-        e = {"payload": [off, n], "dtype": str(t.dtype), "shape": list(t.shape)}
-        assert torch.equal(read_payload(tmp_path, e), t)
+    tensors = [base, base.clone(), base.t(), base[3], torch.zeros((), dtype=dtype), base[:0]]
+    d, outs, pipe = _dump_tensors(tmp_path, tensors, 1 << 16)
+    assert outs[0]["payload"] == outs[1]["payload"]  # same bytes, same place
+    assert pipe.size == sum(t.numel() * t.element_size() for t in tensors) - base.numel() * base.element_size()
+    for t, e in zip(tensors, outs):
+        assert e["hash"] == format_hash(hash_tensor(t))
+        assert torch.equal(d.tensor(e), t)
 
 
 def test_ring_buffer_wraps_and_large_tensors_bypass_it(tmp_path):
-    w = PayloadWriter(tmp_path / "tensors.bin", ring_bytes=4096)
-    tensors = [torch.full((97 + i,), float(i)) for i in range(200)] + [torch.arange(5000.0)]  # last > ring/2
-    locs = _put_all(w, tensors)
-    w.close()
-    for t, (off, n) in locs:
-        assert torch.equal(read_payload(tmp_path, {"payload": [off, n], "dtype": "torch.float32",
-                                                   "shape": list(t.shape)}), t)
+    tensors = [torch.full((97 + i,), float(i)) for i in range(200)] + [torch.arange(5000.0)]  # last > ring/4
+    d, outs, _ = _dump_tensors(tmp_path, tensors, 4096)
+    for t, e in zip(tensors, outs):
+        assert torch.equal(d.tensor(e), t) and e["stats"]["max"] == float(t.max())
 
 
-def test_later_inplace_changes_do_not_tear_stored_payloads(tmp_path):
-    w = PayloadWriter(tmp_path / "tensors.bin", ring_bytes=1 << 20)
+def test_later_inplace_changes_do_not_tear_snapshots(tmp_path):
     t = torch.arange(1000.0)
-    (off, n), = [loc for _, loc in _put_all(w, [t])]
-    t.mul_(-1)
-    w.close()
-    assert torch.equal(read_payload(tmp_path, {"payload": [off, n], "dtype": "torch.float32", "shape": [1000]}),
-                       torch.arange(1000.0))
+    d, outs, _ = _dump_tensors(tmp_path, [t], 1 << 20, mutate=lambda: t.mul_(-1))
+    assert torch.equal(d.tensor(outs[0]), torch.arange(1000.0))
+    assert outs[0]["hash"] == format_hash(hash_tensor(torch.arange(1000.0)))
 
 
 def test_disk_full_is_a_clear_error(tmp_path):
-    os.symlink("/dev/full", tmp_path / "tensors.bin")
-    w = PayloadWriter(tmp_path / "tensors.bin", ring_bytes=1 << 16)
+    (tmp_path / "dump").mkdir()
+    os.symlink("/dev/full", tmp_path / "dump" / "tensors.bin")
     with pytest.raises(dump.DumpWriteError, match=r"tensors.bin: cannot write tensor payloads \(No space left on device\)"):
-        for i in range(100):
-            w.put(str(i), torch.full((1000,), float(i)))
-        w.close()
+        _dump_tensors(tmp_path, [torch.full((1000,), float(i)) for i in range(100)], 1 << 16)
 
 
 def test_disk_full_during_a_dump_is_raised_when_switching_off(tmp_path):

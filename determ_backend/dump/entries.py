@@ -1,15 +1,14 @@
 """Turning a call's arguments and results into index entries.
 
 An entry describes one argument: a tensor (``dtype``, ``shape``, ``hash``,
-``stats``, ``param``, ``payload``) or, with the filter off, a scalar.  Tensors
-of one call are fingerprinted in one batch with the shared
-:func:`~determ_backend.fingerprint.hash_tensors`, and a per-session cache keyed
-by tensor identity and version skips tensors already described (one API's
-output is usually the next API's input).  Statistics use float32 accumulation
-for speed (``max``, ``min``, ``mean``, ``l2``; ``nan``/``inf`` counts are only
-counted when a tensor holds a non-finite value).
+``stats``, ``param``, ``payload``) or, with the filter off, a scalar.  Tensor
+values are snapshotted and fingerprinted by :mod:`.pipeline`; a per-session
+cache keyed by tensor identity and version skips tensors already described (one
+API's output is usually the next API's input).  :func:`batch_stats` computes the
+statistics with float32 accumulation for speed (``max``, ``min``, ``mean``,
+``l2``; ``nan``/``inf`` are only counted when a tensor holds a non-finite value).
 
-The payload store lives in :mod:`.writer`; what to record in :mod:`.switch`.
+What to record is decided in :mod:`.switch`.
 """
 
 from __future__ import annotations
@@ -20,10 +19,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..fingerprint import hash_tensors
-from ..trace import format_hash
 
-__all__ = ["flatten", "batch_stats", "FingerprintCache", "describe", "is_data_tensor"]
+__all__ = ["flatten", "batch_stats", "FingerprintCache", "describe", "is_data_tensor", "call_items", "output_items"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _CACHE_LIMIT = 8192
@@ -64,8 +61,9 @@ def output_items(result: Any) -> List[Tuple[str, Any]]:
 
 
 def is_data_tensor(t: Any) -> bool:
-    """A tensor whose values can be read: strided, not meta."""
-    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+    """A tensor whose values can be read and copied as plain bytes: strided, not meta, not quantized."""
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+            and not t.is_quantized)
 
 
 def _stat_row(t: torch.Tensor) -> torch.Tensor:
@@ -157,30 +155,12 @@ def _scalar_entry(name: str, v: Any) -> Optional[Dict[str, Any]]:
     return None
 
 
-def fingerprints(tensors: Sequence[torch.Tensor], cache: FingerprintCache, stats: bool) -> List[Dict[str, Any]]:
-    """``{"hash", "stats"}`` for each tensor, batched, using and filling ``cache``."""
-    fps: List[Optional[Dict[str, Any]]] = [cache.get(t) for t in tensors]
-    todo = [i for i, f in enumerate(fps) if f is None or (stats and "stats" not in f)]
-    if todo:
-        new = [tensors[i] for i in todo]
-        hashes = hash_tensors(new)
-        st = batch_stats(new) if stats else [None] * len(new)
-        for i, h, s in zip(todo, hashes, st):
-            fp = {"hash": format_hash(h)}
-            if s is not None:
-                fp["stats"] = s
-            fps[i] = fp
-            cache.put(tensors[i], fp)
-    return fps  # type: ignore[return-value]
-
-
-def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, stats: bool = True,
-             data: bool = True, keep_non_float: bool = True, store=None) -> List[Dict[str, Any]]:
-    """Index entries for ``items``.  ``data=False``: dtype/shape only (stack mode).  ``store``: a
-    payload writer; each distinct tensor's bytes are stored once and referenced by ``payload``."""
+def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data: bool = True,
+             keep_non_float: bool = True, pipeline=None) -> List[Dict[str, Any]]:
+    """Index entries for ``items``.  ``data=False``: dtype/shape only (stack mode).  Otherwise each new
+    tensor is snapshotted by ``pipeline`` and its entry gets an ``_fp`` future (hash, stats, payload) that
+    the pipeline resolves before writing; tensors already seen (same object, same version) reuse theirs."""
     entries: List[Dict[str, Any]] = []
-    tensors: List[torch.Tensor] = []
-    slots: List[int] = []
     for name, v in items:
         if isinstance(v, torch.Tensor):
             if not keep_non_float and not (v.is_floating_point() or v.is_complex()):
@@ -190,20 +170,19 @@ def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, stats
                 e["param"] = True
             if v.device.type != "cpu":
                 e["device"] = str(v.device)
+            if data and pipeline is not None and is_data_tensor(v):
+                fp = cache.get(v)
+                if fp is None:
+                    fp = pipeline.tensor(v)
+                    cache.put(v, fp)
+                e["_fp"] = fp
             entries.append(e)
-            if data and is_data_tensor(v):
-                tensors.append(v)
-                slots.append(len(entries) - 1)
         elif keep_non_float:
             e2 = _scalar_entry(name, v)
             if e2 is not None:
                 entries.append(e2)
-    if tensors:
-        for j, fp in zip(slots, fingerprints(tensors, cache, stats)):
-            entries[j].update(fp)
-        if store is not None:
-            for j, t in zip(slots, tensors):
-                entries[j]["payload"] = list(store.put(entries[j]["hash"], t))
+    if pipeline is not None:
+        pipeline.commit()
     return entries
 
 

@@ -109,10 +109,8 @@ class Recorder:
     def describe(self, items: Sequence[Tuple[str, Any]], io: str) -> List[Dict[str, Any]]:
         if self.overflow is None and io != "all" and not self.settings.keeps(io):
             return []
-        data = self.task != "stack"
-        store = self.session.store if self.task in ("tensor", "overflow_check") else None
-        return describe(items, self.session.cache, stats=data, data=data, keep_non_float=self._keep_non_float,
-                        store=store)
+        return describe(items, self.session.cache, data=self.task != "stack", keep_non_float=self._keep_non_float,
+                        pipeline=self.session.pipeline)
 
     def describe_io(self, ins: Sequence[Tuple[str, Any]], outs: Sequence[Tuple[str, Any]]):
         """Inputs and outputs of one call in one fingerprint batch: ``(input entries, output entries)``."""

@@ -20,7 +20,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from .entries import FingerprintCache
-from .writer import PAYLOAD_FILE, IndexWriter, PayloadWriter
+from .pipeline import DumpPipeline
+from .writer import PAYLOAD_FILE, IndexWriter
 
 __all__ = ["DumpSession", "index_name", "data_dir_name"]
 
@@ -46,20 +47,19 @@ class DumpSession:
         self.index = IndexWriter(self.index_path, header)
         self.tensors = tensors
         self._ring_bytes = ring_bytes
-        self.payloads: Optional[PayloadWriter] = None
         self.payload_index: Dict[str, Any] = {}
         self.cache = FingerprintCache()
         self.counters: Dict[str, int] = collections.defaultdict(int)
         self.seq = 0
         self._lock = threading.Lock()
-        if tensors:
-            self._open_payloads(append=False)
-        else:
+        if not tensors:
             self._remove_stale_payloads()
+        self.pipeline = self._open_pipeline(append=False)
 
-    def _open_payloads(self, append: bool) -> None:
+    def _open_pipeline(self, append: bool) -> DumpPipeline:
         kw = {} if self._ring_bytes is None else {"ring_bytes": self._ring_bytes}
-        self.payloads = PayloadWriter(self.data_dir / PAYLOAD_FILE, append=append, index=self.payload_index, **kw)
+        path = self.data_dir / PAYLOAD_FILE if self.tensors else None
+        return DumpPipeline(self.index, path, append=append, payload_index=self.payload_index, **kw)
 
     def _remove_stale_payloads(self) -> None:
         stale = self.data_dir / PAYLOAD_FILE
@@ -76,29 +76,22 @@ class DumpSession:
         with self._lock:
             entry["seq"] = self.seq
             self.seq += 1
-        self.index.write(entry)
-
-    @property
-    def store(self) -> Optional[PayloadWriter]:
-        return self.payloads if self.tensors else None
+            self.pipeline.submit(entry)
 
     @property
     def closed(self) -> bool:
         return self.index.closed
 
     def close(self) -> None:
-        """Flush payloads, then write the index footer (so a complete index implies complete payloads)."""
+        """Finish the pipeline, then write the index footer (a complete index implies complete payloads)."""
         if self.closed:
             return
         error: Optional[BaseException] = None
-        nbytes = 0
-        if self.payloads is not None:
-            try:
-                self.payloads.close()
-            except BaseException as e:  # still close the index, marked incomplete, then re-raise
-                error = e
-            nbytes = self.payloads.size
-        self.index.close(payload_bytes=nbytes, complete=error is None)
+        try:
+            self.pipeline.close()
+        except BaseException as e:  # still close the index, marked incomplete, then re-raise
+            error = e
+        self.index.close(payload_bytes=self.pipeline.size, complete=error is None)
         self.cache.clear()
         if error is not None:
             raise error
@@ -107,8 +100,7 @@ class DumpSession:
         if not self.closed:
             return
         self.index.reopen()
-        if self.tensors:
-            self._open_payloads(append=True)  # shares payload_index: dedup holds across on/off phases
+        self.pipeline = self._open_pipeline(append=True)  # shares payload_index: dedup across on/off phases
 
 
 def default_header(rank: int, world_size: int, mode: str, task: str) -> Dict[str, Any]:
