@@ -254,3 +254,24 @@ def test_unpaired_culprit_is_named_when_no_root_cause_can_be(tmp_path, capsys):
     assert not cmp.root_causes  # every paired call that diverges already has a diverging input
     out = capsys.readouterr().out
     assert "first divergence: Functional_linear_1_forward" in out and "Tensor_add__0_forward (NPU)" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_against_cpu(tmp_path):
+    a = dump_run(tmp_path, "cpu", make_net())
+    b = dump_run(tmp_path, "cuda", make_net().cuda(), step=lambda n: F.cross_entropy(
+        n(batch()[0].cuda()), batch()[1].cuda()).backward())
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert not cmp.exact and not cmp.root_causes
+    assert all(p.a is not None and p.b is not None for p in cmp.pairs if p.a and p.a["dir"] == "forward")
+
+
+def test_nothing_is_recorded_in_a_process_that_only_imports(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import atexit, torch; from determ_backend.dump import *; "
+            "print(torch.overrides._get_current_function_mode() is None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-1000:]

@@ -4,8 +4,10 @@
 The interface is process-global by design (existing scripts call these
 functions from anywhere), so its state lives in one :class:`_Controller`
 object.  Nothing happens at import: hooks are installed when a dump is switched
-on and removed when it is switched off; open dumps are closed at normal
-interpreter exit (``atexit``).
+on and removed when it is switched off; a dump still open at normal interpreter
+exit is closed then (an ``atexit`` handler registered at the first switch-on).
+Recording covers the thread that switched the dump on (and its autograd
+backward), as torch function modes are per thread.
 
 Output layout: ``<fpath>/<dump_tag>/rank<R>/<prefix>dump.pkl`` (JSON Lines index)
 and ``<prefix>dump/tensors.bin`` (payloads), ``<prefix>`` being ``api_stack_``,
@@ -105,6 +107,7 @@ class _Controller:
 
     def switch_on(self, settings: DumpSettings) -> None:
         self.switch_off()
+        _register_exit_hook()
         session = self.session(settings.prefix, settings.task, settings.mode)
         rec = Recorder(session, settings)
         self.installation = Installation(rec, self.models, self.regions)
@@ -112,6 +115,7 @@ class _Controller:
 
     def overflow_on(self) -> None:
         self.switch_off()
+        _register_exit_hook()
         session = self.session("overflow_", "overflow_check", "overflow_check")
         rec = Recorder(session, DumpSettings(), overflow=self.overflow)
         self.installation = Installation(rec, self.models, ())
@@ -145,6 +149,13 @@ def _model_device(models: Sequence[torch.nn.Module]) -> str:
     return "cpu"
 
 
+def _register_exit_hook() -> None:
+    """Close open dumps at normal interpreter exit (registered on first use, not at import)."""
+    if not getattr(_register_exit_hook, "done", False):
+        atexit.register(_close_at_exit)
+        _register_exit_hook.done = True
+
+
 def _close_at_exit() -> None:
     try:
         _STATE.switch_off()
@@ -152,7 +163,6 @@ def _close_at_exit() -> None:
         log.error("determ dump: could not finish the dump at exit: %s", e)
 
 
-atexit.register(_close_at_exit)
 
 
 def seed_all(seed: int = 1234, mode: bool = False) -> Dict[str, Any]:
