@@ -70,21 +70,13 @@ def _observed_of(view: GraphView, name: str, seen: Dict[str, Any]) -> Optional[A
     return parts or None
 
 
-def _accuracy_bad(view: GraphView, name: str, comp: Dict[str, Any], env: Dict[str, Any], spec) -> bool:
-    got = _observed_of(view, name, comp)
-    if got is None:
-        return False
-    try:
-        local = _run_node(view, name, env)
-    except Exception as e:  # a node that cannot be re-run alone is not judged
-        log.debug("cannot re-run %s alone: %s", name, e)
-        return False
-    try:
-        local64 = _run_node(view, name, env, to64=True)
-    except Exception:  # no fp64 kernel: judge without the fp64 reference
-        local64 = None
-    pairs = [(local, got, local64)] if not isinstance(got, dict) else \
-        [(local[i], g, local64[i] if local64 is not None else None) for i, g in got.items()]
+def _pairs(local: Any, got: Any, ref: Any) -> List[tuple]:
+    if not isinstance(got, dict):
+        return [(local, got, ref)]
+    return [(local[i], g, ref[i] if ref is not None else None) for i, g in got.items()]
+
+
+def _first_bad(pairs: List[tuple], spec) -> bool:
     for want, have, ref in pairs:
         if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):
             continue
@@ -96,6 +88,24 @@ def _accuracy_bad(view: GraphView, name: str, comp: Dict[str, Any], env: Dict[st
         if bad:
             return True
     return False
+
+
+def _accuracy_bad(view: GraphView, name: str, comp: Dict[str, Any], env: Dict[str, Any], spec) -> bool:
+    got = _observed_of(view, name, comp)
+    if got is None:
+        return False
+    try:
+        local = _run_node(view, name, env)
+    except Exception as e:  # a node that cannot be re-run alone is not judged
+        log.debug("cannot re-run %s alone: %s", name, e)
+        return False
+    if not _first_bad(_pairs(local, got, None), spec):
+        return False  # within tolerance already: the fp64 re-run is not needed
+    try:
+        local64 = _run_node(view, name, env, to64=True)
+    except Exception:  # no fp64 kernel: judge without the fp64 reference
+        local64 = None
+    return _first_bad(_pairs(local, got, local64), spec)
 
 
 def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], spec, hashes) -> Optional[bool]:
