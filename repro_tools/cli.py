@@ -22,6 +22,8 @@ _COMMANDS = (
     "cmd_diff",
     "minify_cmd",
     "ranks",
+    "demo",
+    "analyze",
 )
 
 
