@@ -275,3 +275,23 @@ def test_nothing_is_recorded_in_a_process_that_only_imports(tmp_path):
             "print(torch.overrides._get_current_function_mode() is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr[-1000:]
+
+
+def test_random_factory_with_another_seed_is_the_root_cause(tmp_path):
+    def step(seed):
+        def run(net):
+            x, t = batch()
+            torch.manual_seed(seed)
+            noise = torch.randn(x.shape)
+            x = x.clone()
+            x[:, 0] = 0.0  # __setitem__: recorded with the modified tensor as its output
+            F.cross_entropy(net(x + 0.01 * noise), t).backward()
+        return run
+
+    a = dump_run(tmp_path, "a", make_net(), step=step(0))
+    b = dump_run(tmp_path, "b", make_net(), step=step(1))
+    # Torch_randn_0 is the seeded batch (same in both runs); Torch_randn_1 is the noise
+    assert _root_causes(compare_two(b, a, tmp_path / "out"))[:1] == ["Torch_randn_1_forward"]
+    setitem = dump.read_dump(a).by_name("Tensor___setitem___0_forward")
+    out = dump.read_dump(a).tensor(setitem["outputs"][0])
+    assert out.shape == (4, 3, 8, 8) and torch.all(out[:, 0] == 0)

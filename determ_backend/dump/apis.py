@@ -35,7 +35,14 @@ is_tensor is_storage is_grad_enabled is_inference_mode_enabled is_autocast_enabl
 promote_types get_default_dtype typename broadcast_shapes is_same_size is_distributed
 is_conj is_neg is_meta is_cuda is_quantized is_sparse is_nested is_vulkan is_xla is_mkldnn
 module_load new_tensor_with_data _make_subclass
+empty empty_like empty_strided new_empty new_empty_strided
 """.split())
+# uninitialized memory (empty*) is never recorded: its bytes differ run to run and mean nothing
+
+_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "zeros", "ones", "full", "arange", "linspace",
+              "logspace", "eye", "tensor", "as_tensor")
+"""``torch`` factories take no tensor, so torch does not list them as overridable; they still reach the
+mode, and random ones are a classic source of run-to-run differences."""
 
 DISTRIBUTED_APIS: Tuple[str, ...] = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -93,6 +100,10 @@ def api_table() -> Mapping[Callable, ApiInfo]:
                 table[func] = ApiInfo(prefix, extra + name)
             except TypeError:  # an unhashable descriptor: not a callable API
                 continue
+    for name in _FACTORIES:
+        func = getattr(torch, name, None)
+        if func is not None and func not in table:
+            table[func] = ApiInfo("Torch", name)
     return table
 
 

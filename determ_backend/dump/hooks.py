@@ -153,7 +153,7 @@ class Recorder:
         with guard():
             if inplace:
                 self.session.cache.forget(items)
-            outs = output_items(out)
+            outs = output_items(args[0] if inplace and out is None and args else out)  # __setitem__ returns None
             if fwd:
                 if pre is not None:
                     ins, out_entries = pre, self.describe(outs, "output")
@@ -195,7 +195,7 @@ class Recorder:
             min_seq = bw.sequence_probe() if edges and edges[0] and inplace else None
         out = func(*args, **kwargs)
         with guard():
-            outs = output_items(out)
+            outs = output_items(args[0] if inplace and out is None and args else out)
             source = user_source()
             if edges and edges[0]:
                 self._attach(call, info, edges, outs, source, None, min_seq)
