@@ -12,7 +12,7 @@ import torch
 
 from determ_backend import dump
 from determ_backend.dump.pipeline import DumpPipeline
-from determ_backend.dump.writer import IndexWriter, read_payload
+from determ_backend.dump.writer import IndexWriter
 from determ_backend.errors import TraceFormatError
 from determ_backend.fingerprint import hash_tensor
 from determ_backend.trace import format_hash

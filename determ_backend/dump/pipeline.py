@@ -25,7 +25,7 @@ import collections
 import os
 import threading
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
