@@ -385,3 +385,69 @@ def tensor_stats(t: torch.Tensor) -> dict:
     A tensor on the ``meta`` device raises :class:`UnsupportedDtypeError`.
     """
     return _stats_dict(_stats_vector(t).cpu().tolist())
+
+
+class HashBatch:
+    """Fingerprints streamed in one at a time and finished together, for tracers.
+
+    :meth:`add` does the per-tensor work right away (so a buffer may be reused or
+    mutated afterwards): small tensors are copied as words, large ones reduced to
+    their row sums.  :meth:`finish` then combines everything with a constant
+    number of device ops for the whole batch, and returns one int64 device value
+    per added tensor (no host sync).  Values equal :func:`hash_tensors`.
+    """
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self._k = row_weights(str(self.device))
+        self._keys: List[int] = []
+        self._small: List[torch.Tensor] = []
+        self._small_ix: List[int] = []
+        self._sums: List[torch.Tensor] = []
+        self._sums_ix: List[int] = []
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, t: torch.Tensor) -> int:
+        """Queue ``t``; returns its index in :meth:`finish`'s result."""
+        _check_tensor(t)
+        i = len(self._keys)
+        self._keys.append(_tensor_key(t))
+        w = _words(t)
+        n = w.numel()
+        if n == 0:
+            return i
+        if n <= ROW_WORDS:
+            self._small.append(w.clone() if w.data_ptr() == t.data_ptr() else w)
+            self._small_ix.append(i)
+            return i
+        full_rows = n // ROW_WORDS
+        rem = n - full_rows * ROW_WORDS
+        sums = torch.empty(full_rows + (rem > 0), dtype=torch.int64, device=self.device)
+        _row_sums(w[: full_rows * ROW_WORDS].view(full_rows, ROW_WORDS), self._k, sums[:full_rows])
+        if rem:
+            torch.sum(w[full_rows * ROW_WORDS:].to(torch.int64) * self._k[:rem], 0, out=sums[full_rows])
+        self._sums.append(sums)
+        self._sums_ix.append(i)
+        return i
+
+    def finish(self) -> torch.Tensor:
+        dev = self.device
+        s_parts, p_parts, g_parts = [], [], []
+        if self._small:
+            s_parts.append(_segment_sums(self._small, self._k))
+            p_parts.append(torch.zeros(len(self._small_ix), dtype=torch.int64, device=dev))
+            g_parts.append(torch.tensor(self._small_ix, dtype=torch.int64, device=dev))
+        if self._sums:
+            lengths = torch.tensor([s.numel() for s in self._sums], device=dev)
+            starts = torch.cumsum(lengths, 0) - lengths
+            s_parts.append(torch.cat(self._sums) if len(self._sums) > 1 else self._sums[0])
+            seg_local = torch.repeat_interleave(torch.arange(len(self._sums), device=dev), lengths)
+            p_parts.append(torch.arange(s_parts[-1].numel(), device=dev) - starts[seg_local])
+            g_parts.append(torch.tensor(self._sums_ix, dtype=torch.int64, device=dev)[seg_local])
+        if not s_parts:
+            empty = torch.empty(0, dtype=torch.int64, device=dev)
+            return _finish(empty, empty, empty, self._keys, dev)
+        cat = (lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0])
+        return _finish(cat(s_parts), cat(p_parts), cat(g_parts), self._keys, dev)

@@ -1,12 +1,14 @@
 """The recorder: collects the tensors one graph call produces and turns them into
 trace records with one host sync per call.
 
-Small tensors are cloned at capture time (buffers are reused and mutated in
-place later, so a reference is not enough) and fingerprinted as one batch at
-:meth:`Recorder.end_call`; large tensors get their device-side fingerprint
-computed immediately, so nothing large is copied.  With ``keep_values`` the
-recorder also keeps a clone of every captured tensor, for checks that need
-metrics rather than fingerprints.
+Per captured tensor only the unavoidable work happens at capture time (buffers
+are reused and mutated in place later): its fingerprint row sums are queued in a
+:class:`~determ_backend.fingerprint.HashBatch` (small tensors are copied), and
+statistics of large tensors are reduced on the spot.  Everything else -- the
+fingerprint finish, statistics of all small tensors (segment reductions), the
+host transfer -- happens once per call in :meth:`Recorder.end_call`.  With
+``keep_values`` the recorder also keeps a clone of every captured tensor, for
+checks that need metrics rather than fingerprints.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import fingerprint as _fp
 from .trace import Record, format_hash
 
-__all__ = ["NodeInfo", "Recorder", "CallResult"]
+__all__ = ["NodeInfo", "Recorder", "CallResult", "trace_stats"]
 
-_CLONE_LIMIT = 1 << 16  # bytes: below this, clone now and hash in a batch later
+_SMALL = 1 << 16  # bytes: statistics of tensors up to this size are batched per call
+_NAN = math.nan
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,24 @@ class CallResult:
     values: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class _Item:
+    info: int
+    index: Optional[int]
+    dtype: Optional[str]
+    shape: Optional[list]
+    device: Optional[torch.device] = None
+    slot: int = -1                       # position in the device's HashBatch
+    stats: Any = None                    # device vector (large) or a small clone for batched stats
+    value: Optional[torch.Tensor] = None  # kept clone (accuracy checks)
+
+
+class _CallState:
+    def __init__(self) -> None:
+        self.items: List[_Item] = []
+        self.batches: Dict[torch.device, _fp.HashBatch] = {}
+
+
 class Recorder:
     """Per-graph capture state.  ``capture(i, value)`` is called from inside the graph."""
 
@@ -59,141 +80,158 @@ class Recorder:
 
     # -- called from the instrumented graph -------------------------------------------------
     def begin_call(self) -> None:
-        self._local.items = []  # (info index, output index, tensor-or-None, device hash, device stats)
+        self._local.state = _CallState()
 
     def capture(self, i: int, value: Any) -> None:
-        items = getattr(self._local, "items", None)
-        if items is None:
+        state = getattr(self._local, "state", None)
+        if state is None:
             self.begin_call()
-            items = self._local.items
+            state = self._local.state
         if isinstance(value, torch.Tensor):
-            self._capture_tensor(items, i, None, value)
+            self._capture_tensor(state, i, None, value)
         elif isinstance(value, (list, tuple)):
             for j, v in enumerate(value):
                 if isinstance(v, torch.Tensor):
-                    self._capture_tensor(items, i, j, v)
+                    self._capture_tensor(state, i, j, v)
 
-    def _capture_tensor(self, items: list, i: int, j: Optional[int], t: torch.Tensor) -> None:
+    def _capture_tensor(self, state: _CallState, i: int, j: Optional[int], t: torch.Tensor) -> None:
         if t.layout != torch.strided or t.device.type == "meta":
             return
         t = t.detach()
-        keep = t.clone() if self.keep_values else None
-        if t.numel() * t.element_size() <= _CLONE_LIMIT:
-            items.append((i, j, keep if keep is not None else t.clone(), None, None, keep))
-        else:
-            h = _fp._hash_device_values([t])[0]
-            s = trace_stats(t) if self.stats else None
-            items.append((i, j, None, h, s, keep))
-        # remember metadata now: the tensor object may change shape later (resize_)
-        items[-1] = items[-1] + (str(t.dtype).replace("torch.", ""), list(t.shape))
+        batch = state.batches.get(t.device)
+        if batch is None:
+            batch = state.batches[t.device] = _fp.HashBatch(t.device)
+        item = _Item(i, j, str(t.dtype).replace("torch.", ""), list(t.shape), t.device, batch.add(t))
+        if self.stats:
+            small = t.numel() * t.element_size() <= _SMALL and not (t.is_complex() or t.is_quantized)
+            item.stats = ("small", t.clone()) if small else trace_stats(t)
+        if self.keep_values:
+            item.value = t.clone()
+        state.items.append(item)
 
     # -- called by the wrapper after the graph returns --------------------------------------
     def end_call(self, count: bool = True) -> CallResult:
         """Records of the call just finished.  ``count=False`` for a check's extra execution:
         it gets the same call index as the real one that follows."""
-        items = getattr(self._local, "items", None) or []
-        self._local.items = None
+        state: _CallState = getattr(self._local, "state", None) or _CallState()
+        self._local.state = None
         call = self.calls
         if count:
             self.calls += 1
-        items = self._merge_static(items)
-        small = [k for k, it in enumerate(items) if it[2] is not None]
-        if small:
-            hs = _fp._hash_device_values([items[k][2] for k in small])
-            for k, h in zip(small, hs):
-                it = items[k]
-                s = trace_stats(it[2]) if self.stats else None
-                items[k] = (it[0], it[1], None, h, s, it[5], it[6], it[7])
-        host = _to_host([it for it in items if it[3] is not None], self.stats)
-        host_iter = iter(host)
+        host = _resolve(state, self.stats)
         out = CallResult(records=[])
-        for seq, it in enumerate(items):
-            h, st = next(host_iter) if it[3] is not None else (None, None)
-            info = self.infos[it[0]]
-            node = info.node if it[1] is None else f"{info.node}.{it[1]}"
-            rec = Record(graph=self.graph, stage=self.stage, node=node, op=info.op, kind=info.kind, call=call,
-                         seq=seq, source=info.source, dtype=it[6], shape=it[7],
-                         hash=format_hash(h) if h is not None else None, stats=st,
-                         inputs=list(info.inputs), rank=self.rank, run=self.run, extra=info.extra)
-            out.records.append(rec)
-            if it[5] is not None:
-                out.values[node] = it[5]
+        for seq, (item, (h, st)) in enumerate(self._merge_static(list(zip(state.items, host)))):
+            info = self.infos[item.info]
+            node = info.node if item.index is None else f"{info.node}.{item.index}"
+            out.records.append(Record(
+                graph=self.graph, stage=self.stage, node=node, op=info.op, kind=info.kind, call=call, seq=seq,
+                source=info.source, dtype=item.dtype, shape=item.shape,
+                hash=format_hash(h) if h is not None else None, stats=st, inputs=list(info.inputs),
+                rank=self.rank, run=self.run, extra=info.extra))
+            if item.value is not None:
+                out.values[node] = item.value
         return out
 
-
-    def _merge_static(self, items: list) -> list:
+    def _merge_static(self, pairs: list) -> list:
         """Insert the records of views (not captured: their data is their input's) in graph order."""
         views = [i for i, info in enumerate(self.infos) if info.kind == "view"]
         if not views:
-            return items
+            return pairs
         merged: list = []
         vi = 0
-        for it in items:
-            while vi < len(views) and views[vi] < it[0]:
+        for pair in pairs:
+            while vi < len(views) and views[vi] < pair[0].info:
                 merged.append(self._static(views[vi]))
                 vi += 1
-            merged.append(it)
+            merged.append(pair)
         merged.extend(self._static(v) for v in views[vi:])
         return merged
 
     def _static(self, i: int) -> tuple:
         meta = self.infos[i].extra or {}
-        return (i, None, None, None, None, None, meta.get("dtype"), meta.get("shape"))
+        return _Item(i, None, meta.get("dtype"), meta.get("shape")), (None, None)
 
 
-def _to_host(items: list, stats: bool) -> List[tuple]:
-    """One host transfer per device for all hashes and stats of a call."""
-    result: List[tuple] = [None] * len(items)  # type: ignore[list-item]
-    by_dev: Dict[torch.device, List[int]] = {}
-    for k, it in enumerate(items):
-        by_dev.setdefault(it[3].device, []).append(k)
-    for idx in by_dev.values():
-        hs = torch.stack([items[k][3] for k in idx])
-        if stats:
-            ss = torch.stack([items[k][4] for k in idx])
-            packed = torch.cat([hs.view(torch.float64).reshape(-1, 1), ss], 1).cpu()
-            hs_host = packed[:, 0].contiguous().view(torch.int64).tolist()
-            ss_host = packed[:, 1:].tolist()
-        else:
-            hs_host, ss_host = hs.cpu().tolist(), [None] * len(idx)
-        for k, h, s in zip(idx, hs_host, ss_host):
-            result[k] = (h, _stats_dict(s) if s is not None else None)
+def _resolve(state: _CallState, stats: bool) -> List[Tuple[Optional[int], Optional[dict]]]:
+    """Hashes and statistics of every item, with one host transfer per device."""
+    result: List[Tuple[Optional[int], Optional[dict]]] = [(None, None)] * len(state.items)
+    for dev, batch in state.batches.items():
+        idx = [k for k, it in enumerate(state.items) if it.device == dev]
+        hashes = batch.finish()[torch.tensor([state.items[k].slot for k in idx], device=dev)]
+        if not stats:
+            for k, h in zip(idx, hashes.cpu().tolist()):
+                result[k] = (h, None)
+            continue
+        rows = _stats_rows([state.items[k].stats for k in idx], dev)
+        packed = torch.cat([hashes.view(torch.float64).reshape(-1, 1), rows], 1).cpu()
+        hs = packed[:, 0].contiguous().view(torch.int64).tolist()
+        for k, h, s in zip(idx, hs, packed[:, 1:].tolist()):
+            result[k] = (h, _stats_dict(s))
     return result
 
 
-def trace_stats(t: torch.Tensor) -> torch.Tensor:
-    """Float64 device vector ``[min, max, mean, l2, nan, inf, numel]`` in four reduction passes.
+def _stats_rows(entries: list, dev: torch.device) -> torch.Tensor:
+    """(n, 7) float64 statistics; the small tensors' rows come from one batched segment reduction."""
+    small = [k for k, e in enumerate(entries) if isinstance(e, tuple)]
+    rows: List[Optional[torch.Tensor]] = [e if not isinstance(e, tuple) else None for e in entries]
+    if small:
+        batched = _segment_stats([entries[k][1] for k in small], dev)
+        for j, k in enumerate(small):
+            rows[k] = batched[j]
+    return torch.stack(rows)  # type: ignore[arg-type]
 
-    Cheaper than :func:`~determ_backend.fingerprint.tensor_stats`: one ``isfinite``
-    count gives the non-finite total; it is split into nan/inf exactly when no
-    NaN is present, else ``inf`` is reported as unknown (``None``).
+
+def _segment_stats(tensors: List[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    lengths = torch.tensor([t.numel() for t in tensors], device=dev)
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    m = len(tensors)
+    seg = torch.repeat_interleave(torch.arange(m, device=dev), lengths)
+    f64 = dict(dtype=torch.float64, device=dev)
+    mn = torch.full((m,), math.inf, **f64).scatter_reduce_(0, seg, flat, "amin")
+    mx = torch.full((m,), -math.inf, **f64).scatter_reduce_(0, seg, flat, "amax")
+    total = torch.zeros(m, **f64).index_add_(0, seg, flat)
+    l2 = torch.zeros(m, **f64).index_add_(0, seg, flat * flat).sqrt()
+    nan = torch.zeros(m, **f64).index_add_(0, seg, torch.isnan(flat).to(torch.float64))
+    inf = torch.zeros(m, **f64).index_add_(0, seg, torch.isinf(flat).to(torch.float64))
+    n = lengths.to(torch.float64)
+    empty = n == 0
+    mn, mx = mn.masked_fill(empty, _NAN), mx.masked_fill(empty, _NAN)
+    return torch.stack([mn, mx, total / n.clamp(min=1), l2, nan, inf, n], 1)
+
+
+def trace_stats(t: torch.Tensor) -> torch.Tensor:
+    """Float64 device vector ``[min, max, mean, l2, nan, inf, numel]`` in three reduction passes.
+
+    NaN/inf are not counted separately: a finite L2 norm proves there are none
+    (counts 0); otherwise their counts are reported as unknown (``None``) and
+    ``min``/``max``/``l2`` show which kind is present.
     """
     n = t.numel()
     dev = t.device
-    if n == 0 or t.is_quantized or t.is_complex():
-        if n and (t.is_quantized or t.is_complex()):
-            return _fp._stats_vector(t)
-        return torch.tensor([math.nan, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=dev)
+    if n == 0:
+        return torch.tensor([_NAN, _NAN, _NAN, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=dev)
+    if t.is_complex() or t.is_quantized:
+        return _fp._stats_vector(t)
     x = t
     if x.dtype == torch.bool or (x.is_floating_point() and x.element_size() == 1):
         x = x.float() if x.is_floating_point() else x.to(torch.uint8)
     flat = x.reshape(-1)
     mn, mx = torch.aminmax(flat)
-    total = flat.sum(dtype=torch.float64)
-    l2 = torch.linalg.vector_norm(flat if flat.is_floating_point() else flat.to(torch.float64), dtype=torch.float64)
-    if x.is_floating_point():
-        nonfinite = n - torch.isfinite(flat).sum()
-        has_nan = torch.isnan(l2)
-        nan = torch.where(has_nan, nonfinite, 0)
-        inf = torch.where(has_nan, -1, nonfinite)
-    else:
-        nan = inf = torch.zeros((), dtype=torch.int64, device=dev)
-    parts = [mn.to(torch.float64), mx.to(torch.float64), total / n, l2, nan.to(torch.float64), inf.to(torch.float64)]
+    total = flat.sum(dtype=torch.float64) if not flat.is_floating_point() else flat.sum()
+    l2 = torch.linalg.vector_norm(flat if flat.is_floating_point() else flat.to(torch.float64))
+    l2 = l2.to(torch.float64)
+    unknown = torch.full((), -1.0, dtype=torch.float64, device=dev)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    nan = torch.where(torch.isnan(l2), unknown, zero)
+    inf = torch.where(torch.isnan(l2) | (torch.isinf(l2) & (torch.isinf(mn) | torch.isinf(mx))), unknown, zero)
+    parts = [mn.to(torch.float64), mx.to(torch.float64), total.to(torch.float64) / n, l2, nan, inf]
     return torch.stack(parts + [torch.tensor(float(n), dtype=torch.float64, device=dev)])
 
 
 def _stats_dict(v: List[float]) -> dict:
-    d = _fp._stats_dict(v)
-    if d.get("inf") == -1:
-        d["inf"] = None
+    d = dict(zip(("min", "max", "mean", "l2", "nan", "inf"), v[:6]))
+    for k in ("nan", "inf"):
+        d[k] = None if d[k] < 0 else int(d[k])
+    if v[6] == 0:
+        d["min"] = d["max"] = d["mean"] = None
     return d
