@@ -295,3 +295,21 @@ def test_random_factory_with_another_seed_is_the_root_cause(tmp_path):
     setitem = dump.read_dump(a).by_name("Tensor___setitem___0_forward")
     out = dump.read_dump(a).tensor(setitem["outputs"][0])
     assert out.shape == (4, 3, 8, 8) and torch.all(out[:, 0] == 0)
+
+
+def test_msprobe_style_precision_debugger_dumps_selected_steps(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"task": "tensor", "dump_path": "%s", "step": [1], "level": "L1", '
+                   '"tensor": {"scope": [], "list": ["linear"]}}' % (tmp_path / "out"))
+    dbg = dump.PrecisionDebugger(config_path=str(cfg))
+    net = make_net()
+    for _ in range(3):
+        dbg.start(net)
+        train_step(net)
+        dbg.stop()
+        dbg.step()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["step1"]
+    got = names(tmp_path / "out" / "step1" / "rank0" / "api_list_dump.pkl")
+    assert "Functional_linear_0_forward" in got and not any("conv2d" in n for n in got)
+    with pytest.raises(ConfigError, match="only 'L1'"):
+        dump.PrecisionDebugger(dump_path=str(tmp_path), level="L0")

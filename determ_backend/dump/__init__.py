@@ -8,10 +8,12 @@ Modules: :mod:`.control` (the ptdbg functions), :mod:`.switch` (modes and
 selection), :mod:`.hooks` and :mod:`.modules` (recording), :mod:`.backward`
 (gradients), :mod:`.entries` (fingerprints and statistics), :mod:`.writer`
 (files), :mod:`.parse` (reading), :mod:`.compare` (CSV compare, root cause),
-:mod:`.replicas` (data-parallel rank agreement), :mod:`.overflow`.
+:mod:`.replicas` (data-parallel rank agreement), :mod:`.overflow`, :mod:`.debugger`
+(msprobe's ``PrecisionDebugger``).
 """
 
 from .compare import DumpComparison, auto_analyze, compare, compare_distributed, compare_dumps
+from .debugger import PrecisionDebugger
 from .control import (acc_cmp_dump, dump_parameters, get_dump_dir, module_dump, module_dump_end, overflow_check,
                       register_hook, remove_hooks, seed_all, set_dump_path, set_dump_switch, set_overflow_check_switch)
 from .overflow import DumpOverflowError
@@ -24,4 +26,5 @@ __all__ = [
     "overflow_check", "compare", "compare_distributed", "parse", "module_dump", "module_dump_end",
     "remove_hooks", "dump_parameters", "get_dump_dir", "compare_dumps", "auto_analyze", "DumpComparison",
     "read_dump", "Dump", "check_replicas", "ReplicaReport", "DumpOverflowError", "DumpWriteError",
+    "PrecisionDebugger",
 ]
