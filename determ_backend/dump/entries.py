@@ -60,9 +60,13 @@ def output_items(result: Any) -> List[Tuple[str, Any]]:
     return [("output", result)]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_data_tensor(t: Any) -> bool:
-    """A tensor whose values can be read and copied as plain bytes: strided, not meta, not quantized."""
-    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+    """A plain tensor whose values can be read and copied as bytes: strided, not meta, not quantized.
+    Tensor subclasses (fake, distributed, wrapper tensors) are described by dtype and shape only."""
+    return (type(t) in _PLAIN and t.layout == torch.strided and t.device.type != "meta"
             and not t.is_quantized)
 
 
