@@ -32,6 +32,7 @@ __all__ = ["LogWriter", "read_hash_log", "MAGIC"]
 
 MAGIC = "# determ hash log v1"
 _RULE = "    " + "-" * 60
+_RECORD_FLAGS = ("derived_hash", "unhashable", "non_deterministic")  # per-output extras (others are per op)
 _HEAD = re.compile(r"^\[(\d+)\] (\S+)$")
 _VALUE = re.compile(r"^(?P<dtype>[\w.]+)\[(?P<shape>[\d,]*)\] (?P<device>\S+) hash=(?P<hash>[0-9a-f]{16}|-)(?P<rest>.*)$")
 
@@ -98,6 +99,9 @@ class LogWriter:
                 out.append(f"    in  {path} = {_value(rec, device)} <- {rec.node}")
         for r, device in zip(ev.outs, ev.devices or ["?"] * len(ev.outs)):
             line = f"    out {r.node} = {_value(r, device)} kind={r.kind}"
+            for key in _RECORD_FLAGS:
+                if r.extra and key in r.extra:
+                    line += f" {key}={json.dumps(r.extra[key], separators=(',', ':'))}"
             if r.stats:
                 line += " stats=" + json.dumps(r.stats, separators=(",", ":"))
             out.append(line)
@@ -216,11 +220,16 @@ class _Parser:
         except json.JSONDecodeError:
             raise self._bad(lineno, "bad stats JSON") from None
         shape = [int(s) for s in v.group("shape").split(",") if s]
+        extra = dict(b["extra"])
+        try:
+            extra.update({k: json.loads(fields[k]) for k in _RECORD_FLAGS if k in fields})
+        except json.JSONDecodeError:
+            raise self._bad(lineno, "bad flag value") from None
         rec = Record(graph="eager", stage="eager", node=node, op=b["op"], kind=fields.get("kind", "node"),
                      seq=len(self.records), source=b["source"], dtype=v.group("dtype"), shape=shape,
                      hash=None if v.group("hash") == "-" else v.group("hash"), stats=stats,
                      inputs=list(b["inputs"]), in_hashes=list(b["in_hashes"]), run=self.run,
-                     extra=dict(b["extra"]) or None)
+                     extra=extra or None)
         return Record.from_dict(json.loads(rec.to_json()))  # exactly what the JSONL trace reads back as
 
 

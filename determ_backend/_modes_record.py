@@ -12,9 +12,10 @@ records (one per tensor the op returns or writes), with:
   and version counter, so in-place updates are followed); a tensor not produced
   under the mode (parameter, user input, a value made elsewhere) gets an
   ``input``/``param`` record of its own when first consumed;
-* ``in_hashes`` / ``hash``: fingerprints, batched (small tensors are cloned and
-  hashed every few hundred ops; large ones get a device-side hash at once), so
-  the cost is one host sync per batch, not per tensor.
+* ``in_hashes`` / ``hash``: fingerprints, batched by
+  :class:`~determ_backend._modes_hashing.PendingHashes` (device work at once, one
+  host sync per batch of a few hundred ops); views get a hash derived from their
+  base's instead of re-reading memory.
 
 The mode classes, the human-readable log and the comparisons live elsewhere.
 """
@@ -32,13 +33,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _torch_compat as _compat
-from . import fingerprint as _fp
+from ._modes_hashing import PendingHashes, hashable
 from .trace import Record, format_hash
 
 __all__ = ["OpRecorder", "OpEvent", "iter_args", "written_tensors", "user_frames"]
 
 FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, name location) of its forward op
-_CLONE_LIMIT = 1 << 20  # bytes: smaller outputs are cloned and hashed in a batch, larger hashed at once
+_FLUSH_BYTES = 256 << 20  # also finish the fingerprint batch once this much data was captured
 _INTERNAL_ROOTS = tuple(os.path.join(p, "") for p in (
     os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
     sysconfig.get_paths()["stdlib"]))
@@ -161,10 +162,6 @@ def _mem_key(t: torch.Tensor) -> Optional[tuple]:
         return None
 
 
-def _hashable(t: torch.Tensor) -> bool:
-    return t.layout == torch.strided and t.device.type != "meta" and type(t) in (torch.Tensor, torch.nn.Parameter)
-
-
 class OpEvent:
     """One op (or one first-seen input) as the log prints it."""
 
@@ -196,8 +193,7 @@ class OpRecorder:
         self._producers: Dict[tuple, tuple] = {}  # memory key -> (StorageWeakRef, Record, version)
         self._counts: Dict[tuple, int] = {}
         self._writes: Dict[Any, tuple] = {}
-        self._pending: List[tuple] = []  # (Record, clone or None, device hash or None, device stats or None)
-        self._pending_bytes = 0
+        self._hashes = PendingHashes(stats)
         self._events: List[OpEvent] = []
         self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
         self._autograd_node = _compat.current_autograd_node_getter()
@@ -329,6 +325,7 @@ class OpRecorder:
             info = self._writes[func] = (_schema_writes(func), _returns_view(func), _uninitialized(func))
         writes, is_view, uninit = info
         outs = written_tensors(result, writes, args, kwargs)
+        view_of = in_recs[0] if is_view and in_recs and args and isinstance(args[0], torch.Tensor) else None
         op = str(func)
         base = self._name(op, loc, "/bw" if backward else "")
         extra = self._extra(stack, backward, compiled, nondeterministic)
@@ -337,6 +334,8 @@ class OpRecorder:
             rec = self._record(base if len(outs) == 1 else f"{base}.{j}", op, "node", source, t, in_recs, extra)
             if uninit:  # the memory holds garbage until written: hash what is defined, dtype and shape
                 rec.hash = _uninitialized_hash(rec)
+            elif view_of is not None and isinstance(t, torch.Tensor) and hashable(t) is None:
+                self._hashes.add_view(rec, view_of, t, args[0])
             else:
                 self._capture(rec, t)
             if isinstance(t, torch.Tensor):
@@ -347,7 +346,7 @@ class OpRecorder:
         devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else []
         events.append(OpEvent(op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled))
         self._events.extend(events)
-        if len(self._pending) >= self.batch or self._pending_bytes >= 64 * _CLONE_LIMIT:
+        if len(self._hashes) >= self.batch or self._hashes.nbytes >= _FLUSH_BYTES:
             self.flush()
         return recs
 
@@ -382,28 +381,17 @@ class OpRecorder:
 
     # -- fingerprints ----------------------------------------------------------------------------
     def _capture(self, rec: Record, t) -> None:
-        if not isinstance(t, torch.Tensor):  # a Python scalar an op returned (item(), is_nonzero, ...)
-            t = torch.tensor(t, dtype=torch.float64 if isinstance(t, float) else None)
-        elif not _hashable(t):
-            rec.extra = dict(rec.extra or {}, unhashable=f"{t.layout}/{t.device.type}/{type(t).__name__}")
+        why = hashable(t) if isinstance(t, torch.Tensor) else None
+        if why is not None:
+            rec.extra = dict(rec.extra or {}, unhashable=why)
             return
-        t = t.detach()
-        nbytes = t.numel() * t.element_size()
-        if nbytes <= _CLONE_LIMIT:
-            self._pending.append((rec, t.clone(), None, None))
-        else:
-            h = _fp._hash_device_values([t])[0]
-            s = _fp._stats_vector(t) if self.stats else None
-            self._pending.append((rec, None, h, s))
-        self._pending_bytes += min(nbytes, _CLONE_LIMIT)
+        self._hashes.add(rec, t)
 
     def flush(self) -> None:
         """Fingerprint everything pending (one host sync per device) and hand finished events to the sink."""
         with self.lock:
-            pending, self._pending, self._pending_bytes = self._pending, [], 0
             events, self._events = self._events, []
-            if pending:
-                _resolve(pending, self.stats)
+            self._hashes.resolve()
             for ev in events:
                 hashes = [r.hash for r in ev.in_recs]
                 for r in ev.outs:
@@ -415,24 +403,3 @@ class OpRecorder:
     def _prune(self) -> None:
         if len(self._producers) > 4096:
             self._producers = {k: v for k, v in self._producers.items() if not v[0].expired()}
-
-
-def _resolve(pending: List[tuple], stats: bool) -> None:
-    """Fill ``hash`` (and ``stats``) of pending records; one transfer per device."""
-    small = [k for k, p in enumerate(pending) if p[1] is not None]
-    if small:
-        hs = _fp._hash_device_values([pending[k][1] for k in small])
-        for k, h in zip(small, hs):
-            rec, clone = pending[k][0], pending[k][1]
-            pending[k] = (rec, None, h, _fp._stats_vector(clone) if stats else None)
-    by_dev: Dict[torch.device, List[int]] = {}
-    for k, p in enumerate(pending):
-        by_dev.setdefault(p[2].device, []).append(k)
-    for idx in by_dev.values():
-        hs = torch.stack([pending[k][2] for k in idx]).cpu().tolist()
-        ss = torch.stack([pending[k][3] for k in idx]).cpu().tolist() if stats else None
-        for j, k in enumerate(idx):
-            rec = pending[k][0]
-            rec.hash = format_hash(hs[j])
-            if ss is not None:
-                rec.stats = _fp._stats_dict(ss[j])

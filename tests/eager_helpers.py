@@ -85,7 +85,7 @@ def _(x):
 class Net(torch.nn.Module):
     """Linear -> relu -> [nondeterministic op] -> split/cat -> Linear."""
 
-    def __init__(self, nondet: bool = True, d: int = 16):
+    def __init__(self, nondet: bool = True, d: int = 64):
         super().__init__()
         self.a = torch.nn.Linear(8, d)
         self.b = torch.nn.Linear(d, 4)

@@ -146,6 +146,23 @@ def test_fingerprints_see_signed_zeros_and_nan_payloads(make_value):
     assert [p.rec.op.split(".")[1] for p in cmp.root_causes] in (["flip_zero_sign"], ["flip_nan_payload"])
 
 
+def test_views_get_hashes_derived_from_their_base():
+    base = torch.arange(12.0).reshape(3, 4)
+
+    def body(bump: bool):
+        c = base.clone()
+        if bump:
+            c[2, 3] = -1.0  # the bases differ in one element
+        return c.t(), c.clone().t()
+
+    same, other = _records(lambda: body(False)), _records(lambda: body(True))
+    views = lambda recs: [r for r in recs if r.op == "aten.t.default"]  # noqa: E731
+    assert all(r.extra.get("derived_hash") for r in views(same))
+    assert len({r.hash for r in views(same)}) == 1  # equal bases, same geometry
+    assert {r.hash for r in views(same)}.isdisjoint({r.hash for r in views(other)})
+    assert views(same)[0].hash != next(r.hash for r in same if r.op == "aten.clone.default")
+
+
 def test_enable_disable_regions():
     m = HashMode()
     m.enable()

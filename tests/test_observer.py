@@ -79,7 +79,7 @@ def test_without_ops_traced_observations_still_compare(tmp_path):
     obs = observed_run(tmp_path, "run2", reference="ref", trace_ops=False, marking="value")
     assert obs.mismatches == []
     obs = observed_run(tmp_path, "run3", reference="ref", trace_ops=False)
-    assert set(names(obs)) >= {"out#0.0", "grad#0"}
+    assert "out#0.0" in names(obs)
 
 
 def test_extra_op_does_not_misalign(tmp_path):

@@ -1,0 +1,97 @@
+"""Fingerprints of the tensors the eager modes record, captured at once and resolved in batches.
+
+:meth:`PendingHashes.add` does the per-tensor device work immediately (the tensor
+may be mutated by the very next op) through :class:`determ_backend.fingerprint.HashBatch`;
+:meth:`PendingHashes.resolve` finishes every batch with a constant number of ops and
+one host transfer per device, and fills ``Record.hash`` / ``Record.stats``.
+
+A view (an op output that aliases its input: ``t``, ``view``, ``expand``,
+``detach``...) holds no new values, so its hash is *derived* on the host from its
+base's hash and the view geometry instead of re-reading the memory: equal bases and
+geometry give equal hashes, any change to the base changes it.  Such records carry
+``extra["derived_hash"] = True`` (the value is not the fingerprint of the view's
+elements, so it is comparable only with another derived hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, List, Optional
+
+import torch
+
+from . import fingerprint as _fp
+from .trace import Record, format_hash
+
+__all__ = ["PendingHashes", "hashable", "derived_hash"]
+
+
+def hashable(t: torch.Tensor) -> Optional[str]:
+    """None if ``t`` can be fingerprinted, else why not."""
+    if t.layout != torch.strided or t.device.type == "meta" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return f"{t.layout}/{t.device.type}/{type(t).__name__}"
+    return None
+
+
+def derived_hash(base_hash: Optional[str], geometry: tuple) -> Optional[str]:
+    if base_hash is None:
+        return None
+    digest = hashlib.blake2b(f"view|{base_hash}|{geometry}".encode(), digest_size=8).digest()
+    return format_hash(int.from_bytes(digest, "little"))
+
+
+def view_geometry(out: torch.Tensor, base: torch.Tensor) -> tuple:
+    """Everything that determines a view's elements given its base's elements."""
+    return (str(base.dtype), tuple(base.shape), base.stride(), str(out.dtype), tuple(out.shape), out.stride(),
+            out.storage_offset() * out.element_size() - base.storage_offset() * base.element_size())
+
+
+class PendingHashes:
+    """Records waiting for their fingerprints."""
+
+    def __init__(self, stats: bool = False):
+        self.stats = stats
+        self._batches: Dict[torch.device, "_fp.HashBatch"] = {}
+        self._items: List[tuple] = []  # (Record, device, index, stats vector) or (Record, base Record, geometry)
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, rec: Record, t) -> None:
+        """Capture ``t`` (a tensor, or a Python scalar an op returned) for ``rec``."""
+        if not isinstance(t, torch.Tensor):
+            t = torch.tensor(t, dtype=torch.float64 if isinstance(t, float) else None)
+        t = t.detach()
+        batch = self._batches.get(t.device)
+        if batch is None:
+            batch = self._batches[t.device] = _fp.HashBatch(t.device)
+        idx = batch.add(t)
+        s = _fp._stats_vector(t) if self.stats else None
+        self._items.append((rec, t.device, idx, s))
+        self.nbytes += t.numel() * t.element_size()
+
+    def add_view(self, rec: Record, base: Record, out: torch.Tensor, base_tensor: torch.Tensor) -> None:
+        rec.extra = dict(rec.extra or {}, derived_hash=True)
+        self._items.append((rec, base, view_geometry(out, base_tensor)))
+
+    def resolve(self) -> None:
+        """Fill ``hash`` (and ``stats``) of every pending record, in capture order."""
+        batches, self._batches = self._batches, {}
+        items, self._items = self._items, []
+        self.nbytes = 0
+        host: Dict[torch.device, tuple] = {}
+        for dev, batch in batches.items():
+            idx = [k for k, it in enumerate(items) if len(it) == 4 and it[1] == dev]
+            hs = batch.finish().cpu().tolist()
+            ss = torch.stack([items[k][3] for k in idx]).cpu().tolist() if self.stats and idx else None
+            host[dev] = (hs, {k: j for j, k in enumerate(idx)}, ss)
+        for k, it in enumerate(items):
+            rec = it[0]
+            if len(it) == 3:
+                rec.hash = derived_hash(it[1].hash, it[2])
+                continue
+            hs, pos, ss = host[it[1]]
+            rec.hash = format_hash(hs[it[2]])
+            if ss is not None:
+                rec.stats = _fp._stats_dict(ss[pos[k]])
