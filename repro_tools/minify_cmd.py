@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 
 from determ_backend.errors import ConfigError
 
-from .minifier import minify
+from .minifier import STATE_FILE, minify
 from .oracles import KINDS
 from .repro_io import load_repro_any, spec_from_meta
 
@@ -57,7 +57,7 @@ def register(subparsers) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="ask the oracle in this process (faster start; no protection against crashes/hangs)")
     p.add_argument("--out", help="directory for checkpoints, state and the minimal repro "
-                                 "(default: REPRO's directory/minify)")
+                                 "(default: a new minify, minify-2, ... next to REPRO)")
     p.add_argument("--resume", action="store_true", help="continue a killed run from the state in --out")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -75,6 +75,21 @@ def _print_text(s: Dict[str, Any]) -> None:
     print(f"repro: {s['repro_path']}")
 
 
+def _out_dir(src: Path, given: str, resume: bool) -> Path:
+    """``--out``, or ``minify``, ``minify-2``, ... next to the repro: a new one per run, the latest on resume."""
+    if given:
+        out = Path(given)
+        if not resume and (out / STATE_FILE).exists():
+            raise ConfigError(f"--out {out}: holds an earlier minification; pass --resume or another --out")
+        return out
+    base = (src if src.is_dir() else src.parent) / "minify"
+    taken = [base] + [base.with_name(f"minify-{i}") for i in range(2, 1000)]
+    used = [d for d in taken if d.exists()]
+    if resume:
+        return used[-1] if used else base
+    return next(d for d in taken if not d.exists())
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_queries < 1:
         raise ConfigError(f"--max-queries must be >= 1, got {args.max_queries}")
@@ -83,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                           timeout=args.timeout, similarity=args.similarity, devices=args.devices,
                           **({"config": _config_items(args.config)} if args.config else {}))
     src = Path(args.repro)
-    out = Path(args.out) if args.out else (src if src.is_dir() else src.parent) / "minify"
+    out = _out_dir(src, args.out, args.resume)
     result = minify(gm, inputs, spec, isolate=not args.in_process, budget=args.max_queries,
                     localize=not args.no_localize, out_dir=out, resume=args.resume,
                     progress=not args.no_progress, meta={"source": str(src.resolve())})

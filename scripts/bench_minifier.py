@@ -124,7 +124,7 @@ def cases(quick):
     out += [("transformer", 200, False, b) for b in ("wrong_lowering", "compile_error", "nondeterministic")]
     out += [("mlp", 200, True, "wrong_lowering")]
     out += [("transformer", 800, True, b) for b in ("wrong_lowering", "compile_error", "nondeterministic")]
-    out += [("mlp", 50, False, "inductor_relu")]
+    out += [("mlp", 50, False, "inductor_relu"), ("transformer", 200, False, "inductor_relu")]
     return out
 
 

@@ -132,3 +132,13 @@ def test_real_inductor_relu_accuracy_bug(tmp_path, monkeypatch):
     res, ops = minified(gm, [torch.randn(4, 4), torch.randn(4, 4)], kind="accuracy", compiler="inductor",
                         config={"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"})
     assert ops == ["aten.relu.default"] and res.summary["localized"] and res.summary["queries"] <= 4
+
+
+def test_cli_never_overwrites_an_earlier_run(tmp_path, capsys):
+    repro = _write(tmp_path, "accuracy", "minifier_helpers:wrong_erf", layers=1)
+    paths = []
+    for _ in range(2):
+        assert main(["minify", str(repro), "--in-process", "--no-progress", "--json"]) == 1
+        paths.append(json.loads(capsys.readouterr().out)["repro_path"])
+    assert [Path(p).parts[-3] for p in paths] == ["minify", "minify-2"]
+    assert main(["minify", str(repro), "--in-process", "--out", str(repro / "minify")]) == 2
