@@ -6,7 +6,7 @@ one file.  Imports are lazy: importing determ does not import inductor.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -278,3 +278,114 @@ def fresh_inductor_cache():
     from torch._inductor.utils import fresh_cache
 
     return fresh_cache()
+
+
+# --- determ_backend.retarget / repro_tools.bisect (stages and torch's CompilerBisector) ---
+
+def aot_eager_decomp_partition(gm, example_inputs, fw_compiler=None, bw_compiler=None):
+    """``aot_eager`` with inductor's decompositions and min-cut partitioner (torch's
+    ``aot_eager_decomp_partition`` backend), taking our fw/bw compilers."""
+    import functools
+
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd as _aot
+    from torch._dynamo.backends.debugging import boxed_nop as _bn
+    from torch._functorch import config as fcfg
+    from torch._inductor.compile_fx import select_decomp_table
+
+    patches = {"unlift_effect_tokens": True}
+    patches.update(_bisector().get_config_change("aot_eager_decomp_partition") or {})
+    with fcfg.patch(patches):
+        return _aot(fw_compiler=fw_compiler or _bn, bw_compiler=bw_compiler or _bn,
+                    decompositions=select_decomp_table,
+                    partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+                    )(gm, example_inputs)
+
+
+def _bisector():
+    from torch._inductor.compiler_bisector import CompilerBisector
+
+    return CompilerBisector
+
+
+@contextlib.contextmanager
+def bisector_stage_scope(stage: str) -> Iterator[Dict[str, Any]]:
+    """While active, torch's ``CompilerBisector`` sees ``stage`` as the backend under bisection.
+
+    The subsystem, run state and bisect range still come from ``TORCH_BISECT_SUBSYSTEM``,
+    ``TORCH_BISECT_MAX`` and the bisect directory; only the backend name is ours, so the
+    caller's own backend stays in place.  Yields the config changes the bisector asks
+    for in ``stage`` (``{}`` when none).  A no-op when no subsystem is being bisected.
+    """
+    cb = _bisector()
+    if cb.get_subsystem() is None:
+        yield {}
+        return
+    saved_get, saved_enabled = cb.__dict__["get_backend"], cb.bisection_enabled
+    cb.get_backend = classmethod(lambda cls: stage)
+    cb.bisection_enabled = True
+    try:
+        yield dict(cb.get_config_change(stage) or {})
+    finally:
+        cb.get_backend = saved_get
+        cb.bisection_enabled = saved_enabled
+
+
+def bisector_subsystems(stage: str) -> List[Tuple[str, Optional[Tuple[str, Any]]]]:
+    """Torch's bisectable subsystems of ``stage``: ``(name, None)`` for a counted subsystem
+    (passes, lowerings, decompositions), ``(name, (field, value))`` for a config change."""
+    from torch._inductor.compiler_bisector import BACKENDS, ConfigChange
+
+    out: List[Tuple[str, Optional[Tuple[str, Any]]]] = []
+    for sub in BACKENDS.get(stage, []):
+        out.append((sub.name, (sub.config_field, sub.config_value) if isinstance(sub, ConfigChange) else None))
+    return out
+
+
+@contextlib.contextmanager
+def _bisector_root(root: str) -> Iterator[Any]:
+    cb = _bisector()
+    saved = cb.in_process_cache
+    cb.in_process_cache = root
+    try:
+        yield cb
+    finally:
+        cb.in_process_cache = saved
+
+
+def bisector_dir(root: str) -> str:
+    """The bisect directory a child process with ``TORCHINDUCTOR_CACHE_DIR=root`` reads."""
+    with _bisector_root(root) as cb:
+        return cb.get_dir()
+
+
+def bisector_write_state(root: str, stage: str, subsystem: str, run_state: str,
+                         bounds: Optional[Tuple[int, int]] = None, config: Optional[Dict[str, Any]] = None) -> None:
+    """Prepare the files a child process's ``CompilerBisector`` reads: run state
+    (``test_disable``/``find_max_bounds``/``bisect``), bisect range and config changes."""
+    import os
+
+    with _bisector_root(root) as cb:
+        d = os.path.join(cb.get_dir(), stage)
+        cb.write_lines_to_file(os.path.join(d, f"{subsystem}_run_state.txt"), [run_state])
+        if config is not None:
+            cb.set_config_values(stage, subsystem, {k: repr(v) for k, v in config.items()})
+        if bounds is not None:
+            cb.update_bisect_range(stage, subsystem, bounds[0], bounds[1])
+        if run_state != "bisect":
+            cb.clear_call_counter_debug_info(stage, subsystem)
+
+
+def bisector_read_bounds(root: str, stage: str, subsystem: str) -> Optional[Tuple[int, int]]:
+    """The bisect range a child wrote (``find_max_bounds``: ``(0, last application index)``), or None."""
+    with _bisector_root(root) as cb:
+        try:
+            return cb.get_bisect_range(stage, subsystem)
+        except RuntimeError:
+            return None
+
+
+def bisector_debug_info(root: str, stage: str, subsystem: str, index: int) -> Optional[str]:
+    """What the ``index``-th application of a subsystem was (e.g. the lowered node), when recorded."""
+    with _bisector_root(root) as cb:
+        return cb.get_call_counter_debug_info(stage, subsystem, index)

@@ -11,12 +11,13 @@ off the result is the wrapped backend's, unchanged.  Settings come from
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Dict, List, Optional
 
 import torch.fx as fx
 
-from . import _torch_compat
+from . import _torch_compat, retarget
 from .checks import GraphExec
 from .config import DetermConfig, load_config
 from .inductor_instrument import instrument_compiled, load_origins, save_origins
@@ -74,9 +75,11 @@ class _AotNames:
         return {n: self.by_name[n] for n in phs if n in self.by_name}
 
 
-def _aot_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compiler=None) -> Callable:
+def _aot_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compiler=None,
+              decomp_partition: bool = False) -> Callable:
+    aot = _torch_compat.aot_eager_decomp_partition if decomp_partition else _torch_compat.aot_eager
     if not _active(cfg) and wrap_compiler is None:
-        return _torch_compat.aot_eager(gm, example_inputs)
+        return aot(gm, example_inputs)
     run = get_run(cfg) if _active(cfg) else None
     graph = run.next_graph_id() if run else "g"
     names = _AotNames(gm)
@@ -90,7 +93,7 @@ def _aot_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compil
 
         return wrap_compiler(compiler, stage) if wrap_compiler else compiler
 
-    return _torch_compat.aot_eager(gm, example_inputs, fw_compiler=make("aot_forward"), bw_compiler=make("aot_backward"))
+    return aot(gm, example_inputs, fw_compiler=make("aot_forward"), bw_compiler=make("aot_backward"))
 
 
 def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compiler=None) -> Callable:
@@ -132,7 +135,8 @@ def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_c
         return _torch_compat.compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
-_IMPLS = {"eager": _eager_impl, "aot_eager": _aot_impl, "inductor": _inductor_impl}
+_IMPLS = {"eager": _eager_impl, "aot_eager": _aot_impl, "inductor": _inductor_impl,
+          "aot_eager_decomp_partition": functools.partial(_aot_impl, decomp_partition=True)}
 
 
 def make_backend(kind: str, options: Optional[Dict[str, Any]] = None) -> Callable:
@@ -143,6 +147,8 @@ def make_backend(kind: str, options: Optional[Dict[str, Any]] = None) -> Callabl
         opts = dict(options or {})
         opts.update(kwargs.pop("options", None) or {})
         cfg = load_config(opts)
+        if cfg.device is not None:  # DETERM_DEVICE: this graph on another device/dtype (repro-tools xdevice)
+            return retarget.on_device(cfg.device, make_backend(kind, {**opts, "device": None}), gm, example_inputs)
         if cfg.repro_after == "dynamo":
             from repro_tools import after_dynamo
 
@@ -155,10 +161,16 @@ def make_backend(kind: str, options: Optional[Dict[str, Any]] = None) -> Callabl
 
 
 def _run_impl(kind: str, gm, example_inputs, cfg: DetermConfig):
+    kind = cfg.bisect_stage or kind  # DETERM_BISECT_STAGE (repro-tools bisect): this stage of the stack
+    wrap = None
     if cfg.repro_after == "aot" and kind != "eager":
         from repro_tools import after_aot
 
         wrap = lambda compiler, stage: after_aot.wrap_compiler(compiler, cfg, compiler_name=kind)
+    if cfg.bisect_stage and kind != "eager":  # torch's bisector hooks scoped to the stage, backward included
+        with retarget.stage_scope(kind):
+            return _IMPLS[kind](gm, example_inputs, cfg, wrap_compiler=retarget.scoped_wrap(kind, wrap))
+    if wrap is not None:
         return _IMPLS[kind](gm, example_inputs, cfg, wrap_compiler=wrap)
     return _IMPLS[kind](gm, example_inputs, cfg)
 

@@ -12,11 +12,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Tuple
 
+from .devices import parse_device_spec
 from .errors import ConfigError
 
-__all__ = ["DetermConfig", "load_config", "CHECKS"]
+__all__ = ["DetermConfig", "load_config", "CHECKS", "STAGES"]
 
 CHECKS = ("determinism", "accuracy")
+STAGES = ("eager", "aot_eager", "aot_eager_decomp_partition", "inductor")
+"""The compiler stack from the bottom: dynamo only, + AOT autograd, + inductor's decompositions and partitioner, + inductor."""
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -66,6 +69,14 @@ class DetermConfig:
     strict: bool = False
     """Accuracy checks also compare non-floating outputs, and bitwise when ``tol`` is 0 (``DETERM_STRICT``)."""
 
+    device: Optional[str] = None
+    """Run compiled graphs on this device spec instead, e.g. ``cpu:float64`` or ``cuda:0``; outputs come back
+    to the original device and dtype (``DETERM_DEVICE``; set by ``repro-tools xdevice``)."""
+
+    bisect_stage: Optional[str] = None
+    """Compile through this stage of the stack instead of the backend's own: one of :data:`STAGES`, with torch's
+    bisector hooks scoped to it (``DETERM_BISECT_STAGE``; set by ``repro-tools bisect``)."""
+
     def __post_init__(self) -> None:
         bad = [c for c in self.check if c not in CHECKS]
         if bad:
@@ -76,6 +87,13 @@ class DetermConfig:
             raise ConfigError(f"REPRO_LEVEL={self.repro_level!r}; expected 1, 2, 3 or 4")
         if not self.tol >= 0:
             raise ConfigError(f"DETERM_TOL={self.tol!r}; expected a non-negative number")
+        if self.bisect_stage not in (None,) + STAGES:
+            raise ConfigError(f"DETERM_BISECT_STAGE={self.bisect_stage!r}; expected one of {', '.join(STAGES)}")
+        if self.device is not None:
+            try:
+                parse_device_spec(self.device)
+            except ConfigError as e:
+                raise ConfigError(f"DETERM_DEVICE={self.device!r}: {e}") from None
         if not self.fp64_multiplier > 0:
             raise ConfigError(f"DETERM_FP64_MULTIPLIER={self.fp64_multiplier!r}; expected a positive number")
 
@@ -88,6 +106,7 @@ _ENV = {
     "save_tensors": "DETERM_SAVE_TENSORS", "check": "DETERM_CHECK", "reference": "DETERM_REFERENCE",
     "tol": "DETERM_TOL", "fp64_multiplier": "DETERM_FP64_MULTIPLIER", "raise_on_divergence": "DETERM_RAISE",
     "repro_after": "REPRO_AFTER", "repro_level": "REPRO_LEVEL", "minify": "DETERM_MINIFY", "strict": "DETERM_STRICT",
+    "device": "DETERM_DEVICE", "bisect_stage": "DETERM_BISECT_STAGE",
 }
 _BY_ENV = {v: k for k, v in _ENV.items()}
 
