@@ -22,6 +22,7 @@ _COMMANDS = (
     "cmd_diff",
     "minify_cmd",
     "ranks",
+    "xdevice",
     "demo",
     "analyze",
 )
