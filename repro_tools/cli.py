@@ -23,6 +23,7 @@ _COMMANDS = (
     "minify_cmd",
     "ranks",
     "xdevice",
+    "bisect",
     "demo",
     "analyze",
 )
