@@ -135,6 +135,18 @@ def test_hash_tensors_equals_per_tensor_hashes_for_a_mixed_batch():
     assert hash_tensors([]) == []
 
 
+def test_hash_batch_equals_hash_tensors_even_after_buffers_change():
+    batch = [torch.randn(6, 9), torch.randn(9, 6).t(), torch.tensor(2.5), torch.zeros(0), _bytes(5),
+             torch.randn(70 * ROW_WORDS + 3), torch.randn(5).to(torch.bfloat16), torch.randn(2 * ROW_WORDS)]
+    expected = hash_tensors(batch)
+    hb = fp.HashBatch("cpu")
+    for t in batch:
+        hb.add(t)
+        t.add_(1)  # the buffer is reused after being queued
+    assert [v & MASK for v in hb.finish().tolist()] == expected
+    assert hash_tensors(batch) != expected
+
+
 def test_values_cover_the_unsigned_64_bit_range():
     hs = [_h(torch.tensor([float(i)])) for i in range(64)]
     assert any(h >= 2**63 for h in hs) and any(h < 2**63 for h in hs)
