@@ -128,7 +128,7 @@ def _fill_meta(meta: Optional[Dict[str, Any]], inputs: Sequence[Any], path: Path
     if "compiler" in m and (not isinstance(m["compiler"], str) or (":" in m["compiler"] and "sys_path" not in m)):
         m["compiler"], m["sys_path"] = compiler_ref(m["compiler"])
     m.setdefault("compiler", "eager")
-    m.setdefault("after", "dynamo")
+    m.setdefault("after", "aot" if m["compiler"] == "inductor_inner" else "dynamo")
     m.setdefault("torch_version", torch.__version__)
     devices = sorted({str(x.device) for x in inputs if isinstance(x, torch.Tensor)}) or ["cpu"]
     m.setdefault("device", devices[0] if len(devices) == 1 else ",".join(devices))

@@ -122,3 +122,18 @@ def test_config_is_captured_at_compile_time_not_at_dump_time(tmp_path):
         dump = GraphDump(repro_config(tmp_path, 1), "dynamo", "eager", gm)
     path = dump.write("repro.py", [torch.randn(3)], "runtime_error")
     assert read_meta(path)["config"]["fallback_random"] is True
+
+
+@pytest.mark.slow
+def test_level4_catches_a_real_inductor_accuracy_bug_behind_plain_inductor(tmp_path, capsys):
+    """PyTorch's own after-dynamo level 4 lets this one pass (its checker error is swallowed)."""
+    import torch._inductor.config as icfg
+
+    cfg = repro_config(tmp_path, 4, minify=False)
+    with icfg.patch({"cpp.inject_relu_bug_TESTING_ONLY": "accuracy", "force_disable_caches": True}):
+        err = compile_and_fail(determ_backend.wrap_backend("inductor", cfg))
+    assert "less accurate than eager" in str(err)
+    launcher = _graph_dir(tmp_path) / "minifier_launcher.py"
+    assert last_stderr_line(capsys.readouterr().err) == str(launcher)
+    assert read_meta(launcher)["config"]["cpp.inject_relu_bug_TESTING_ONLY"] == "accuracy"
+    assert_reproduces(launcher, "accuracy", "torch.relu(", "run")
