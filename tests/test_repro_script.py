@@ -12,7 +12,7 @@ import torch.fx as fx
 from determ_backend.errors import ReproError
 from repro_tools.repro_script import copy_repro, load_repro, read_meta, write_repro
 
-from repro_helpers import (assert_reproduces, capture_graph, forward_source, model, model_inputs, run_main,
+from repro_helpers import (TESTS, assert_reproduces, capture_graph, forward_source, model, model_inputs, run_main,
                            run_without_determ)
 
 
@@ -58,7 +58,7 @@ def test_forward_is_readable_torch_code_with_source_lines(dynamo_graph, tmp_path
     path = write_repro(*dynamo_graph, tmp_path / "repro.py")
     src = forward_source(path)
     assert "torch.relu(" in src and "test_repro_script" not in src
-    assert "repro_helpers.py" in src  # the user's source line, as a comment
+    assert "# File: " + str(TESTS / "repro_helpers.py") in path.read_text()  # the user's source line, as a comment
     gm, _, _ = load_repro(path)
     relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
     assert relu.name == "relu" and "repro_helpers.py" in relu.meta["stack_trace"]
