@@ -180,8 +180,11 @@ def _row_sums_torch(rows: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> N
         blk = rows[r0: r0 + _BLOCK_ROWS]
         s = scratch[: blk.shape[0]]
         s.copy_(blk)  # widen first: int32 * int64 with type promotion is ~10x slower on CPU
-        s.mul_(k)
-        torch.sum(s, 1, out=out[r0: r0 + blk.shape[0]])
+        if s.device.type == "cpu":  # one fused pass (wrapping int64 dot products, as mul_ + sum)
+            torch.mv(s, k, out=out[r0: r0 + blk.shape[0]])
+        else:
+            s.mul_(k)
+            torch.sum(s, 1, out=out[r0: r0 + blk.shape[0]])
 
 
 def _row_sums(rows: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
