@@ -37,7 +37,7 @@ from tqdm import tqdm
 from determ_backend.compare import Comparison, compare_traces
 from determ_backend.devices import parse_device_spec, require
 from determ_backend.errors import ConfigError, ReproError, TraceFormatError
-from determ_backend.trace import TensorStore, read_trace, resolve_trace_path
+from determ_backend.trace import TensorStore, resolve_trace_path
 
 from .cmd_diff import format_table
 
@@ -89,9 +89,11 @@ def _devices(text: Optional[str], needed: bool) -> Tuple[str, ...]:
 def compare_repro(path: str, specs: Tuple[str, ...], tol: float) -> Tuple[Comparison, Any, List[Any]]:
     """``(comparison, gm, inputs)`` for a repro script or graph directory run on both devices."""
     from .repro_io import load_repro_any
+    from .repro_script import load_repro
     from .xdevice_trace import compare_devices, reference_spec, trace_on_device
 
-    gm, inputs, _ = load_repro_any(path)
+    # a repro recorded on an accelerator loads on the CPU here; each side moves it where it runs
+    gm, inputs, _ = load_repro(path, device="cpu") if Path(path).is_file() else load_repro_any(path)
     ref = reference_spec(specs)
     sides = []
     for s in tqdm(list(specs) + ([ref] if ref else []), desc="xdevice", unit="device", file=sys.stderr,
@@ -165,7 +167,8 @@ def register(subparsers) -> None:
     p.add_argument("targets", nargs="+", metavar="TARGET",
                    help="repro.py, a user script, A.jsonl,B.jsonl, or two trace files / run directories")
     p.add_argument("--devices", help="two device specs, e.g. cpu,cpu:float64 (required except for traces)")
-    p.add_argument("--tol", type=float, default=1e-3, help="max abs or rel error per element (default 1e-3)")
+    p.add_argument("--tol", type=float, default=1e-3,
+                   help="a node agrees when its max abs error or its max rel error is <= TOL (default 1e-3)")
     p.add_argument("--json", action="store_true", help="print the comparison summary as JSON")
     p.add_argument("--minify", action="store_true",
                    help="repro targets: shrink to the smallest subgraph that still diverges and write repro.py")
@@ -180,9 +183,16 @@ def register(subparsers) -> None:
 def _minify(gm, inputs, specs: Tuple[str, ...], tol: float, out: Path) -> Dict[str, Any]:
     from .minifier import minify
     from .oracles import OracleSpec
+    from .repro_script import copy_repro
 
-    spec = OracleSpec(kind="cross_device", compiler="eager", devices=specs, tol=tol)
-    return minify(gm, inputs, spec, out_dir=out, meta={"devices": list(specs)}).summary
+    # the graph's parameters and constants move with its inputs; the repro script does that itself,
+    # so the written repro names the plain eager compiler and runs with torch alone
+    spec = OracleSpec(kind="cross_device", compiler="repro_tools.xdevice_trace:follow_inputs", devices=specs, tol=tol)
+    summary = dict(minify(gm, inputs, spec, out_dir=out, meta={"devices": list(specs)}).summary)
+    if summary.get("repro_path", "").endswith(".py"):
+        copy_repro(summary["repro_path"], summary["repro_path"], updates={"compiler": "eager"})
+    summary["compiler"] = "eager"
+    return summary
 
 
 def _print(cmp: Comparison, specs: Tuple[str, ...], limit: int) -> None:
