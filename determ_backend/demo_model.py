@@ -24,7 +24,7 @@ __all__ = ["DemoTransformer", "demo_inputs", "nondeterministic_op"]
 
 @functools.lru_cache(maxsize=None)
 def nondeterministic_op() -> Callable[[torch.Tensor], torch.Tensor]:
-    """``determ_demo::scrambled_sum(x)``: ``x`` plus its last-dim sums, accumulated in a random order each call."""
+    """``determ_demo::scrambled_sum(x)``: ``x`` plus its last-dim mean, accumulated in a random order each call."""
     gen = torch.Generator().manual_seed(20240611)  # private and never reseeded: the order differs per call
 
     @torch.library.custom_op("determ_demo::scrambled_sum", mutates_args=())
@@ -33,7 +33,7 @@ def nondeterministic_op() -> Callable[[torch.Tensor], torch.Tensor]:
         acc = x[..., perm[0]].clone()
         for j in perm[1:]:
             acc = acc + x[..., j]
-        return x + acc.unsqueeze(-1) * 1e-3
+        return x + acc.unsqueeze(-1) / x.shape[-1]
 
     @scrambled_sum.register_fake
     def _(x: torch.Tensor) -> torch.Tensor:

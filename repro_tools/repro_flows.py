@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -101,15 +100,18 @@ class GraphDump:
                    launcher: Optional[Path] = None, detail: str = "") -> Optional[Path]:
         """Dump (and minify, per level) a graph's first failure; returns the final repro (or launcher) path.
 
-        A failure to dump is logged, not raised, so the caller can re-raise the original error."""
+        A failure to dump or minify is logged with its traceback, not raised, so the caller can
+        re-raise the original error."""
         if self.failed:
             return None
         self.failed = True
         try:
             return self._on_failure(kind, inputs, error, launcher, detail)
-        except (DetermError, OSError) as e:
+        except DetermError as e:
             log.error("determ repro: could not dump the failing graph (%s): %s", kind, e)
-            return None
+        except Exception:  # a bug in dumping must not replace the user's error; it is logged in full
+            log.exception("determ repro: dumping the failing graph (%s) raised", kind)
+        return None
 
     def _on_failure(self, kind: str, inputs: Sequence[Any], error: Optional[BaseException],
                     launcher: Optional[Path], detail: str) -> Optional[Path]:
@@ -137,9 +139,10 @@ class GraphDump:
 
 
 def _minify_in_process(launcher: Path, kind: str) -> Optional[Path]:
+    """Level 4: minify from this process (warm imports and caches; accuracy cannot crash the process)."""
     try:
-        rc = minify_script(launcher, ["--kind", kind, "--known-failure"])
-    except ReproError as e:
+        rc = minify_script(launcher, ["--kind", kind, "--known-failure", "--in-process"])
+    except DetermError as e:
         log.error("minifying %s failed: %s", launcher, e)
         return None
     return Path.cwd() / REPRO if rc == 1 else None
