@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shutil
 import sys
 import tempfile
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 
 _GROUP = "determ_config"
 """Subsystem name under which the config changes being tried are handed to the child."""
+
+_OVERLOAD = re.compile(r"<OpOverload\(op='([\w.]+)', overload='(\w+)'\)>")
 
 _EXTRA_CONFIG = {
     "inductor": (("split_reductions", False), ("cpp.vec_isa_ok", False), ("cpp.enable_unsafe_math_opt_flag", False),
@@ -147,7 +150,12 @@ def _search_subsystem(r: CommandRunner, stage: str, name: str) -> Optional[Tuple
         r.prepare(stage, name, "bisect", bounds=(lo, lo))
         r.run(stage, name, f"{name} 0..{lo} (confirm)")
         info = r.debug_info(stage, name, lo)
-    return name, lo, info
+    return name, lo, _readable(info)
+
+
+def _readable(info: Optional[str]) -> Optional[str]:
+    """``<OpOverload(op='aten.hardswish', overload='default')>`` -> ``aten.hardswish.default``."""
+    return _OVERLOAD.sub(r"\1.\2", info) if info else info
 
 
 def _search_knobs(r: CommandRunner, stage: str, v: Verdict) -> None:
