@@ -29,7 +29,8 @@ from torch.utils._pytree import tree_map
 
 from . import _torch_compat as _compat
 from . import devices
-from ._modes_record import FORWARD_KEY, _FrameFilter, _mem_key, _schema_writes, written_tensors
+from ._modes_ops import FrameFilter, mem_key, schema_writes, written_tensors
+from ._modes_record import FORWARD_KEY
 from .compare import tensor_metrics
 from .errors import NondeterminismError
 from .fingerprint import hash_tensors
@@ -104,7 +105,7 @@ class BitwiseEquivalenceMode(TorchDispatchMode):
         self.raise_on_mismatch, self.stack_depth, self.warn = raise_on_mismatch, stack_depth, warn
         self.mismatches: List[Dict[str, Any]] = []
         self.ops_checked = 0
-        self._frames = _FrameFilter()
+        self._frames = FrameFilter()
         self._sources: Dict[tuple, tuple] = {}  # output memory -> (storage ref, source): lines for backward ops
         self._writes: Dict[Any, tuple] = {}
         self._set_eval_frame = _compat.eval_frame_setter()
@@ -130,7 +131,7 @@ class BitwiseEquivalenceMode(TorchDispatchMode):
     def _twice(self, func, args, kwargs, frame):
         writes = self._writes.get(func)
         if writes is None:
-            writes = self._writes[func] = _schema_writes(func)
+            writes = self._writes[func] = schema_writes(func)
         cargs, ckwargs = _clone_inputs(args, kwargs) if writes else (args, kwargs)
         before = devices.get_rng_state()
         out1 = func(*args, **kwargs)
@@ -167,7 +168,7 @@ class BitwiseEquivalenceMode(TorchDispatchMode):
         source = f"{frames[0].f_code.co_filename}:{frames[0].f_lineno}" if frames else None
         if self._autograd_node() is None:  # (custom autograd Functions run their forward without grad)
             for t in outs:
-                key = _mem_key(t) if isinstance(t, torch.Tensor) else None
+                key = mem_key(t) if isinstance(t, torch.Tensor) else None
                 if key is not None:
                     self._sources[key] = (StorageWeakRef(t.untyped_storage()), source)
             if len(self._sources) > 4096:
@@ -178,7 +179,7 @@ class BitwiseEquivalenceMode(TorchDispatchMode):
         if not self._sources or self._autograd_node() is not None:
             return
         for t in tree_flat(args, kwargs):
-            key = _mem_key(t)
+            key = mem_key(t)
             ent = self._sources.get(key) if key is not None else None
             if ent is not None and not ent[0].expired() and t.grad_fn is not None:
                 md = t.grad_fn.metadata

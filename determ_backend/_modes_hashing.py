@@ -5,12 +5,15 @@ may be mutated by the very next op) through :class:`determ_backend.fingerprint.H
 :meth:`PendingHashes.resolve` finishes every batch with a constant number of ops and
 one host transfer per device, and fills ``Record.hash`` / ``Record.stats``.
 
-A view (an op output that aliases its input: ``t``, ``view``, ``expand``,
-``detach``...) holds no new values, so its hash is *derived* on the host from its
-base's hash and the view geometry instead of re-reading the memory: equal bases and
-geometry give equal hashes, any change to the base changes it.  Such records carry
-``extra["derived_hash"] = True`` (the value is not the fingerprint of the view's
-elements, so it is comparable only with another derived hash).
+Outputs that hold exactly an input's values (``clone``, ``copy_``, same-dtype
+``_to_copy``, ``detach``, a view with the same layout) take that input's
+fingerprint, which is their own: the fingerprint depends on dtype, shape and
+elements only.  Other views (``t``, ``expand``, ``slice``...) hold no new values,
+so their hash is *derived* on the host from the base's hash and the view geometry
+instead of re-reading memory: equal bases and geometry give equal hashes, any
+change to the base changes it.  Such records carry ``extra["derived_hash"] = True``
+(the value is not the fingerprint of the view's elements, so it is comparable only
+with another derived hash).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class PendingHashes:
     def __init__(self, stats: bool = False):
         self.stats = stats
         self._batches: Dict[torch.device, "_fp.HashBatch"] = {}
-        self._items: List[tuple] = []  # (Record, device, index, stats vector) or (Record, base Record, geometry)
+        # (Record, device, index, stats vector) | (Record, source Record) | (Record, base Record, view geometry)
+        self._items: List[tuple] = []
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -71,6 +75,10 @@ class PendingHashes:
         self._items.append((rec, t.device, idx, s))
         self.nbytes += t.numel() * t.element_size()
 
+    def add_same(self, rec: Record, src: Record) -> None:
+        """``rec`` holds the same logical values (dtype, shape, elements) as ``src``: same fingerprint."""
+        self._items.append((rec, src))
+
     def add_view(self, rec: Record, base: Record, out: torch.Tensor, base_tensor: torch.Tensor) -> None:
         rec.extra = dict(rec.extra or {}, derived_hash=True)
         self._items.append((rec, base, view_geometry(out, base_tensor)))
@@ -88,6 +96,9 @@ class PendingHashes:
             host[dev] = (hs, {k: j for j, k in enumerate(idx)}, ss)
         for k, it in enumerate(items):
             rec = it[0]
+            if len(it) == 2:
+                rec.hash, rec.stats = it[1].hash, it[1].stats
+                continue
             if len(it) == 3:
                 rec.hash = derived_hash(it[1].hash, it[2])
                 continue

@@ -22,9 +22,7 @@ The mode classes, the human-readable log and the comparisons live elsewhere.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sysconfig
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -34,134 +32,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _torch_compat as _compat
 from ._modes_hashing import PendingHashes, hashable
-from .trace import Record, format_hash
+from ._modes_ops import (COPIES, FrameFilter, iter_args, mem_key, returns_view, same_layout, schema_writes,
+                         uninitialized, uninitialized_hash, version, written_tensors)
+from .trace import Record
 
-__all__ = ["OpRecorder", "OpEvent", "iter_args", "written_tensors", "user_frames"]
+__all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
 
 FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, name location) of its forward op
 _FLUSH_BYTES = 256 << 20  # also finish the fingerprint batch once this much data was captured
-_INTERNAL_ROOTS = tuple(os.path.join(p, "") for p in (
-    os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
-    sysconfig.get_paths()["stdlib"]))
-
-
-def _is_internal(filename: str) -> bool:
-    return filename.startswith(_INTERNAL_ROOTS) or filename.startswith("<frozen")
-
-
-class _FrameFilter:
-    """Which code objects are user code (cached per code object)."""
-
-    def __init__(self) -> None:
-        self._cache: Dict[Any, bool] = {}
-
-    def user_frames(self, frame, depth: int) -> list:
-        out = []
-        cache = self._cache
-        while frame is not None:
-            code = frame.f_code
-            internal = cache.get(code)
-            if internal is None:
-                internal = cache[code] = _is_internal(code.co_filename)
-            if not internal:
-                out.append(frame)
-                if len(out) >= depth:
-                    break
-            frame = frame.f_back
-        return out
-
-
-def user_frames(frame, depth: int = 8) -> List[str]:
-    """``file:line in function`` of the first ``depth`` frames outside torch, determ and the stdlib."""
-    return [f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" for f in _FrameFilter().user_frames(frame, depth)]
-
-
-def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bool = False) -> list:
-    """Append ``(path, value)`` for every tensor in ``args``/``kwargs``, also inside lists and tuples
-    (non-tensor leaves too when ``with_values``).  Paths: ``args[0]``, ``args[1][2]``, ``weight=``."""
-    for i, a in enumerate(args):
-        _walk(f"args[{i}]", a, out, with_values)
-    for k, v in kwargs.items():
-        _walk(f"{k}=", v, out, with_values)
-    return out
-
-
-def _walk(path: str, a: Any, out: list, with_values: bool) -> None:
-    if isinstance(a, torch.Tensor):
-        out.append((path, a))
-    elif isinstance(a, (list, tuple)) and a and not isinstance(a, torch.Size):
-        for j, x in enumerate(a):
-            _walk(f"{path}[{j}]", x, out, with_values)
-    elif with_values:
-        out.append((path, a))
-
-
-def _schema_writes(func) -> Tuple[Tuple[int, str], ...]:
-    """Positions and names of the arguments ``func`` writes to (``Tensor(a!)``)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return ()
-    return tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write)
-
-
-def _uninitialized(func) -> bool:
-    """Ops whose outputs are uninitialized memory (``empty``, ``empty_like``, ``new_empty_strided``...)."""
-    schema = getattr(func, "_schema", None)
-    return schema is not None and "empty" in schema.name and not schema.is_mutable
-
-
-def _uninitialized_hash(rec: Record) -> str:
-    digest = hashlib.blake2b(f"uninitialized|{rec.dtype}|{rec.shape}".encode(), digest_size=8).digest()
-    return format_hash(int.from_bytes(digest, "little"))
-
-
-def _returns_view(func) -> bool:
-    schema = getattr(func, "_schema", None)
-    returns = schema.returns if schema is not None else ()
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
-def written_tensors(result: Any, writes: Tuple[Tuple[int, str], ...], args: Sequence, kwargs: Dict[str, Any]) -> list:
-    """Tensors an op produced: those it returns, then those it wrote to but did not return."""
-    outs: list = []
-    _leaves(result, outs)
-    if writes:
-        seen = {id(t) for t in outs if isinstance(t, torch.Tensor)}
-        for i, name in writes:
-            a = args[i] if i < len(args) else kwargs.get(name)
-            for t in _leaves(a, []):
-                if isinstance(t, torch.Tensor) and id(t) not in seen:
-                    seen.add(id(t))
-                    outs.append(t)
-    return outs
-
-
-def _leaves(x: Any, out: list) -> list:
-    if isinstance(x, (list, tuple)):
-        for y in x:
-            _leaves(y, out)
-    elif isinstance(x, (torch.Tensor, bool, int, float)) and not isinstance(x, torch.SymInt):
-        out.append(x)
-    return out
-
-
-def _version(t: Optional[torch.Tensor]) -> int:
-    if t is None:
-        return -1
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
-
-
-def _mem_key(t: torch.Tensor) -> Optional[tuple]:
-    try:
-        return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
-    except RuntimeError:  # no storage (sparse, functional wrappers)
-        return None
-
-
 class OpEvent:
     """One op (or one first-seen input) as the log prints it."""
 
@@ -189,7 +67,7 @@ class OpRecorder:
         self.seq = 0
         self.compiled_ops = 0
         self.lock = threading.RLock()
-        self._frames = _FrameFilter()
+        self._frames = FrameFilter()
         self._producers: Dict[tuple, tuple] = {}  # memory key -> (StorageWeakRef, Record, version)
         self._counts: Dict[tuple, int] = {}
         self._writes: Dict[Any, tuple] = {}
@@ -197,6 +75,7 @@ class OpRecorder:
         self._events: List[OpEvent] = []
         self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
         self._autograd_node = _compat.current_autograd_node_getter()
+        self._lines: Dict[tuple, tuple] = {}  # (code, line) -> (source, name location)
 
     # -- source lines --------------------------------------------------------------------------
     def _where(self, frame) -> Tuple[Optional[str], str, Optional[List[str]]]:
@@ -208,9 +87,13 @@ class OpRecorder:
         if not frames:
             return None, "?", None
         f = frames[0]
-        code = f.f_code
-        source = f"{code.co_filename}:{f.f_lineno}"
-        loc = f"{os.path.basename(code.co_filename)}:{code.co_name}+{f.f_lineno - code.co_firstlineno}"
+        key = (f.f_code, f.f_lineno)
+        where = self._lines.get(key)
+        if where is None:
+            code = f.f_code
+            where = self._lines[key] = (f"{code.co_filename}:{f.f_lineno}", f"{os.path.basename(code.co_filename)}:"
+                                        f"{code.co_name}+{f.f_lineno - code.co_firstlineno}")
+        source, loc = where
         if self.stack_depth == 1:
             return source, loc, None
         return source, loc, [f"{g.f_code.co_filename}:{g.f_lineno} in {g.f_code.co_name}" for g in frames]
@@ -228,24 +111,24 @@ class OpRecorder:
     def producer(self, t: torch.Tensor) -> Optional[Record]:
         if self._unsettled:
             self._settle()
-        key = _mem_key(t)
+        key = mem_key(t)
         ent = self._producers.get(key) if key is not None else None
-        if ent is not None and ent[2] == _version(t) and not ent[0].expired():
+        if ent is not None and ent[2] == version(t) and not ent[0].expired():
             return ent[1]
         return None
 
     def set_producer(self, t: torch.Tensor, rec: Record, view: bool = False) -> None:
         """``view``: ``t`` shares memory with an input, so an entry still valid for the same memory
         keeps its original producer (``detach``/``t().t()`` make no new values)."""
-        key = _mem_key(t)
+        key = mem_key(t)
         if key is None:
             return
-        version = _version(t)
+        v = version(t)
         if view:
             ent = self._producers.get(key)
-            if ent is not None and ent[2] == version and not ent[0].expired():
+            if ent is not None and ent[2] == v and not ent[0].expired():
                 return
-        self._producers[key] = (StorageWeakRef(t.untyped_storage()), rec, version)
+        self._producers[key] = (StorageWeakRef(t.untyped_storage()), rec, v)
 
     def _settle(self) -> None:
         """Register the last op's outputs.  Deferred to the next op because autograd bumps the version
@@ -322,22 +205,21 @@ class OpRecorder:
         func, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
         info = self._writes.get(func)
         if info is None:
-            info = self._writes[func] = (_schema_writes(func), _returns_view(func), _uninitialized(func))
-        writes, is_view, uninit = info
+            info = self._writes[func] = (schema_writes(func), returns_view(func), uninitialized(func),
+                                         COPIES.get(getattr(func, "_schema", None) and func._schema.name), str(func))
+        writes, is_view, uninit, copy_arg, op = info
         outs = written_tensors(result, writes, args, kwargs)
-        view_of = in_recs[0] if is_view and in_recs and args and isinstance(args[0], torch.Tensor) else None
-        op = str(func)
         base = self._name(op, loc, "/bw" if backward else "")
         extra = self._extra(stack, backward, compiled, nondeterministic)
         recs = []
         for j, t in enumerate(outs):
             rec = self._record(base if len(outs) == 1 else f"{base}.{j}", op, "node", source, t, in_recs, extra)
             if uninit:  # the memory holds garbage until written: hash what is defined, dtype and shape
-                rec.hash = _uninitialized_hash(rec)
-            elif view_of is not None and isinstance(t, torch.Tensor) and hashable(t) is None:
-                self._hashes.add_view(rec, view_of, t, args[0])
-            else:
+                rec.hash = uninitialized_hash(rec)
+            elif nondeterministic:  # values may have been substituted after the op: read them
                 self._capture(rec, t)
+            else:
+                self._hash_output(rec, t, is_view, copy_arg, args, in_recs)
             if isinstance(t, torch.Tensor):
                 self._unsettled.append((t, rec, is_view))
             recs.append(rec)
@@ -380,6 +262,20 @@ class OpRecorder:
             return rec
 
     # -- fingerprints ----------------------------------------------------------------------------
+    def _hash_output(self, rec: Record, t, is_view: bool, copy_arg: Optional[int], args, in_recs) -> None:
+        """Fingerprint ``t``, or take it from its source when the op only copies or re-views values."""
+        src_i = copy_arg if copy_arg is not None else (0 if is_view else None)
+        src = args[src_i] if src_i is not None and src_i < len(args) else None
+        if (isinstance(src, torch.Tensor) and isinstance(t, torch.Tensor) and len(in_recs) > src_i
+                and all(isinstance(a, torch.Tensor) for a in args[:src_i]) and hashable(t) is None):
+            if t.dtype == src.dtype and t.shape == src.shape and (not is_view or same_layout(t, src)):
+                self._hashes.add_same(rec, in_recs[src_i])  # same logical values: same fingerprint
+                return
+            if is_view:
+                self._hashes.add_view(rec, in_recs[src_i], t, src)
+                return
+        self._capture(rec, t)
+
     def _capture(self, rec: Record, t) -> None:
         why = hashable(t) if isinstance(t, torch.Tensor) else None
         if why is not None:

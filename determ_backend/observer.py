@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._modes_record import _returns_view, user_frames, written_tensors, _schema_writes
+from ._modes_ops import returns_view, schema_writes, user_frames, written_tensors
 from ._observer_files import load_reference, write_run
 from .compare import compare_traces
 from .errors import ConfigError, NondeterminismError, TraceFormatError
@@ -209,9 +209,9 @@ class Observer:
         region = self._marking[-1]
         j = region[1]
         region[1] += 1
-        if _returns_view(func):
+        if returns_view(func):
             return out, True  # a view of its input: nothing of its own to substitute
-        for i, t in enumerate(written_tensors(out, _schema_writes(func), args, kwargs)):
+        for i, t in enumerate(written_tensors(out, schema_writes(func), args, kwargs)):
             if not isinstance(t, torch.Tensor):
                 continue
             key = f"{region[0]}/{j}.{i}"

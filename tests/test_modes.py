@@ -15,7 +15,8 @@ from determ_backend import devices
 from determ_backend.compare import compare_traces
 from determ_backend.errors import ConfigError, NondeterminismError, TraceFormatError
 from determ_backend.modes import BitwiseEquivalenceMode, HashDebugTrace, HashMode, read_hash_log
-from determ_backend.trace import read_trace
+from determ_backend.fingerprint import hash_tensor
+from determ_backend.trace import format_hash, read_trace
 from eager_helpers import (diff_logs, eager_nd_backward, eager_nd_rowsum, flip_nan_payload, flip_zero_sign, make,
                            nodes, root_ops, traced_run, train_step)
 from repro_tools.cli import main as cli_main
@@ -201,6 +202,25 @@ def test_compiled_region_runs_eagerly_and_is_reported(caplog):
     assert compiled == ["aten.mm.default", "aten.relu.default", "aten.sin.default", "aten.add.Tensor"]
     assert m.compiled_ops == 4
     assert any("ran eagerly" in rec.message for rec in caplog.records)
+
+
+DEVICES = [d if d == "cpu" else pytest.param(d, marks=pytest.mark.gpu) for d in ("cpu", "cuda", "npu", "xpu")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_modes_on_each_device(device):
+    if not devices.is_available(device):
+        pytest.skip(f"no {device} device here")
+    x = torch.randn(64, 128, device=device, requires_grad=True)
+    with HashMode() as m:
+        y = x.relu() * 2
+        y.sum().backward()
+    rec = next(r for r in m.records if r.op == "aten.mul.Tensor")
+    assert rec.hash == format_hash(hash_tensor(y)) and rec.dtype == "float32" and rec.shape == [64, 128]
+    assert any((r.extra or {}).get("backward") for r in m.records)
+    with BitwiseEquivalenceMode(warn=False) as bm:
+        torch.nn.functional.dropout(x, 0.5).sum().backward()
+    assert bm.mismatches == [] and bm.ops_checked > 0
 
 
 # -- BitwiseEquivalenceMode -----------------------------------------------------------------------
