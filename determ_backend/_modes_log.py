@@ -70,7 +70,7 @@ class LogWriter:
         if self.echo:
             sys.stdout.write(text)
 
-    def write(self, events) -> None:
+    def write(self, events, flush: bool = False) -> None:
         lines: List[str] = []
         for ev in events:
             if self.max_ops is not None and self.ops >= self.max_ops:
@@ -83,6 +83,8 @@ class LogWriter:
             lines.extend(self._block(ev))
         if lines:
             self._emit(lines)
+        if flush and self._f is not None:
+            self._f.flush()
 
     def _block(self, ev) -> List[str]:
         out = [f"[{self.ops:06d}] {ev.op}", f"    source: {ev.source or '?'}"]

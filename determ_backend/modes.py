@@ -185,12 +185,19 @@ class HashMode(TorchDispatchMode):
         if self._writer is not None:
             self._writer.flush()
 
+    def is_active(self) -> bool:
+        """True while the mode is entered and recording."""
+        return self.is_recording
+
     def close(self) -> None:
         """Flush, finish the trace file and warn about compiled regions that ran eagerly."""
         if self._closed:
             return
         if self._on_stack:
             self.disable()
+            if self._on_stack:
+                logger.warning("%s.close(): another dispatch mode entered later is still active, so this mode "
+                               "stays on the stack (paused) until that one exits", type(self).__name__)
         self.flush()
         self._closed = True
         self._finish()
@@ -247,12 +254,17 @@ class HashDebugTrace(HashMode):
         max_ops_logged: stop the text log after this many ops (the JSONL trace stays complete).
         jsonl_path: the trace (default: ``log_path`` with suffix ``.jsonl``).
         stats, module, stack_depth: as for :class:`HashMode` (stats on, two frames by default).
+        auto_flush: flush the text log after every batch of ops (default on).
+        track_gradients, include_timestamp, show_exec_time: accepted for compatibility with the
+            original ``HashDebugTrace``; backward ops are always traced, and the log holds no
+            timestamps or timings (they would differ between the two runs being compared).
     """
 
     def __init__(self, log_path: Union[str, Path] = "tensor_hash_trace.log", verbose: bool = False,
                  max_ops_logged: Optional[int] = None, jsonl_path: Union[str, Path, None] = None,
                  run: Optional[str] = None, stats: bool = True, module: Optional[torch.nn.Module] = None,
-                 stack_depth: int = 2, batch: int = 512):
+                 stack_depth: int = 2, batch: int = 512, auto_flush: bool = True, track_gradients: bool = True,
+                 include_timestamp: bool = False, show_exec_time: bool = False):
         log_path = Path(log_path)
         if jsonl_path is None:
             jsonl_path = log_path.with_suffix(".jsonl") if log_path.suffix != ".jsonl" else Path(f"{log_path}.jsonl")
@@ -262,7 +274,7 @@ class HashDebugTrace(HashMode):
                          stack_depth=stack_depth, keep_records=False, batch=batch, _describe_args=True)
         self.log_path = log_path
         self.jsonl_path = Path(jsonl_path)
-        self.verbose, self.max_ops_logged = verbose, max_ops_logged
+        self.verbose, self.max_ops_logged, self.auto_flush = verbose, max_ops_logged, auto_flush
         self._log: Optional[LogWriter] = None
 
     def _open(self) -> None:
@@ -274,7 +286,7 @@ class HashDebugTrace(HashMode):
     def _sink(self, events: List[OpEvent]) -> None:
         super()._sink(events)
         if self._log is not None:
-            self._log.write(events)
+            self._log.write(events, flush=self.auto_flush)
 
     def _finish(self) -> None:
         super()._finish()

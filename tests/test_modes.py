@@ -103,6 +103,23 @@ def test_bad_logs_are_clear_errors(two_logs, tmp_path, mutate, capsys):
     assert len(err) == 1 and "bad.log" in err[0]
 
 
+def test_dynamo_benchmark_runner_pattern(tmp_path, caplog):
+    """As PyTorch's dynamo benchmark runner uses it: one log per run, eager (force_eager) vs compiled."""
+    model, x = make(nondet=False)
+    with HashDebugTrace(log_path=tmp_path / "trace_first.log") as first:
+        with torch.compiler.set_stance("force_eager"):
+            train_step(torch.compile(model, backend="aot_eager"), x)
+    model, x = make(nondet=False)
+    with caplog.at_level(logging.WARNING, logger="determ_backend.modes"):
+        with HashDebugTrace(log_path=tmp_path / "trace_second.log", verbose=False, max_ops_logged=20000) as second:
+            train_step(torch.compile(model, backend="aot_eager"), x)
+    assert not first.is_active() and first.compiled_ops == 0 and second.compiled_ops > 0
+    assert "compiled region: ran eagerly" in (tmp_path / "trace_second.log").read_text()
+    assert any("ran eagerly" in r.message for r in caplog.records)
+    cmp = diff_logs(tmp_path / "trace_first.log", tmp_path / "trace_second.log")
+    assert not cmp.divergent and cmp.summary()["unmatched_a"] == cmp.summary()["unmatched_b"] == 0
+
+
 # -- HashMode -------------------------------------------------------------------------------------
 
 def _records(fn, **kwargs):
