@@ -82,7 +82,7 @@ class GraphExec:
         self.reference_gm, self.boxed = reference_gm, boxed
         self._boxed_call = boxed
         self._ref_records: Optional[Dict[tuple, List[Record]]] = None
-        recorder.keep_values = "accuracy" in config.check
+        recorder.keep_values = "accuracy" in config.check or config.save_tensors
 
     def _invoke(self, args: List[Any]) -> Any:
         return self.fn(args) if self.boxed else self.fn(*args)
@@ -105,6 +105,8 @@ class GraphExec:
         rng_before = devices.get_rng_state() if eager_args is not None else None
         out = self._invoke(args_list)
         result = self.recorder.end_call()
+        if self.config.save_tensors:
+            self.run.store_payloads(result)
         self.run.write(result.records)
         if twin is not None:
             self._check_determinism(twin, result)

@@ -22,7 +22,7 @@ import torch
 
 from .config import DetermConfig
 from .errors import AccuracyError
-from .trace import TRACE_NAME, Record, TraceWriter, atomic_write_text
+from .trace import TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_text
 
 __all__ = ["Run", "get_run", "finish_all", "current_rank"]
 
@@ -74,6 +74,14 @@ class Run:
             if self._writer is None:
                 self._writer = TraceWriter(self.trace_path, run=self.id, meta={"rank": self.rank})
         self._writer.write(records)
+
+    def store_payloads(self, result) -> None:
+        """Save each captured tensor once under ``<run dir>/tensors/<fingerprint>.pt`` (DETERM_SAVE_TENSORS)."""
+        store = TensorStore(self.dir / "tensors")
+        for rec in result.records:
+            value = result.values.get(rec.node)
+            if value is not None and rec.hash is not None:
+                rec.payload = store.put(rec.hash, value)
 
     def add_finding(self, check: str, summary: Dict[str, Any]) -> None:
         """Record a divergence found by ``check``; log one line; raise if configured to."""

@@ -186,3 +186,20 @@ def test_one_extra_op_does_not_misalign_and_root_is_found(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert [r["node"] for r in out["root_causes"]] == ["l3.bias"]
     assert out["unmatched_b"] == 2  # the two extra ops, nothing else
+
+
+def test_saved_tensors_give_exact_metrics_in_tolerance_diff(tmp_path, capsys):
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 8)
+    compile_run(m, (x,), "determ_eager", tmp_path, "a", save_tensors=True)
+    x2 = x.clone()
+    x2[0, 0] += 1e-6
+    compile_run(m, (x2,), "determ_eager", tmp_path, "b", save_tensors=True)
+    stored = list((tmp_path / "a" / "tensors").glob("*.pt"))
+    assert stored and len(stored) == len({r.hash for r in load(tmp_path / "a")[0] if r.hash})
+    assert cli(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    bitwise = json.loads(capsys.readouterr().out)
+    assert bitwise["first_divergence"]["node"] == "l_x_"
+    assert "max_abs" in bitwise["first_divergence"]["metrics"]
+    assert cli(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--tol", "1e-4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["divergent"] is False
