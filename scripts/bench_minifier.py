@@ -13,7 +13,8 @@ targets on accuracy cases (<= 1/5 of the queries, <= 1/3 of the wall time, final
 repro no larger); other cases must end no larger.
 
     .venv/bin/python scripts/bench_minifier.py --quick
-    .venv/bin/python scripts/bench_minifier.py            # all sizes + one inductor case
+    .venv/bin/python scripts/bench_minifier.py            # all sizes + real inductor cases
+    .venv/bin/python scripts/bench_minifier.py --isolate --only inductor   # both as shipped, isolated
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from determ_backend import _torch_compat as tc  # noqa: E402
 from repro_tools.minifier import minify  # noqa: E402
+from repro_tools.isolate import Worker  # noqa: E402
 from repro_tools.oracles import InProcessRunner, OracleSpec  # noqa: E402
 
 SQRT1_2 = 0.7071067811865476
@@ -128,6 +130,21 @@ def cases(quick):
     return out
 
 
+class _FreshProcessRunner:
+    """PyTorch's isolated mode: a new process (torch import, cold compile) for every query."""
+
+    def check(self, spec, gm, inputs):
+        with Worker() as w:
+            return w.check(spec, gm, inputs)
+
+
+def _runners(mode):
+    """(ours, baseline) runners for one minifier run."""
+    if mode == "in-process":
+        return InProcessRunner(), InProcessRunner()
+    return Worker(), _FreshProcessRunner()
+
+
 def run_fx_minifier(gm, inputs, spec, runner):
     calls = [0]
 
@@ -141,22 +158,26 @@ def run_fx_minifier(gm, inputs, spec, runner):
     return calls[0], time.perf_counter() - t0, len(res_gm.graph.nodes)
 
 
-def run_case(model, target, backward, bug, runner, repeat):
+def run_case(model, target, backward, bug, mode, repeat):
     kind, compiler, config = BUGS[bug]
     builder = {"mlp": mlp, "transformer": transformer}[model]
     gm, inputs = sized(builder, target, backward, "relu" if bug == "inductor_relu" else "erf")
     spec = OracleSpec(kind=kind, compiler=compiler, config=config)
-    first = runner.check(spec, gm, inputs)  # also warms the process up (imports, toolchain) for both
+    first = InProcessRunner().check(spec, gm, inputs)  # also warms this process up (imports, toolchain) for both
     fx_spec = spec.replace(expected=first.signature) if kind.endswith("error") else spec
     repeat = 1 if compiler.startswith("inductor") else repeat
     ours_runs, theirs_runs = [], []
     for _ in range(repeat):  # interleaved; the fastest of each counts (sub-second runs are noisy)
         with _cold_compile_caches(compiler):
+            ours_runner, _ = _runners(mode)
             t0 = time.perf_counter()
-            res = minify(gm, inputs, spec, runner=runner, progress=False)
+            try:
+                res = minify(gm, inputs, spec, runner=ours_runner, progress=False)
+            finally:
+                ours_runner.close()
             ours_runs.append((res.summary["queries"], time.perf_counter() - t0, res.summary["nodes_after"]))
         with _cold_compile_caches(compiler):
-            theirs_runs.append(run_fx_minifier(gm, inputs, fx_spec, runner))
+            theirs_runs.append(run_fx_minifier(gm, inputs, fx_spec, _runners(mode)[1]))
     best = lambda runs: min(runs, key=lambda r: r[1])  # noqa: E731
     return len(gm.graph.nodes), best(ours_runs), best(theirs_runs)
 
@@ -172,35 +193,31 @@ def _cold_compile_caches(compiler):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a fast subset (about a minute)")
-    p.add_argument("--isolate", action="store_true", help="both minifiers ask the persistent isolated worker")
+    p.add_argument("--isolate", action="store_true",
+                   help="as shipped: ours asks one persistent worker process, fx_minifier a fresh process per "
+                        "query (PyTorch's isolated mode); default: both in this process")
     p.add_argument("--only", help="run only cases whose name contains this text")
     p.add_argument("--repeat", type=int, default=3, help="runs per minifier, fastest counts (inductor cases: 1)")
     args = p.parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_minifier_inductor_"))
-    if args.isolate:
-        from repro_tools.isolate import Worker
-        runner = Worker()
-    else:
-        runner = InProcessRunner()
-    print(f"torch {torch.__version__}; oracle runner: {'isolated worker' if args.isolate else 'in-process'}")
+    mode = "isolated" if args.isolate else "in-process"
+    print(f"torch {torch.__version__}; oracle runner: "
+          f"{'ours: persistent worker, fx_minifier: fresh process per query' if args.isolate else 'in-process'}")
     hdr = f"{'case':42} {'nodes':>5} | {'ours q':>6} {'s':>7} {'final':>5} | {'fx q':>5} {'s':>7} {'final':>5} | " \
           f"{'q ratio':>7} {'t ratio':>7} | verdict"
     print(hdr)
     print("-" * len(hdr))
     failed = 0
-    try:
-        for model, target, backward, bug in cases(args.quick):
-            name = f"{model}~{target}-{'fwd_bwd' if backward else 'fwd'}-{bug}"
-            if args.only and args.only not in name:
-                continue
-            nodes, (oq, ot, of), (fq, ft, ff) = run_case(model, target, backward, bug, runner, args.repeat)
-            qr, tr = oq / fq, ot / ft
-            ok = of <= ff and (BUGS[bug][0] != "accuracy" or (qr <= 0.2 and tr <= 1 / 3))
-            failed += not ok
-            print(f"{name:42} {nodes:5d} | {oq:6d} {ot:7.2f} {of:5d} | {fq:5d} {ft:7.2f} {ff:5d} | "
-                  f"{qr:7.3f} {tr:7.3f} | {'PASS' if ok else 'FAIL'}", flush=True)
-    finally:
-        runner.close()
+    for model, target, backward, bug in cases(args.quick):
+        name = f"{model}~{target}-{'fwd_bwd' if backward else 'fwd'}-{bug}"
+        if args.only and args.only not in name:
+            continue
+        nodes, (oq, ot, of), (fq, ft, ff) = run_case(model, target, backward, bug, mode, args.repeat)
+        qr, tr = oq / fq, ot / ft
+        ok = of <= ff and (BUGS[bug][0] != "accuracy" or (qr <= 0.2 and tr <= 1 / 3))
+        failed += not ok
+        print(f"{name:42} {nodes:5d} | {oq:6d} {ot:7.2f} {of:5d} | {fq:5d} {ft:7.2f} {ff:5d} | "
+              f"{qr:7.3f} {tr:7.3f} | {'PASS' if ok else 'FAIL'}", flush=True)
     print(f"targets: accuracy cases <= 0.2 query ratio and <= 0.333 time ratio; every case final <= fx_minifier's; "
           f"{'all PASS' if not failed else f'{failed} FAIL'}")
     return 1 if failed else 0
