@@ -129,7 +129,9 @@ def _summary(acc: Dict[str, Any], rep: Dict[str, Any], nd: Dict[str, Any], out: 
     f = nd.get("first", {})
     print(f"  3. nondeterminism caught: {'yes' if nd.get('caught') else 'NO'}; root cause: node {f.get('node')} "
           f"op {f.get('op')} at {f.get('source')}")
-    print(f"  files: {out} (repro.py, runs/accuracy/repro/, runs/determinism/report.json)")
+    if acc.get("repro"):
+        print(f"  repro: {acc['repro']}  (run it: python {acc['repro']}; analyze it: python {acc['repro']} analyze)")
+    print(f"  all files: {out} (runs/accuracy/repro/: launcher, checkpoints, minimal; runs/determinism/report.json)")
     return ok
 
 

@@ -17,6 +17,7 @@ the full graph, clearly labelled "not minified"), and copies the result.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import re
@@ -131,17 +132,26 @@ class GraphDump:
             return launcher
         print_summary(what, lines + [f"launcher: {launcher}", "minifying ..."], None)
         if level == 3:
-            rc = subprocess.run([sys.executable, str(launcher), "minify", "--kind", kind, "--known-failure"]).returncode
+            rc = subprocess.run([sys.executable, str(launcher), "minify", "--kind", kind, "--known-failure"],
+                                stdout=_stderr_fd()).returncode
             final = Path.cwd() / REPRO if rc == 1 else None
         else:
             final = _minify_in_process(launcher, kind)
         return final
 
 
+def _stderr_fd() -> Optional[int]:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stderr without a file descriptor
+        return None
+
+
 def _minify_in_process(launcher: Path, kind: str) -> Optional[Path]:
     """Level 4: minify from this process (warm imports and caches; accuracy cannot crash the process)."""
     try:
-        rc = minify_script(launcher, ["--kind", kind, "--known-failure", "--in-process"])
+        with contextlib.redirect_stdout(sys.stderr):  # the program's stdout is not ours to write to
+            rc = minify_script(launcher, ["--kind", kind, "--known-failure", "--in-process"])
     except DetermError as e:
         log.error("minifying %s failed: %s", launcher, e)
         return None
