@@ -123,6 +123,7 @@ def _label(i: int, spec: str) -> str:
 def _run_script(script: str, script_args: List[str], spec: str, out: Path, backend: Optional[str]) -> Path:
     """Run the script with ``DETERM_DEVICE=spec``; returns its run directory (trace + report)."""
     env = dict(os.environ, DETERM_DEVICE=spec, DETERM_DIR=str(out.parent), DETERM_RUN_ID=out.name)
+    env.setdefault("DETERM_SAVE_TENSORS", "1")  # exact per-node metrics instead of statistics
     env.pop("DETERM_BISECT_STAGE", None)
     if backend:
         env["TORCH_BISECT_BACKEND"] = backend

@@ -125,6 +125,7 @@ def test_minify_writes_a_repro_that_still_diverges(repro, capsys, tmp_path):
 def test_user_script_localizes_the_cancellation(script_runs):
     code, s, out = script_runs
     assert code == 1 and _root(s) == "sub" and s["first_divergence"]["root_cause"]
+    assert s["first_divergence"]["metrics"]["max_abs"] > 1.0  # exact metrics from the saved tensors
     assert s["first_divergence"]["source"].endswith("(f)")  # the user's line, through the backend's trace
     report = json.loads((out / "side1_cpu_float64" / "report.json").read_text())
     assert report["divergent"] is False  # no check ran; the comparison is xdevice's
