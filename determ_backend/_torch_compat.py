@@ -389,3 +389,15 @@ def bisector_debug_info(root: str, stage: str, subsystem: str, index: int) -> Op
     """What the ``index``-th application of a subsystem was (e.g. the lowered node), when recorded."""
     with _bisector_root(root) as cb:
         return cb.get_call_counter_debug_info(stage, subsystem, index)
+
+
+def is_inductor_config(changes: Dict[str, Any]) -> bool:
+    """Whether every key names an inductor config entry (dotted names allowed)."""
+    cfg = inductor_config()
+    for key in changes:
+        obj = cfg
+        for part in key.split("."):
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+    return True

@@ -20,6 +20,7 @@ import torch.fx as fx
 from . import _torch_compat, retarget
 from .checks import GraphExec
 from .config import DetermConfig, load_config
+from .errors import ConfigError
 from .inductor_instrument import instrument_compiled, load_origins, save_origins
 from .instrument import graph_node_infos, instrument_graph, param_names
 from .recorder import NodeInfo, Recorder
@@ -47,7 +48,8 @@ def _fx_exec(gm: fx.GraphModule, run: Run, cfg: DetermConfig, graph: str, stage:
     return GraphExec(fn, rec, run, cfg, reference_gm=gm, boxed=boxed)
 
 
-def _eager_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig) -> Callable:
+def _eager_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compiler=None) -> Callable:
+    """``wrap_compiler`` is accepted for a uniform signature; eager has no AOT stage to wrap."""
     if not _active(cfg):
         return gm.forward
     run = get_run(cfg)
@@ -96,9 +98,21 @@ def _aot_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compil
     return aot(gm, example_inputs, fw_compiler=make("aot_forward"), bw_compiler=make("aot_backward"))
 
 
-def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compiler=None) -> Callable:
+def _repro_wrap(kind: str, cfg: DetermConfig) -> Optional[Callable]:
+    if cfg.repro_after != "aot":
+        return None
+    from repro_tools import after_aot
+
+    return lambda compiler, stage: after_aot.wrap_compiler(compiler, cfg, compiler_name=kind)
+
+
+def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_compiler=None,
+                   config_patches: Optional[Dict[str, Any]] = None) -> Callable:
+    patches = dict(config_patches or {})
+    if "accuracy" in cfg.check:
+        patches["fallback_random"] = True  # random ops must match eager for the comparison
     if not _active(cfg) and wrap_compiler is None:
-        return _torch_compat.compile_fx(gm, example_inputs)
+        return _torch_compat.compile_fx(gm, example_inputs, config_patches=patches or None)
     run = get_run(cfg) if _active(cfg) else None
     graph = run.next_graph_id() if run else "g"
     names = _AotNames(gm)
@@ -129,10 +143,7 @@ def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_c
 
     inner_compile = wrap_compiler(inner, "inductor") if wrap_compiler else inner
     with _torch_compat.autograd_cache_disabled():
-        if "accuracy" in cfg.check:
-            with _torch_compat.inductor_config_patch({"fallback_random": True}):
-                return _torch_compat.compile_fx(gm, example_inputs, inner_compile=inner_compile)
-        return _torch_compat.compile_fx(gm, example_inputs, inner_compile=inner_compile)
+        return _torch_compat.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
 
 
 _IMPLS = {"eager": _eager_impl, "aot_eager": _aot_impl, "inductor": _inductor_impl,
@@ -141,38 +152,55 @@ _IMPLS = {"eager": _eager_impl, "aot_eager": _aot_impl, "inductor": _inductor_im
 
 def make_backend(kind: str, options: Optional[Dict[str, Any]] = None) -> Callable:
     """A dynamo backend callable for ``kind`` (``eager``/``aot_eager``/``inductor``) with fixed options."""
-    impl = _IMPLS[kind]
 
     def backend(gm: fx.GraphModule, example_inputs, **kwargs):
         opts = dict(options or {})
         opts.update(kwargs.pop("options", None) or {})
+        opts, inductor_opts = split_options(opts, kind)
         cfg = load_config(opts)
-        if cfg.device is not None:  # DETERM_DEVICE: this graph on another device/dtype (repro-tools xdevice)
-            return retarget.on_device(cfg.device, make_backend(kind, {**opts, "device": None}), gm, example_inputs)
-        if cfg.repro_after == "dynamo":
-            from repro_tools import after_dynamo
-
-            inner = lambda g, i: _run_impl(kind, g, i, cfg.replace(repro_after=None))
-            return after_dynamo.wrap_backend(inner, cfg)(gm, example_inputs)
-        return _run_impl(kind, gm, example_inputs, cfg)
+        return _dispatch(kind, gm, example_inputs, cfg, opts, inductor_opts)
 
     backend.__name__ = f"determ_{kind}"
     return backend
 
 
-def _run_impl(kind: str, gm, example_inputs, cfg: DetermConfig):
-    kind = cfg.bisect_stage or kind  # DETERM_BISECT_STAGE (repro-tools bisect): this stage of the stack
-    wrap = None
-    if cfg.repro_after == "aot" and kind != "eager":
-        from repro_tools import after_aot
+def split_options(opts: Dict[str, Any], kind: str) -> tuple:
+    """``(determ options, inductor config options)``: keys that are not determ settings are inductor
+    config entries (as ``torch.compile(..., options=)`` takes them for inductor)."""
+    from .config import option_names
 
-        wrap = lambda compiler, stage: after_aot.wrap_compiler(compiler, cfg, compiler_name=kind)
+    known = option_names()
+    determ = {k: v for k, v in opts.items() if k in known}
+    other = {k: v for k, v in opts.items() if k not in known}
+    if other and kind not in ("inductor",):
+        raise ConfigError(f"unknown determ option(s) {', '.join(sorted(other))} for determ_{kind}; "
+                          f"expected {', '.join(sorted(known))}")
+    if other and not _torch_compat.is_inductor_config(other):
+        bad = sorted(k for k in other if not _torch_compat.is_inductor_config({k: None}))
+        raise ConfigError(f"unknown option(s) {', '.join(bad)}: neither determ settings nor inductor config entries")
+    return determ, other
+
+
+def _dispatch(kind: str, gm, example_inputs, cfg: DetermConfig, opts: Dict[str, Any], inductor_opts: Dict[str, Any]):
+    if cfg.device is not None:  # DETERM_DEVICE: this graph on another device/dtype (repro-tools xdevice)
+        return retarget.on_device(cfg.device, make_backend(kind, {**opts, **inductor_opts, "device": None}), gm,
+                                  example_inputs)
+    if cfg.repro_after == "dynamo":
+        from repro_tools import after_dynamo
+
+        inner = lambda g, i: _run_impl(kind, g, i, cfg.replace(repro_after=None), inductor_opts)
+        return after_dynamo.wrap_backend(inner, cfg, name=f"determ_{kind}")(gm, example_inputs)
+    return _run_impl(kind, gm, example_inputs, cfg, inductor_opts)
+
+
+def _run_impl(kind: str, gm, example_inputs, cfg: DetermConfig, inductor_opts: Optional[Dict[str, Any]] = None):
+    kind = cfg.bisect_stage or kind  # DETERM_BISECT_STAGE (repro-tools bisect): this stage of the stack
+    wrap = _repro_wrap(kind, cfg) if kind != "eager" else None
+    extra = {"config_patches": inductor_opts} if kind == "inductor" and inductor_opts else {}
     if cfg.bisect_stage and kind != "eager":  # torch's bisector hooks scoped to the stage, backward included
         with retarget.stage_scope(kind):
-            return _IMPLS[kind](gm, example_inputs, cfg, wrap_compiler=retarget.scoped_wrap(kind, wrap))
-    if wrap is not None:
-        return _IMPLS[kind](gm, example_inputs, cfg, wrap_compiler=wrap)
-    return _IMPLS[kind](gm, example_inputs, cfg)
+            return _IMPLS[kind](gm, example_inputs, cfg, wrap_compiler=retarget.scoped_wrap(kind, wrap), **extra)
+    return _IMPLS[kind](gm, example_inputs, cfg, wrap_compiler=wrap, **extra)
 
 
 determ_eager = make_backend("eager")

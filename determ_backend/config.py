@@ -138,6 +138,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}={value!r}: expected {kind.lower()}") from None
 
 
+def option_names() -> frozenset:
+    """Every key ``options=`` accepts: field names and their env-var names."""
+    return frozenset(_ENV) | frozenset(_ENV.values())
+
+
 def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[str, str]] = None,
                 base: Optional[DetermConfig] = None) -> DetermConfig:
     """Build a config from defaults (or ``base``), the environment, then ``options``."""

@@ -77,7 +77,7 @@ class Record:
         return f"{self.kind}|{self.op}|{self.dtype}|{self.shape}"
 
     def to_json(self) -> str:
-        d = {k: v for k, v in asdict(self).items() if v not in (None, [], {})}
+        d = {k: v for k, v in asdict(self).items() if v not in (None, [], {}) or k == "shape" and v is not None}
         return json.dumps(d, separators=(",", ":"), allow_nan=True)
 
     @classmethod

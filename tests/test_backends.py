@@ -203,3 +203,16 @@ def test_saved_tensors_give_exact_metrics_in_tolerance_diff(tmp_path, capsys):
     assert "max_abs" in bitwise["first_divergence"]["metrics"]
     assert cli(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--tol", "1e-4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["divergent"] is False
+
+
+def test_options_mix_determ_settings_and_inductor_config():
+    from determ_backend.backends import split_options
+
+    determ, ind = split_options({"check": "accuracy", "DETERM_DIR": "x", "max_autotune": False,
+                                 "cpp.simdlen": 0}, "inductor")
+    assert determ == {"check": "accuracy", "DETERM_DIR": "x"}
+    assert ind == {"max_autotune": False, "cpp.simdlen": 0}
+    with pytest.raises(ConfigError, match="neither determ settings nor inductor config"):
+        split_options({"bogus_knob": 1}, "inductor")
+    with pytest.raises(ConfigError, match="determ_aot_eager"):
+        split_options({"max_autotune": True}, "aot_eager")
