@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from .config import DetermConfig
 from .errors import AccuracyError
 from .trace import TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_text
 
-__all__ = ["Run", "get_run", "finish_all", "current_rank"]
+__all__ = ["Run", "get_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class Run:
             return gid
 
     def write(self, records: List[Record]) -> None:
+        if records:
+            _LISTENERS.notify(records)
         if not self.config.trace or not records:
             return
         with self._lock:
@@ -123,6 +125,36 @@ class Run:
             if self._writer is not None:
                 self._writer.close()
         self._write_report()
+
+
+class RecordListeners:
+    """Callbacks that see every batch of records any run writes (e.g. the API dump, to show what
+    happened inside a compiled region).  Subscribe with :func:`subscribe`, always unsubscribe."""
+
+    def __init__(self) -> None:
+        self._fns: List[Callable[[List[Record]], None]] = []
+        self._lock = threading.Lock()
+
+    def subscribe(self, fn: Callable[[List[Record]], None]) -> Callable[[List[Record]], None]:
+        with self._lock:
+            self._fns.append(fn)
+        return fn
+
+    def unsubscribe(self, fn: Callable[[List[Record]], None]) -> None:
+        with self._lock:
+            if fn in self._fns:
+                self._fns.remove(fn)
+
+    def notify(self, records: List[Record]) -> None:
+        with self._lock:
+            fns = list(self._fns)
+        for fn in fns:
+            fn(records)
+
+
+_LISTENERS = RecordListeners()
+subscribe = _LISTENERS.subscribe
+unsubscribe = _LISTENERS.unsubscribe
 
 
 class RunRegistry:
