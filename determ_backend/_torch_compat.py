@@ -401,3 +401,69 @@ def is_inductor_config(changes: Dict[str, Any]) -> bool:
                 return False
             obj = getattr(obj, part)
     return True
+
+
+# --- determ_backend.dump.regions (calls of torch.compile'd functions) ------------------------------
+
+def observe_compiled_calls(on_enter: Callable[[Any, tuple, dict], Any],
+                           on_exit: Callable[[Any, Any, bool], None]) -> Optional[Callable[[], None]]:
+    """Report every call of a ``torch.compile``d callable (function or module) in any thread:
+    ``token = on_enter(fn, args, kwargs)`` when it starts (``fn`` is the callable that was compiled) and
+    ``on_exit(token, result, ok)`` when it ends (``ok`` False when it raised; not called for a None token).
+
+    Dynamo's ``compile_wrapper`` sets the eval-frame callback through the module-level
+    ``_maybe_set_eval_frame`` once on entry and once on exit; that name is wrapped until the returned
+    function is called.  Returns None when this torch has no such entry point (nothing is observed)."""
+    import sys
+    import threading
+
+    ef = sys.modules.get("torch._dynamo.eval_frame")
+    orig = getattr(ef, "_maybe_set_eval_frame", None) if ef is not None else None
+    if orig is None:
+        return None
+    filename = ef.__file__
+    tls = threading.local()
+    active = [True]
+
+    def observed(callback):
+        frame = sys._getframe(1)
+        code = frame.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename == filename:
+            stack = tls.__dict__.setdefault("stack", [])
+            if stack and stack[-1][0] is frame:  # the exit: compile_wrapper's outer finally
+                _, token = stack.pop()
+                if token is not None:
+                    loc = frame.f_locals
+                    on_exit(token, loc.get("result"), "result" in loc)
+            elif active[0] and "cleanups" in frame.f_locals:  # past the early returns: a compiled call starts
+                loc = frame.f_locals
+                entry = [frame, None]
+                stack.append(entry)  # pushed first: if on_enter raises, the exit still pops it
+                entry[1] = on_enter(loc.get("fn"), tuple(loc.get("args", ())), dict(loc.get("kwargs", {})))
+        return orig(callback)
+
+    ef._maybe_set_eval_frame = observed
+
+    def undo() -> None:
+        active[0] = False
+        if ef._maybe_set_eval_frame is observed:
+            ef._maybe_set_eval_frame = orig
+
+    return undo
+
+
+def suspend_function_mode(mode) -> bool:
+    """Take ``mode`` off this thread's torch function mode stack if it is on top (True if it was)."""
+    from torch.overrides import _get_current_function_mode, _pop_mode
+
+    if _get_current_function_mode() is not mode:
+        return False
+    _pop_mode()
+    return True
+
+
+def resume_function_mode(mode) -> None:
+    """Put back a mode taken off by :func:`suspend_function_mode`."""
+    from torch.overrides import _push_mode
+
+    _push_mode(mode)
