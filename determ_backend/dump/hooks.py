@@ -12,8 +12,9 @@ in-place calls are fingerprinted before it) and arranges its backward record
 (:mod:`.backward`).  In overflow-check mode it writes only the calls whose
 outputs become non-finite from finite inputs (:mod:`.overflow`).
 
-Module-level records (compiled regions, ``module_dump``), collectives and
-parameter snapshots live in :mod:`.modules`.
+Region records (compiled modules and functions, ``module_dump``) live in
+:mod:`.regions`, the FX nodes of compiled graphs in :mod:`.compiled`;
+collectives and parameter snapshots in :mod:`.modules`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from .overflow import DumpOverflowError, OverflowCounter, nonfinite
 from .session import DumpSession
 from .switch import DumpSettings, Selector
 
-__all__ = ["DumpMode", "Recorder", "guard", "passthrough", "user_source", "user_stack"]
+__all__ = ["DumpMode", "Recorder", "guard", "busy", "passthrough", "enter_opaque", "exit_opaque", "user_source",
+           "user_stack"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,11 @@ def guard() -> Iterator[None]:
         yield
     finally:
         _tls.busy = prev
+
+
+def busy() -> bool:
+    """True while the dump machinery itself runs (its torch calls are not recorded)."""
+    return getattr(_tls, "busy", False)
 
 
 def passthrough() -> bool:
@@ -164,9 +171,11 @@ class Recorder:
                 self._attach(call, info, edges, outs, source, stack, min_seq)
         return out
 
-    def _attach(self, call: str, info: ApiInfo, edges, outs, source, stack, min_seq, **extra: Any) -> None:
+    def _attach(self, call: str, info: ApiInfo, edges, outs, source, stack, min_seq,
+                extra: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
+        """Arrange the backward record of ``call``; ``extra()`` gives its additional fields when it is written."""
         def emit(_name: str, grad_ins, grad_outs) -> None:
-            self.emit_backward(call, info, grad_ins, grad_outs, source, stack, **extra)
+            self.emit_backward(call, info, grad_ins, grad_outs, source, stack, **(extra() if extra else {}))
 
         bw.attach(call, edges[0], edges[1], outs, self.flusher, emit, guard, min_seq)
 

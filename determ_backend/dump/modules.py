@@ -1,11 +1,11 @@
-"""Records that are not single torch API calls, and installing/removing all dump hooks.
+"""Installing and removing all dump hooks; records that are not single torch API calls.
 
-* **Regions recorded as a whole**: a ``torch.compile``d module runs as one
-  compiled graph the API hooks cannot see into, so it is recorded as one entry
-  ``Compiled_<name>_<n>_forward`` (and ``_backward``) marked ``"opaque": true``,
-  with the region's inputs and outputs -- never silently missing.  A module
-  passed to ``module_dump(module, name)`` is recorded the same way as
-  ``<name>_<n>_forward`` (not marked opaque).
+* **Regions recorded as a whole** (:mod:`.regions`): a ``torch.compile``d module
+  or function is one entry ``Compiled_<name>_<n>_forward`` (and ``_backward``)
+  with the region's inputs and outputs -- never silently missing.  With a
+  determ backend its FX nodes follow as entries of their own (:mod:`.compiled`);
+  with another backend it is marked ``"opaque": true`` with a note.  A module
+  passed to ``module_dump(module, name)`` is recorded as ``<name>_<n>_forward``.
 * **Collectives** (``torch.distributed.all_reduce``...): they bypass
   ``__torch_function__``, so they are wrapped while a dump is on; the records are
   named ``Distributed_all_reduce_<n>_forward``; the tensor's value before the call is
@@ -28,17 +28,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import _torch_compat
-from . import backward as bw
 from .apis import DISTRIBUTED_APIS, ApiInfo
+from .compiled import CompiledGraphs
 from .entries import call_items, flatten, output_items
-from .hooks import DumpMode, Recorder, enter_opaque, exit_opaque, guard, passthrough, user_source, user_stack
+from .hooks import DumpMode, Recorder, guard, passthrough, user_source
+from .regions import OPAQUE_NOTE, ModuleRegion, Regions
 
 __all__ = ["Installation", "compiled_modules", "OPAQUE_NOTE"]
 
 log = logging.getLogger(__name__)
 
-OPAQUE_NOTE = ("torch.compile region: the ops inside are not visible to API hooks; compile with a determ backend "
-               "(determ_aot_eager / determ_inductor) for per-node traces")
 _NO_OUTPUT = frozenset({"send", "isend", "barrier", "gather"})
 
 
@@ -55,48 +54,6 @@ def compiled_modules(model: torch.nn.Module) -> List[tuple]:
             if name == "":
                 break
     return found
-
-
-class _RegionHooks:
-    """Forward pre/post hooks that record one module call as a single entry."""
-
-    def __init__(self, recorder: Recorder, info: ApiInfo, opaque: bool):
-        self.rec, self.info, self.opaque = recorder, info, opaque
-        self._stack: List[Any] = []
-
-    def pre(self, module, args, kwargs):
-        if passthrough() or torch.compiler.is_compiling():
-            self._stack.append(None)
-            return None
-        with guard():
-            call = f"{self.info.key}_{self.rec.session.next_call(self.info.key)}"
-            items = call_items(args, kwargs)
-            bwd = self.rec.overflow is None and self.rec.selector.may_backward(call, self.info) and torch.is_grad_enabled()
-            # the region's own parameters count as inputs of its backward record (their gradients are outputs)
-            params = [(f"input.{n.replace('_orig_mod.', '')}", p) for n, p in module.named_parameters()]
-            edges = bw.prepare(items + params) if bwd else None
-            min_seq = bw.sequence_probe() if edges and edges[0] else None
-            stack = user_stack() if self.rec.settings.with_stack else None
-            self._stack.append((call, edges, min_seq, user_source(), stack))
-        enter_opaque()
-        return None
-
-    def post(self, module, args, kwargs, output):
-        state = self._stack.pop() if self._stack else None
-        if state is None:
-            return None
-        exit_opaque()
-        call, edges, min_seq, source, stack = state
-        extra = {"opaque": True, "note": OPAQUE_NOTE} if self.opaque else {"module": True}
-        with guard():
-            items = call_items(args, kwargs)
-            outs = output_items(output)
-            if self.rec.overflow is None and self.rec.selector.select(call, self.info, "forward"):
-                ins, outs_e = self.rec.describe_io(items, outs)
-                self.rec.write(call, self.info, "forward", ins, outs_e, source, stack, **extra)
-            if edges and edges[0]:
-                self.rec._attach(call, self.info, edges, outs, source, stack, min_seq, **extra)
-        return None
 
 
 def _dist_wrapper(rec: Recorder, name: str, orig: Callable) -> Callable:
@@ -141,8 +98,12 @@ class Installation:
         self._handles: List[Any] = []
         self._patched: Dict[str, Callable] = {}
         self._step = 0
+        self.regions = Regions(recorder)
+        self._listener: Optional[CompiledGraphs] = None
+        self._unobserve: Optional[Callable[[], None]] = None
         try:
             self._install_regions(models, regions)
+            self._install_compiled()
             self._install_dist()
             if models and recorder.overflow is None:
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -150,6 +111,7 @@ class Installation:
                 self._handles.append(register_optimizer_step_pre_hook(self._before_step))
             self._mode = DumpMode(recorder)
             self._mode.__enter__()
+            self.regions.mode = self._mode
         except BaseException:
             self.remove()
             raise
@@ -157,10 +119,20 @@ class Installation:
     def _install_regions(self, models, regions) -> None:
         targets = [(f"Compiled_{n}", m, True) for model in models for n, m in compiled_modules(model)]
         targets += [(label, m, False) for label, m in regions]
-        for label, m, opaque in targets:
-            hooks = _RegionHooks(self.rec, ApiInfo("", label), opaque)
+        for label, m, compiled in targets:
+            hooks = ModuleRegion(self.regions, ApiInfo("", label), compiled)
             self._handles.append(m.register_forward_pre_hook(hooks.pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(hooks.post, with_kwargs=True, always_call=True))
+
+    def _install_compiled(self) -> None:
+        """Compiled callables no hook covers become regions; determ backends' traces become node entries."""
+        self._unobserve = self.regions.install_observer()
+        if self._unobserve is None:
+            log.info("determ dump: this torch version gives no entry point for compiled calls; compiled free "
+                     "functions are recorded only through the determ backends' traces")
+        from .. import run  # imported when a dump starts, not with the package (run registers an exit handler)
+
+        self._listener = run.subscribe(CompiledGraphs(self.rec, self.regions))
 
     def _install_dist(self) -> None:
         dist = torch.distributed
@@ -196,11 +168,20 @@ class Installation:
 
     def remove(self) -> None:
         """Undo everything (safe to call twice)."""
+        self.regions.close()  # first: it puts the dump's mode back on the stack if a region took it off
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)
             finally:
                 self._mode = None
+        if self._unobserve is not None:
+            self._unobserve()
+            self._unobserve = None
+        if self._listener is not None:
+            from .. import run
+
+            run.unsubscribe(self._listener)
+            self._listener = None
         for h in self._handles:
             h.remove()
         self._handles = []

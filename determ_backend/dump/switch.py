@@ -160,6 +160,13 @@ class Selector:
             return self._api_match(info)
         return True
 
+    def select_node(self, call: str, region: str, info: ApiInfo, direction: str) -> bool:
+        """Record a traced FX node ``call`` of compiled region call ``region``?  In ``list`` mode naming the
+        region selects all its nodes; otherwise nodes are selected like calls."""
+        if self.s.mode == "list" and self.s.keeps(direction) and self._named(region, direction):
+            return True
+        return self.select(call, info, direction)
+
     def may_backward(self, call: str, info: ApiInfo) -> bool:
         """At forward time: could the backward record of ``call`` be selected (so hooks are needed)?"""
         if not self.s.keeps("backward"):
