@@ -13,6 +13,10 @@ gradients and the forward call's inputs.  "Match" is bitwise equality when
 both dumps come from the same device type and the dtypes agree, ptdbg's
 ``Accuracy Reached`` otherwise (e.g. CPU vs NPU, bf16 vs fp32).
 
+The FX-node entries of compiled regions are paired inside each pair of region
+entries and judged by the same rule (:mod:`.compiled_compare`): the culprit
+inside a ``torch.compile``d model is a node of its graph, not the region.
+
 Metrics live in :mod:`.metrics`; reading dumps in :mod:`.parse`.
 """
 
@@ -29,6 +33,7 @@ from typing import Any, Dict, List, Optional, Union
 from ..compare import align
 from ..errors import ConfigError, TraceFormatError
 from ..trace import Record, atomic_write_text
+from . import compiled_compare as cc
 from .metrics import accuracy_reached, payload_metrics, stats_metrics, tensor_match
 from .parse import Dump, find_index, rank_dirs, read_dump
 
@@ -56,6 +61,8 @@ class ApiPair:
     inputs_match: Optional[bool] = None
     output_diverges: bool = False
     root_cause: bool = False
+    nodes: List["ApiPair"] = field(default_factory=list)
+    """For a compiled region: the pairs of its FX-node entries (they precede it in ``DumpComparison.pairs``)."""
 
     @property
     def name(self) -> str:
@@ -109,6 +116,9 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
         row[f"{side} Hash"] = t.get("hash", "N/A")
     if ta is None or tb is None:
         row["Err_message"] = "no counterpart in the other dump (extra or missing op or argument)"
+        return row, None
+    if ta.get("unresolved") or tb.get("unresolved"):
+        row["Err_message"] = "input of a compiled node that the backend's trace does not attribute"
         return row, None
     if "dtype" not in ta or "dtype" not in tb:
         same = ta.get("value") == tb.get("value") and ta.get("type") == tb.get("type")
@@ -170,12 +180,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
     db = b if isinstance(b, Dump) else read_dump(b)
     if exact is None:
         exact = da.header.get("device") == db.header.get("device")
-    ra = [_to_record(e, "a", i) for i, e in enumerate(da.entries)]
-    rb = [_to_record(e, "b", i) for i, e in enumerate(db.entries)]
-    pairs: List[ApiPair] = []
-    for p in align(ra, rb):
-        pairs.append(ApiPair(da.entries[p.a.extra["i"]] if p.a is not None else None,
-                             db.entries[p.b.extra["i"]] if p.b is not None else None))
+    pairs = _aligned_pairs(da, db)
     fwd_inputs: Dict[str, Optional[bool]] = {}
     diverged_before = False
     for pa in pairs:
@@ -195,13 +200,44 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
             fwd_inputs[pa.a["name"]] = ins
         pa.inputs_match = ins
         pa.output_diverges = any(x is False for x in v["outputs"])
-        pa.root_cause = pa.output_diverges and ins
+        pa.root_cause = pa.output_diverges and ins and not cc.explained_by_nodes(pa.nodes)
+        _note(pa)
         diverged_before = diverged_before or pa.output_diverges
         if pa.root_cause:
             for r in pa.rows:
                 if r["_io"] == "outputs" and r["_match"] is False:
                     r["Root Cause"] = "Yes"
     return DumpComparison(pairs, exact)
+
+
+def _aligned_pairs(da: Dump, db: Dump) -> List[ApiPair]:
+    """Calls paired by alignment; each compiled region pair preceded by the pairs of its FX-node entries."""
+    top_a, inner_a = cc.split_entries(da.entries)
+    top_b, inner_b = cc.split_entries(db.entries)
+    ra = [_to_record(da.entries[i], "a", i) for i in top_a]
+    rb = [_to_record(db.entries[i], "b", i) for i in top_b]
+    pairs: List[ApiPair] = []
+    for p in align(ra, rb):
+        ea = da.entries[p.a.extra["i"]] if p.a is not None else None
+        eb = db.entries[p.b.extra["i"]] if p.b is not None else None
+        ka, kb = cc.region_key(ea), cc.region_key(eb)
+        nodes = [ApiPair(da.entries[i] if i is not None else None, db.entries[j] if j is not None else None)
+                 for i, j in cc.pair_nodes(da.entries, db.entries, inner_a.get(ka), inner_b.get(kb))]
+        pairs.extend(nodes)
+        pairs.append(ApiPair(ea, eb, nodes=nodes))
+    return pairs
+
+
+def _note(pa: ApiPair) -> None:
+    """Say in the CSV what a compiled region's verdict means."""
+    note = None
+    if (pa.a or {}).get("opaque") or (pa.b or {}).get("opaque"):
+        note = cc.OPAQUE_HINT
+    elif pa.nodes and pa.output_diverges and not pa.root_cause and pa.inputs_match:
+        note = "the divergence starts at one of its FX nodes (see the root cause above)"
+    if note:
+        for r in pa.rows:
+            r["Err_message"] = f"{r['Err_message']}; {note}" if r["Err_message"] else note
 
 
 def _unmatched_rows(pa: ApiPair, e: Dict[str, Any], side: str) -> None:
@@ -242,6 +278,11 @@ def analyze(cmp: DumpComparison, out=None) -> str:
                  f"  {r['NPU Name']}: Cosine={r['Cosine']} MaxAbsErr={r['MaxAbsErr']} "
                  f"Bitwise Equal={r['Bitwise Equal']} Accuracy Reached or Not={r['Accuracy Reached or Not']}",
                  f"  at {p.a.get('source') or '?'}"]
+        where = cc.node_note(p.a)
+        if where:
+            lines.insert(1, f"  {where}")
+        elif p.a.get("opaque"):
+            lines.append(f"  ({cc.OPAQUE_HINT})")
         lines += [f"    {s}" for s in p.a.get("stack") or []]
         if len(roots) > 1:
             lines.append(f"  ({len(roots) - 1} more root-cause APIs in the CSV)")

@@ -128,7 +128,9 @@ def _fmt(v: Any) -> str:
 def describe_entry(e: Dict[str, Any]) -> Iterator[str]:
     for t in list(e.get("inputs", [])) + list(e.get("outputs", [])):
         label = f"{e['name']}_{t.get('name')}"
-        if "dtype" in t:
+        if t.get("unresolved"):
+            yield f"  [{label}][untraced input {t.get('node')}]"
+        elif "dtype" in t:
             st = t.get("stats") or {}
             yield (f"  [{label}][dtype: {t['dtype']}][shape: {t['shape']}][max: {_fmt(st.get('max'))}]"
                    f"[min: {_fmt(st.get('min'))}][mean: {_fmt(st.get('mean'))}][l2: {_fmt(st.get('l2'))}]"
