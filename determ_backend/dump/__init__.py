@@ -5,9 +5,12 @@ on two devices or dtypes, then compare the dumps and get the root cause: the
 first API whose inputs match while its output does not.
 
 Modules: :mod:`.control` (the ptdbg functions), :mod:`.switch` (modes and
-selection), :mod:`.hooks` and :mod:`.modules` (recording), :mod:`.backward`
+selection), :mod:`.hooks` and :mod:`.modules` (recording), :mod:`.regions`
+(compiled modules and functions, ``module_dump``), :mod:`.compiled` (the FX
+nodes of compiled graphs, from the determ backends' traces), :mod:`.backward`
 (gradients), :mod:`.entries` (fingerprints and statistics), :mod:`.writer`
-(files), :mod:`.parse` (reading), :mod:`.compare` (CSV compare, root cause),
+(files), :mod:`.parse` (reading), :mod:`.compare` and :mod:`.compiled_compare`
+(CSV compare, root cause),
 :mod:`.replicas` (data-parallel rank agreement), :mod:`.overflow`, :mod:`.debugger`
 (msprobe's ``PrecisionDebugger``).
 """
