@@ -78,7 +78,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--no-inductor", action="store_true", help="skip the inductor variants (slow cold compiles)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = tempfile.mkdtemp(prefix="determ_bench_")
     tokens = torch.randint(0, 512, (args.batch, args.seq))
     variants = {
