@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from determ_backend import dump
+from determ_backend import _torch_compat, dump
 from determ_backend.dump import hooks as dump_hooks
 from dump_helpers import batch, compare_two, dump_run, make_net, names
 
@@ -163,3 +163,14 @@ def test_overflow_inside_a_compiled_graph_names_the_node(tmp_path):
         fn(batch()[0])
     d = dump.read_dump(tmp_path / "ovf" / "rank0" / "overflow_dump.pkl")
     assert [e["name"] for e in d.entries] == ["Compiled_lambda_0.aot_forward.exp_forward"]
+
+
+def test_without_dynamos_entry_point_nodes_still_appear_and_determ_internals_do_not(tmp_path, monkeypatch):
+    # a torch whose dynamo offers no entry point to observe: no free-function region, nodes stand alone
+    monkeypatch.setattr(_torch_compat, "observe_compiled_calls", lambda on_enter, on_exit: None)
+    fn = torch.compile(_free_function, backend="determ_aot_eager", options=_options(tmp_path, "determ_aot_eager"))
+    u = torch.randn(3, 3)
+    got = names(dump_run(tmp_path, "f", make_net(), step=lambda n: fn(u, u)))
+    assert [n.split(".", 1)[1] for n in got if n.startswith("Compiled_")] == ["aot_forward.sin_forward",
+                                                                               "aot_forward.mm_forward"]
+    assert not any(n.startswith(("Torch_cat", "Tensor___xor__", "Torch_repeat_interleave")) for n in got)

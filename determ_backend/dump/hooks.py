@@ -42,7 +42,19 @@ __all__ = ["DumpMode", "Recorder", "guard", "busy", "passthrough", "enter_opaque
 log = logging.getLogger(__name__)
 
 _tls = threading.local()
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_DETERM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIP_DIRS = (_TORCH_DIR, _DETERM_DIR)
+_NOT_INTERNAL = (os.path.join(_DETERM_DIR, "demo_model.py"),)
+
+
+def _from_determ_internals() -> bool:
+    """Whether the torch API being called was called by determ's own code (a backend's recorder hashing a
+    compiled graph's tensors, a check): such calls are never recorded."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+        f = f.f_back
+    return f is not None and f.f_code.co_filename.startswith(_DETERM_DIR) and f.f_code.co_filename not in _NOT_INTERNAL
 
 
 @contextlib.contextmanager
@@ -243,6 +255,6 @@ class DumpMode(TorchFunctionMode):
             info = self.table.get(func)
         except TypeError:
             info = None
-        if info is None:
+        if info is None or _from_determ_internals():
             return func(*args, **kwargs)
         return self.recorder.api_call(info, func, args, kwargs)
