@@ -116,25 +116,28 @@ class CompiledGraphs:
         for r in records:
             if r.kind not in _NODE_KINDS:
                 continue
-            entry = self._entry(r, by_name, prefix, region_call, direction, index, call)
+            name = f"{prefix}.{r.node}"
             if self.rec.overflow is not None:
-                self._overflow(entry, r, by_name)
-            elif self._selected(entry, r, region_call, direction):
-                self.rec.session.write(entry)
+                if self._overflows(r, by_name):
+                    self._write_overflow(self._entry(r, by_name, name, region_call, direction, index, call), r)
+            elif self._selected(name, r, region_call, direction):
+                self.rec.session.write(self._entry(r, by_name, name, region_call, direction, index, call))
                 written += 1
         if region is not None:
             region.nodes[direction] += written
 
-    def _selected(self, entry: Dict[str, Any], r: Record, region_call: str, direction: str) -> bool:
+    def _selected(self, name: str, r: Record, region_call: str, direction: str) -> bool:
         info = ApiInfo("Compiled", r.op.split(".")[1] if r.op.startswith("aten.") else r.op)
-        return self.rec.selector.select_node(entry["name"][: -len(direction) - 1], region_call, info, direction)
+        return self.rec.selector.select_node(name, region_call, info, direction)
 
-    def _overflow(self, entry: Dict[str, Any], r: Record, by_name: Dict[str, Record]) -> None:
-        """Overflow check: write the node if its output holds nan/inf while its inputs are finite."""
+    def _overflows(self, r: Record, by_name: Dict[str, Record]) -> bool:
+        """Overflow check: does the node's output hold nan/inf while its inputs are finite?"""
+        if not self.rec.overflow.enabled or not _nonfinite(r):
+            return False
+        return not any(isinstance(s, str) or _nonfinite(s) for s in self._sources(r, by_name))
+
+    def _write_overflow(self, entry: Dict[str, Any], r: Record) -> None:
         ovf = self.rec.overflow
-        sources = self._sources(r, by_name)
-        if not ovf.enabled or not _nonfinite(r) or any(isinstance(s, str) or _nonfinite(s) for s in sources):
-            return
         entry["overflow"] = ovf.count + 1
         self.rec.session.write(entry)
         log.warning("overflow: %s produced nan/inf from finite inputs (at %s)", entry["name"], r.source or "?")
@@ -167,7 +170,7 @@ class CompiledGraphs:
                 out.append(src)
         return out
 
-    def _entry(self, r: Record, by_name: Dict[str, Record], prefix: str, region_call: str, direction: str,
+    def _entry(self, r: Record, by_name: Dict[str, Record], name: str, region_call: str, direction: str,
                index: int, call: int) -> Dict[str, Any]:
         keeps = self.rec.settings.keeps
         outs = [d for d in [self._tensor(r, "output")] if d is not None] if keeps("output") else []
@@ -180,7 +183,7 @@ class CompiledGraphs:
                 d = self._tensor(src, f"input.{len(ins)}", param=src.kind == "param")
                 if d is not None:
                     ins.append(d)
-        entry: Dict[str, Any] = {"name": f"{prefix}.{r.node}_{direction}", "op": r.op, "dir": direction}
+        entry: Dict[str, Any] = {"name": f"{name}_{direction}", "op": r.op, "dir": direction}
         if r.source:
             entry["source"] = r.source
         entry["inputs"], entry["outputs"] = ins, outs
@@ -200,7 +203,7 @@ class CompiledGraphs:
         d["node"] = r.node
         if self.rec.task == "stack":
             return d
-        fp = self._payload(r) if self.rec.session.tensors and self.rec.overflow is None else None
+        fp = self._payload(r) if self.rec.session.tensors else None
         if fp is not None:
             d["_fp"] = fp
             return d
