@@ -122,6 +122,7 @@ class _Planner:
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
         self.origins, self.kernels, self.display = origins, kernels, display
+        self.claimed = {o["origin"] for o in origins.values() if o.get("origin")}
         self.infos: List[NodeInfo] = []
         self.writer: Dict[str, str] = {}  # variable -> record id of its current value
         self.used: Dict[str, int] = {}
@@ -137,6 +138,8 @@ class _Planner:
         if o.get("origin") in self.nodes:
             return self.nodes[o["origin"]]
         cands = [n for n in (o.get("origins") or []) if n in self.nodes]
+        own = [n for n in cands if n not in self.claimed]  # nodes other buffers are exactly the output of
+        cands = own or cands
         if not cands:
             cands = [n for n in self.pending_comment if n in self.nodes]
         if not cands:

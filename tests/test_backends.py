@@ -216,3 +216,19 @@ def test_options_mix_determ_settings_and_inductor_config():
         split_options({"bogus_knob": 1}, "inductor")
     with pytest.raises(ConfigError, match="determ_aot_eager"):
         split_options({"max_autotune": True}, "aot_eager")
+
+
+def test_recompiles_with_dynamic_shapes_are_traced(tmp_path):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    m = MLP()
+    f = torch.compile(m, backend="determ_aot_eager", options={"dir": str(tmp_path), "run_id": "dyn"})
+    for n in (3, 5, 7):
+        f(torch.randn(n, 8))
+    from determ_backend import run as run_mod
+
+    run_mod.finish_all()
+    recs, _ = load(tmp_path / "dyn")
+    assert len({r.graph for r in recs}) == 2  # static first compile, then a dynamic-shape recompile
+    batch_shapes = {tuple(r.shape) for r in recs if r.kind == "input" and len(r.shape) == 2 and r.shape[1] == 8}
+    assert batch_shapes == {(3, 8), (5, 8), (7, 8)}

@@ -66,3 +66,17 @@ def test_accuracy_check_names_injected_relu_bug(tmp_path):
     assert "acc.py:10" in fd["source"]  # the torch.relu line
     assert fd["metrics"]["err_compiled_vs_fp64"] > fd["metrics"]["err_eager_vs_fp64"]
     assert "determ accuracy divergence" in r.stderr and "node=relu" in r.stderr
+
+
+def test_inductor_determinism_check_names_the_nondeterministic_fallback_kernel(tmp_path):
+    from backend_helpers import NondetModel
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        _, run_dir = compile_run(NondetModel(), (torch.randn(16, 64),), "determ_inductor", tmp_path, "nd",
+                                 check="determinism")
+    recs, report = load(run_dir)
+    roots = report["findings"][0]["root_causes"]
+    assert [r["op"] for r in roots] == ["determ_test.nd_rowsum.default"]
+    by_buffer = {(r.extra or {}).get("kernel", ""): r.node for r in recs if r.kind == "node"}
+    assert any(k.startswith("cpp_fused_mul") and node == "mul" for k, node in by_buffer.items()), by_buffer
