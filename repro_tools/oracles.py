@@ -17,12 +17,15 @@ isolated worker) names the kind of failure and the compiler under test:
 * ``cross_device``: the graph on ``devices[0]`` vs ``devices[1]`` (specs such as
   ``cuda``, ``cpu:float64``) differs beyond ``tol``.
 
+The compiler always gets a copy of the graph: the original stays the eager reference.
+
 :func:`check` judges in this process; :func:`observe` returns the raw outputs
 the localizer needs.  Running them in a worker lives in :mod:`repro_tools.isolate`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -191,10 +194,16 @@ def _config(spec: OracleSpec) -> Dict[str, Any]:
     return cfg
 
 
+def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy for the compiler: some compilers rewrite the graph they are given in place (PyTorch's
+    ``relu_accuracy_error_TESTING_ONLY`` does), and ``gm`` is also the eager reference."""
+    return copy.deepcopy(gm)
+
+
 def _compile_run(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any], runs: int = 1) -> List[List[Any]]:
-    """Compile once, run ``runs`` times (same seed each time); flat outputs per run."""
+    """Compile (a copy of ``gm``) once, run ``runs`` times (same seed each time); flat outputs per run."""
     with config_patch(_config(spec)):
-        fn = compile_graph(spec.compiler, gm, _clone(inputs))
+        fn = compile_graph(spec.compiler, _fresh(gm), _clone(inputs))
         outs = []
         for _ in range(runs):
             torch.manual_seed(_SEED)
@@ -299,7 +308,7 @@ def _judge_error(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) ->
     sig = None
     with config_patch(_config(spec)):
         try:
-            fn = compile_graph(spec.compiler, gm, _clone(inputs))
+            fn = compile_graph(spec.compiler, _fresh(gm), _clone(inputs))
         except Exception as e:  # the failure under study
             sig = _error_signature("compile", e)
         else:

@@ -84,9 +84,13 @@ def test_level4_accuracy_failure_is_dumped_minified_and_raised(tmp_path, capsys)
     err = compile_and_fail(determ_backend.wrap_backend("relu_accuracy_error_TESTING_ONLY", repro_config(tmp_path, 4)),
                            model_inputs(requires_grad=True))
     assert isinstance(err.__cause__ or err, AccuracyError) or "AccuracyError" in str(err)
-    assert last_stderr_line(capsys.readouterr().err) == str(tmp_path / "repro.py")
+    stderr = capsys.readouterr().err
+    assert last_stderr_line(stderr) == str(tmp_path / "repro.py")
     assert (_graph_dir(tmp_path) / "minifier_launcher.py").is_file()
+    # the backend rewrites the graph it is handed: the minifier's oracle must still see eager's relu
+    assert "NOT minified" not in stderr and (_graph_dir(tmp_path) / "minify-0" / "minimal" / "repro.py").is_file()
     assert_reproduces(tmp_path / "repro.py", "accuracy", "torch.relu(")
+    assert " @ " not in forward_source(tmp_path / "repro.py")  # minimal: the relu alone
 
 
 def test_level4_without_minify_leaves_the_launcher(tmp_path, capsys):

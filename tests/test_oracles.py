@@ -92,3 +92,12 @@ def test_spec_json_round_trip():
     assert OracleSpec.from_json(spec.to_json()) == spec
     with pytest.raises(ConfigError, match="importable"):
         OracleSpec(compiler=lambda gm, ex: gm).to_json()
+
+
+@pytest.mark.parametrize("kind", ["accuracy", "nondeterminism"])
+def test_a_compiler_that_rewrites_its_graph_in_place_does_not_change_the_reference(kind):
+    # PyTorch's test backend turns torch.relu into x + 1 in the graph it is handed, and returns that graph
+    gm = torch.fx.symbolic_trace(lambda x: (torch.relu(x) * 3,))
+    v = check(OracleSpec(kind=kind, compiler="relu_accuracy_error_TESTING_ONLY"), gm, [torch.randn(8)])
+    assert v.fails is (kind == "accuracy"), v
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"][0] is torch.relu
