@@ -24,7 +24,7 @@ from .config import DetermConfig
 from .errors import AccuracyError
 from .trace import TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_text
 
-__all__ = ["Run", "get_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
+__all__ = ["Run", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,14 @@ class RunRegistry:
                 run = self._runs[key] = Run(config)
             return run
 
+    def find(self, run_id: str, rank: Optional[int] = None) -> Optional[Run]:
+        """The open run with this id (and rank), if any."""
+        with self._lock:
+            for run in self._runs.values():
+                if run.id == run_id and (rank is None or run.rank == rank):
+                    return run
+        return None
+
     def finish_all(self) -> List[Run]:
         with self._lock:
             runs = list(self._runs.values())
@@ -183,5 +191,6 @@ class RunRegistry:
 
 _REGISTRY = RunRegistry()
 get_run = _REGISTRY.get
+find_run = _REGISTRY.find
 finish_all = _REGISTRY.finish_all
 atexit.register(finish_all)

@@ -77,13 +77,21 @@ class Record:
         return f"{self.kind}|{self.op}|{self.dtype}|{self.shape}"
 
     def to_json(self) -> str:
-        d = {k: v for k, v in asdict(self).items() if v not in (None, [], {}) or k == "shape" and v is not None}
+        d = {}
+        for k in _FIELDS:  # not dataclasses.asdict: it deep-copies and dominated tracing time
+            v = getattr(self, k)
+            if v is None or (not v and isinstance(v, (list, dict)) and k != "shape"):
+                continue
+            d[k] = v
         return json.dumps(d, separators=(",", ":"), allow_nan=True)
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Record":
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+_FIELDS = tuple(Record.__dataclass_fields__)
 
 
 def atomic_write_text(path: Union[str, Path], text: str) -> None:

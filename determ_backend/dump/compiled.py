@@ -51,12 +51,10 @@ def node_direction(stage: str) -> str:
 
 def _run_dir(run_id: Optional[str], rank: int) -> Optional[Path]:
     """The output directory of the determ run that wrote a record (where its tensors are stored)."""
-    from .. import run
+    from ..run import find_run
 
-    for r in getattr(getattr(run, "_REGISTRY", None), "_runs", {}).values():
-        if r.id == run_id and r.rank == rank:
-            return r.dir
-    return None
+    found = find_run(run_id, rank) if run_id is not None else None
+    return found.dir if found is not None else None
 
 
 def _is_float(dtype: str) -> bool:
