@@ -84,9 +84,17 @@ class _Session:
         self.save_state(r)
 
     def _meta(self, r: Reducer) -> Dict[str, Any]:
+        """The caller's ``meta`` (e.g. what the source repro's flow recorded), then the oracle's settings."""
+        sp = self.spec
         m = dict(self.meta)
-        m.update(oracle=self.spec.kind, compiler=self.spec.compiler_label(), config=dict(self.spec.config),
-                 oracle_spec=self.spec.to_json(portable=False), culprit=r.culprit)
+        m.update(oracle=sp.kind, compiler=sp.compiler_label(), config=dict(sp.config), tol=sp.tol,
+                 multiplier=sp.multiplier, strict=sp.strict, oracle_spec=sp.to_json(portable=False), culprit=r.culprit)
+        if sp.kind == "cross_device":
+            m["devices"] = list(sp.devices)
+        if sp.kind == "nondeterminism":
+            m["runs"] = sp.runs
+        if sp.kind == "hang":
+            m["timeout"] = sp.timeout
         return m
 
     # ------------------------------------------------------------ state

@@ -16,7 +16,7 @@ from determ_backend.errors import ConfigError
 
 from .minifier import STATE_FILE, minify
 from .oracles import KINDS
-from .repro_io import load_repro_any, spec_from_meta
+from .repro_io import inherited_meta, load_repro_any, spec_from_meta
 
 __all__ = ["register", "run"]
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     out = _out_dir(src, args.out, args.resume)
     result = minify(gm, inputs, spec, isolate=not args.in_process, budget=args.max_queries,
                     localize=not args.no_localize, out_dir=out, resume=args.resume,
-                    progress=not args.no_progress, meta={"source": str(src.resolve())})
+                    progress=not args.no_progress, meta={**inherited_meta(meta), "source": str(src.resolve())})
     if args.json:
         print(json.dumps(result.summary, indent=1, sort_keys=True))
     else:

@@ -5,7 +5,8 @@ and read by :mod:`repro_tools.repro_script` (``write_repro`` / ``load_repro``)
 when that module is present; otherwise, and for graph directories written by
 :func:`repro_tools.graph_code.write_graph_dir`, the minimal internal format is used.
 :func:`spec_from_meta` turns a repro's metadata plus command-line overrides into an
-:class:`~repro_tools.oracles.OracleSpec`.
+:class:`~repro_tools.oracles.OracleSpec`; :func:`inherited_meta` is what a minimal repro keeps of
+its source's metadata.
 """
 
 from __future__ import annotations
@@ -23,9 +24,17 @@ from determ_backend.errors import ReproError
 from .graph_code import read_graph_dir, write_graph_dir
 from .oracles import KINDS, OracleSpec
 
-__all__ = ["write_repro_any", "load_repro_any", "spec_from_meta", "repro_script_module"]
+__all__ = ["write_repro_any", "load_repro_any", "spec_from_meta", "inherited_meta", "repro_script_module"]
 
 _KIND_ALIASES = {"any": "error"}
+_NOT_INHERITED = frozenset({
+    # the failure and the oracle: the minifier writes its own (from the spec, command-line overrides included)
+    "kind", "oracle", "compiler", "config", "oracle_spec", "culprit", "tol", "multiplier", "strict", "devices",
+    "runs", "timeout", "similarity",
+    # the source file itself: its store, name, inputs, when and where it was written, its role
+    "store", "store_abs", "script_name", "regenerated_inputs", "created", "device", "torch_version", "launcher",
+    "minified", "source", "start_key",
+})
 
 
 def repro_script_module():
@@ -51,7 +60,7 @@ def write_repro_any(gm: fx.GraphModule, inputs: Sequence[Any], directory: Union[
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     meta = dict(meta or {})
-    meta.setdefault("sys_path", _user_paths())
+    meta["sys_path"] = list(dict.fromkeys(list(meta.get("sys_path") or []) + _user_paths()))
     mod = repro_script_module()
     if mod is not None:
         return Path(mod.write_repro(gm, list(inputs), d / "repro.py", meta=meta))
@@ -72,6 +81,14 @@ def load_repro_any(path: Union[str, Path]) -> Tuple[fx.GraphModule, List[Any], D
                          "by this installation")
     gm, inputs, meta = mod.load_repro(p)
     return gm, list(inputs), dict(meta or {})
+
+
+def inherited_meta(meta: Dict[str, Any]) -> Dict[str, Any]:
+    """What a repro derived from one with ``meta`` (a checkpoint, the minimal repro) keeps of it: the
+    original flow's settings (``after``, ``only_fwd``, ``stage``, ``error``, ``env``, ``config_other``,
+    ``sys_path``, ``imports``, ``seed``, and any other entry), not what describes the source file or
+    what the minifier states itself (failure kind, compiler, oracle settings)."""
+    return {k: v for k, v in meta.items() if k not in _NOT_INHERITED}
 
 
 def spec_from_meta(meta: Dict[str, Any], **overrides: Any) -> OracleSpec:

@@ -142,3 +142,20 @@ def test_cli_never_overwrites_an_earlier_run(tmp_path, capsys):
         paths.append(json.loads(capsys.readouterr().out)["repro_path"])
     assert [Path(p).parts[-3] for p in paths] == ["minify", "minify-2"]
     assert main(["minify", str(repro), "--in-process", "--out", str(repro / "minify")]) == 2
+
+
+def test_checkpoint_and_minimal_repros_keep_the_source_flows_settings(tmp_path, capsys):
+    from repro_tools.repro_script import read_meta, write_repro
+
+    gm, inputs = H.mlp_graph(layers=2)
+    flow = {"after": "aot", "only_fwd": True, "stage": "forward", "error": "AccuracyError: output 0 is off",
+            "repro_level": 4, "env": {"TORCHINDUCTOR_FREEZING": "1"}, "config_other": {"dynamo": {"verbose": True}}}
+    src = write_repro(gm, inputs, tmp_path / "minifier_launcher.py",
+                      meta={"kind": "accuracy", "compiler": "minifier_helpers:wrong_erf", "launcher": True, **flow})
+    assert main(["minify", str(src), "--in-process", "--no-progress", "--json", "--tol", "0.002"]) == 1
+    minimal = Path(json.loads(capsys.readouterr().out)["repro_path"])
+    for path in [minimal, *sorted((minimal.parents[1] / "checkpoints").glob("*/repro.py"))]:
+        meta = read_meta(path)
+        assert {k: meta.get(k) for k in flow} == flow, path
+        assert meta["kind"] == "accuracy" and meta["compiler"] == "minifier_helpers:wrong_erf" and not meta.get("launcher")
+        assert meta["tol"] == 0.002 and meta["source"] == str(src)  # the oracle's settings and the source win
