@@ -15,7 +15,8 @@ isolated worker) names the kind of failure and the compiler under test:
   of :func:`determ_backend.compare.fp64_close` (``strict``: bitwise);
 * ``nondeterminism``: two executions of one compiled graph differ bitwise;
 * ``cross_device``: the graph on ``devices[0]`` vs ``devices[1]`` (specs such as
-  ``cuda``, ``cpu:float64``) differs beyond ``tol``.
+  ``cuda``, ``cpu:float64``; the graph's parameters, buffers and constants move
+  with its inputs) differs beyond ``tol``.
 
 The compiler always gets a copy of the graph: the original stays the eager reference.
 
@@ -37,9 +38,10 @@ import torch
 import torch.fx as fx
 
 from determ_backend.compare import fp64_close
-from determ_backend.devices import parse_device_spec, require
+from determ_backend.devices import parse_device_spec
 from determ_backend.errors import ConfigError
 from determ_backend.fingerprint import hash_tensors
+from determ_backend.retarget import converter, moved_graph
 
 from .compilers import Compiler, call_compiled, compile_graph, compiler_name, config_patch, flat_tensors
 
@@ -224,11 +226,11 @@ def reference_outputs(gm: fx.GraphModule, inputs: Sequence[Any]) -> Tuple[List[A
     return eager, ref64
 
 
-def _on_device(inputs: Sequence[Any], spec: str) -> List[Any]:
-    dev, dtype = parse_device_spec(spec)
-    require(dev)
-    return [x.detach().to(dev, dtype=dtype if (dtype is not None and x.is_floating_point()) else x.dtype)
-            if isinstance(x, torch.Tensor) else x for x in inputs]
+def _on_device(gm: fx.GraphModule, inputs: Sequence[Any], spec: str) -> Tuple[fx.GraphModule, List[Any]]:
+    """``gm`` and ``inputs`` on device spec ``spec``: the graph's own parameters, buffers and tensor
+    constants are moved (and cast, for a dtype spec) along with the inputs."""
+    conv = converter(spec)
+    return moved_graph(gm, conv), [conv(x.detach()) if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
 def observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:
@@ -246,7 +248,7 @@ def _observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Lis
     if spec.kind == "cross_device":
         sides = []
         for d in spec.devices:
-            out = _compile_run(spec, gm, _on_device(inputs, d))[0]
+            out = _compile_run(spec, *_on_device(gm, inputs, d))[0]
             sides.append([x.cpu() if isinstance(x, torch.Tensor) else x for x in out])
         return sides
     raise ConfigError(f"oracle kind {spec.kind!r} has nothing to observe")

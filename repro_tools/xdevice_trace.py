@@ -25,7 +25,7 @@ from determ_backend.instrument import graph_node_infos, instrument_graph
 from determ_backend.recorder import CallResult, Recorder
 from determ_backend.retarget import converter, moved_graph
 
-__all__ = ["trace_on_device", "compare_devices", "reference_spec", "follow_inputs"]
+__all__ = ["trace_on_device", "compare_devices", "reference_spec"]
 
 _SEED = 1234
 
@@ -45,23 +45,6 @@ def trace_on_device(gm: fx.GraphModule, inputs: Sequence[Any], spec: str, stage:
     result = rec.end_call()
     result.values = {k: v.cpu() for k, v in result.values.items()}
     return result
-
-
-def follow_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-    """A compiler for the minifier's cross-device oracle: the graph's own parameters, buffers and
-    constants follow its inputs to their device and floating dtype; the graph then runs eagerly."""
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    if not tensors:
-        return gm.forward
-    lead = next((t for t in tensors if t.is_floating_point()), tensors[0])
-    dtype = lead.dtype if lead.is_floating_point() else None
-
-    def conv(v: Any) -> Any:
-        if not isinstance(v, torch.Tensor):
-            return v
-        return v.to(device=lead.device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
-
-    return moved_graph(gm, conv).forward
 
 
 def reference_spec(specs: Sequence[str]) -> Optional[str]:

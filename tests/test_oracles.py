@@ -94,6 +94,29 @@ def test_spec_json_round_trip():
         OracleSpec(compiler=lambda gm, ex: gm).to_json()
 
 
+class _Shifted(torch.nn.Module):
+    """Parameters (a submodule's, and a get_attr parameter) and a buffer holding the cancellation's 1e8."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.full((8,), 3.0))
+        self.register_buffer("shift", torch.tensor(1e8))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x)) * self.scale
+        return ((h + self.shift) - self.shift,)
+
+
+@pytest.mark.parametrize("devices, fails", [(("cpu", "cpu:float64"), True), (("cpu", "cpu"), False)])
+def test_cross_device_moves_the_graphs_own_parameters_and_buffers(devices, fails):
+    gm = torch.fx.symbolic_trace(_Shifted())
+    assert {n.op for n in gm.graph.nodes} >= {"get_attr", "call_module"}
+    v = check(OracleSpec(kind="cross_device", compiler="eager", devices=devices), gm, [torch.randn(4, 8)])
+    assert v.fails is fails, v
+    assert gm.lin.weight.dtype == torch.float32 and gm.shift.dtype == torch.float32  # the original is left alone
+
+
 @pytest.mark.parametrize("kind", ["accuracy", "nondeterminism"])
 def test_a_compiler_that_rewrites_its_graph_in_place_does_not_change_the_reference(kind):
     # PyTorch's test backend turns torch.relu into x + 1 in the graph it is handed, and returns that graph

@@ -25,7 +25,7 @@ from determ_backend.errors import ConfigError
 from repro_tools import oracles
 from repro_tools.cli import main
 from repro_tools.repro_io import load_repro_any
-from repro_tools.repro_script import write_repro
+from repro_tools.repro_script import import_script, write_repro
 
 DEVICES = "cpu,cpu:float64"
 
@@ -116,9 +116,10 @@ def test_minify_writes_a_repro_that_still_diverges(repro, capsys, tmp_path):
     assert m["culprit"]["node"] == "sub" and m["ops_after"] < m["ops_before"]
     gm, inputs, meta = load_repro_any(m["repro_path"])
     assert "sub" in [n.name for n in gm.graph.nodes] and meta["compiler"] == "eager"  # runs with torch alone
-    spec = oracles.OracleSpec(kind="cross_device", compiler="repro_tools.xdevice_trace:follow_inputs",
-                              devices=("cpu", "cpu:float64"))
+    assert meta["devices"] == ["cpu", "cpu:float64"] and "follow_inputs" not in Path(m["repro_path"]).read_text()
+    spec = oracles.OracleSpec(kind="cross_device", compiler="eager", devices=("cpu", "cpu:float64"))
     assert oracles.check(spec, gm, inputs).fails
+    assert import_script(m["repro_path"]).main(["run"]) == 1 and "reproduced cross_device" in capsys.readouterr().out
 
 
 @pytest.mark.slow
