@@ -154,8 +154,10 @@ def test_checkpoint_and_minimal_repros_keep_the_source_flows_settings(tmp_path, 
                       meta={"kind": "accuracy", "compiler": "minifier_helpers:wrong_erf", "launcher": True, **flow})
     assert main(["minify", str(src), "--in-process", "--no-progress", "--json", "--tol", "0.002"]) == 1
     minimal = Path(json.loads(capsys.readouterr().out)["repro_path"])
+    want = {k: read_meta(src)[k] for k in flow}  # config_other: also what the source captured at write time
+    assert want["config_other"]["dynamo"] == {"verbose": True} and want["env"] == flow["env"]
     for path in [minimal, *sorted((minimal.parents[1] / "checkpoints").glob("*/repro.py"))]:
         meta = read_meta(path)
-        assert {k: meta.get(k) for k in flow} == flow, path
+        assert {k: meta.get(k) for k in flow} == want, path
         assert meta["kind"] == "accuracy" and meta["compiler"] == "minifier_helpers:wrong_erf" and not meta.get("launcher")
         assert meta["tol"] == 0.002 and meta["source"] == str(src)  # the oracle's settings and the source win
