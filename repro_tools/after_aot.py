@@ -31,11 +31,9 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig, load_config
-from determ_backend.errors import AccuracyError
-from determ_backend.run import get_run
 
 from .accuracy import call_maybe_boxed, same_two_models
-from .repro_flows import LAUNCHER, GraphDump
+from .repro_flows import LAUNCHER, GraphDump, act_on_accuracy
 from .repro_script import compiler_ref
 
 __all__ = ["wrap_compiler", "inductor_backend", "aot_backend"]
@@ -103,17 +101,8 @@ def _runtime(compiled: Callable, cfg: DetermConfig, dump: GraphDump, launcher) -
 def _check_accuracy(compiled: Callable, inputs: List[Any], cfg: DetermConfig, dump: GraphDump) -> None:
     result = same_two_models(copy.deepcopy(dump.gm), compiled, inputs, only_fwd=True, tol=cfg.tol,
                              multiplier=cfg.fp64_multiplier, strict=cfg.strict)
-    if result.status == "same":
-        return
-    if result.status == "checker_error":
-        get_run(cfg).add_checker_error("repro accuracy (after aot)", result.detail)
-        return
-    if result.status == "compiled_error":
-        dump.on_failure("runtime_error", inputs, result.error)
-        raise result.error
-    dump.on_failure("accuracy", inputs, detail=f"AccuracyError: {result.detail}")
-    raise AccuracyError(f"compiled {dump.extra_meta.get('stage')} graph ({dump.compiler}) is less accurate than "
-                        f"eager against fp64: {result.detail}; dumps in {dump.dir}")
+    act_on_accuracy(result, cfg, dump, inputs, "repro accuracy (after aot)",
+                    f"compiled {dump.extra_meta.get('stage')} graph ({dump.compiler})")
 
 
 def inductor_backend(config: Optional[DetermConfig] = None) -> Callable:

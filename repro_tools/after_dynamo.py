@@ -27,11 +27,9 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig, load_config
-from determ_backend.errors import AccuracyError
-from determ_backend.run import get_run
 
 from .accuracy import same_two_models
-from .repro_flows import LAUNCHER, GraphDump
+from .repro_flows import LAUNCHER, GraphDump, act_on_accuracy
 from .repro_script import compiler_ref
 
 __all__ = ["wrap_backend"]
@@ -90,17 +88,7 @@ def _check_accuracy(compiled: Callable, inputs: list, cfg: DetermConfig, dump: G
     unboxed = lambda *args: compiled(*args)  # noqa: E731
     result = same_two_models(copy.deepcopy(dump.gm), unboxed, inputs, only_fwd=False, tol=cfg.tol,
                              multiplier=cfg.fp64_multiplier, strict=cfg.strict)
-    if result.status == "same":
-        return
-    if result.status == "checker_error":
-        get_run(cfg).add_checker_error("repro accuracy", result.detail)
-        return
-    if result.status == "compiled_error":
-        dump.on_failure("runtime_error", inputs, result.error)
-        raise result.error
-    dump.on_failure("accuracy", inputs, detail=f"AccuracyError: {result.detail}")
-    raise AccuracyError(f"compiled graph ({dump.compiler}) is less accurate than eager against fp64: {result.detail}; "
-                        f"dumps in {dump.dir}")
+    act_on_accuracy(result, cfg, dump, inputs, "repro accuracy", f"compiled graph ({dump.compiler})")
 
 
 def _guard_runtime(compiled: Callable, dump: GraphDump, launcher) -> Callable:

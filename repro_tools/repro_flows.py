@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch.fx as fx
 
 from determ_backend.config import DetermConfig
-from determ_backend.errors import DetermError, ReproError
+from determ_backend.errors import AccuracyError, DetermError, ReproError
 from determ_backend.run import get_run
 
 from .repro_script import capture_compile_config, copy_repro, read_meta, write_repro
@@ -224,3 +224,20 @@ def _not_minified(path: Path, out: Path, kind: str, why: str) -> int:
     print_summary(f"repro of {kind} ({path.name}), NOT minified: {why}",
                   [f"original: {path}", f"repro: {full}", "copied to the working directory:"], final)
     return 1
+
+
+def act_on_accuracy(result, cfg: DetermConfig, dump: "GraphDump", inputs: List[Any], check: str, what: str) -> None:
+    """What the level-4 flows do with a ``same_two_models`` result: nothing when the same; a checker
+    error is reported (never taken for a divergence); an error of the compiled graph and a divergence
+    are dumped and raised."""
+    if result.status == "same":
+        return
+    if result.status == "checker_error":
+        get_run(cfg).add_checker_error(check, result.detail)
+        return
+    if result.status == "compiled_error":
+        dump.on_failure("runtime_error", inputs, result.error)
+        raise result.error
+    dump.on_failure("accuracy", inputs, detail=f"AccuracyError: {result.detail}")
+    raise AccuracyError(f"{what} is less accurate than eager against fp64: {result.detail}; dumps in {dump.dir}")
+
