@@ -27,6 +27,7 @@ __all__ = ["NodeInfo", "Recorder", "CallResult", "trace_stats"]
 
 _SMALL = 1 << 16  # bytes: statistics of tensors up to this size are batched per call
 _NAN = math.nan
+_DERIVE = -2.0  # marker: nan/inf counts derived on the host from min/max/l2
 
 
 @dataclass(frozen=True)
@@ -171,13 +172,26 @@ def _resolve(state: _CallState, stats: bool) -> List[Tuple[Optional[int], Option
 
 
 def _stats_rows(entries: list, dev: torch.device) -> torch.Tensor:
-    """(n, 7) float64 statistics; the small tensors' rows come from one batched segment reduction."""
-    small = [k for k, e in enumerate(entries) if isinstance(e, tuple)]
-    rows: List[Optional[torch.Tensor]] = [e if not isinstance(e, tuple) else None for e in entries]
+    """(n, 7) float64 statistics.  Small tensors' rows come from one batched segment reduction;
+    large tensors' ``[min, max, sum, l2]`` vectors are completed here in one batch."""
+    f64 = dict(dtype=torch.float64, device=dev)
+    rows: List[Optional[torch.Tensor]] = [None] * len(entries)
+    small = [k for k, e in enumerate(entries) if e[0] == "small"]
     if small:
         batched = _segment_stats([entries[k][1] for k in small], dev)
         for j, k in enumerate(small):
             rows[k] = batched[j]
+    large = [k for k, e in enumerate(entries) if e[0] == "large"]
+    if large:
+        v = torch.stack([entries[k][1].to(torch.float64) for k in large])
+        n = torch.tensor([float(entries[k][2]) for k in large], **f64)
+        derive = torch.full_like(n, _DERIVE)
+        block = torch.stack([v[:, 0], v[:, 1], v[:, 2] / n, v[:, 3], derive, derive, n], 1)
+        for j, k in enumerate(large):
+            rows[k] = block[j]
+    for k, e in enumerate(entries):
+        if e[0] == "full":
+            rows[k] = e[1]
     return torch.stack(rows)  # type: ignore[arg-type]
 
 
@@ -199,39 +213,43 @@ def _segment_stats(tensors: List[torch.Tensor], dev: torch.device) -> torch.Tens
     return torch.stack([mn, mx, total / n.clamp(min=1), l2, nan, inf, n], 1)
 
 
-def trace_stats(t: torch.Tensor) -> torch.Tensor:
-    """Float64 device vector ``[min, max, mean, l2, nan, inf, numel]`` in three reduction passes.
+def trace_stats(t: torch.Tensor) -> tuple:
+    """Statistics of a large tensor in three reduction passes, as ``("large", [min, max, sum, l2], numel)``
+    (completed per call by :func:`_stats_rows`), or ``("full", 7-vector)`` for complex/quantized/empty.
 
-    NaN/inf are not counted separately: a finite L2 norm proves there are none
-    (counts 0); otherwise their counts are reported as unknown (``None``) and
-    ``min``/``max``/``l2`` show which kind is present.
+    NaN/inf are not counted: a finite L2 norm proves there are none (counts 0); otherwise the
+    counts are reported as unknown (``None``) -- ``min``/``max``/``l2`` show which kind is present.
     """
     n = t.numel()
-    dev = t.device
     if n == 0:
-        return torch.tensor([_NAN, _NAN, _NAN, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=dev)
+        return ("full", torch.tensor([_NAN, _NAN, _NAN, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=t.device))
     if t.is_complex() or t.is_quantized:
-        return _fp._stats_vector(t)
+        return ("full", _fp._stats_vector(t))
     x = t
     if x.dtype == torch.bool or (x.is_floating_point() and x.element_size() == 1):
         x = x.float() if x.is_floating_point() else x.to(torch.uint8)
     flat = x.reshape(-1)
+    acc = torch.float64 if (flat.dtype == torch.float64 or not flat.is_floating_point()) else torch.float32
     mn, mx = torch.aminmax(flat)
-    total = flat.sum(dtype=torch.float64) if not flat.is_floating_point() else flat.sum()
-    l2 = torch.linalg.vector_norm(flat if flat.is_floating_point() else flat.to(torch.float64))
-    l2 = l2.to(torch.float64)
-    unknown = torch.full((), -1.0, dtype=torch.float64, device=dev)
-    zero = torch.zeros((), dtype=torch.float64, device=dev)
-    nan = torch.where(torch.isnan(l2), unknown, zero)
-    inf = torch.where(torch.isnan(l2) | (torch.isinf(l2) & (torch.isinf(mn) | torch.isinf(mx))), unknown, zero)
-    parts = [mn.to(torch.float64), mx.to(torch.float64), total.to(torch.float64) / n, l2, nan, inf]
-    return torch.stack(parts + [torch.tensor(float(n), dtype=torch.float64, device=dev)])
+    total = flat.sum(dtype=acc)
+    l2 = torch.linalg.vector_norm(flat, dtype=acc) if flat.is_floating_point() else torch.linalg.vector_norm(flat.to(acc))
+    return ("large", torch.stack([mn.to(acc), mx.to(acc), total, l2]), n)
 
 
 def _stats_dict(v: List[float]) -> dict:
     d = dict(zip(("min", "max", "mean", "l2", "nan", "inf"), v[:6]))
+    if d["nan"] == _DERIVE:  # large tensors: derived from the L2 norm (see trace_stats)
+        l2 = d["l2"]
+        has_inf = math.isinf(d["min"]) or math.isinf(d["max"])
+        d["nan"] = None if math.isnan(l2) else 0
+        d["inf"] = None if math.isnan(l2) or (math.isinf(l2) and has_inf) else 0
+        return _empty_fix(d, v)
     for k in ("nan", "inf"):
         d[k] = None if d[k] < 0 else int(d[k])
+    return _empty_fix(d, v)
+
+
+def _empty_fix(d: dict, v: List[float]) -> dict:
     if v[6] == 0:
         d["min"] = d["max"] = d["mean"] = None
     return d
