@@ -1,6 +1,8 @@
 """The minifier: localize first, then shrink; checkpoints, ``--resume``, progress, summary.
 
 :func:`minify` checks that the input graph fails the oracle, runs
+:func:`~repro_tools.passes.localize_from_buffers` (in-process inductor accuracy: the
+input check's own compile already yields the materialized buffers' values) or
 :func:`~repro_tools.passes.localize_culprit` (one instrumented run and a verified
 cut: a handful of queries for a single culprit), falls back to the general passes
 when localization does not apply or does not verify, and finishes with
@@ -157,7 +159,9 @@ def _search(s: _Session, r: Reducer, localize: bool) -> bool:
     """All passes; returns True when the budget ran out first."""
     try:
         if localize and not s.localize_done:
-            passes.localize_culprit(r)
+            if not passes.localize_from_buffers(r):
+                passes.localize_culprit(r)
+            r.observed = None
             s.localize_done = True
             if s.out_dir is not None:
                 s.save_state(r)
@@ -207,9 +211,15 @@ def _resume(s: _Session, state: Dict[str, Any], spec: OracleSpec, budget: int) -
     return r
 
 
-def _start(s: _Session, start: Candidate, gm0: fx.GraphModule, in0: List[Any], budget: int) -> Reducer:
-    """Check the input graph (it must fail), remember its failure, and set up the reducer."""
-    v = s.runner.check(s.spec, gm0, in0)
+def _start(s: _Session, start: Candidate, gm0: fx.GraphModule, in0: List[Any], budget: int,
+           localize: bool) -> Reducer:
+    """Check the input graph (it must fail), remember its failure, and set up the reducer.  When
+    localizing with a runner that can, the same compile also yields per-node values (inductor buffers)."""
+    observed = None
+    if localize and hasattr(s.runner, "check_observed"):
+        v, observed = s.runner.check_observed(s.spec, gm0, in0, s.view.ref)
+    else:
+        v = s.runner.check(s.spec, gm0, in0)
     if not v.fails:
         raise OracleError(f"input graph does not fail the {s.spec.kind} oracle ({v.detail or 'no failure'}); "
                           "nothing to minify")
@@ -217,6 +227,7 @@ def _start(s: _Session, start: Candidate, gm0: fx.GraphModule, in0: List[Any], b
         s.spec = s.spec.replace(expected=v.signature)
     r = Reducer(s.view, s.spec, s.runner, start, budget=budget, queries=1, on_improve=s.on_improve,
                 on_query=s.on_query)
+    r.observed = observed
     r.cache[s.meta["start_key"]] = True
     r.verified[s.meta["start_key"]] = v
     return r
@@ -243,7 +254,7 @@ def _minify(view, spec, runner, out, budget, localize, resume, progress, meta) -
     s = _Session(view, spec, runner, out, budget, progress, meta)
     state = s.load_state(meta["start_key"]) if resume else None
     try:
-        r = _resume(s, state, spec, budget) if state is not None else _start(s, start, gm0, in0, budget)
+        r = _resume(s, state, spec, budget) if state is not None else _start(s, start, gm0, in0, budget, localize)
         if out is not None:
             s.save_state(r)
         exhausted = _search(s, r, localize)

@@ -21,7 +21,9 @@ isolated worker) names the kind of failure and the compiler under test:
 The compiler always gets a copy of the graph: the original stays the eager reference.
 
 :func:`check` judges in this process; :func:`observe` returns the raw outputs
-the localizer needs.  Running them in a worker lives in :mod:`repro_tools.isolate`.
+the localizer needs; :func:`check_observed` also returns, for inductor accuracy, the
+compiled values of the nodes inductor materialized, from the same compile.  Running
+them in a worker lives in :mod:`repro_tools.isolate`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import difflib
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -44,9 +46,10 @@ from determ_backend.fingerprint import hash_tensors
 from determ_backend.retarget import converter, moved_graph
 
 from .compilers import Compiler, call_compiled, compile_graph, compiler_name, config_patch, flat_tensors
+from .inductor_values import SUPPORTED, BufferValues
 
-__all__ = ["KINDS", "OracleSpec", "Signature", "Verdict", "check", "observe", "similar", "InProcessRunner", "outputs_differ",
-           "reference_outputs"]
+__all__ = ["KINDS", "OracleSpec", "Signature", "Verdict", "check", "check_observed", "observe", "similar",
+           "InProcessRunner", "outputs_differ", "reference_outputs"]
 
 KINDS = ("compile_error", "runtime_error", "error", "crash", "hang", "accuracy", "nondeterminism", "cross_device")
 ISOLATED_ONLY = ("crash", "hang")
@@ -202,10 +205,11 @@ def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
     return copy.deepcopy(gm)
 
 
-def _compile_run(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any], runs: int = 1) -> List[List[Any]]:
+def _compile_run(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any], runs: int = 1,
+                 compile_fn: Callable = compile_graph) -> List[List[Any]]:
     """Compile (a copy of ``gm``) once, run ``runs`` times (same seed each time); flat outputs per run."""
     with config_patch(_config(spec)):
-        fn = compile_graph(spec.compiler, _fresh(gm), _clone(inputs))
+        fn = compile_fn(spec.compiler, _fresh(gm), _clone(inputs))
         outs = []
         for _ in range(runs):
             torch.manual_seed(_SEED)
@@ -254,9 +258,10 @@ def _observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Lis
     raise ConfigError(f"oracle kind {spec.kind!r} has nothing to observe")
 
 
-def _judge_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
+def _judge_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
+                    compile_fn: Callable = compile_graph) -> Verdict:
     try:
-        res = _compile_run(spec, gm, inputs)[0]
+        res = _compile_run(spec, gm, inputs, compile_fn=compile_fn)[0]
     except Exception as e:  # a candidate that errors is a different failure, not this one
         return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
     eager, ref64 = reference_outputs(gm, inputs)
@@ -331,15 +336,30 @@ def check(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdic
     """Judge one candidate in this process (``crash``/``hang`` need :mod:`repro_tools.isolate`)."""
     if spec.kind in ISOLATED_ONLY:
         raise ConfigError(f"oracle kind {spec.kind!r} needs an isolated worker (repro_tools.isolate)")
+    if spec.kind == "accuracy":
+        return _timed(_judge_accuracy, spec, gm, inputs)
+    if spec.kind in ("nondeterminism", "cross_device"):
+        return _timed(_judge_outputs, spec, gm, inputs)
+    return _timed(_judge_error, spec, gm, inputs)
+
+
+def _timed(judge: Callable[..., Verdict], *args: Any, **kwargs: Any) -> Verdict:
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):  # the oracle seeds; the caller's RNG state is left alone
-        if spec.kind == "accuracy":
-            v = _judge_accuracy(spec, gm, inputs)
-        elif spec.kind in ("nondeterminism", "cross_device"):
-            v = _judge_outputs(spec, gm, inputs)
-        else:
-            v = _judge_error(spec, gm, inputs)
+        v = judge(*args, **kwargs)
     return dataclasses.replace(v, seconds=time.perf_counter() - t0)
+
+
+def check_observed(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
+                   ref: Dict[str, Any]) -> Tuple[Verdict, Optional[Dict[str, Any]]]:
+    """:func:`check`, plus, when the graph fails an accuracy oracle of an inductor compiler, the compiled
+    value of every node inductor materialized a buffer for (``{node name: value}``, from the same compile
+    and run; see :mod:`repro_tools.inductor_values`); otherwise None.  ``ref``: eager values by node name."""
+    if spec.kind != "accuracy" or spec.compiler not in SUPPORTED:
+        return check(spec, gm, inputs), None
+    capture = BufferValues()
+    v = _timed(_judge_accuracy, spec, gm, inputs, compile_fn=capture.compile)
+    return v, (capture.values(ref) if v.fails else None)
 
 
 @dataclass
@@ -351,6 +371,11 @@ class InProcessRunner:
     def check(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
         self.calls += 1
         return check(spec, gm, inputs)
+
+    def check_observed(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
+                       ref: Dict[str, Any]) -> Tuple[Verdict, Optional[Dict[str, Any]]]:
+        self.calls += 1
+        return check_observed(spec, gm, inputs, ref)
 
     def observe(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:
         self.calls += 1

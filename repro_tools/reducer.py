@@ -60,6 +60,9 @@ class Reducer:
         self.cache_hits = 0
         self.verified: Dict[str, Verdict] = {}
         """Failing verdicts asked in this run (not restored from a saved cache), by candidate key."""
+        self.observed: Optional[Dict[str, Any]] = None
+        """Compiled values of the start candidate's nodes from the input check itself, when the runner
+        could capture them (inductor's materialized buffers: :func:`repro_tools.oracles.check_observed`)."""
         self.culprit: Optional[str] = None
         self.localized = False
         self.on_improve = on_improve

@@ -5,10 +5,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import minifier_helpers as H
-from repro_tools import passes
-from repro_tools.oracles import OracleSpec
+from repro_tools import oracles, passes
+from repro_tools.oracles import InProcessRunner, OracleSpec
 from repro_tools.reducer import BudgetExhausted, PredicateRunner, Reducer
-from repro_tools.subgraph import GraphView
+from repro_tools.subgraph import Candidate, GraphView
 
 
 def reduce_with(pass_list, gm, inputs, predicate, budget=500):
@@ -96,3 +96,40 @@ def test_budget_is_enforced():
     gm, inputs = H.mlp_graph(layers=3)
     with pytest.raises(BudgetExhausted):
         reduce_with([passes.remove_nodes_probdd], gm, inputs, has("erf"), budget=3)
+
+
+# ------------------------------------------------------------------ localization from captured buffers
+
+def _mm_and_outputs(view, name):  # what inductor materializes here: matmuls (extern) and layer norm outputs
+    return view.op_name(name) == "aten.mm.default" or view.is_getitem(name)
+
+
+def from_buffers(gm, inputs, observed):
+    """localize_from_buffers alone, with the compiled values of the nodes ``observed(view, name)`` selects
+    as the input check's capture; returns (reducer, localized, oracle calls)."""
+    view = GraphView(gm, inputs)
+    spec = OracleSpec(kind="accuracy", compiler="minifier_helpers:wrong_erf")
+    every = Candidate(frozenset(view.compute), view.with_outputs(frozenset(view.compute)))
+    compiled = dict(zip(view.outputs_of(every), oracles.observe(spec, *view.materialize(every))[0]))
+    runner = InProcessRunner()
+    r = Reducer(view, spec, runner, view.full())
+    r.observed = {k: v for k, v in compiled.items() if observed(view, k)}
+    return r, passes.localize_from_buffers(r), runner.calls
+
+
+@pytest.mark.parametrize("graph, observed, calls", [
+    (lambda: H.mlp_graph(layers=2), lambda view, name: True, 1),  # the culprit's own buffer: its cut, at once
+    (lambda: H.mlp_graph(layers=2), _mm_and_outputs, 2),  # fused: one compile of the region alone, then the cut
+    (lambda: (make_fx(lambda x: (torch.erf((x * 2).t()).sum(0),))(torch.randn(4, 3)), [torch.randn(4, 3)]),
+     lambda view, name: name != "t", 1),  # fused with a view only: the arithmetic op's cut is asked directly
+], ids=["materialized", "fused", "fused_with_a_view"])
+def test_localize_from_buffers_finds_the_culprit(graph, observed, calls):
+    r, localized, asked = from_buffers(*graph(), observed)
+    assert localized and r.culprit == "erf" and result_ops(r) == ["aten.erf.default"] and asked == calls
+
+
+def test_localize_from_buffers_without_a_bad_region_leaves_it_to_the_all_outputs_run():
+    gm, inputs = H.mlp_graph(layers=2)
+    r, localized, asked = from_buffers(gm, inputs, lambda view, name: False)
+    assert not localized and asked == 0 and r.culprit is None
+    assert passes.localize_culprit(r) and result_ops(r) == ["aten.erf.default"]

@@ -5,7 +5,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from determ_backend.errors import ConfigError
-from repro_tools.oracles import OracleSpec, Signature, check, similar
+from repro_tools.oracles import OracleSpec, Signature, check, check_observed, similar
 
 
 def _graph(fn, *inputs):
@@ -124,3 +124,13 @@ def test_a_compiler_that_rewrites_its_graph_in_place_does_not_change_the_referen
     v = check(OracleSpec(kind=kind, compiler="relu_accuracy_error_TESTING_ONLY"), gm, [torch.randn(8)])
     assert v.fails is (kind == "accuracy"), v
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"][0] is torch.relu
+
+
+@pytest.mark.parametrize("kind,compiler,fails", [("accuracy", "minifier_helpers:wrong_erf", True),
+                                                 ("nondeterminism", "minifier_helpers:noisy_erf", True),
+                                                 ("accuracy", "aot_eager", False)])
+def test_check_observed_is_check_outside_inductor_accuracy(kind, compiler, fails):
+    # inductor's buffers are only captured for an inductor accuracy oracle (tests/test_minifier.py has that case)
+    gm, inputs = _erf_graph()
+    v, seen = check_observed(OracleSpec(kind=kind, compiler=compiler), gm, inputs, {})
+    assert v.fails is fails and seen is None

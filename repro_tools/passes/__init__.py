@@ -3,6 +3,7 @@
 One small file per kind of pass; each proposes candidates only through
 :meth:`repro_tools.reducer.Reducer.consider`, so the cache and the budget apply.
 
+* :func:`localize_from_buffers` -- the same from the input check's own compile (inductor buffers);
 * :func:`localize_culprit` -- one instrumented run, the first node with local error, its cut;
 * :func:`truncate_suffix` -- binary search for the shortest failing prefix;
 * :func:`prune_outputs` -- keep fewer outputs (dead code goes with them);
@@ -15,10 +16,11 @@ from .ddmin import remove_nodes_probdd
 from .inputs import consolidate_inputs
 from .localize import localize_culprit
 from .outputs import prune_outputs
+from .regions import localize_from_buffers
 from .single import remove_single_nodes
 from .truncate import truncate_suffix
 
-__all__ = ["localize_culprit", "truncate_suffix", "prune_outputs", "remove_nodes_probdd", "consolidate_inputs",
+__all__ = ["localize_from_buffers", "localize_culprit", "truncate_suffix", "prune_outputs", "remove_nodes_probdd", "consolidate_inputs",
            "remove_single_nodes", "FALLBACK"]
 
 FALLBACK = (truncate_suffix, prune_outputs, remove_nodes_probdd, consolidate_inputs)

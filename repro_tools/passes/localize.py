@@ -34,7 +34,7 @@ from ..oracles import outputs_differ
 from ..reducer import BudgetExhausted, Reducer
 from ..subgraph import Candidate, GraphView
 
-__all__ = ["localize_culprit", "find_culprit"]
+__all__ = ["localize_culprit", "find_culprit", "verify_cut"]
 
 log = logging.getLogger(__name__)
 LOCALIZABLE = ("accuracy", "nondeterminism", "cross_device")
@@ -116,12 +116,14 @@ def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], s
     return outputs_differ(a[name], b[name], spec)
 
 
-def find_culprit(view: GraphView, keep, sides: List[Dict[str, Any]], spec) -> Optional[str]:
-    """The first node (graph order) with local error, or None."""
+def find_culprit(view: GraphView, keep, sides: List[Dict[str, Any]], spec,
+                 base: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """The first node (graph order) with local error, or None.  ``base``: the values the observed
+    candidate's placeholders held (default: the eager reference)."""
     order = [n for n in view.compute if n in keep]
     if spec.kind == "accuracy":
         comp = sides[0]
-        env = dict(view.ref)
+        env = dict(base if base is not None else view.ref)
         env.update(comp)
         for n in order:
             if not view.is_getitem(n) and _accuracy_bad(view, n, comp, env, spec):
@@ -166,6 +168,17 @@ def _rings(view: GraphView, culprit: str, keep) -> List[frozenset]:
     return out
 
 
+def verify_cut(r: Reducer, culprit: str, keep, value_maps: List[str], rings: int = _RINGS + 1) -> bool:
+    """Ask the cut around ``culprit`` (then a ring of producers more, ... ``rings`` in all) with each
+    recorded value map feeding its placeholders; True (and ``r.localized``) as soon as one still fails."""
+    for ring in _rings(r.view, culprit, keep)[:rings]:
+        for values in value_maps:
+            if r.consider(Candidate(ring, None, values)):
+                r.localized = True
+                return True
+    return False
+
+
 def localize_culprit(r: Reducer) -> bool:
     """Instrumented run, culprit, verified cut.  True when a cut around the culprit still fails."""
     if r.spec.kind not in LOCALIZABLE:
@@ -189,11 +202,8 @@ def localize_culprit(r: Reducer) -> bool:
     for i, side in enumerate(sides[:2]):
         view.value_maps[f"side{i}"] = _value_map(view, side)
         names.append(f"side{i}")
-    for ring in _rings(view, culprit, start.keep):
-        for values in names:
-            if r.consider(Candidate(ring, None, values)):
-                r.localized = True
-                return True
+    if verify_cut(r, culprit, start.keep, names):
+        return True
     order = [n for n in view.compute if n in start.keep]
     r.consider(replace(start, keep=frozenset(order[:order.index(culprit) + 1]), outputs=None))
     return False
