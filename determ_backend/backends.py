@@ -21,7 +21,7 @@ from . import _torch_compat, retarget
 from .checks import GraphExec
 from .config import DetermConfig, load_config
 from .errors import ConfigError
-from .inductor_instrument import instrument_compiled, load_origins, save_origins
+from .inductor_instrument import compile_with_origins, instrument_compiled
 from .instrument import graph_node_infos, instrument_graph, param_names
 from .recorder import NodeInfo, Recorder
 from .run import Run, get_run
@@ -123,17 +123,7 @@ def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_c
         backward = bool(kwargs.get("is_backward"))
         stage = "inductor_backward" if backward else "inductor_forward"
         disp = names.for_graph(fx_g, forward=not backward)
-        sink: list = []
-        with _torch_compat.capture_buffer_origins(sink):
-            compiled = _torch_compat.compile_fx_inner(fx_g, inputs, **kwargs)
-        _, key, _ = _torch_compat.compiled_source(compiled)
-        origins: Dict[str, Any] = {}
-        for o in sink:
-            origins.update(o)
-        if origins:
-            save_origins(key, origins)
-        else:
-            origins = load_origins(key)
+        compiled, origins = compile_with_origins(fx_g, inputs, **kwargs)
         rec = instrument_compiled(compiled, fx_g, lambda infos: _recorder(run, cfg, graph, stage, infos), origins, disp)
         if rec is None:
             return compiled

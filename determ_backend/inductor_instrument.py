@@ -32,7 +32,7 @@ from .instrument import node_source, op_name
 from .recorder import NodeInfo, Recorder
 from .trace import atomic_write_text
 
-__all__ = ["InstrumentedCall", "instrument_compiled", "save_origins", "load_origins"]
+__all__ = ["InstrumentedCall", "instrument_compiled", "compile_with_origins", "save_origins", "load_origins"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,23 @@ def load_origins(key: Optional[str]) -> Dict[str, Any]:
         return json.loads(p.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def compile_with_origins(fx_g: fx.GraphModule, inputs, **kwargs) -> Tuple[Any, Dict[str, Any]]:
+    """``compile_fx_inner`` plus each buffer's origin FX nodes: captured at codegen, or on a
+    cache hit (no codegen) read from the sidecar saved with the entry."""
+    sink: list = []
+    with _torch_compat.capture_buffer_origins(sink):
+        compiled = _torch_compat.compile_fx_inner(fx_g, inputs, **kwargs)
+    _, key, _ = _torch_compat.compiled_source(compiled)
+    origins: Dict[str, Any] = {}
+    for o in sink:
+        origins.update(o)
+    if origins:
+        save_origins(key, origins)
+    else:
+        origins = load_origins(key)
+    return compiled, origins
 
 
 def _split_args(s: str) -> List[str]:

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
-from determ_backend.inductor_instrument import instrument_compiled, load_origins, save_origins
+from determ_backend.inductor_instrument import compile_with_origins, instrument_compiled
 from determ_backend.recorder import Recorder
 
 __all__ = ["BufferValues", "SUPPORTED"]
@@ -63,17 +63,7 @@ class BufferValues:
             return tc.compile_fx(gm, list(inputs), inner_compile=self._inner_compile)
 
     def _inner_compile(self, fx_g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-        sink: list = []
-        with tc.capture_buffer_origins(sink):
-            compiled = tc.compile_fx_inner(fx_g, inputs, **kwargs)
-        _, key, _ = tc.compiled_source(compiled)
-        origins: Dict[str, Any] = {}
-        for o in sink:
-            origins.update(o)
-        if origins:
-            save_origins(key, origins)
-        else:  # a cache hit: no codegen ran; the origins were saved with the entry
-            origins = load_origins(key)
+        compiled, origins = compile_with_origins(fx_g, inputs, **kwargs)
 
         def recorder(infos):
             rec = Recorder("g", "inductor", infos, stats=False)
