@@ -20,6 +20,7 @@ Comparison of traces lives in :mod:`determ_backend.compare`.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -33,7 +34,7 @@ import torch
 
 from .errors import TraceFormatError
 
-__all__ = ["Record", "TraceWriter", "read_trace", "resolve_trace_path", "TensorStore", "atomic_write_text",
+__all__ = ["Record", "TraceWriter", "read_trace", "resolve_trace_path", "TensorStore", "atomic_write_text", "atomic_path",
            "format_hash", "TRACE_NAME"]
 
 FORMAT = "determ-trace"
@@ -94,19 +95,27 @@ class Record:
 _FIELDS = tuple(Record.__dataclass_fields__)
 
 
-def atomic_write_text(path: Union[str, Path], text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same directory and ``os.replace``."""
+@contextlib.contextmanager
+def atomic_path(path: Union[str, Path]) -> Iterator[str]:
+    """Yield a temp file name next to ``path``; on success it replaces ``path`` atomically, on any
+    failure it is removed and ``path`` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: Union[str, Path], text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same directory and ``os.replace``."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 class TraceWriter:
@@ -215,16 +224,8 @@ class TensorStore:
         p = self.path(key)
         if p.exists():
             return key
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".tmp")
-        os.close(fd)
-        try:
+        with atomic_path(p) as tmp:
             torch.save(t.detach().cpu().contiguous().clone(), tmp)
-            os.replace(tmp, p)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
         return key
 
     def get(self, key: str, device: Union[str, torch.device] = "cpu") -> torch.Tensor:

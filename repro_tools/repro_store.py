@@ -13,10 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, Tuple
 
@@ -24,6 +22,7 @@ import torch
 
 from determ_backend import _torch_compat as tc
 from determ_backend.errors import ReproError
+from determ_backend.trace import atomic_path
 
 __all__ = ["StoreWriter", "describe_value", "copy_store_files", "json_safe", "STORE_NAME"]
 
@@ -41,20 +40,12 @@ def _write_store_file(store: Path, data: memoryview) -> str:
     path = store / f"{key}.safetensors"
     if path.is_file():
         return key
-    store.mkdir(parents=True, exist_ok=True)
     header = json.dumps({"data": {"dtype": "U8", "shape": [len(data)], "data_offsets": [0, len(data)]},
                          "__metadata__": {"sha256_prefix": key}}).encode()
     header += b" " * (-len(header) % 8)
-    fd, tmp = tempfile.mkstemp(dir=store, prefix=f".{key}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(header)) + header)
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.write(data)
     return key
 
 
@@ -130,8 +121,5 @@ def copy_store_files(keys: Iterable[str], sources: Iterable[Path], dst_store: Pa
         found = [d / name for d in sources if (d / name).is_file()]
         if not found:
             raise ReproError(f"{sources[0] / name}: missing input file of the repro's content store")
-        dst_store.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dst_store, prefix=f".{key}.", suffix=".tmp")
-        os.close(fd)
-        shutil.copyfile(found[0], tmp)
-        os.replace(tmp, dst_store / name)
+        with atomic_path(dst_store / name) as tmp:
+            shutil.copyfile(found[0], tmp)
