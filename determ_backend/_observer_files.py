@@ -5,15 +5,13 @@ unpickling anything; the observer logic lives in :mod:`determ_backend.observer`.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .errors import ConfigError, TraceFormatError
-from .trace import Record, TraceWriter, read_trace
+from .trace import Record, TraceWriter, atomic_path, read_trace
 
 __all__ = ["write_run", "load_reference", "tensors_path_for"]
 
@@ -33,46 +31,19 @@ def _safetensors():
     return st
 
 
-def _tmp_in(path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    return tmp
-
-
-def _replace(tmp: str, path: Path) -> None:
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_run(trace_path: Path, records: Sequence[Record], tensors: Dict[str, torch.Tensor], run: str) -> None:
     """Write the run's trace and (when there are any) its non-deterministic tensors, atomically."""
-    tmp = _tmp_in(trace_path)
-    try:
-        with TraceWriter(tmp, run=run, meta={"producer": "ObserverContext"}) as w:
-            w.write(records)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    _replace(tmp, trace_path)
+    with atomic_path(trace_path) as tmp, TraceWriter(tmp, run=run, meta={"producer": "ObserverContext"}) as w:
+        w.write(records)
     tpath = tensors_path_for(trace_path)
     if not tensors:
         if tpath.exists():
             tpath.unlink()  # a stale file from an earlier run of the same name would mislead
         return
     st = _safetensors()
-    tmp = _tmp_in(tpath)
-    try:
+    with atomic_path(tpath) as tmp:
         st.save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, tmp,
                      metadata={"format": _FORMAT, "run": run})
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    _replace(tmp, tpath)
 
 
 def load_reference(path) -> Tuple[List[Record], Optional[Dict[str, torch.Tensor]], Path]:

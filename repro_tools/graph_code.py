@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import types
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple, Union
@@ -24,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend.errors import ReproError
-from determ_backend.trace import atomic_write_text
+from determ_backend.trace import atomic_path, atomic_write_text
 
 __all__ = ["graph_source", "graph_from_source", "save_tensors", "load_tensors", "write_graph_dir", "read_graph_dir"]
 
@@ -76,17 +74,8 @@ def graph_from_source(src: str, filename: str = "<graph>") -> fx.GraphModule:
 
 def save_tensors(values: Sequence[Any], path: Union[str, Path]) -> None:
     """Atomically save a list of tensors / python scalars for ``torch.load(weights_only=True)``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         torch.save([v.detach().clone() if isinstance(v, torch.Tensor) else v for v in values], tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load_tensors(path: Union[str, Path]) -> List[Any]:
