@@ -73,32 +73,26 @@ def _align_group(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
     return _align_by_sequence(a, b)
 
 
-def _align_by_sequence(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
-    sa = [r.signature for r in a]
-    sb = [r.signature for r in b]
+def _match(a: Sequence[Record], b: Sequence[Record], key: Callable[[Record], str],
+           changed: Callable[[Sequence[Record], Sequence[Record]], List[Pair]]) -> List[Pair]:
+    """Pair equal runs of ``key`` by sequence alignment; hand each changed block to ``changed``."""
     pairs: List[Pair] = []
-    matcher = difflib.SequenceMatcher(None, sa, sb, autojunk=False)
+    matcher = difflib.SequenceMatcher(None, [key(r) for r in a], [key(r) for r in b], autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
             pairs.extend(Pair(a[i], b[j]) for i, j in zip(range(i1, i2), range(j1, j2)))
-            continue
-        # inside a changed block, pair records of the same op in order; the rest stay unmatched
-        pairs.extend(_pair_block(a[i1:i2], b[j1:j2]))
+        else:
+            pairs.extend(changed(a[i1:i2], b[j1:j2]))
     return pairs
 
 
-def _pair_block(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
-    oa = [r.op for r in a]
-    ob = [r.op for r in b]
-    out: List[Pair] = []
-    m = difflib.SequenceMatcher(None, oa, ob, autojunk=False)
-    for tag, i1, i2, j1, j2 in m.get_opcodes():
-        if tag == "equal":
-            out.extend(Pair(a[i], b[j]) for i, j in zip(range(i1, i2), range(j1, j2)))
-        else:
-            out.extend(Pair(r, None) for r in a[i1:i2])
-            out.extend(Pair(None, r) for r in b[j1:j2])
-    return out
+def _unmatched(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
+    return [Pair(r, None) for r in a] + [Pair(None, r) for r in b]
+
+
+def _align_by_sequence(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
+    # by full signature; inside a changed block, records of the same op pair in order, the rest stay unmatched
+    return _match(a, b, lambda r: r.signature, lambda x, y: _match(x, y, lambda r: r.op, _unmatched))
 
 
 def rmse(x: torch.Tensor, y: torch.Tensor) -> float:
