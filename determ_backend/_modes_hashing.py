@@ -70,8 +70,14 @@ class PendingHashes:
         batch = self._batches.get(t.device)
         if batch is None:
             batch = self._batches[t.device] = _fp.HashBatch(t.device)
-        idx = batch.add(t)
-        s = _fp._stats_vector(t) if self.stats else None
+        nat = _fp.fingerprint_now(t, self.stats) if t.device.type == "cpu" else None  # one pass, now
+        idx = batch.add(t, known=None if nat is None else nat[0])
+        if not self.stats:
+            s = None
+        elif nat is not None:
+            s = torch.tensor(nat[1], dtype=torch.float64)
+        else:
+            s = _fp._stats_vector(t)
         self._items.append((rec, t.device, idx, s))
         self.nbytes += t.numel() * t.element_size()
 

@@ -34,9 +34,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import _native
 from .errors import UnsupportedDtypeError
 
-__all__ = ["hash_tensor", "hash_tensors", "tensor_stats", "fingerprint_tensors", "ROW_WORDS"]
+__all__ = ["hash_tensor", "hash_tensors", "tensor_stats", "fingerprint_tensors", "fingerprint_now", "ROW_WORDS"]
 
 ROW_WORDS = 4096
 """Words (int32) per row; part of the definition of the hash, never change it."""
@@ -219,11 +220,39 @@ def _finish(sums: torch.Tensor, rowpos: torch.Tensor, seg: torch.Tensor, keys: L
     return _fmix(acc ^ torch.tensor(keys, dtype=torch.int64, device=device))
 
 
+def fingerprint_now(t: torch.Tensor, stats: bool = False) -> Optional[Tuple[int, Optional[List[float]]]]:
+    """CPU fast path: ``(hash, stats vector | None)`` of ``t`` computed right now in one pass by the
+    native kernel (:mod:`determ_backend._native`), or None when it does not apply (not a plain CPU
+    tensor, kernel not built, or statistics asked for a dtype it has none for) -- then use the
+    torch path, which gives the same hash.  The stats vector is ``[min, max, mean, l2, nan, inf,
+    numel]`` as :func:`tensor_stats` reports it (sums accumulated in float64)."""
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+        return None
+    if stats and t.dtype not in _native.SUPPORTED:
+        return None
+    x = t.detach()
+    if not x.is_contiguous():  # statistics need the dtype; the hash only the bytes (any dtype copies as ints)
+        x = x.contiguous() if stats else _same_size_int(x).contiguous()
+    res = _native.fingerprint(x, row_weights("cpu"), _tensor_key(t), stats)
+    if res is None or not stats:
+        return res
+    h, (mn, mx, total, sq, nan, inf) = res
+    n = x.numel()
+    if n == 0:
+        return h, [math.nan, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0]
+    return h, [mn, mx, total / n, math.nan if nan else math.sqrt(sq), nan, inf, float(n)]
+
+
 def _hash_one_device(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     k = row_weights(str(device))
     small_words, small_ix = [], []
     parts_s, parts_p, parts_g = [], [], []
+    native: Dict[int, int] = {}
     for i, t in enumerate(tensors):
+        nat = fingerprint_now(t) if device.type == "cpu" else None
+        if nat is not None:
+            native[i] = nat[0]
+            continue
         w = _words(t)
         n = w.numel()
         if n == 0:
@@ -248,9 +277,17 @@ def _hash_one_device(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     keys = [_tensor_key(t) for t in tensors]
     if not parts_s:
         empty = torch.empty(0, dtype=torch.int64, device=device)
-        return _finish(empty, empty, empty, keys, device)
+        return _with_native(_finish(empty, empty, empty, keys, device), native)
     cat = (lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0])
-    return _finish(cat(parts_s), cat(parts_p), cat(parts_g), keys, device)
+    return _with_native(_finish(cat(parts_s), cat(parts_p), cat(parts_g), keys, device), native)
+
+
+def _with_native(res: torch.Tensor, native: Dict[int, int]) -> torch.Tensor:
+    """``res`` with the fingerprints the native kernel already computed written in."""
+    if native:
+        res[torch.tensor(list(native), dtype=torch.int64)] = torch.tensor([_signed(v) for v in native.values()],
+                                                                          dtype=torch.int64)
+    return res
 
 
 def _hash_groups(tensors: Sequence[torch.Tensor]) -> List[Tuple[List[int], torch.Tensor]]:
@@ -291,6 +328,9 @@ def hash_tensor(t: torch.Tensor) -> int:
     raises :class:`UnsupportedDtypeError`.
     """
     _check_tensor(t)
+    nat = fingerprint_now(t)
+    if nat is not None:
+        return nat[0]
     if t.numel() * t.element_size() > 4 * ROW_WORDS:
         return hash_tensors([t])[0]
     words = _words(t)
@@ -356,6 +396,22 @@ def fingerprint_tensors(tensors: Iterable[torch.Tensor], stats: bool = True) -> 
     tensors = list(tensors)
     if not tensors:
         return []
+    out: List[dict] = [{} for _ in tensors]
+    rest = []
+    for i, t in enumerate(tensors):
+        _check_tensor(t, "fingerprint_tensors")
+        nat = fingerprint_now(t, stats)
+        if nat is None:
+            rest.append(i)
+            continue
+        out[i] = {"hash": nat[0], **(_stats_dict(nat[1]) if stats else {})}
+    if rest:
+        for i, rec in zip(rest, _fingerprint_torch([tensors[i] for i in rest], stats)):
+            out[i] = rec
+    return out
+
+
+def _fingerprint_torch(tensors: List[torch.Tensor], stats: bool) -> List[dict]:
     hashes = _hash_device_values(tensors)
     rows: List[torch.Tensor] = []
     for t, h in zip(tensors, hashes):
@@ -387,7 +443,9 @@ def tensor_stats(t: torch.Tensor) -> dict:
     ``float4_e2m1fn_x2``, ``uint4``, ...) has ``None`` for min/max/mean/l2.
     A tensor on the ``meta`` device raises :class:`UnsupportedDtypeError`.
     """
-    return _stats_dict(_stats_vector(t).cpu().tolist())
+    _check_tensor(t, "tensor_stats")
+    nat = fingerprint_now(t, stats=True)
+    return _stats_dict(nat[1] if nat is not None else _stats_vector(t).cpu().tolist())
 
 
 class HashBatch:
@@ -408,15 +466,23 @@ class HashBatch:
         self._small_ix: List[int] = []
         self._sums: List[torch.Tensor] = []
         self._sums_ix: List[int] = []
+        self._native: Dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, t: torch.Tensor) -> int:
-        """Queue ``t``; returns its index in :meth:`finish`'s result."""
+    def add(self, t: torch.Tensor, known: Optional[int] = None) -> int:
+        """Queue ``t``; returns its index in :meth:`finish`'s result.  ``known``: its fingerprint,
+        already computed (by :func:`fingerprint_now`)."""
         _check_tensor(t)
         i = len(self._keys)
         self._keys.append(_tensor_key(t))
+        if known is None and self.device.type == "cpu":
+            nat = fingerprint_now(t)
+            known = None if nat is None else nat[0]
+        if known is not None:
+            self._native[i] = known
+            return i
         w = _words(t)
         n = w.numel()
         if n == 0:
@@ -451,6 +517,6 @@ class HashBatch:
             g_parts.append(torch.tensor(self._sums_ix, dtype=torch.int64, device=dev)[seg_local])
         if not s_parts:
             empty = torch.empty(0, dtype=torch.int64, device=dev)
-            return _finish(empty, empty, empty, self._keys, dev)
+            return _with_native(_finish(empty, empty, empty, self._keys, dev), self._native)
         cat = (lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0])
-        return _finish(cat(s_parts), cat(p_parts), cat(g_parts), self._keys, dev)
+        return _with_native(_finish(cat(s_parts), cat(p_parts), cat(g_parts), self._keys, dev), self._native)

@@ -60,6 +60,7 @@ class _Item:
     slot: int = -1                       # position in the device's HashBatch
     stats: Any = None                    # device vector (large) or a small clone for batched stats
     value: Optional[torch.Tensor] = None  # kept clone (accuracy checks)
+    done: Optional[tuple] = None          # (hash, stats dict) already computed by the native CPU kernel
 
 
 class _CallState:
@@ -99,6 +100,14 @@ class Recorder:
         if t.layout != torch.strided or t.device.type == "meta":
             return
         t = t.detach()
+        nat = _fp.fingerprint_now(t, self.stats) if t.device.type == "cpu" else None
+        if nat is not None:  # CPU: hash and statistics in one pass, right now
+            item = _Item(i, j, str(t.dtype).replace("torch.", ""), list(t.shape), t.device,
+                         done=(nat[0], _stats_dict(nat[1]) if self.stats else None))
+            if self.keep_values:
+                item.value = t.clone()
+            state.items.append(item)
+            return
         batch = state.batches.get(t.device)
         if batch is None:
             batch = state.batches[t.device] = _fp.HashBatch(t.device)
@@ -155,9 +164,9 @@ class Recorder:
 
 def _resolve(state: _CallState, stats: bool) -> List[Tuple[Optional[int], Optional[dict]]]:
     """Hashes and statistics of every item, with one host transfer per device."""
-    result: List[Tuple[Optional[int], Optional[dict]]] = [(None, None)] * len(state.items)
+    result: List[Tuple[Optional[int], Optional[dict]]] = [it.done or (None, None) for it in state.items]
     for dev, batch in state.batches.items():
-        idx = [k for k, it in enumerate(state.items) if it.device == dev]
+        idx = [k for k, it in enumerate(state.items) if it.device == dev and it.done is None]
         hashes = batch.finish()[torch.tensor([state.items[k].slot for k in idx], device=dev)]
         if not stats:
             for k, h in zip(idx, hashes.cpu().tolist()):

@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from determ_backend import fingerprint as fp
+from determ_backend import _native, fingerprint as fp
 from determ_backend.errors import DetermError, UnsupportedDtypeError
 from determ_backend.fingerprint import ROW_WORDS, fingerprint_tensors, hash_tensor, hash_tensors, tensor_stats
 
@@ -34,6 +34,16 @@ BOUNDED = settings(max_examples=40, deadline=None)
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 PLAIN_DTYPES = [d for d in ALL_DTYPES if not str(d).startswith(("torch.qint", "torch.quint"))]
 FLOAT_DTYPES = [d for d in PLAIN_DTYPES if d.is_floating_point and d.itemsize >= 1 and "float4" not in str(d)]
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def hash_path(request, monkeypatch):
+    """Every property holds on both CPU paths: the one-pass native kernel and the torch ops."""
+    if request.param == "native" and not _native.available():
+        pytest.skip("no C compiler: the native kernel is not built")
+    if request.param == "torch":
+        monkeypatch.setattr(_native, "_lib", lambda: None)
+    return request.param
 
 
 # ---------------------------------------------------------------- helpers

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 
-__all__ = ["flatten", "batch_stats", "FingerprintCache", "describe", "is_data_tensor", "call_items", "output_items"]
+__all__ = ["flatten", "batch_stats", "stats_from_vector", "FingerprintCache", "describe", "is_data_tensor", "call_items", "output_items"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _CACHE_LIMIT = 8192
@@ -114,6 +114,14 @@ def batch_stats(tensors: Sequence[torch.Tensor]) -> List[Dict[str, Any]]:
             d["inf"] = int(torch.isinf(t).sum())
         out.append(d)
     return out
+
+
+def stats_from_vector(v: Sequence[float]) -> Dict[str, Any]:
+    """The statistics entry of a ``[min, max, mean, l2, nan, inf, numel]`` vector (the native kernel's)."""
+    d = {"max": v[1], "min": v[0], "mean": v[2], "l2": v[3], "nan": int(v[4]), "inf": int(v[5])}
+    if v[6] == 0:
+        d["max"] = d["min"] = d["mean"] = None
+    return d
 
 
 class FingerprintCache:

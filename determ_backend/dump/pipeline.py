@@ -29,7 +29,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from ..fingerprint import hash_tensors
+from ..fingerprint import fingerprint_now, hash_tensors
 from ..trace import format_hash
 from .writer import DumpWriteError, IndexWriter, write_all
 
@@ -188,11 +188,8 @@ class DumpPipeline:
         return self._ring[fp.pos: fp.pos + fp.n].view(fp.dtype).view(fp.shape)
 
     def _resolve(self, fps: List[Fingerprint]) -> None:
-        from .entries import batch_stats
-
         views = [self._view(f) for f in fps]
-        hashes = hash_tensors(views)
-        stats = batch_stats(views) if self.stats else [None] * len(fps)
+        hashes, stats = _fingerprints(views, self.stats)
         for f, v, h, st in zip(fps, views, hashes, stats):
             f.hash, f.stats = format_hash(h), st
             if self._fd is not None:
@@ -275,3 +272,25 @@ class DumpPipeline:
                 os.close(self._fd)
                 self._fd = None
             self._ring = None
+
+
+def _fingerprints(views: List[torch.Tensor], stats: bool) -> Tuple[List[int], List[Optional[Dict[str, Any]]]]:
+    """Hash (and statistics) of each tensor: CPU tensors in one native pass each, the rest batched."""
+    from .entries import batch_stats, stats_from_vector
+
+    hashes: List[int] = [0] * len(views)
+    out: List[Optional[Dict[str, Any]]] = [None] * len(views)
+    rest = []
+    for k, v in enumerate(views):
+        nat = fingerprint_now(v, stats)
+        if nat is None:
+            rest.append(k)
+            continue
+        hashes[k] = nat[0]
+        if stats:
+            out[k] = stats_from_vector(nat[1])
+    if rest:
+        rv = [views[k] for k in rest]
+        for k, h, st in zip(rest, hash_tensors(rv), batch_stats(rv) if stats else [None] * len(rv)):
+            hashes[k], out[k] = h, st
+    return hashes, out
