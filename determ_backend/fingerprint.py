@@ -312,9 +312,18 @@ def hash_tensors(tensors: Iterable[torch.Tensor]) -> List[int]:
     """Fingerprints of many tensors, with one host sync per device at the end."""
     tensors = list(tensors)
     out = [0] * len(tensors)
-    for idx, vals in _hash_groups(tensors):
-        for i, v in zip(idx, vals.cpu().tolist()):
-            out[i] = v & _MASK64
+    rest = []
+    for i, t in enumerate(tensors):
+        _check_tensor(t)
+        nat = fingerprint_now(t)  # CPU: one native pass, no batching needed
+        if nat is None:
+            rest.append(i)
+        else:
+            out[i] = nat[0]
+    if rest:
+        for idx, vals in _hash_groups([tensors[i] for i in rest]):
+            for j, v in zip(idx, vals.cpu().tolist()):
+                out[rest[j]] = v & _MASK64
     return out
 
 

@@ -12,10 +12,15 @@ the reference), so error inherited from upstream does not count.  The first
 region with local error, in graph order:
 
 * one op: that op is the culprit; its cut is verified at once (no extra compile);
-* several ops (fused): when only one of them does arithmetic (the others are
-  views or copies), its cut alone is asked first; otherwise, or when that cut does
-  not fail, one compile of the region alone with every node as an output (a
-  small graph) names the node, whose cut is then verified.
+* several ops (fused): when at most two of them do arithmetic (the others are
+  views or copies), their cuts are asked directly -- at most two queries: one op
+  with the reference and the compiled values, or two ops with the reference
+  values, in graph order -- since a cut that fails is already the verified
+  answer (the all-outputs compile of the region would cost one more compile
+  before the same cut);
+  otherwise, or when none of these cuts fails, one compile of the region alone
+  with every node as an output (a small graph) names the node, whose cut is then
+  verified (cuts asked before are answered from the cache).
 
 Anything else (no region with local error, a region whose nodes cannot be told
 apart, a cut that does not verify) returns False, and
@@ -119,10 +124,17 @@ def _moves_data_only(view: GraphView, name: str) -> bool:
     return base in _DATA_MOVEMENT
 
 
-def _guess(view: GraphView, ops: List[str]) -> Optional[str]:
-    """The region's only op doing arithmetic, if it has exactly one."""
+_DIRECT = 2
+"""Direct cut queries for a fused region before its all-outputs compile."""
+
+
+def _direct_cuts(view: GraphView, ops: List[str]) -> List[Tuple[str, str]]:
+    """``(op, value map)`` cuts to ask before compiling the region: its ops doing arithmetic, in graph
+    order, when there are at most :data:`_DIRECT` of them; reference values before compiled ones."""
     arith = [n for n in ops if not _moves_data_only(view, n)]
-    return arith[0] if len(arith) == 1 else None
+    if not 1 <= len(arith) <= _DIRECT:
+        return []
+    return [(n, values) for values in ("ref", "side0") for n in arith][:_DIRECT]
 
 
 def localize_from_buffers(r: Reducer) -> bool:
@@ -141,11 +153,12 @@ def localize_from_buffers(r: Reducer) -> bool:
     log.info("first region with local error ends at %s: %d op(s)", node, len(ops))
     if len(ops) == 1:
         culprit = ops[0]
-    else:  # fused: the only op doing arithmetic is asked first (its cut alone), then the region is compiled
-        guess = _guess(view, ops)
-        if guess is not None and verify_cut(r, guess, keep, ["ref", "side0"], rings=1):
-            r.culprit = guess
-            return True
+    else:  # fused: the cuts of its few arithmetic ops are asked first, then the region is compiled
+        for op, values in _direct_cuts(view, ops):
+            if verify_cut(r, op, keep, [values], rings=1):
+                r.culprit = op
+                log.info("culprit: %s (%s), its cut asked directly", op, view.op_name(op))
+                return True
         culprit = _culprit_in_region(r, region)
     if culprit is None:
         return False
