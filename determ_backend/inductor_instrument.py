@@ -97,8 +97,8 @@ def _split_args(s: str) -> List[str]:
 
 def _base_name(arg: str) -> Optional[str]:
     arg = arg.split("=", 1)[1].strip() if re.match(r"^\w+\s*=", arg) else arg
-    m = re.match(r"^(?:reinterpret_tensor\()?([A-Za-z_]\w*)", arg)
-    return m.group(1) if m else None
+    m = re.match(r"^(?:reinterpret_tensor\()?([A-Za-z_]\w*)(?![\w.(])", arg.strip())
+    return m.group(1) if m and m.group(1) not in ("True", "False", "None") else None
 
 
 _CPP_SIG = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\[[^\]]*\], r\'\'\'.*?kernel\(([^)]*)\)", re.M | re.S)
@@ -142,6 +142,7 @@ class _Planner:
         self.claimed = {o["origin"] for o in origins.values() if o.get("origin")}
         self.infos: List[NodeInfo] = []
         self.writer: Dict[str, str] = {}  # variable -> record id of its current value
+        self.fresh: set = set()  # variables holding freshly allocated (never written) memory
         self.used: Dict[str, int] = {}
         self.pending_comment: List[str] = []
 
@@ -164,8 +165,34 @@ class _Planner:
         return self.nodes[max(cands, key=lambda n: self.order[n])]
 
     def resolve(self, variables: List[str]) -> tuple:
-        """Record ids of the current values of ``variables`` (call before updating any writer)."""
-        return tuple(self.writer.get(v, self.display.get(v, v)) for v in variables)
+        """Record ids of the current values of ``variables`` (call before updating any writer).  A fresh
+        allocation passed to an in/out argument holds no value yet, so it is no input."""
+        return tuple(self.writer.get(v, self.display.get(v, v)) for v in variables
+                     if v in self.writer or v not in self.fresh)
+
+    def track(self, stripped: str) -> bool:
+        """Follow allocations and aliases (``bufA = bufB; del bufB``, ``reinterpret_tensor``, tuple items)
+        so later reads resolve to the record that wrote the memory; True if ``stripped`` was one."""
+        m = _FRESH.match(stripped)
+        if m:
+            self.fresh.add(m.group(1))
+            self.writer.pop(m.group(1), None)
+            return True
+        m = _ALIAS.match(stripped) or _REINTERPRET.match(stripped)
+        if m:
+            dst, src = m.group(1), m.group(2)
+            if src in self.writer:
+                self.writer[dst] = self.writer[src]
+            elif src in self.fresh:
+                self.fresh.add(dst)
+            else:
+                return False
+            return True
+        m = _ITEM.match(stripped)
+        if m and m.group(2) in self.writer:
+            self.writer[m.group(1)] = f"{self.writer[m.group(2)]}.{m.group(3)}"
+            return True
+        return False
 
     def add(self, var: str, kernel: str, inputs: tuple, kind: str = "node") -> int:
         node = self._node_for(var) if kind == "node" else None
@@ -183,6 +210,9 @@ class _Planner:
 
 _COMMENT = re.compile(r"# Topologically Sorted Source Nodes: \[([^\]]*)\]")
 _ALIAS = re.compile(r"^(\w+) = (\w+); del \w+")
+_REINTERPRET = re.compile(r"^(\w+) = reinterpret_tensor\((\w+),")
+_ITEM = re.compile(r"^(\w+) = (\w+)\[(\d+)\]$")
+_FRESH = re.compile(r"^(\w+) = (?:empty_strided\w*|torch\.empty\w*|alloc_from_pool)\(")
 
 
 class InstrumentedCall:
@@ -227,9 +257,7 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
             out.append(f"{pad}return _determ_out")
             continue
         out.append(text)
-        a = _ALIAS.match(stripped)
-        if a and a.group(2) in pl.writer:
-            pl.writer[a.group(1)] = pl.writer[a.group(2)]
+        if pl.track(stripped):
             continue
         writes = _kernel_writes(stripped, pl.kernels)
         resolved = [pl.resolve(inputs) for _, _, inputs in writes]

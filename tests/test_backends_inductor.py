@@ -36,6 +36,30 @@ def test_inductor_trace_is_bit_identical_and_names_buffers_by_fx_node(tmp_path):
     assert report["divergent"] is False
 
 
+class _NormAttention(torch.nn.Module):
+    """LayerNorm (fused kernels with in/out buffers on fresh allocations) and attention (a tuple-output
+    fallback whose items are read through ``bufN = bufM[k]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.qkv = torch.nn.LayerNorm(16), torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln(x)).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum(-1)
+
+
+def test_every_inductor_record_input_resolves_to_a_traced_record(tmp_path):
+    torch.manual_seed(0)
+    _, run_dir = compile_run(_NormAttention(), (torch.randn(2, 8, 16),), "determ_inductor", tmp_path, "res",
+                             backward=True)
+    recs, _ = load(run_dir)
+    for stage in ("inductor_forward", "inductor_backward"):
+        names = {r.node for r in recs if r.stage == stage}
+        loose = [(r.node, i) for r in recs if r.stage == stage for i in r.inputs if i not in names]
+        assert names and not loose, (stage, loose)
+
+
 _ACCURACY_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     import torch._inductor.config as ic
