@@ -104,32 +104,46 @@ def _mm_and_outputs(view, name):  # what inductor materializes here: matmuls (ex
     return view.op_name(name) == "aten.mm.default" or view.is_getitem(name)
 
 
+class _CountingRunner(InProcessRunner):
+    observes = 0
+
+    def observe(self, *args):
+        self.observes += 1
+        return super().observe(*args)
+
+
 def from_buffers(gm, inputs, observed):
     """localize_from_buffers alone, with the compiled values of the nodes ``observed(view, name)`` selects
-    as the input check's capture; returns (reducer, localized, oracle calls)."""
+    as the input check's capture; returns (reducer, localized, oracle calls, of which all-outputs runs)."""
     view = GraphView(gm, inputs)
     spec = OracleSpec(kind="accuracy", compiler="minifier_helpers:wrong_erf")
     every = Candidate(frozenset(view.compute), view.with_outputs(frozenset(view.compute)))
     compiled = dict(zip(view.outputs_of(every), oracles.observe(spec, *view.materialize(every))[0]))
-    runner = InProcessRunner()
+    runner = _CountingRunner()
     r = Reducer(view, spec, runner, view.full())
     r.observed = {k: v for k, v in compiled.items() if observed(view, k)}
-    return r, passes.localize_from_buffers(r), runner.calls
+    return r, passes.localize_from_buffers(r), runner.calls, runner.observes
 
 
-@pytest.mark.parametrize("graph, observed, calls", [
-    (lambda: H.mlp_graph(layers=2), lambda view, name: True, 1),  # the culprit's own buffer: its cut, at once
-    (lambda: H.mlp_graph(layers=2), _mm_and_outputs, 2),  # fused: one compile of the region alone, then the cut
+@pytest.mark.parametrize("graph, observed, calls, observes", [
+    (lambda: H.mlp_graph(layers=2), lambda view, name: True, 1, 0),  # the culprit's own buffer: its cut, at once
+    (lambda: H.mlp_graph(layers=2), _mm_and_outputs, 2, 1),  # fused: one compile of the region alone, then the cut
     (lambda: (make_fx(lambda x: (torch.erf((x * 2).t()).sum(0),))(torch.randn(4, 3)), [torch.randn(4, 3)]),
-     lambda view, name: name != "t", 1),  # fused with a view only: the arithmetic op's cut is asked directly
-], ids=["materialized", "fused", "fused_with_a_view"])
-def test_localize_from_buffers_finds_the_culprit(graph, observed, calls):
-    r, localized, asked = from_buffers(*graph(), observed)
-    assert localized and r.culprit == "erf" and result_ops(r) == ["aten.erf.default"] and asked == calls
+     lambda view, name: name != "t", 1, 0),  # fused with a view only: the arithmetic op's cut is asked directly
+    (lambda: (make_fx(lambda x: (torch.nn.functional.layer_norm(torch.erf(x * 2), (3,)),))(torch.randn(4, 3)),
+              [torch.randn(4, 3)]),
+     lambda view, name: name != "erf", 1, 0),  # fused with one more op: the first op's cut fails, no region compile
+    (lambda: (make_fx(lambda x: (torch.erf(torch.exp(x)).sum(0),))(torch.randn(4, 3)), [torch.randn(4, 3)]),
+     lambda view, name: name != "exp", 2, 0),  # the second op is the culprit: two direct cuts, no region compile
+], ids=["materialized", "fused", "fused_with_a_view", "fused_pair_first", "fused_pair_second"])
+def test_localize_from_buffers_finds_the_culprit(graph, observed, calls, observes):
+    r, localized, asked, observed_runs = from_buffers(*graph(), observed)
+    assert localized and r.culprit == "erf" and result_ops(r) == ["aten.erf.default"]
+    assert (asked, observed_runs) == (calls, observes)
 
 
 def test_localize_from_buffers_without_a_bad_region_leaves_it_to_the_all_outputs_run():
     gm, inputs = H.mlp_graph(layers=2)
-    r, localized, asked = from_buffers(gm, inputs, lambda view, name: False)
+    r, localized, asked, _ = from_buffers(gm, inputs, lambda view, name: False)
     assert not localized and asked == 0 and r.culprit is None
     assert passes.localize_culprit(r) and result_ops(r) == ["aten.erf.default"]
