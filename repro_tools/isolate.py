@@ -9,6 +9,14 @@ pickles: the graph as Python source and the inputs for
 answers are JSON lines on the worker's stdin and a private copy of its stdout
 (the worker's own prints go to its log).
 
+For an inductor accuracy oracle, :meth:`Worker.check_observed` also brings back the
+values of the buffers inductor materialized during the check's own compile (as
+:func:`repro_tools.oracles.check_observed` does in-process), so the minifier can
+localize from them in the isolated mode too.  The worker re-traces the graph it
+receives, which renames its nodes; values travel keyed by the position of their
+node among the compute nodes, and the parent maps them back to its own names
+after checking that both graphs list the same ops.
+
 Judging itself lives in :mod:`repro_tools.oracles`.
 """
 
@@ -26,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -34,8 +42,10 @@ import torch.fx as fx
 from determ_backend.errors import OracleError
 
 from . import oracles
-from .graph_code import load_tensors, read_graph_dir, write_graph_dir
+from .graph_code import load_tensors, read_graph_dir, save_tensors, write_graph_dir
+from .inductor_values import SUPPORTED
 from .oracles import OracleSpec, Signature, Verdict
+from .subgraph import COMPUTE_OPS, record_values, target_name
 
 __all__ = ["Worker", "serve"]
 
@@ -160,7 +170,9 @@ class Worker:
         t0 = time.perf_counter()
         ans, qdir = self._request("check", spec, gm, inputs)
         shutil.rmtree(qdir, ignore_errors=True)
-        took = time.perf_counter() - t0
+        return self._verdict(spec, ans, time.perf_counter() - t0)
+
+    def _verdict(self, spec: OracleSpec, ans: Any, took: float) -> Verdict:
         if ans == "timeout":
             sig = Signature("hang", "timeout", f"no answer within {spec.timeout:g} s")
             return Verdict(spec.kind == "hang", sig, sig.message, took)
@@ -174,6 +186,21 @@ class Worker:
         sig = Signature(**v["signature"]) if v.get("signature") else None
         return Verdict(v["fails"], sig, v.get("detail", ""), took)
 
+    def check_observed(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
+                       ref: Dict[str, Any]) -> Tuple[Verdict, Optional[Dict[str, Any]]]:
+        """:meth:`check`, plus the compiled values of the nodes inductor materialized (inductor accuracy
+        oracles; otherwise None), keyed by ``gm``'s node names.  ``ref`` is not sent: the worker runs
+        the graph eagerly itself for the shapes and dtypes to match."""
+        if spec.kind != "accuracy" or spec.compiler not in SUPPORTED:
+            return self.check(spec, gm, inputs), None
+        t0 = time.perf_counter()
+        ans, qdir = self._request("check_observed", spec, gm, inputs)
+        try:
+            v = self._verdict(spec, ans, time.perf_counter() - t0)
+            return v, _observed_values(gm, ans, qdir)
+        finally:
+            shutil.rmtree(qdir, ignore_errors=True)
+
     def observe(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:
         ans, qdir = self._request("observe", spec, gm, inputs)
         try:
@@ -186,7 +213,36 @@ class Worker:
             shutil.rmtree(qdir, ignore_errors=True)
 
 
+def _observed_values(gm: fx.GraphModule, ans: Any, qdir: Path) -> Optional[Dict[str, Any]]:
+    """The worker's captured values under ``gm``'s node names (None when there are none or the
+    re-traced graph does not list the same ops)."""
+    if not isinstance(ans, dict) or not ans.get("observed"):
+        return None
+    compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    if [target_name(n) for n in compute] != ans.get("ops"):
+        log.info("worker's re-traced graph lists other ops; its captured buffers are not used")
+        return None
+    return {compute[i].name: v for i, v in zip(ans["observed"], load_tensors(qdir / "observed.pt"))}
+
+
 # ---------------------------------------------------------------- worker side
+
+def _check_observed(spec: OracleSpec, gm: fx.GraphModule, inputs: List[Any], qdir: Path) -> Dict[str, Any]:
+    """Worker side of :meth:`Worker.check_observed`: values saved by compute-node position."""
+    ref, _ = record_values(gm, inputs)
+    v, values = oracles.check_observed(spec, gm, inputs, ref)
+    compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    ans: Dict[str, Any] = {"verdict": _verdict_json(v), "ops": [target_name(n) for n in compute]}
+    if values:
+        pos = [i for i, n in enumerate(compute) if n.name in values]
+        save_tensors([values[compute[i].name] for i in pos], qdir / "observed.pt")
+        ans["observed"] = pos
+    return ans
+
+
+def _verdict_json(v: Verdict) -> Dict[str, Any]:
+    return {"fails": v.fails, "detail": v.detail, "signature": dataclasses.asdict(v.signature) if v.signature else None}
+
 
 def _handle(req: Dict[str, Any]) -> Dict[str, Any]:
     spec = OracleSpec.from_json(req["spec"])
@@ -195,13 +251,14 @@ def _handle(req: Dict[str, Any]) -> Dict[str, Any]:
         sides = oracles.observe(spec, gm, inputs)
         torch.save(sides, Path(req["dir"]) / "observed.pt")
         return {"ok": True}
+    if req["op"] == "check_observed":
+        return _check_observed(spec, gm, inputs, Path(req["dir"]))
     if spec.kind in oracles.ISOLATED_ONLY:  # surviving the candidate means it does not crash / hang
         v = oracles.check(spec.replace(kind="error", expected=None), gm, inputs)
         v = Verdict(False, v.signature, f"{spec.kind} did not happen")
     else:
         v = oracles.check(spec, gm, inputs)
-    return {"verdict": {"fails": v.fails, "detail": v.detail,
-                        "signature": dataclasses.asdict(v.signature) if v.signature else None}}
+    return {"verdict": _verdict_json(v)}
 
 
 def serve() -> int:

@@ -22,8 +22,8 @@ from repro_tools.oracles import OracleSpec
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def minified(gm, inputs, **spec):
-    res = minify(gm, inputs, OracleSpec(**spec), progress=False)
+def minified(gm, inputs, isolate=False, **spec):
+    res = minify(gm, inputs, OracleSpec(**spec), isolate=isolate, progress=False)
     return res, [str(n.target) for n in H.compute_nodes(res.gm)]
 
 
@@ -126,12 +126,13 @@ def test_crash_is_minified_in_the_isolated_worker(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_inductor_relu_accuracy_bug(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+@pytest.mark.parametrize("isolate", [False, True], ids=["in_process", "worker"])
+def test_real_inductor_relu_accuracy_bug(tmp_path, monkeypatch, caplog, isolate):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))  # the worker inherits it
     caplog.set_level("INFO", logger="repro_tools.passes")
     gm = make_fx(lambda x, w: (torch.relu(x @ w).sum(1) * 2,))(torch.randn(4, 4), torch.randn(4, 4))
-    res, ops = minified(gm, [torch.randn(4, 4), torch.randn(4, 4)], kind="accuracy", compiler="inductor",
-                        config={"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"})
+    res, ops = minified(gm, [torch.randn(4, 4), torch.randn(4, 4)], isolate=isolate, kind="accuracy",
+                        compiler="inductor", config={"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"})
     assert ops == ["aten.relu.default"] and res.summary["localized"] and res.summary["queries"] <= 3
     # localized from the input check's own buffers (relu is fused into the kernel writing the output):
     # the region alone is compiled, never the whole graph with every intermediate as an output
