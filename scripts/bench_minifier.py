@@ -7,7 +7,9 @@ single erf node that a test compiler lowers wrongly (accuracy), refuses to
 compile (compile error) or makes nondeterministic; in the full run also a real
 inductor bug (``cpp.inject_relu_bug_TESTING_ONLY="accuracy"`` on the only relu).
 Both minifiers run in this process, one after the other, asking the same oracle;
-the process is warmed up first and each minifier starts with cold inductor caches.  Printed per case: queries,
+the process is warmed up first and every run of either minifier starts with cold
+inductor caches; each minifier runs ``--repeat`` times, interleaved, and its fastest
+run counts (sub-second and g++-bound runs are noisy).  Printed per case: queries,
 seconds and final node count for both, the ratios, and PASS/FAIL against the
 targets on accuracy cases (<= 1/5 of the queries, <= 1/3 of the wall time, final
 repro no larger); other cases must end no larger.
@@ -165,7 +167,6 @@ def run_case(model, target, backward, bug, mode, repeat):
     spec = OracleSpec(kind=kind, compiler=compiler, config=config)
     first = InProcessRunner().check(spec, gm, inputs)  # also warms this process up (imports, toolchain) for both
     fx_spec = spec.replace(expected=first.signature) if kind.endswith("error") else spec
-    repeat = 1 if compiler.startswith("inductor") else repeat
     ours_runs, theirs_runs = [], []
     for _ in range(repeat):  # interleaved; the fastest of each counts (sub-second runs are noisy)
         with _cold_compile_caches(compiler):
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
                    help="as shipped: ours asks one persistent worker process, fx_minifier a fresh process per "
                         "query (PyTorch's isolated mode); default: both in this process")
     p.add_argument("--only", help="run only cases whose name contains this text")
-    p.add_argument("--repeat", type=int, default=3, help="runs per minifier, fastest counts (inductor cases: 1)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs per minifier, interleaved, fastest counts (each inductor run starts with cold caches)")
     args = p.parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_minifier_inductor_"))
     mode = "isolated" if args.isolate else "in-process"
