@@ -10,8 +10,11 @@ is False and callers use the torch path, which gives bit-identical fingerprints.
 
 The kernel reads each tensor once: fingerprint row sums and, optionally, statistics
 (min, max, sum, sum of squares, NaN and inf counts) of the same 16 KiB row while it
-is in L1 -- instead of five passes of stock torch ops.  ctypes releases the GIL
-during the call.  Nothing happens at import.
+is in L1 -- instead of five passes of stock torch ops.  Tensors of 2 MiB and more are
+split by rows over OpenMP threads (``torch.get_num_threads()`` of them, or
+``DETERM_NATIVE_THREADS``); the library links ``libgomp.so.1``, which resolves to the
+copy torch already loaded, so it shares torch's thread pool instead of competing with
+it.  Results do not depend on the split.  ctypes releases the GIL during the call.  Nothing happens at import.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("_native_fp.c")
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
 _TUNE = "-march=native"  # the library is built on, and cached for, this machine's CPU (dropped if refused)
+_OPENMP = "-fopenmp"  # libgomp.so.1: the one torch already loaded, so its thread pool is shared (dropped if refused)
 
 # dtype -> kind code of _native_fp.c (statistics are computed for these; any other dtype of a
 # whole number of bytes is still hashed natively, with kind 0 = no statistics)
@@ -74,7 +78,7 @@ def _cpu_signature() -> bytes:
 
 def _library_path() -> Path:
     """Where this source, built with these flags for this CPU, is cached."""
-    tag = hashlib.blake2b(b"|".join([_SOURCE.read_bytes(), " ".join(_FLAGS + [_TUNE]).encode(), _cpu_signature(),
+    tag = hashlib.blake2b(b"|".join([_SOURCE.read_bytes(), " ".join(_FLAGS + [_TUNE, _OPENMP]).encode(), _cpu_signature(),
                                      sys.platform.encode()]), digest_size=8).hexdigest()
     return _cache_dir() / f"determ_fp_{tag}.so"
 
@@ -84,7 +88,7 @@ def _build(cc: str, lib: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".so.tmp", dir=lib.parent)
     os.close(fd)
     try:
-        for flags in ([*_FLAGS, _TUNE], _FLAGS):
+        for flags in ([*_FLAGS, _TUNE, _OPENMP], [*_FLAGS, _TUNE], _FLAGS):
             proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
                                   timeout=120)
             if proc.returncode == 0:
@@ -115,7 +119,7 @@ def _lib() -> Optional[ctypes.CDLL]:
         return None
     fn = lib.determ_fp
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64,
-                   ctypes.c_void_p, ctypes.c_void_p]
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return lib
 
@@ -123,6 +127,14 @@ def _lib() -> Optional[ctypes.CDLL]:
 def available() -> bool:
     """True when the kernel is built and loaded (builds it on the first call)."""
     return _lib() is not None
+
+
+def _threads() -> int:
+    """Threads per large tensor: ``DETERM_NATIVE_THREADS``, else torch's intra-op thread count."""
+    try:
+        return max(1, int(os.environ.get("DETERM_NATIVE_THREADS") or torch.get_num_threads()))
+    except ValueError:
+        return 1
 
 
 class _Out(ctypes.Structure):
@@ -144,6 +156,9 @@ def fingerprint(t: torch.Tensor, weights: torch.Tensor, key: int,
     n = t.numel()
     out = _Out()
     base = ctypes.addressof(out)
-    lib.determ_fp(t.data_ptr() if n else None, n * t.element_size(), kind, n, weights.data_ptr(),
-                  key & 0xFFFFFFFFFFFFFFFF, base, base + _Out.stats.offset if stats else None)
+    rc = lib.determ_fp(t.data_ptr() if n else None, n * t.element_size(), kind, n, weights.data_ptr(),
+                       key & 0xFFFFFFFFFFFFFFFF, _threads(), base,
+                       base + _Out.stats.offset if stats else None)
+    if rc != 0:  # scratch allocation failed: the torch path will try
+        return None
     return out.hash, (list(out.stats) if stats else None)

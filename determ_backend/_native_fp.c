@@ -1,7 +1,8 @@
 /* One-pass CPU kernel for determ's tensor fingerprint and statistics.
  *
  * determ_fp() reads a contiguous buffer once, row by row (a row is ROW_WORDS
- * int32 words, 16 KiB, so the statistics pass over a row hits L1), and returns
+ * int32 words, 16 KiB, so the statistics pass over a row hits L1; large buffers
+ * are split by rows over OpenMP threads), and returns
  *   - the 64-bit fingerprint defined in determ_backend/fingerprint.py (exact
  *     integer arithmetic mod 2**64: bit-identical to the torch and Triton paths);
  *   - optionally [min, max, sum, sum of squares, nan count, inf count] in double.
@@ -11,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ROW_WORDS 4096
@@ -178,42 +180,83 @@ static void elem_stats(const void *p, int64_t n, int kind, stats_t *st) {
     }
 }
 
+typedef struct {
+    const unsigned char *bytes;
+    int64_t nbytes, nwords, full_words, elem;
+    int kind, do_stats;
+    const uint64_t *k;
+} buf_t;
+
+/* Row r's mixed row sum; its statistics go to *rs when statistics are asked for. */
+static uint64_t run_row(const buf_t *b, int64_t r, stats_t *rs) {
+    int32_t tmp[ROW_WORDS];
+    int64_t w0 = r * ROW_WORDS;
+    int64_t nw = b->nwords - w0 < ROW_WORDS ? b->nwords - w0 : ROW_WORDS;
+    const int32_t *w;
+    if (((uintptr_t)(b->bytes + 4 * w0) & 3) == 0 && (w0 + nw <= b->full_words)) {
+        w = (const int32_t *)(b->bytes + 4 * w0);
+    } else { /* misaligned data or the zero-padded last word */
+        int64_t nb = (w0 + nw <= b->full_words) ? 4 * nw : b->nbytes - 4 * w0;
+        memset(tmp, 0, sizeof(int32_t) * (size_t)nw);
+        memcpy(tmp, b->bytes + 4 * w0, (size_t)nb);
+        w = tmp;
+    }
+    if (b->do_stats) {
+        /* the row's elements (a 16 KiB row holds whole elements of every supported kind) */
+        int64_t b0 = 4 * w0, b1 = 4 * (w0 + nw) < b->nbytes ? 4 * (w0 + nw) : b->nbytes;
+        stats_t fresh = {INFINITY, -INFINITY, 0.0, 0.0, 0.0, 0.0};
+        *rs = fresh;
+        elem_stats(b->bytes + b0, (b1 - b0) / b->elem, b->kind, rs);
+    }
+    return fmix(row_sum(w, nw, b->k) ^ fmix((uint64_t)(r + 1) * GOLDEN));
+}
+
+#define ROWS_PER_THREAD 64 /* 1 MiB: below that a thread costs more than it saves */
+
 /* Fingerprint (and statistics) of nbytes of contiguous data holding numel elements of
  * the given kind.  k: the ROW_WORDS column weights; key: the dtype/shape key.
- * stats_out (when not NULL): min, max, sum, sum of squares, nan count, inf count. */
+ * stats_out (when not NULL): min, max, sum, sum of squares, nan count, inf count.
+ * Large buffers are split by rows over up to nthreads OpenMP threads (torch's own pool
+ * when torch's libgomp is the one loaded); results do not depend on the split: row sums
+ * combine exactly, statistics are kept per row and combined in row order.
+ * Returns 0, or -1 when scratch memory cannot be allocated. */
 int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, const uint64_t *k, uint64_t key,
-              uint64_t *hash_out, double *stats_out) {
-    const unsigned char *bytes = (const unsigned char *)data;
-    int64_t elem = numel > 0 ? nbytes / numel : 0;
-    int64_t full_words = nbytes / 4, tail = nbytes % 4;
-    int64_t nwords = full_words + (tail ? 1 : 0);
-    int64_t rows = (nwords + ROW_WORDS - 1) / ROW_WORDS;
-    uint64_t acc = 0;
-    stats_t st = {INFINITY, -INFINITY, 0.0, 0.0, 0.0, 0.0};
-    int32_t buf[ROW_WORDS];
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t w0 = r * ROW_WORDS;
-        int64_t nw = nwords - w0 < ROW_WORDS ? nwords - w0 : ROW_WORDS;
-        const int32_t *w;
-        if (((uintptr_t)(bytes + 4 * w0) & 3) == 0 && (w0 + nw <= full_words)) {
-            w = (const int32_t *)(bytes + 4 * w0);
-        } else { /* misaligned data or the zero-padded last word */
-            int64_t nb = (w0 + nw <= full_words) ? 4 * nw : nbytes - 4 * w0;
-            memset(buf, 0, sizeof(int32_t) * (size_t)nw);
-            memcpy(buf, bytes + 4 * w0, (size_t)nb);
-            w = buf;
-        }
-        uint64_t s = row_sum(w, nw, k);
-        acc += fmix(s ^ fmix((uint64_t)(r + 1) * GOLDEN));
-        if (stats_out && kind != K_NONE && elem > 0) {
-            int64_t b0 = 4 * w0, b1 = 4 * (w0 + nw) < nbytes ? 4 * (w0 + nw) : nbytes;
-            /* the elements whose first byte lies in this row (rows are whole elements
-             * for every supported kind: 16 KiB is a multiple of 1, 2, 4 and 8) */
-            elem_stats(bytes + b0, (b1 - b0) / elem, kind, &st);
-        }
+              int nthreads, uint64_t *hash_out, double *stats_out) {
+    buf_t b;
+    b.bytes = (const unsigned char *)data;
+    b.nbytes = nbytes;
+    b.elem = numel > 0 ? nbytes / numel : 0;
+    b.full_words = nbytes / 4;
+    b.nwords = b.full_words + (nbytes % 4 ? 1 : 0);
+    b.kind = kind;
+    b.do_stats = stats_out != NULL && kind != K_NONE && b.elem > 0;
+    b.k = k;
+    int64_t rows = (b.nwords + ROW_WORDS - 1) / ROW_WORDS;
+    stats_t one;
+    stats_t *row_stats = &one;
+    if (b.do_stats && rows > 1) {
+        row_stats = (stats_t *)malloc(sizeof(stats_t) * (size_t)rows);
+        if (!row_stats) return -1;
     }
+    int64_t most = rows / ROWS_PER_THREAD;
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if (most < nt) nt = most < 1 ? 1 : (int)most;
+    uint64_t acc = 0;
+#pragma omp parallel for num_threads(nt) reduction(+ : acc) schedule(static) if (nt > 1)
+    for (int64_t r = 0; r < rows; r++)
+        acc += run_row(&b, r, b.do_stats ? &row_stats[rows > 1 ? r : 0] : NULL);
     *hash_out = fmix(acc ^ key);
     if (stats_out) {
+        stats_t st = {INFINITY, -INFINITY, 0.0, 0.0, 0.0, 0.0};
+        for (int64_t r = 0; b.do_stats && r < rows; r++) {
+            const stats_t *rs = &row_stats[r];
+            if (rs->mn < st.mn) st.mn = rs->mn;
+            if (rs->mx > st.mx) st.mx = rs->mx;
+            st.sum += rs->sum;
+            st.sq += rs->sq;
+            st.nan += rs->nan;
+            st.inf += rs->inf;
+        }
         if (st.nan > 0) { st.mn = NAN; st.mx = NAN; }
         stats_out[0] = st.mn;
         stats_out[1] = st.mx;
@@ -222,5 +265,6 @@ int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, const u
         stats_out[4] = st.nan;
         stats_out[5] = st.inf;
     }
+    if (row_stats != &one) free(row_stats);
     return 0;
 }

@@ -146,3 +146,16 @@ def test_failed_build_logs_one_warning_and_falls_back(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.split()[0] == "False"
     assert "native fingerprint kernel unavailable" in res.stderr and "internal error" in res.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
+def test_results_do_not_depend_on_the_thread_count(dtype, monkeypatch):
+    t = _sample(dtype, 8192 * 300 + 11, seed=3)  # 300+ rows: split over several threads
+    if dtype.is_floating_point:
+        t[12345] = math.inf  # a row on the exact-recount path
+    results = []
+    for n in ("1", "2", "3", "8"):
+        monkeypatch.setenv("DETERM_NATIVE_THREADS", n)
+        results.append(fp.fingerprint_now(t, True))
+    assert all(r == results[0] for r in results), results
+    assert results[0][0] == fp.hash_tensors([t[:]])[0]
