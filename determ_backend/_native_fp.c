@@ -101,8 +101,8 @@ typedef struct { double mn, mx, sum, sq, nan, inf; } stats_t;
     }
 
 /* float32 elements in LANES fixed lanes (GCC/Clang vector extensions: vectorized, and a
- * fixed summation order); a block without NaN/inf needs no per-element class test, a block
- * with any is recounted exactly. */
+ * fixed summation order); NaN and inf are counted in a second vector pass over the block
+ * only when its sums show that some are present. */
 static void f32_stats(const float *f, int64_t n, stats_t *st) {
     v8f vmn, vmx;
     v8d vs = {0}, vq = {0};
@@ -136,14 +136,35 @@ static void f32_stats(const float *f, int64_t n, stats_t *st) {
         s += (double)a;
         q += (double)a * (double)a;
     }
-    if (isfinite(s) && isfinite(q)) {
-        if ((double)fmn < st->mn) st->mn = fmn;
-        if ((double)fmx > st->mx) st->mx = fmx;
-        st->sum += s;
-        st->sq += q;
-        return;
+    if (!(isfinite(s) && isfinite(q))) {
+        /* NaN or inf present: the comparisons above already left NaNs out of min/max, and a
+         * non-finite sum is the same in any order; only the counts are missing */
+        v8i vnan = {0}, vinf = {0};
+        const v8i absmask = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
+                             0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
+        const v8i infbits = {0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000,
+                             0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000};
+        int64_t c = 0;
+        for (; c + LANES <= n; c += LANES) {
+            v8i a;
+            memcpy(&a, f + c, sizeof a);
+            v8i mag = a & absmask;
+            vnan -= mag > infbits; /* exponent all ones, mantissa non-zero */
+            vinf -= mag == infbits;
+        }
+        for (int j = 0; j < LANES; j++) {
+            st->nan += vnan[j];
+            st->inf += vinf[j];
+        }
+        for (; c < n; c++) {
+            if (f[c] != f[c]) st->nan += 1;
+            else if (isinf(f[c])) st->inf += 1;
+        }
     }
-    FLOAT_STATS(f[i])
+    if ((double)fmn < st->mn) st->mn = fmn;
+    if ((double)fmx > st->mx) st->mx = fmx;
+    st->sum += s;
+    st->sq += q;
 }
 
 #define CHUNK 1024
