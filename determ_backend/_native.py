@@ -3,10 +3,11 @@
 On first use the C source shipped next to this file is compiled with the system C
 compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a shared library cached under
 ``$DETERM_CACHE_DIR`` (default ``~/.cache/determ``), keyed by the source, the flags
-and the CPU (it is tuned with ``-march=native``); later processes just load it.  The build writes to a
-temporary file and renames it, so concurrent first uses are safe.  When no
-compiler is found, the build fails, or ``DETERM_NATIVE=0`` is set, :func:`available`
-is False and callers use the torch path, which gives bit-identical fingerprints.
+and the CPU (it is tuned with ``-march=native``); later processes just load it.  The
+build writes to a temporary file and renames it, so concurrent first uses are safe.
+When no compiler is found, the build fails, or ``DETERM_NATIVE=0`` is set,
+:func:`available` is False and callers use the torch path, which gives bit-identical
+fingerprints.
 
 The kernel reads each tensor once: fingerprint row sums and, optionally, statistics
 (min, max, sum, sum of squares, NaN and inf counts) of the same 16 KiB row while it
@@ -14,7 +15,8 @@ is in L1 -- instead of five passes of stock torch ops.  Tensors of 2 MiB and mor
 split by rows over OpenMP threads (``torch.get_num_threads()`` of them, or
 ``DETERM_NATIVE_THREADS``); the library links ``libgomp.so.1``, which resolves to the
 copy torch already loaded, so it shares torch's thread pool instead of competing with
-it.  Results do not depend on the split.  ctypes releases the GIL during the call.  Nothing happens at import.
+it.  Results do not depend on the split.  ctypes releases the GIL during the call.
+Nothing happens at import.
 """
 
 from __future__ import annotations
