@@ -159,3 +159,23 @@ def test_results_do_not_depend_on_the_thread_count(dtype, monkeypatch):
         results.append(fp.fingerprint_now(t, True))
     assert all(r == results[0] for r in results), results
     assert results[0][0] == fp.hash_tensors([t[:]])[0]
+
+
+def test_backend_traces_agree_with_and_without_the_kernel(tmp_path, monkeypatch):
+    """A trace recorded where no compiler exists compares bitwise with one recorded with the kernel."""
+    from backend_helpers import MLP, compile_run, load
+
+    def trace(run_id):
+        torch.manual_seed(0)
+        _, run_dir = compile_run(MLP(), (torch.randn(64, 8),), "determ_aot_eager", tmp_path, run_id, backward=True)
+        return load(run_dir)[0]
+
+    native = trace("native")
+    with monkeypatch.context() as m:
+        _torch_path(m)
+        plain = trace("torch")
+    assert len(native) == len(plain) > 10
+    for a, b in zip(native, plain):
+        assert (a.stage, a.node, a.hash) == (b.stage, b.node, b.hash)
+        if a.stats and a.stats.get("min") is not None:
+            assert a.stats["max"] == b.stats["max"] and a.stats["mean"] == pytest.approx(b.stats["mean"], abs=1e-6)
