@@ -145,16 +145,15 @@ class _Out(ctypes.Structure):
 
 def fingerprint(t: torch.Tensor, weights: torch.Tensor, key: int,
                 stats: bool) -> Optional[Tuple[int, Optional[List[float]]]]:
-    """``(hash, [min, max, sum, sumsq, nan, inf] | None)`` of a contiguous CPU tensor, or None when
-    the kernel cannot take it (not built, not CPU/contiguous/strided, or statistics asked for a dtype
-    it has none for).  ``weights``: the int64 row weights on CPU; ``key``: the dtype/shape key."""
+    """``(hash, [min, max, sum, sumsq, nan, inf] | None)`` of ``t``, or None when the kernel is not built
+    (or could not allocate scratch memory).  ``t``: a contiguous, strided, non-quantized CPU tensor
+    without conj/neg bits, of a dtype in :data:`SUPPORTED` when ``stats`` -- the caller
+    (:func:`determ_backend.fingerprint.fingerprint_now`) checks that.  ``weights``: the int64 row
+    weights on CPU; ``key``: the dtype/shape key."""
     lib = _lib()
-    if (lib is None or t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous()
-            or t.is_quantized or t.is_conj() or t.is_neg()):
+    if lib is None:
         return None
     kind = SUPPORTED.get(t.dtype, 0)
-    if stats and kind == 0:
-        return None
     n = t.numel()
     out = _Out()
     base = ctypes.addressof(out)

@@ -274,6 +274,8 @@ def _hash_one_device(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
         parts_s.append(_segment_sums(small_words, k))
         parts_p.append(torch.zeros(len(small_ix), dtype=torch.int64, device=device))
         parts_g.append(torch.tensor(small_ix, dtype=torch.int64, device=device))
+    if len(native) == len(tensors):  # all done in native passes: nothing left to combine
+        return torch.tensor([_signed(v) for v in native.values()], dtype=torch.int64)
     keys = [_tensor_key(t) for t in tensors]
     if not parts_s:
         empty = torch.empty(0, dtype=torch.int64, device=device)
@@ -312,18 +314,9 @@ def hash_tensors(tensors: Iterable[torch.Tensor]) -> List[int]:
     """Fingerprints of many tensors, with one host sync per device at the end."""
     tensors = list(tensors)
     out = [0] * len(tensors)
-    rest = []
-    for i, t in enumerate(tensors):
-        _check_tensor(t)
-        nat = fingerprint_now(t)  # CPU: one native pass, no batching needed
-        if nat is None:
-            rest.append(i)
-        else:
-            out[i] = nat[0]
-    if rest:
-        for idx, vals in _hash_groups([tensors[i] for i in rest]):
-            for j, v in zip(idx, vals.cpu().tolist()):
-                out[rest[j]] = v & _MASK64
+    for idx, vals in _hash_groups(tensors):
+        for i, v in zip(idx, vals.cpu().tolist()):
+            out[i] = v & _MASK64
     return out
 
 

@@ -100,21 +100,18 @@ class Recorder:
         if t.layout != torch.strided or t.device.type == "meta":
             return
         t = t.detach()
+        item = _Item(i, j, str(t.dtype).replace("torch.", ""), list(t.shape), t.device)
         nat = _fp.fingerprint_now(t, self.stats) if t.device.type == "cpu" else None
         if nat is not None:  # CPU: hash and statistics in one pass, right now
-            item = _Item(i, j, str(t.dtype).replace("torch.", ""), list(t.shape), t.device,
-                         done=(nat[0], _stats_dict(nat[1]) if self.stats else None))
-            if self.keep_values:
-                item.value = t.clone()
-            state.items.append(item)
-            return
-        batch = state.batches.get(t.device)
-        if batch is None:
-            batch = state.batches[t.device] = _fp.HashBatch(t.device)
-        item = _Item(i, j, str(t.dtype).replace("torch.", ""), list(t.shape), t.device, batch.add(t))
-        if self.stats:
-            small = t.numel() * t.element_size() <= _SMALL and not (t.is_complex() or t.is_quantized)
-            item.stats = ("small", t.clone()) if small else trace_stats(t)
+            item.done = (nat[0], _stats_dict(nat[1]) if self.stats else None)
+        else:
+            batch = state.batches.get(t.device)
+            if batch is None:
+                batch = state.batches[t.device] = _fp.HashBatch(t.device)
+            item.slot = batch.add(t)
+            if self.stats:
+                small = t.numel() * t.element_size() <= _SMALL and not (t.is_complex() or t.is_quantized)
+                item.stats = ("small", t.clone()) if small else trace_stats(t)
         if self.keep_values:
             item.value = t.clone()
         state.items.append(item)
