@@ -179,6 +179,9 @@ def run_case(model, target, backward, bug, mode, repeat):
             ours_runs.append((res.summary["queries"], time.perf_counter() - t0, res.summary["nodes_after"]))
         with _cold_compile_caches(compiler):
             theirs_runs.append(run_fx_minifier(gm, inputs, fx_spec, _runners(mode)[1]))
+    if repeat > 1:
+        print(f"  runs (s): ours {' '.join(f'{r[1]:.2f}' for r in ours_runs)}; "
+              f"fx_minifier {' '.join(f'{r[1]:.2f}' for r in theirs_runs)}", file=sys.stderr, flush=True)
     best = lambda runs: min(runs, key=lambda r: r[1])  # noqa: E731
     return len(gm.graph.nodes), best(ours_runs), best(theirs_runs)
 
