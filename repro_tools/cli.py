@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -49,6 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # a reader that left surfaces here, not in the interpreter's final flush
+        return rc
+    except BrokenPipeError:  # `repro-tools ... | head`: the reader left; the rest of the output has no taker
+        _silence_stdout()
+        return 128 + 13  # the shell's convention for SIGPIPE
+    except KeyboardInterrupt:
+        print("repro-tools: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Optional[List[str]]) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -64,6 +78,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except DetermError as e:
         print(f"repro-tools {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor: nothing left to flush into a pipe
+        pass
 
 
 if __name__ == "__main__":

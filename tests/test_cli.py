@@ -7,6 +7,9 @@ import subprocess
 import sys
 from importlib.metadata import version
 
+import torch
+from backend_helpers import compile_run
+
 from repro_tools.cli import main
 
 VERSION = version("determ")
@@ -30,3 +33,18 @@ def test_usage_errors_exit_2(capsys):
     assert main([]) == 2
     assert main(["--no-such-option"]) == 2
     assert "usage: repro-tools" in capsys.readouterr().err
+
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """``repro-tools diff ... | head``: output into a closed pipe ends quietly with the shell's SIGPIPE code."""
+    torch.manual_seed(0)
+    m, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4)
+    _, a = compile_run(m, (x,), "determ_eager", tmp_path, "a")
+    _, b = compile_run(m, (x + 1,), "determ_eager", tmp_path, "b")
+    script = os.path.join(os.path.dirname(sys.executable), "repro-tools")
+    proc = subprocess.Popen([script, "diff", str(a), str(b)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command has written anything (importing torch takes far longer)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
