@@ -8,8 +8,12 @@ compile (compile error) or makes nondeterministic; in the full run also a real
 inductor bug (``cpp.inject_relu_bug_TESTING_ONLY="accuracy"`` on the only relu).
 Both minifiers run in this process, one after the other, asking the same oracle;
 the process is warmed up first and every run of either minifier starts with cold
-inductor caches; each minifier runs ``--repeat`` times, interleaved, and its fastest
-run counts (sub-second and g++-bound runs are noisy).  Printed per case: queries,
+inductor caches, except that the input graph was compiled once before (untimed), as
+by the failing run that produced the repro: in the level-4 flows both minifiers run
+right after that compile, and a launcher run on the same machine finds it in the
+on-disk cache.  ``--cold-input`` makes the input's compile cold as well (a repro
+minified on another machine).  Each minifier runs ``--repeat`` times, interleaved,
+and its fastest run counts (sub-second and g++-bound runs are noisy).  Printed per case: queries,
 seconds and final node count for both, the ratios, and PASS/FAIL against the
 targets on accuracy cases (<= 1/5 of the queries, <= 1/3 of the wall time, final
 repro no larger); other cases must end no larger.
@@ -160,7 +164,7 @@ def run_fx_minifier(gm, inputs, spec, runner):
     return calls[0], time.perf_counter() - t0, len(res_gm.graph.nodes)
 
 
-def run_case(model, target, backward, bug, mode, repeat):
+def run_case(model, target, backward, bug, mode, repeat, cold_input=False):
     kind, compiler, config = BUGS[bug]
     builder = {"mlp": mlp, "transformer": transformer}[model]
     gm, inputs = sized(builder, target, backward, "relu" if bug == "inductor_relu" else "erf")
@@ -168,8 +172,11 @@ def run_case(model, target, backward, bug, mode, repeat):
     first = InProcessRunner().check(spec, gm, inputs)  # also warms this process up (imports, toolchain) for both
     fx_spec = spec.replace(expected=first.signature) if kind.endswith("error") else spec
     ours_runs, theirs_runs = [], []
+    warm = (lambda: None) if cold_input or not compiler.startswith("inductor") else \
+        (lambda: InProcessRunner().check(spec, gm, inputs))  # the failing run's compile of the input
     for _ in range(repeat):  # interleaved; the fastest of each counts (sub-second runs are noisy)
         with _cold_compile_caches(compiler):
+            warm()
             ours_runner, _ = _runners(mode)
             t0 = time.perf_counter()
             try:
@@ -178,6 +185,7 @@ def run_case(model, target, backward, bug, mode, repeat):
                 ours_runner.close()
             ours_runs.append((res.summary["queries"], time.perf_counter() - t0, res.summary["nodes_after"]))
         with _cold_compile_caches(compiler):
+            warm()
             theirs_runs.append(run_fx_minifier(gm, inputs, fx_spec, _runners(mode)[1]))
     if repeat > 1:
         print(f"  runs (s): ours {' '.join(f'{r[1]:.2f}' for r in ours_runs)}; "
@@ -203,11 +211,15 @@ def main(argv=None) -> int:
     p.add_argument("--only", help="run only cases whose name contains this text")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs per minifier, interleaved, fastest counts (each inductor run starts with cold caches)")
+    p.add_argument("--cold-input", action="store_true",
+                   help="real inductor cases: the input graph's compile starts cold too (default: it was "
+                        "compiled once before, untimed, as by the failing run that produced the repro)")
     args = p.parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_minifier_inductor_"))
     mode = "isolated" if args.isolate else "in-process"
     print(f"torch {torch.__version__}; oracle runner: "
-          f"{'ours: persistent worker, fx_minifier: fresh process per query' if args.isolate else 'in-process'}")
+          f"{'ours: persistent worker, fx_minifier: fresh process per query' if args.isolate else 'in-process'}; "
+          f"real inductor cases: {'all compiles cold' if args.cold_input else 'input compiled before, the rest cold'}")
     hdr = f"{'case':42} {'nodes':>5} | {'ours q':>6} {'s':>7} {'final':>5} | {'fx q':>5} {'s':>7} {'final':>5} | " \
           f"{'q ratio':>7} {'t ratio':>7} | verdict"
     print(hdr)
@@ -217,7 +229,7 @@ def main(argv=None) -> int:
         name = f"{model}~{target}-{'fwd_bwd' if backward else 'fwd'}-{bug}"
         if args.only and args.only not in name:
             continue
-        nodes, (oq, ot, of), (fq, ft, ff) = run_case(model, target, backward, bug, mode, args.repeat)
+        nodes, (oq, ot, of), (fq, ft, ff) = run_case(model, target, backward, bug, mode, args.repeat, args.cold_input)
         qr, tr = oq / fq, ot / ft
         ok = of <= ff and (BUGS[bug][0] != "accuracy" or (qr <= 0.2 and tr <= 1 / 3))
         failed += not ok
