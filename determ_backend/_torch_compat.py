@@ -467,3 +467,10 @@ def resume_function_mode(mode) -> None:
     from torch.overrides import _push_mode
 
     _push_mode(mode)
+
+
+# --- determ_backend.dump.modules (names of compiled modules) ---------------------------------------
+
+def compiled_original(module):
+    """The module a ``torch.compile``d ``OptimizedModule`` wraps (``module`` itself otherwise)."""
+    return getattr(module, "_orig_mod", module) if is_compiled_module(module) else module

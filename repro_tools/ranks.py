@@ -15,6 +15,17 @@ from determ_backend.dump.replicas import check_replicas
 __all__ = ["register", "run_ranks"]
 
 
+def _count(text: str) -> int:
+    """``--limit``: a non-negative int (argparse turns the error into a usage line and exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {n}")
+    return n
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ranks", help="check that data-parallel replicas agree (parameters, gradients, collectives)",
                        description="Read DIR/rank<N>/*dump.pkl of every rank and check that the records every "
@@ -27,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--index", default=None, metavar="NAME",
                    help="index file name inside each rank directory (default: the only *dump.pkl there)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--limit", type=int, default=10, help="disagreements to print (default 10)")
+    p.add_argument("--limit", type=_count, default=10, help="disagreements to print (default 10; 0: none)")
     p.set_defaults(func=run_ranks)
 
 

@@ -99,6 +99,9 @@ def test_bf16_against_fp32(tmp_path):
     assert (conv["NPU Tensor Dtype"], conv["Bench Tensor Dtype"]) == ("torch.bfloat16", "torch.float32")
     assert float(conv["Cosine"]) > 0.99 and conv["Accuracy Reached or Not"] == "Yes"
     assert not cmp.root_causes
+    # runs in two dtypes are judged by tolerance everywhere, also after .float() where both sides are fp32
+    assert not cmp.exact and not cmp.divergent
+    assert dump.compare_dumps(b, a, exact=True).divergent  # bitwise there would claim a divergence
     c = dump_run(tmp_path, "bf16bad", make_net(dtype=torch.bfloat16, perturb="fc1.weight", scale=0.5),
                  step=lambda n: train_step(n, torch.bfloat16))
     assert _root_causes(compare_two(c, a, tmp_path / "out2"))[:1] == ["Functional_linear_0_forward"]
@@ -162,6 +165,16 @@ def _overflowing_step(net):
     torch.exp(y * 2e4)      # second overflow
 
 
+def test_overflow_check_error_names_the_first_overflow_and_how_many(tmp_path):
+    dump.set_dump_path(tmp_path, dump_tag="ovf")
+    dump.register_hook(make_net(), dump.overflow_check, overflow_nums=2)
+    with pytest.raises(dump.DumpOverflowError) as err:
+        _overflowing_step(make_net())
+    msg = str(err.value)
+    assert msg.startswith("[overflow 2 times]: first overflowing API Torch_exp_0_forward at ")
+    assert "overflow_nums=2 reached at Torch_exp_1_forward" in msg
+
+
 @pytest.mark.parametrize("nums, stops", [(1, True), (-1, False)])
 def test_overflow_check_finds_first_overflowing_api(tmp_path, nums, stops):
     dump.set_dump_path(tmp_path, dump_tag="ovf")
@@ -188,7 +201,7 @@ def test_compiled_model_is_an_opaque_entry_not_missing(tmp_path):
     idx = dump_run(tmp_path, "c", compiled, step=lambda n: F.cross_entropy(n(x), t).backward())
     d = dump.read_dump(idx)
     got = [e["name"] for e in d.entries]
-    assert got[0] == "Compiled_OptimizedModule_0_forward" and "Compiled_OptimizedModule_0_backward" in got
+    assert got[0] == "Compiled_Net_0_forward" and "Compiled_Net_0_backward" in got
     assert not any(n.startswith(("Functional_linear", "Functional_conv2d")) for n in got)
     region = d.entries[0]
     assert region["opaque"] is True and "determ backend" in region["note"]
@@ -313,3 +326,92 @@ def test_msprobe_style_precision_debugger_dumps_selected_steps(tmp_path):
     assert "Functional_linear_0_forward" in got and not any("conv2d" in n for n in got)
     with pytest.raises(ConfigError, match="only 'L1'"):
         dump.PrecisionDebugger(dump_path=str(tmp_path), level="L0")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p: dump.set_dump_switch("ON", summary_only="no"), "summary_only must be True or False, got 'no'"),
+    (lambda p: dump.set_dump_path(3), "set_dump_path: fpath must be a directory path"),
+    (lambda p: dump.parse(p, 3), "parse: name_prefix must be a string"),
+    (lambda p: dump.parse(3, "Functional"), "parse: pkl_file must be a path"),
+    (lambda p: dump.compare({"npu_pkl_path": 3, "bench_pkl_path": str(p)}, p.parent / "out"),
+     r"compare: input_param\['npu_pkl_path'\] must be a path \(str or os.PathLike\), got int 3"),
+    (lambda p: dump.compare({"npu_pkl_path": str(p), "bench_pkl_path": str(p)}, 3), "compare: output_path must be"),
+])
+def test_arguments_of_the_wrong_type_give_one_line_errors(tmp_path, call, match):
+    idx = dump_run(tmp_path, "a", make_net(), summary_only=True)
+    dump.set_dump_path(tmp_path, dump_tag="b")
+    with pytest.raises(ConfigError, match=match):
+        call(idx)
+
+
+def test_an_earlier_runs_dump_is_never_overwritten(tmp_path):
+    import shutil
+
+    idx = dump_run(tmp_path, "a", make_net())
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # as left by an earlier process
+    before = {p.name: p.read_bytes() for p in (tmp_path / "b" / "rank0").rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=r"rank0 already holds an earlier dump \(dump.pkl\); remove dump.pkl"):
+        dump_run(tmp_path, "b", make_net())
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b" / "rank0").rglob("*") if p.is_file()} == before
+    # the same process may dump into its own path again, as before (a new dump replaces its own)
+    assert dump_run(tmp_path, "a", make_net(perturb="fc1.weight")) == idx
+    assert dump.read_dump(idx).entries
+
+
+def _precision_debugger_names(tmp_path, config: str):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(config.replace("OUT", str(tmp_path / "out")))
+    dbg = dump.PrecisionDebugger(config_path=str(cfg))
+    net = make_net()
+    for _ in range(2):
+        dbg.start(net)
+        train_step(net)
+        dbg.stop()
+        dbg.step()
+    steps = sorted(p.name for p in (tmp_path / "out").iterdir())
+    return steps, {s: names(next((tmp_path / "out" / s / "rank0").glob("*dump.pkl"))) for s in steps}
+
+
+@pytest.mark.parametrize("config, steps, expect, absent", [
+    ('{"task": "statistics", "dump_path": "OUT", "step": 1, "statistics": {"list": "linear"}}',
+     ["step1"], ["Functional_linear_0_forward"], ["Functional_conv2d_0_forward", "Torch_relu_0_forward"]),
+    ('{"task": "tensor", "dump_path": "OUT", "step": [0], "tensor": {"list": ["Functional.linear.1.forward", '
+     '"Torch_relu_0_backward"]}}', ["step0"], ["Functional_linear_1_forward", "Torch_relu_0_backward"],
+     ["Functional_linear_0_forward", "Functional_linear_1_backward", "Torch_relu_0_forward"]),
+    ('{"task": "statistics", "dump_path": "OUT", "step": [0], "statistics": {"scope": ["Tensor.flatten.0.forward", '
+     '"Torch.relu.0.forward"], "data_mode": ["forward"]}}', ["step0"],
+     ["Tensor_flatten_0_forward", "Functional_linear_0_forward", "Torch_relu_0_forward"],
+     ["Functional_relu_0_forward", "Functional_linear_1_forward"]),
+])
+def test_precision_debugger_reads_msprobe_config_forms(tmp_path, config, steps, expect, absent):
+    got_steps, got = _precision_debugger_names(tmp_path, config)
+    assert got_steps == steps
+    got = got[steps[0]]
+    assert all(n in got for n in expect) and not any(n in got for n in absent)
+
+
+def test_precision_debugger_warns_once_when_its_list_selects_nothing(tmp_path, caplog):
+    config = '{"task": "statistics", "dump_path": "OUT", "statistics": {"list": ["Functional.linear.9.forward"]}}'
+    with caplog.at_level("WARNING", logger="determ_backend.dump.debugger"):
+        _precision_debugger_names(tmp_path, config)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "determ_backend.dump.debugger"]
+    assert len(warnings) == 1 and "statistics.list=['Functional.linear.9.forward'] selected no API call" in warnings[0]
+
+
+@pytest.mark.parametrize("config, match", [
+    ('{"dump_path": "OUT", "step": "1"}', "step must be an int or a list of ints, got '1'"),
+    ('{"dump_path": "OUT", "statistics": {"list": [3]}}', r"statistics.list must be a string or a list of strings"),
+    ('{"dump_path": "OUT", "statistics": {"data_mode": ["fwd"]}}', r"statistics.data_mode=\['fwd'\]"),
+])
+def test_precision_debugger_config_errors(tmp_path, config, match):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(config.replace("OUT", str(tmp_path / "out")))
+    with pytest.raises(ConfigError, match=match):
+        dump.PrecisionDebugger(config_path=str(cfg))
+
+
+def test_precision_debugger_refuses_a_list_mixing_names_and_fragments(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"dump_path": "%s", "statistics": {"list": ["relu", "Functional.linear.0.forward"]}}' % tmp_path)
+    with pytest.raises(ConfigError, match="mixes call names"):
+        dump.PrecisionDebugger(config_path=str(cfg))

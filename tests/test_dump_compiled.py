@@ -13,7 +13,7 @@ from determ_backend import _torch_compat, dump
 from determ_backend.dump import hooks as dump_hooks
 from dump_helpers import batch, compare_two, dump_run, make_net, names
 
-REGION = "Compiled_OptimizedModule_0"
+REGION = "Compiled_Net_0"  # named by the compiled module's class, not OptimizedModule
 
 
 @pytest.fixture(autouse=True)
@@ -174,3 +174,40 @@ def test_without_dynamos_entry_point_nodes_still_appear_and_determ_internals_do_
     assert [n.split(".", 1)[1] for n in got if n.startswith("Compiled_")] == ["aot_forward.sin_forward",
                                                                                "aot_forward.mm_forward"]
     assert not any(n.startswith(("Torch_cat", "Tensor___xor__", "Torch_repeat_interleave")) for n in got)
+
+
+def _sequential(perturb: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    if perturb:
+        with torch.no_grad():
+            model[2].weight[1, 3] += 1e-3
+    return model
+
+
+def _dump_sequential(tmp_path, tag, perturb, backend="determ_aot_eager"):
+    torch._dynamo.reset()
+    model = torch.compile(_sequential(perturb), backend=backend, options=_options(tmp_path, backend))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    return dump_run(tmp_path, tag, model, step=lambda m: F.cross_entropy(m(x), y).backward())  # call site
+
+
+def test_nodes_of_library_modules_get_the_user_line_that_called_the_model(tmp_path, capsys):
+    # nn.Sequential / nn.Linear: the nodes' own lines are inside torch; the advice names the call site and layer
+    a = _dump_sequential(tmp_path, "a", perturb=False)
+    b = _dump_sequential(tmp_path, "b", perturb=True)
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Compiled_Sequential_0.aot_forward.addmm_1_forward"]
+    out = capsys.readouterr().out
+    assert "parameters 2.bias, 2.weight" in out or "parameters 2.weight, 2.bias" in out
+    assert "at ?" not in out and "test_dump_compiled.py:" in out
+    node = dump.read_dump(a).by_name("Compiled_Sequential_0.aot_forward.addmm_1_forward")
+    assert node["source"] == dump.read_dump(a).by_name("Compiled_Sequential_0_forward")["source"]
+
+
+def test_graphs_of_different_determ_backends_are_compared_as_regions_with_a_hint(tmp_path, capsys):
+    a = _dump_sequential(tmp_path, "a", perturb=False, backend="determ_aot_eager")
+    b = _dump_sequential(tmp_path, "b", perturb=True, backend="determ_eager")
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Compiled_Sequential_0_forward"]
+    assert "compile both runs with the same determ backend" in capsys.readouterr().out

@@ -110,3 +110,37 @@ def test_bad_rank_layouts_give_clear_errors(tmp_path, capsys):
     assert cli_main(["ranks", str(tmp_path / "a")]) == 2  # rank dirs without an index
     err = capsys.readouterr().err
     assert "no such dump directory" in err and "needs at least two" in err and "no *dump.pkl index" in err
+    (tmp_path / "mk.py").write_text("")
+    assert cli_main(["ranks", str(tmp_path / "mk.py")]) == 2
+    assert "mk.py: not a directory" in capsys.readouterr().err
+
+
+def _replicas_in_one_process(root, bad_rank: int) -> None:
+    """Three replicas dumped one after the other with register_hook(rank=...); ``bad_rank`` has a perturbed bias."""
+    for rank in range(3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        if rank == bad_rank:
+            with torch.no_grad():
+                model[0].bias[0] += 1e-6
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dump.set_dump_path(root)
+        dump.register_hook(model, dump.acc_cmp_dump, rank=rank)
+        dump.set_dump_switch("ON", summary_only=True)
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+        dump.set_dump_switch("OFF")
+        dump.remove_hooks()
+
+
+@pytest.mark.parametrize("limit, code, expect, absent", [
+    ("-1", 2, "argument --limit: expected a non-negative int, got -1", "more"),
+    ("0", 1, "... 2 more", "disagrees with rank 0"),
+    ("1", 1, "... 1 more", "... 2 more"),
+])
+def test_ranks_limit(tmp_path, capsys, limit, code, expect, absent):
+    _replicas_in_one_process(tmp_path, bad_rank=2)
+    assert cli_main(["ranks", str(tmp_path / "ptdbg_dump"), "--limit", limit]) == code
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert expect in out and absent not in out

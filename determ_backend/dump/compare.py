@@ -10,8 +10,10 @@ Root cause (our column): a call whose output diverges while all its inputs
 match -- parameters excepted (a call that consumes a changed weight *is* where
 the divergence starts); for a backward record the inputs are the incoming
 gradients and the forward call's inputs.  "Match" is bitwise equality when
-both dumps come from the same device type and the dtypes agree, ptdbg's
-``Accuracy Reached`` otherwise (e.g. CPU vs NPU, bf16 vs fp32).
+both dumps come from the same device type and ran the same dtypes (no paired
+tensor differs in dtype), ptdbg's ``Accuracy Reached`` otherwise (e.g. CPU vs
+NPU, bf16 vs fp32 -- also for the ops after a ``.float()``, whose inputs carry
+the other dtype's rounding).
 
 The FX-node entries of compiled regions are paired inside each pair of region
 entries and judged by the same rule (:mod:`.compiled_compare`): the culprit
@@ -35,7 +37,7 @@ from ..errors import ConfigError, TraceFormatError
 from ..trace import Record, atomic_write_text
 from . import compiled_compare as cc
 from .metrics import accuracy_reached, payload_metrics, stats_metrics, tensor_match
-from .parse import Dump, find_index, rank_dirs, read_dump
+from .parse import Dump, check_path, find_index, rank_dirs, read_dump
 
 __all__ = ["compare", "compare_dumps", "compare_distributed", "auto_analyze", "analyze", "DumpComparison", "CSV_COLUMNS"]
 
@@ -175,12 +177,15 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool) -> Dict[str, Lis
 
 
 def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: Optional[bool] = None) -> DumpComparison:
-    """Align two dumps (``a`` is the NPU/test side, ``b`` the benchmark) and judge every tensor."""
+    """Align two dumps (``a`` is the NPU/test side, ``b`` the benchmark) and judge every tensor.
+
+    ``exact`` (bitwise verdicts) defaults to True only when both dumps ran on the same device type in the same
+    dtypes; otherwise the root cause is judged by ``Accuracy Reached``."""
     da = a if isinstance(a, Dump) else read_dump(a)
     db = b if isinstance(b, Dump) else read_dump(b)
-    if exact is None:
-        exact = da.header.get("device") == db.header.get("device")
     pairs = _aligned_pairs(da, db)
+    if exact is None:
+        exact = da.header.get("device") == db.header.get("device") and not _dtypes_differ(pairs)
     fwd_inputs: Dict[str, Optional[bool]] = {}
     diverged_before = False
     for pa in pairs:
@@ -210,6 +215,22 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
     return DumpComparison(pairs, exact)
 
 
+def _dtypes_differ(pairs: List[ApiPair]) -> bool:
+    """Did the two runs compute in different dtypes (some paired tensor has another dtype on each side)?
+
+    Then even the ops that see the same dtype on both sides (after a ``.float()``) are judged by tolerance:
+    their inputs carry the rounding of the other dtype, so bitwise equality means nothing there."""
+    for p in pairs:
+        if p.a is None or p.b is None:
+            continue
+        for io_ in ("inputs", "outputs"):
+            dtypes = {t.get("name"): t.get("dtype") for t in p.a.get(io_, []) if "dtype" in t}
+            if any(t.get("name") in dtypes and dtypes[t.get("name")] != t["dtype"]
+                   for t in p.b.get(io_, []) if "dtype" in t):
+                return True
+    return False
+
+
 def _aligned_pairs(da: Dump, db: Dump) -> List[ApiPair]:
     """Calls paired by alignment; each compiled region pair preceded by the pairs of its FX-node entries."""
     top_a, inner_a = cc.split_entries(da.entries)
@@ -233,6 +254,8 @@ def _note(pa: ApiPair) -> None:
     note = None
     if (pa.a or {}).get("opaque") or (pa.b or {}).get("opaque"):
         note = cc.OPAQUE_HINT
+    elif cc.nodes_unpaired(pa.nodes):
+        note = cc.UNPAIRED_HINT
     elif pa.nodes and pa.output_diverges and not pa.root_cause and pa.inputs_match:
         note = "the divergence starts at one of its FX nodes (see the root cause above)"
     if note:
@@ -283,6 +306,8 @@ def analyze(cmp: DumpComparison, out=None) -> str:
             lines.insert(1, f"  {where}")
         elif p.a.get("opaque"):
             lines.append(f"  ({cc.OPAQUE_HINT})")
+        elif cc.nodes_unpaired(p.nodes):
+            lines.append(f"  ({cc.UNPAIRED_HINT})")
         lines += [f"    {s}" for s in p.a.get("stack") or []]
         if len(roots) > 1:
             lines.append(f"  ({len(roots) - 1} more root-cause APIs in the CSV)")
@@ -333,10 +358,11 @@ def compare(input_param: Dict[str, Any], output_path: Union[str, Path], stack_mo
     for key in ("npu_pkl_path", "bench_pkl_path"):
         if not input_param.get(key):
             raise ConfigError(f"compare: input_param needs {key!r} (a dump.pkl index or rank directory)")
+        check_path(input_param[key], f"compare: input_param[{key!r}]")
     for key in ("npu_dump_data_dir", "bench_dump_data_dir"):
-        if input_param.get(key) and not Path(input_param[key]).is_dir():
+        if input_param.get(key) and not check_path(input_param[key], f"compare: input_param[{key!r}]").is_dir():
             raise TraceFormatError(f"compare: {key} {input_param[key]}: no such directory")
-    out = Path(output_path)
+    out = check_path(output_path, "compare: output_path")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"compare: output_path {out} is not a directory")
     cmp = compare_dumps(find_index(input_param["npu_pkl_path"]), find_index(input_param["bench_pkl_path"]), exact)

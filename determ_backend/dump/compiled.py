@@ -6,9 +6,9 @@ batch per compiled graph call, forward or backward) and writes one entry per
 computed FX node into the dump, named after the region call it ran in
 (:mod:`.regions`)::
 
-    Compiled_OptimizedModule_0.aot_forward.addmm_forward
-    Compiled_OptimizedModule_0.aot_backward.mm_1_backward
-    Compiled_OptimizedModule_0.graph1.aot_forward.relu_forward   (the region's second graph)
+    Compiled_Net_0.aot_forward.addmm_forward
+    Compiled_Net_0.aot_backward.mm_1_backward
+    Compiled_Net_0.graph1.aot_forward.relu_forward   (the region's second graph)
 
 An entry has the node's op, source line, its output (``output``) and the tensors
 it consumed (``input.0``...; parameters marked ``param``, views followed to the
@@ -34,7 +34,6 @@ import torch
 from ..trace import Record, TensorStore
 from .apis import ApiInfo
 from .hooks import Recorder, busy, guard
-from .overflow import DumpOverflowError
 from .regions import RegionCall, Regions
 
 __all__ = ["CompiledGraphs", "node_direction"]
@@ -110,16 +109,26 @@ class CompiledGraphs:
             region_call, index, call = f"Compiled_{r0.graph}_{r0.call}", 0, 0
             prefix = f"{region_call}.{r0.stage}"
         by_name = {r.node: r for r in records}
+        # a node whose own line is inside torch (nn.Sequential, nn.Linear...) gets the user line that called the
+        # region, as an eager API call inside such a module gets the user line that called the module
+        call_site = region.source if region is not None else None
         written = 0
         for r in records:
             if r.kind not in _NODE_KINDS:
                 continue
             name = f"{prefix}.{r.node}"
             if self.rec.overflow is not None:
-                if self._overflows(r, by_name):
-                    self._write_overflow(self._entry(r, by_name, name, region_call, direction, index, call), r)
-            elif self._selected(name, r, region_call, direction):
-                self.rec.session.write(self._entry(r, by_name, name, region_call, direction, index, call))
+                if not self._overflows(r, by_name):
+                    continue
+            elif not self._selected(name, r, region_call, direction):
+                continue
+            entry = self._entry(r, by_name, name, region_call, direction, index, call)
+            if "source" not in entry and call_site:
+                entry["source"] = call_site
+            if self.rec.overflow is not None:
+                self._write_overflow(entry)
+            else:
+                self.rec.session.write(entry)
                 written += 1
         if region is not None:
             region.nodes[direction] += written
@@ -134,16 +143,15 @@ class CompiledGraphs:
             return False
         return not any(isinstance(s, str) or _nonfinite(s) for s in self._sources(r, by_name))
 
-    def _write_overflow(self, entry: Dict[str, Any], r: Record) -> None:
-        ovf = self.rec.overflow
+    def _write_overflow(self, entry: Dict[str, Any]) -> None:
+        ovf, source = self.rec.overflow, entry.get("source")
         entry["overflow"] = ovf.count + 1
         self.rec.session.write(entry)
-        log.warning("overflow: %s produced nan/inf from finite inputs (at %s)", entry["name"], r.source or "?")
-        if ovf.hit():
+        log.warning("overflow: %s produced nan/inf from finite inputs (at %s)", entry["name"], source or "?")
+        if ovf.hit(entry["name"], source):
             ovf.enabled = False
             self.rec.session.close()
-            raise DumpOverflowError(f"[overflow {ovf.count} times]: first overflowing API {entry['name']} at "
-                                    f"{r.source or '?'}; dump file is saved in '{self.rec.session.index_path}'")
+            raise ovf.stop_error(entry["name"], source, self.rec.session.index_path)
 
     # ---- entries --------------------------------------------------------------------------------
     def _sources(self, r: Record, by_name: Dict[str, Record]) -> List[Union[Record, str]]:

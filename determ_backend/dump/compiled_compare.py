@@ -21,7 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..compare import align
 from ..trace import Record
 
-__all__ = ["split_entries", "region_key", "pair_nodes", "explained_by_nodes", "node_note", "OPAQUE_HINT"]
+__all__ = ["split_entries", "region_key", "pair_nodes", "explained_by_nodes", "node_note", "nodes_unpaired",
+           "OPAQUE_HINT", "UNPAIRED_HINT"]
 
 Key = Tuple[str, str]
 
@@ -77,9 +78,22 @@ def explained_by_nodes(nodes: Sequence[Any]) -> bool:
 
 
 def node_note(e: Dict[str, Any]) -> Optional[str]:
-    """``FX node addmm (aten.addmm.default) of graph g0, stage aot_forward, in compiled region Compiled_m_0``."""
+    """``FX node addmm (aten.addmm.default) of graph g0, stage aot_forward, in compiled region Compiled_m_0,
+    parameters fc1.weight, fc1.bias`` (the parameters name the layer)."""
     fx = e.get("fx")
     if not fx:
         return None
+    params = [str(t["node"]) for t in e.get("inputs", []) if t.get("param") and t.get("node")]
     return (f"FX node {fx.get('node')} ({e.get('op')}) of graph {fx.get('graph')}, stage {fx.get('stage')}, "
-            f"in compiled region {e.get('region')}")
+            f"in compiled region {e.get('region')}" + (f", parameters {', '.join(params)}" if params else ""))
+
+
+def nodes_unpaired(nodes: Sequence[Any]) -> bool:
+    """Both sides traced FX nodes for a region call but not one node could be paired (e.g. ``determ_eager``'s
+    torch-level graph against ``determ_aot_eager``'s aten graph): the region is judged as a whole."""
+    return (any(p.a is not None for p in nodes) and any(p.b is not None for p in nodes)
+            and not any(p.a is not None and p.b is not None for p in nodes))
+
+
+UNPAIRED_HINT = ("the FX nodes of the two sides could not be paired (graphs traced at different levels, e.g. "
+                 "determ_eager vs determ_aot_eager): compile both runs with the same determ backend")

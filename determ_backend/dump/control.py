@@ -12,6 +12,9 @@ backward), as torch function modes are per thread.
 Output layout: ``<fpath>/<dump_tag>/rank<R>/<prefix>dump.pkl`` (JSON Lines index)
 and ``<prefix>dump/tensors.bin`` (payloads), ``<prefix>`` being ``api_stack_``,
 ``list_``... for modes other than ``all`` and ``overflow_`` for the overflow check.
+A dump this process wrote may be started afresh (``set_dump_path`` to the same
+place again); one left by an earlier run is never overwritten: switching on
+into it raises a :class:`ConfigError` naming the directory.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import atexit
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -30,12 +33,13 @@ from ..seed import seed_all as _seed_all
 from .hooks import Recorder
 from .modules import Installation
 from .overflow import OverflowCounter
-from .session import DumpSession, default_header
+from .session import DumpSession, data_dir_name, default_header, index_name
 from .switch import DumpSettings
+from .writer import PAYLOAD_FILE
 
 __all__ = ["acc_cmp_dump", "overflow_check", "seed_all", "set_dump_path", "register_hook", "set_dump_switch",
            "set_overflow_check_switch", "module_dump", "module_dump_end", "remove_hooks", "dump_parameters",
-           "get_dump_dir"]
+           "get_dump_dir", "records_written"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,8 @@ class _Controller:
         self.installation: Optional[Installation] = None
         self.settings: Optional[DumpSettings] = None
         self.ring_bytes: Optional[int] = None
+        self.written: Set[Path] = set()
+        """Index files this process created: only these may be started afresh (never another run's dump)."""
 
     def rank_dir(self) -> Path:
         if self.root is None:
@@ -97,13 +103,25 @@ class _Controller:
             return s
         if s is not None:
             s.close()
+        self._refuse_earlier_dump(rank_dir, prefix)
         rank, world = _current_rank()
         header = default_header(self.rank if self.rank is not None else rank, world, mode, task)
         header["device"] = _model_device(self.models)
         s = DumpSession(rank_dir, prefix, header, tensors=task in ("tensor", "overflow_check"),
                         ring_bytes=self.ring_bytes)
         self.sessions[prefix] = s
+        self.written.add(s.index_path.resolve())
         return s
+
+    def _refuse_earlier_dump(self, rank_dir: Path, prefix: str) -> None:
+        """A dump left by another process is never truncated: the user removes it or dumps elsewhere."""
+        index, payloads = rank_dir / index_name(prefix), rank_dir / data_dir_name(prefix) / PAYLOAD_FILE
+        if index.resolve() in self.written:
+            return
+        if index.exists() or (payloads.is_file() and payloads.stat().st_size):
+            raise ConfigError(f"dump: {rank_dir} already holds an earlier dump ({index.name}); remove "
+                              f"{index.name} and {payloads.parent.name}/ there, or choose another "
+                              f"set_dump_path(fpath, dump_tag) -- earlier dumps are never overwritten")
 
     def switch_on(self, settings: DumpSettings) -> None:
         self.switch_off()
@@ -177,6 +195,9 @@ def set_dump_path(fpath: Optional[Union[str, os.PathLike]] = None, dump_tag: str
         if not work:
             raise ConfigError("set_dump_path: give fpath (or set ASCEND_WORK_PATH)")
         fpath = Path(work) / "dump_data"
+    if not isinstance(fpath, (str, os.PathLike)):
+        raise ConfigError(f"set_dump_path: fpath must be a directory path (str or os.PathLike), got "
+                          f"{type(fpath).__name__} {fpath!r}")
     if not isinstance(dump_tag, str) or not dump_tag or "/" in dump_tag or dump_tag in (".", ".."):
         raise ConfigError(f"set_dump_path: dump_tag must be a plain directory name, got {dump_tag!r}")
     p = Path(fpath)
@@ -231,6 +252,8 @@ def set_dump_switch(switch: str, mode: str = "all", scope: Optional[Sequence[str
     if switch == "OFF":
         _STATE.switch_off()
         return
+    if not isinstance(summary_only, bool):
+        raise ConfigError(f"set_dump_switch: summary_only must be True or False, got {summary_only!r}")
     settings = DumpSettings.build(mode, scope, api_list, filter_switch, dump_mode, summary_only)
     _STATE.switch_on(settings)
 
@@ -277,6 +300,12 @@ def dump_parameters() -> None:
     if _STATE.installation is None:
         raise ConfigError("dump_parameters: no dump is on (call set_dump_switch('ON') first)")
     _STATE.installation.snapshot_parameters()
+
+
+def records_written() -> int:
+    """How many records the dump that is on has written so far (0 when no dump is on)."""
+    inst = _STATE.installation
+    return inst.rec.session.seq if inst is not None else 0
 
 
 def remove_hooks() -> None:

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from . import backward as bw
 from .apis import ApiInfo, api_table, is_inplace
 from .entries import call_items, describe, output_items
-from .overflow import DumpOverflowError, OverflowCounter, nonfinite
+from .overflow import OverflowCounter, nonfinite
 from .session import DumpSession
 from .switch import DumpSettings, Selector
 
@@ -232,11 +232,10 @@ class Recorder:
         self.write(call, info, direction, ins_e, outs_e, source, None, overflow=self.overflow.count + 1)
         name = f"{call}_{direction}"
         log.warning("overflow: %s produced nan/inf from finite inputs (at %s)", name, source or "?")
-        if self.overflow.hit():
+        if self.overflow.hit(name, source):
             self.overflow.enabled = False
             self.session.close()
-            raise DumpOverflowError(f"[overflow {self.overflow.count} times]: first overflowing API {name} at "
-                                    f"{source or '?'}; dump file is saved in '{self.session.index_path}'")
+            raise self.overflow.stop_error(name, source, self.session.index_path)
 
 
 class DumpMode(TorchFunctionMode):

@@ -42,14 +42,15 @@ _NO_OUTPUT = frozenset({"send", "isend", "barrier", "gather"})
 
 
 def compiled_modules(model: torch.nn.Module) -> List[tuple]:
-    """``[(name, module)]`` of compiled modules in ``model`` (outermost only)."""
+    """``[(name, module)]`` of compiled modules in ``model`` (outermost only); ``model`` itself is named by the
+    class of the module it compiles (``Net``, not ``OptimizedModule``)."""
     found: List[tuple] = []
     covered: List[str] = []
     for name, m in model.named_modules():
         if any(name == c or name.startswith(c + ".") for c in covered):
             continue
         if _torch_compat.is_compiled_module(m):
-            found.append((name or type(m).__name__, m))
+            found.append((name or type(_torch_compat.compiled_original(m)).__name__, m))
             covered.append(name)
             if name == "":
                 break

@@ -11,7 +11,7 @@ Recording of the overflowing call lives in :mod:`.hooks`.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,8 +61,20 @@ class OverflowCounter:
         self.limit = overflow_nums
         self.count = 0
         self.enabled = True
+        self.first: Optional[Tuple[str, str]] = None
+        """``(name, source)`` of the first overflowing call."""
 
-    def hit(self) -> bool:
-        """Count one overflow; True when the run should stop now."""
+    def hit(self, name: str, source: Optional[str]) -> bool:
+        """Count the overflow of call ``name``; True when the run should stop now."""
         self.count += 1
+        if self.first is None:
+            self.first = (name, source or "?")
         return self.limit != -1 and self.count >= self.limit
+
+    def stop_error(self, name: str, source: Optional[str], index_path: object) -> DumpOverflowError:
+        """The error that stops the run at the overflow of ``name`` (the last one counted)."""
+        first, first_src = self.first or (name, source or "?")
+        msg = f"[overflow {self.count} times]: first overflowing API {first} at {first_src}"
+        if self.count > 1:
+            msg += f"; overflow_nums={self.limit} reached at {name} at {source or '?'}"
+        return DumpOverflowError(f"{msg}; dump file is saved in '{index_path}'")

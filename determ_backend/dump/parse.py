@@ -10,16 +10,17 @@ index is refused with a clear message.  Payloads are read with
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 
-from ..errors import TraceFormatError
+from ..errors import ConfigError, TraceFormatError
 from .writer import INDEX_FORMAT, PAYLOAD_FILE, read_payload
 
-__all__ = ["Dump", "read_dump", "find_index", "parse", "rank_dirs"]
+__all__ = ["Dump", "read_dump", "find_index", "parse", "rank_dirs", "check_path"]
 
 
 @dataclass
@@ -46,9 +47,16 @@ class Dump:
         return next((e for e in self.entries if e.get("name") == name), None)
 
 
+def check_path(value: Any, what: str) -> Path:
+    """``value`` as a Path; a :class:`ConfigError` naming ``what`` when it is not a str or os.PathLike."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{what} must be a path (str or os.PathLike), got {type(value).__name__} {value!r}")
+    return Path(value)
+
+
 def find_index(path: Union[str, Path]) -> Path:
     """An index file, or a rank directory holding exactly one ``*dump.pkl``."""
-    p = Path(path)
+    p = check_path(path, "dump index path")
     if not p.exists():
         raise TraceFormatError(f"{path}: no such dump index or directory")
     if p.is_dir():
@@ -111,7 +119,9 @@ def read_dump(path: Union[str, Path], allow_partial: bool = False) -> Dump:
 
 def rank_dirs(root: Union[str, Path]) -> Dict[int, Path]:
     """``{rank: path}`` of the ``rank<N>`` directories directly under ``root``."""
-    p = Path(root)
+    p = check_path(root, "dump directory")
+    if p.is_file():
+        raise TraceFormatError(f"{root}: not a directory (expected the dump directory holding rank0, rank1, ...)")
     if not p.is_dir():
         raise TraceFormatError(f"{root}: no such dump directory")
     out: Dict[int, Path] = {}
@@ -141,6 +151,10 @@ def describe_entry(e: Dict[str, Any]) -> Iterator[str]:
 
 def parse(pkl_file: Union[str, Path], name_prefix: str) -> List[str]:
     """Print (and return) statistics and stack of the entries whose name starts with ``name_prefix``."""
+    check_path(pkl_file, "parse: pkl_file")
+    if not isinstance(name_prefix, str):
+        raise ConfigError(f"parse: name_prefix must be a string such as 'Functional_linear_0_forward', got "
+                          f"{type(name_prefix).__name__} {name_prefix!r}")
     dump = read_dump(pkl_file)
     hits = [e for e in dump.entries if e["name"].startswith(name_prefix)]
     if not hits:

@@ -47,8 +47,10 @@ Params = Callable[[], List[Tuple[str, torch.Tensor]]]
 class RegionCall:
     """One call of a region: its name and what the determ backends traced inside it."""
 
-    def __init__(self, call: str, info: ApiInfo, compiled: bool):
+    def __init__(self, call: str, info: ApiInfo, compiled: bool, source: Optional[str] = None):
         self.call, self.info, self.compiled = call, info, compiled
+        self.source = source
+        """The user line that called the region."""
         self.nodes: Dict[str, int] = {"forward": 0, "backward": 0}
         self.graphs: Dict[str, int] = {}
         self._graph_calls: Dict[Tuple[str, str], int] = {}
@@ -116,7 +118,8 @@ class Regions:
             edges = bw.prepare(items + params()) if bwd else None
             min_seq = bw.sequence_probe() if edges and edges[0] else None
             stack = user_stack() if rec.settings.with_stack else None
-            state = _Open(RegionCall(call, info, compiled), items, edges, min_seq, user_source(), stack)
+            source = user_source()
+            state = _Open(RegionCall(call, info, compiled, source), items, edges, min_seq, source, stack)
         self._open().append(state)
         enter_opaque()
         state.suspended = self.mode is not None and _torch_compat.suspend_function_mode(self.mode)
