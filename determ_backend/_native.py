@@ -36,6 +36,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .config import parse_bool
+from .errors import ConfigError
+
 __all__ = ["available", "fingerprint", "SUPPORTED"]
 
 log = logging.getLogger(__name__)
@@ -103,27 +106,54 @@ def _build(cc: str, lib: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.lru_cache(maxsize=None)
-def _lib() -> Optional[ctypes.CDLL]:
-    if os.environ.get("DETERM_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
-        return None
+def _load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` with its entry point typed; OSError when it does not load."""
+    lib = ctypes.CDLL(str(path))
     try:
-        path = _library_path()
-        if not path.exists():
-            cc = _compiler()
-            if cc is None:
-                log.info("no C compiler found: fingerprints use the torch path")
-                return None
-            _build(cc, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("native fingerprint kernel unavailable (%s); using the torch path", e)
-        return None
-    fn = lib.determ_fp
+        fn = lib.determ_fp
+    except AttributeError as e:
+        raise OSError(f"{path}: {e}") from None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return lib
+
+
+def _build_and_load(path: Path) -> Optional[ctypes.CDLL]:
+    """Load the cached build; build it first when missing, rebuild it once when the cached file does not load."""
+    cc = _compiler()
+    if path.exists():
+        try:
+            return _load(path)
+        except OSError as e:
+            if cc is None:
+                raise
+            log.info("cached native kernel %s does not load (%s); rebuilding it", path, e)
+    elif cc is None:
+        log.info("no C compiler found: fingerprints use the torch path")
+        return None
+    _build(cc, path)
+    return _load(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_lib() -> Optional[ctypes.CDLL]:
+    try:
+        return _build_and_load(_library_path())
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("native fingerprint kernel unavailable (%s); using the torch path", e)
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _enabled(raw: str) -> bool:
+    return parse_bool(raw, "DETERM_NATIVE")
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    if not _enabled(os.environ.get("DETERM_NATIVE", "1")):  # read per call (tests flip it), parsed once per value
+        return None
+    return _cached_lib()
 
 
 def available() -> bool:
@@ -132,11 +162,17 @@ def available() -> bool:
 
 
 def _threads() -> int:
-    """Threads per large tensor: ``DETERM_NATIVE_THREADS``, else torch's intra-op thread count."""
+    """Threads per large tensor: ``DETERM_NATIVE_THREADS`` (a positive integer), else torch's intra-op thread count."""
+    text = os.environ.get("DETERM_NATIVE_THREADS", "").strip()
+    if not text:
+        return max(1, torch.get_num_threads())
     try:
-        return max(1, int(os.environ.get("DETERM_NATIVE_THREADS") or torch.get_num_threads()))
+        n = int(text)
     except ValueError:
-        return 1
+        n = 0
+    if n < 1:
+        raise ConfigError(f"DETERM_NATIVE_THREADS={text!r}: expected a positive integer")
+    return n
 
 
 class _Out(ctypes.Structure):

@@ -47,8 +47,12 @@ def write_run(trace_path: Path, records: Sequence[Record], tensors: Dict[str, to
 
 
 def load_reference(path) -> Tuple[List[Record], Optional[Dict[str, torch.Tensor]], Path]:
-    """``(records, tensors or None, trace path)`` of a reference run written by ``ObserverContext``."""
+    """``(records, tensors or None, tensors path)`` of a reference run written by ``ObserverContext``."""
     p = Path(path)
+    if not p.is_file():
+        what = "not a file" if p.exists() else "no such file"
+        raise TraceFormatError(f"reference_hash_file: {path}: {what} (expected the .jsonl trace an "
+                               f"ObserverContext wrote)")
     try:
         records = read_trace(p)
     except TraceFormatError as e:

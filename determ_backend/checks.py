@@ -10,7 +10,12 @@ node), writes the records to the run's trace, and applies the configured checks:
 * ``accuracy``: every captured value is compared with an eager execution of the
   same FX graph on the same inputs, judged against an fp64 execution
   (:func:`~determ_backend.compare.fp64_close`).
-* ``reference``: records are compared online with a trace from another run.
+* ``reference``: records are compared online with a trace from another run
+  (:class:`~determ_backend.run.ReferenceTrace`, read when the run is created):
+  bitwise when both were recorded on the same device and dtype, else within
+  ``DETERM_TOL`` as ``repro-tools xdevice`` compares traces (also when
+  ``DETERM_TOL`` is given).  A graph call with no counterpart in the reference
+  is a checker error, never a silent pass.
 """
 
 from __future__ import annotations
@@ -23,11 +28,11 @@ import torch
 import torch.fx as fx
 
 from . import devices
-from .compare import Comparison, Pair, compare_traces, find_roots, fp64_close, tensor_metrics
+from .compare import Comparison, Pair, align, compare_traces, find_roots, fp64_close, tensor_metrics
 from .config import DetermConfig
 from .recorder import CallResult, Recorder
 from .run import Run
-from .trace import Record, read_trace
+from .trace import Record, TensorStore
 
 __all__ = ["GraphExec", "clone_inputs", "eager_node_values"]
 
@@ -65,6 +70,11 @@ def _to64(args: Sequence[Any]) -> List[Any]:
     return [a.detach().to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
 
 
+def _device_of(args: Sequence[Any]) -> Optional[str]:
+    """The device type of the first tensor argument (where a graph computes)."""
+    return next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+
+
 def eager_node_values(gm: fx.GraphModule, args: Sequence[Any]) -> Dict[str, torch.Tensor]:
     """Every tensor node's value from an eager (FX Interpreter) run of ``gm``."""
     interp = _Capture(gm)
@@ -81,7 +91,7 @@ class GraphExec:
         self.fn, self.recorder, self.run, self.config = fn, recorder, run, config
         self.reference_gm, self.boxed = reference_gm, boxed
         self._boxed_call = boxed
-        self._ref_records: Optional[Dict[tuple, List[Record]]] = None
+        self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
         recorder.keep_values = "accuracy" in config.check or config.save_tensors
 
     def _invoke(self, args: List[Any]) -> Any:
@@ -94,6 +104,8 @@ class GraphExec:
             args.clear()
         else:
             args_list = list(call_args)
+        if self.run.device is None:
+            self.run.device = _device_of(args_list)
         checks = self.config.check
         twin: Optional[CallResult] = None
         eager_args = clone_inputs(args_list) if "accuracy" in checks and self.reference_gm is not None else None
@@ -173,16 +185,35 @@ class GraphExec:
         return pairs
 
     def _check_reference(self, result: CallResult) -> None:
-        if self._ref_records is None:
-            self._ref_records = {}
-            for r in read_trace(self.config.reference, allow_partial=True):
-                self._ref_records.setdefault((r.graph, r.stage, r.call), []).append(r)
         if not result.records:
             return
+        ref = self.run.reference
         r0 = result.records[0]
-        ref = self._ref_records.get((r0.graph, r0.stage, r0.call))
-        if ref is None:
+        group = ref.groups.get((r0.graph, r0.stage, r0.call))
+        if group is None:
+            self._report_unmatched(r0)
             return
-        cmp = compare_traces(ref, result.records)
+        pairs = align(group, result.records)
+        other_dtype = any(p.a.dtype != p.b.dtype for p in pairs if p.a is not None and p.b is not None
+                          and p.a.dtype and p.b.dtype)
+        other_device = bool(ref.device and self.run.device and ref.device != self.run.device)
+        tol = self.config.tol if other_dtype or other_device or "tol" in self.config.given else None
+        store = TensorStore(self.run.dir / "tensors") if self.config.save_tensors else None
+        cmp = compare_traces(group, result.records, tol=tol, store_a=ref.store, store_b=store, pairs=pairs)
         if cmp.divergent:
             self.run.add_finding("reference", cmp.summary(["reference"]))
+
+    def _report_unmatched(self, r0: Record) -> None:
+        """One checker error per graph and stage that the reference cannot be compared with."""
+        if (r0.graph, r0.stage) in self._unmatched:
+            return
+        self._unmatched.add((r0.graph, r0.stage))
+        ref = self.run.reference
+        calls = ref.calls(r0.graph, r0.stage)
+        if calls:
+            why = (f"the reference recorded {calls} call(s) of graph {r0.graph} stage {r0.stage}; "
+                   f"calls from {r0.call} on are not compared")
+        else:
+            why = (f"no records of graph {r0.graph} stage {r0.stage} to compare with (the reference has "
+                   f"{', '.join(ref.graph_stages()) or 'no records'}; record it with the same backend and model)")
+        self.run.add_checker_error("reference", f"{ref.name}: {why}")

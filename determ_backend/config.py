@@ -10,19 +10,32 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, FrozenSet, Mapping, Optional, Tuple
 
 from .devices import parse_device_spec
 from .errors import ConfigError
 
-__all__ = ["DetermConfig", "load_config", "CHECKS", "STAGES"]
+__all__ = ["DetermConfig", "load_config", "parse_bool", "CHECKS", "STAGES"]
 
 CHECKS = ("determinism", "accuracy")
 STAGES = ("eager", "aot_eager", "aot_eager_decomp_partition", "inductor")
 """The compiler stack from the bottom: dynamo only, + AOT autograd, + inductor's decompositions and partitioner, + inductor."""
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+def parse_bool(value: Any, source: str) -> bool:
+    """``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case; empty is false); anything else is a
+    :class:`ConfigError` naming ``source`` (an env-var or option name) and quoting the value."""
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ConfigError(f"{source}={str(value)!r}: expected a boolean (1/0, true/false, yes/no, on/off)")
 
 
 @dataclass(frozen=True)
@@ -77,16 +90,26 @@ class DetermConfig:
     """Compile through this stage of the stack instead of the backend's own: one of :data:`STAGES`, with torch's
     bisector hooks scoped to it (``DETERM_BISECT_STAGE``; set by ``repro-tools bisect``)."""
 
+    given: FrozenSet[str] = field(default=frozenset(), compare=False, repr=False)
+    """Not a setting: the names of the fields :func:`load_config` took from the environment or ``options``
+    (e.g. an online reference comparison uses ``tol`` when it was given)."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir:
+            raise ConfigError(f"DETERM_DIR={self.dir!r}; expected a directory path")
+        if self.run_id is not None and (self.run_id in (".", "..") or any(
+                c in self.run_id for c in ("/", "\\", os.sep, os.altsep or "/"))):
+            raise ConfigError(f"DETERM_RUN_ID={self.run_id!r}; expected a plain directory name "
+                              f"(no path separators, not '.' or '..')")
         bad = [c for c in self.check if c not in CHECKS]
         if bad:
-            raise ConfigError(f"DETERM_CHECK: unknown check(s) {', '.join(bad)}; expected a comma-separated subset of {', '.join(CHECKS)}")
+            raise ConfigError(f"DETERM_CHECK={','.join(self.check)!r}: unknown check(s) {', '.join(bad)}; expected a comma-separated subset of {', '.join(CHECKS)}")
         if self.repro_after not in (None, "dynamo", "aot"):
             raise ConfigError(f"REPRO_AFTER={self.repro_after!r}; expected 'dynamo' or 'aot'")
         if self.repro_level not in (1, 2, 3, 4):
-            raise ConfigError(f"REPRO_LEVEL={self.repro_level!r}; expected 1, 2, 3 or 4")
+            raise ConfigError(f"REPRO_LEVEL={str(self.repro_level)!r}; expected 1, 2, 3 or 4")
         if not self.tol >= 0:
-            raise ConfigError(f"DETERM_TOL={self.tol!r}; expected a non-negative number")
+            raise ConfigError(f"DETERM_TOL={str(self.tol)!r}; expected a non-negative number")
         if self.bisect_stage not in (None,) + STAGES:
             raise ConfigError(f"DETERM_BISECT_STAGE={self.bisect_stage!r}; expected one of {', '.join(STAGES)}")
         if self.device is not None:
@@ -95,7 +118,7 @@ class DetermConfig:
             except ConfigError as e:
                 raise ConfigError(f"DETERM_DEVICE={self.device!r}: {e}") from None
         if not self.fp64_multiplier > 0:
-            raise ConfigError(f"DETERM_FP64_MULTIPLIER={self.fp64_multiplier!r}; expected a positive number")
+            raise ConfigError(f"DETERM_FP64_MULTIPLIER={str(self.fp64_multiplier)!r}; expected a positive number")
 
     def replace(self, **changes: Any) -> "DetermConfig":
         return dataclasses.replace(self, **changes)
@@ -114,17 +137,12 @@ _BY_ENV = {v: k for k, v in _ENV.items()}
 def _coerce(name: str, value: Any, source: str) -> Any:
     f = {f.name: f for f in dataclasses.fields(DetermConfig)}[name]
     kind = str(f.type)
+    if kind == "bool":
+        return parse_bool(value, source)
     try:
-        if kind == "bool":
-            if isinstance(value, bool):
-                return value
-            s = str(value).strip().lower()
-            if s in _TRUE:
-                return True
-            if s in _FALSE:
-                return False
-            raise ValueError
         if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
             return int(value)
         if kind == "float":
             return float(value)
@@ -133,9 +151,12 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return tuple(s.strip() for s in items if str(s).strip())
         if kind.startswith("Optional"):
             return None if value in (None, "") else str(value)
+        if value is None:
+            raise ValueError
         return str(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{source}={value!r}: expected {kind.lower()}") from None
+        what = {"int": "an integer", "float": "a number", "str": "a non-empty string"}.get(kind, kind.lower())
+        raise ConfigError(f"{source}={value!r}: expected {what}") from None
 
 
 def option_names() -> frozenset:
@@ -156,4 +177,5 @@ def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mappi
         if name not in _ENV:
             raise ConfigError(f"unknown determ option {key!r}; expected one of {', '.join(sorted(_ENV))}")
         values[name] = _coerce(name, value, f"options[{key!r}]")
-    return (base or DetermConfig()).replace(**values)
+    base = base or DetermConfig()
+    return base.replace(**values, given=base.given | frozenset(values))

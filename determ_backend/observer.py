@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
@@ -33,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._modes_ops import returns_view, schema_writes, user_frames, written_tensors
-from ._observer_files import load_reference, write_run
+from ._observer_files import load_reference, tensors_path_for, write_run
 from .compare import compare_traces
 from .errors import ConfigError, NondeterminismError, TraceFormatError
 from .modes import HashMode
@@ -64,10 +65,16 @@ class Observer:
 
     def __init__(self, dump_dir: Union[str, Path], name: str, reference_hash_file=None,
                  raise_on_mismatch: bool = False, stack_depth: int = 4):
-        if not name or "/" in name:
+        if not isinstance(name, str) or not name or "/" in name:
             raise ConfigError(f"name: expected a non-empty run name without '/', got {name!r}")
+        if not isinstance(dump_dir, (str, os.PathLike)):
+            raise ConfigError(f"dump_dir: expected a directory path, got {dump_dir!r}")
         self.name = name
         self.trace_path = Path(dump_dir) / f"{name}.jsonl"
+        if reference_hash_file is not None and Path(reference_hash_file).resolve() in (
+                self.trace_path.resolve(), tensors_path_for(self.trace_path).resolve()):
+            raise ConfigError(f"reference_hash_file={str(reference_hash_file)!r} is where run {name!r} writes its own "
+                              f"trace: it would overwrite the reference; expected another run name")
         self.raise_on_mismatch = raise_on_mismatch
         self.mismatches: List[Dict[str, Any]] = []
         self.unmatched: Dict[str, List[str]] = {"reference_only": [], "current_only": []}
@@ -108,10 +115,14 @@ class Observer:
 
     # -- observations --------------------------------------------------------------------------
     def observe(self, name: str, value: Any) -> None:
-        """Fingerprint every tensor (and Python number) in ``value`` and check it against the reference."""
-        k = self._count(f"observe:{name}")
+        """Fingerprint every tensor (and Python number) in ``value`` and check it against the reference.
+        Other leaves of a pytree (strings, None) are skipped; a value with nothing to observe is an error."""
         leaves, _ = tree_flatten(value)
         items = [(i, x) for i, x in enumerate(leaves) if isinstance(x, (torch.Tensor, int, float, bool))]
+        if not items and (leaves or value is None):
+            raise ConfigError(f"observe({name!r}): nothing to observe in a value of type {type(value).__name__}; expected a "
+                              f"tensor, a number or a pytree (list, tuple, dict) holding some")
+        k = self._count(f"observe:{name}")
         source, stack = self._where()
         with self.mode.paused():
             recs = [self._rec.add_external(f"{name}#{k}" if len(items) == 1 else f"{name}#{k}.{i}", "observe",
@@ -170,7 +181,10 @@ class Observer:
         return tree_unflatten(out, spec)
 
     def _saved_value(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        if self._ref_tensors is None or key not in self._ref_tensors:
+        if self._ref_tensors is None:
+            raise TraceFormatError(f"{self._ref_tensor_path}: no such file, so no saved tensor {key!r} (the reference "
+                                   f"run marked nothing non-deterministic, or this file was not kept next to its trace)")
+        if key not in self._ref_tensors:
             raise TraceFormatError(f"{self._ref_tensor_path}: no saved tensor {key!r} (the reference run did not "
                                    f"mark this value non-deterministic, or marked different ops)")
         saved = self._ref_tensors[key]

@@ -1,5 +1,6 @@
 """A run: the output directory of one process's determ session, its trace
-writer, its findings and its ``report.json``.
+writer, its findings, its ``report.json`` and the reference trace
+(``DETERM_REFERENCE``) it is compared against online.
 
 Runs are shared by every graph compiled with the same output settings in a
 process (a model with graph breaks writes one trace).  They are kept in a small
@@ -21,10 +22,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .config import DetermConfig
-from .errors import AccuracyError
-from .trace import TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_text
+from .errors import AccuracyError, ConfigError, TraceFormatError
+from .trace import TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_text, read_trace, resolve_trace_path
 
-__all__ = ["Run", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
+__all__ = ["Run", "ReferenceTrace", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,34 @@ def _default_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
 
 
+class ReferenceTrace:
+    """A whole trace read (strictly) for online comparison, its records grouped by ``(graph, stage, call)``,
+    the device it was recorded on (trace header, when known) and its tensor store (when it has one)."""
+
+    def __init__(self, path: str):
+        self.name = path
+        try:
+            self.path = resolve_trace_path(path)
+            records = read_trace(self.path)
+            with open(self.path, encoding="utf-8") as f:
+                header = json.loads(f.readline())
+        except TraceFormatError as e:
+            raise TraceFormatError(f"DETERM_REFERENCE: {e}") from None
+        self.device: Optional[str] = header.get("device")
+        self.groups: Dict[tuple, List[Record]] = {}
+        for r in records:
+            self.groups.setdefault((r.graph, r.stage, r.call), []).append(r)
+        store = self.path.parent / "tensors"
+        self.store = TensorStore(store) if store.is_dir() else None
+
+    def calls(self, graph: str, stage: str) -> int:
+        """How many calls of this graph and stage the reference recorded."""
+        return sum(1 for g, s, _ in self.groups if (g, s) == (graph, stage))
+
+    def graph_stages(self) -> List[str]:
+        return sorted({f"{g}/{s}" for g, s, _ in self.groups})
+
+
 class Run:
     """One output directory: ``trace.jsonl``, ``report.json`` and any dumps."""
 
@@ -49,7 +78,18 @@ class Run:
         self.rank = current_rank()
         sub = self.id if self.rank == 0 and not (torch.distributed.is_available() and torch.distributed.is_initialized()) else f"{self.id}/rank{self.rank}"
         self.dir = Path(config.dir) / sub
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # the reference is checked before anything is written: a bad one fails the compile, and this run
+        # must not overwrite the trace it is compared against
+        self.reference = ReferenceTrace(config.reference) if config.reference else None
+        if self.reference is not None and self.reference.path.resolve() == self.trace_path.resolve():
+            raise ConfigError(f"DETERM_REFERENCE={config.reference!r} is this run's own trace ({self.trace_path}): "
+                              f"writing it would overwrite the reference; expected another run (set DETERM_RUN_ID)")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"DETERM_DIR={config.dir!r}: cannot create {self.dir} ({e.strerror}); "
+                              f"expected a writable directory") from None
+        self.device: Optional[str] = None  # where the graphs compute (set by the first graph call)
         self._writer: Optional[TraceWriter] = None
         self._lock = threading.Lock()
         self._graphs = 0
@@ -74,7 +114,7 @@ class Run:
             return
         with self._lock:
             if self._writer is None:
-                self._writer = TraceWriter(self.trace_path, run=self.id, meta={"rank": self.rank})
+                self._writer = TraceWriter(self.trace_path, run=self.id, meta={"rank": self.rank, "device": self.device})
         self._writer.write(records)
 
     def store_payloads(self, result) -> None:
@@ -86,19 +126,26 @@ class Run:
                 rec.payload = store.put(rec.hash, value)
 
     def add_finding(self, check: str, summary: Dict[str, Any]) -> None:
-        """Record a divergence found by ``check``; log one line; raise if configured to."""
+        """Record a divergence found by ``check``; log one line; raise if configured to.
+
+        ``summary``: a :meth:`~determ_backend.compare.Comparison.summary`, or (a divergence found
+        without per-node records, e.g. by a repro flow) a dict with a one-line ``detail``."""
         fd = summary.get("first_divergence") or {}
         finding = {"check": check, **summary}
         with self._lock:
             self.findings.append(finding)
-        m = fd.get("metrics") or {}
-        metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
-        log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s %s", check, fd.get("graph"),
-                    fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>", metrics)
+        if fd:
+            m = fd.get("metrics") or {}
+            metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+            log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s %s", check, fd.get("graph"),
+                        fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>", metrics)
+        else:
+            log.warning("determ %s divergence: %s", check, summary.get("detail") or "(no details)")
         self._write_report()
         if self.config.raise_on_divergence:
-            raise AccuracyError(f"determ {check}: first divergence at node {fd.get('node')} ({fd.get('op')}) "
-                                f"{fd.get('source') or ''}; report: {self.dir / 'report.json'}")
+            where = (f"first divergence at node {fd.get('node')} ({fd.get('op')}) {fd.get('source') or ''}" if fd
+                     else str(summary.get("detail") or "divergence"))
+            raise AccuracyError(f"determ {check}: {where}; report: {self.dir / 'report.json'}")
 
     def add_checker_error(self, check: str, message: str) -> None:
         with self._lock:
@@ -115,7 +162,7 @@ class Run:
         return {"run": self.id, "rank": self.rank, "checks": list(self.config.check) + (["reference"] if self.config.reference else []),
                 "divergent": bool(self.findings), "first_divergence": first, "findings": self.findings,
                 "checker_errors": self.checker_errors, "graphs": self._graphs,
-                "trace": str(self.trace_path) if self.config.trace else None}
+                "trace": str(self.trace_path) if self._writer is not None else None}
 
     def _write_report(self) -> None:
         atomic_write_text(self.dir / "report.json", json.dumps(self.report(), indent=2, default=str))

@@ -179,3 +179,40 @@ def test_backend_traces_agree_with_and_without_the_kernel(tmp_path, monkeypatch)
         assert (a.stage, a.node, a.hash) == (b.stage, b.node, b.hash)
         if a.stats and a.stats.get("min") is not None:
             assert a.stats["max"] == b.stats["max"] and a.stats["mean"] == pytest.approx(b.stats["mean"], abs=1e-6)
+
+
+def test_corrupt_cached_build_is_rebuilt_once(tmp_path):
+    cache = str(tmp_path / "cache")
+    first = _run(_PROBE, DETERM_CACHE_DIR=cache)
+    assert first.stdout.split()[0] == "True", first.stderr
+    (lib,) = (tmp_path / "cache" / "native").glob("determ_fp_*.so")
+    size = lib.stat().st_size
+    lib.write_bytes(lib.read_bytes()[:100])  # truncated
+    again = _run(_PROBE, DETERM_CACHE_DIR=cache)
+    assert again.stdout.split() == first.stdout.split(), again.stderr
+    assert "unavailable" not in again.stderr and lib.stat().st_size == size
+    assert not list((tmp_path / "cache" / "native").glob("*.tmp"))
+    # corrupt and no compiler to rebuild with: one warning, the torch path, same fingerprint
+    lib.write_bytes(b"\0" * 100)
+    bare = _run(_PROBE, DETERM_CACHE_DIR=cache, CC="/nonexistent/cc", PATH="/nonexistent")
+    assert bare.stdout.split() == ["False", first.stdout.split()[1]], bare.stderr
+    assert bare.stderr.count("native fingerprint kernel unavailable") == 1
+
+
+@pytest.mark.parametrize("var,value,needle", [
+    ("DETERM_NATIVE", "2", "DETERM_NATIVE='2': expected a boolean"),
+    ("DETERM_NATIVE_THREADS", "abc", "DETERM_NATIVE_THREADS='abc': expected a positive integer"),
+    ("DETERM_NATIVE_THREADS", "0", "DETERM_NATIVE_THREADS='0': expected a positive integer"),
+])
+def test_bad_native_settings_are_config_errors(monkeypatch, var, value, needle):
+    from determ_backend.errors import ConfigError
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=needle):
+        fp.fingerprint_now(torch.ones(10), True)
+
+
+@pytest.mark.parametrize("value,on", [("off", False), ("False", False), ("yes", True), ("1", True)])
+def test_native_switch_accepts_the_boolean_spellings(monkeypatch, value, on):
+    monkeypatch.setenv("DETERM_NATIVE", value)
+    assert _native.available() is on

@@ -148,3 +148,40 @@ def test_observe_grad_and_bad_arguments(tmp_path):
     assert [r.node for r in read_trace(obs.trace_path)] == ["w.grad#0"]
     with pytest.raises(ConfigError, match="name"):
         db.ObserverContext(tmp_path, "a/b")
+
+
+def test_run_with_the_reference_name_is_refused_before_writing(tmp_path):
+    observed_run(tmp_path, "ref", marking="region")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ConfigError, match="reference_hash_file=.*ref.jsonl.*overwrite the reference"):
+        observed_run(tmp_path, "ref", reference="ref", marking="region")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_missing_tensors_file_is_named(tmp_path):
+    observed_run(tmp_path, "ref", marking="region")
+    (tmp_path / "ref.safetensors").unlink()
+    with pytest.raises(TraceFormatError, match=r"ref\.safetensors: no such file, so no saved tensor 'rowsum#0/"):
+        observed_run(tmp_path, "run2", reference="ref", marking="region")
+
+
+@pytest.mark.parametrize("ref,needle", [("missing.jsonl", "no such file"), (".", "not a file")])
+def test_missing_reference_is_one_line_with_one_expectation(tmp_path, ref, needle):
+    with pytest.raises(TraceFormatError) as e:
+        db.ObserverContext(tmp_path, "run2", reference_hash_file=tmp_path / ref)
+    msg = str(e.value)
+    assert needle in msg and msg.count("(expected") == 1 and len(msg.splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["text", None, object(), {"a": "b"}])
+def test_observing_nothing_observable_is_an_error(tmp_path, value):
+    with db.ObserverContext(tmp_path, "o") as obs:
+        with pytest.raises(ConfigError, match=r"observe\('v'\): nothing to observe"):
+            db.observe("v", value)
+        db.observe("v", {"t": torch.ones(2), "label": "kept out", "none": None})
+    assert [r.node for r in read_trace(obs.trace_path)] == ["v#0"]  # the failed calls did not count
+
+
+def test_dump_dir_must_be_a_path():
+    with pytest.raises(ConfigError, match="dump_dir"):
+        db.ObserverContext(None, "r")
