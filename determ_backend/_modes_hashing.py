@@ -14,6 +14,9 @@ instead of re-reading memory: equal bases and geometry give equal hashes, any
 change to the base changes it.  Such records carry ``extra["derived_hash"] = True``
 (the value is not the fingerprint of the view's elements, so it is comparable only
 with another derived hash).
+
+Fingerprinting runs below every dispatch mode (:func:`~determ_backend._modes_ops.unseen`):
+an outer mode (nested eager tools) does not record it as the user's ops.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import fingerprint as _fp
+from ._modes_ops import unseen
 from .trace import Record, format_hash
 
 __all__ = ["PendingHashes", "hashable", "derived_hash"]
@@ -64,6 +68,10 @@ class PendingHashes:
 
     def add(self, rec: Record, t) -> None:
         """Capture ``t`` (a tensor, or a Python scalar an op returned) for ``rec``."""
+        with unseen():
+            self._add(rec, t)
+
+    def _add(self, rec: Record, t) -> None:
         if not isinstance(t, torch.Tensor):
             t = torch.tensor(t, dtype=torch.float64 if isinstance(t, float) else None)
         t = t.detach()
@@ -91,6 +99,10 @@ class PendingHashes:
 
     def resolve(self) -> None:
         """Fill ``hash`` (and ``stats``) of every pending record, in capture order."""
+        with unseen():
+            self._resolve()
+
+    def _resolve(self) -> None:
         batches, self._batches = self._batches, {}
         items, self._items = self._items, []
         self.nbytes = 0

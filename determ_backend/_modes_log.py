@@ -10,11 +10,15 @@ One block per op (or per tensor first seen as an input)::
         out aten.mm.default@model.py:12#0 = float32[4,8] cpu hash=9a1b... kind=node stats={"min":...}
 
 Optional lines: ``backward of: MmBackward0`` and ``compiled region: ran eagerly``.
-The file starts with ``# determ hash log v1`` and ends with ``# end: N records``;
+The file starts with ``# determ hash log v1`` and ends with ``# end: N records``
+(N: the records in this log).  With ``max_ops_logged`` the log stops early: a
+``# log limit reached`` line, then the footer gives both counts
+(``# records in the run: 45``, ``# records in this log: 5 ...``).
 :func:`read_hash_log` turns it back into trace :class:`~determ_backend.trace.Record`
 objects (so ``repro-tools diff a.log b.log`` works) and reports a missing end
-line as a truncated log.  The JSON Lines trace written next to the log holds the
-same records.
+line as a truncated log; :func:`read_hash_log_file` also says whether the log is
+complete or limited.  The JSON Lines trace written next to the log holds the same
+records, all of them even when the log is limited.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from pathlib import Path
 from typing import IO, List, Optional, Union
 
 from .errors import TraceFormatError
-from .trace import Record
+from .trace import Record, TraceFile
 
-__all__ = ["LogWriter", "read_hash_log", "MAGIC"]
+__all__ = ["LogWriter", "read_hash_log", "read_hash_log_file", "MAGIC"]
 
 MAGIC = "# determ hash log v1"
 _RULE = "    " + "-" * 60
@@ -110,32 +114,52 @@ class LogWriter:
         out.append(_RULE)
         return out
 
-    def close(self, summary: List[str]) -> None:
+    def close(self, total: int, notes: List[str] = ()) -> None:
+        """Write the footer: ``total`` records in the run, ``notes`` (one comment line each), the end line."""
         if self._f is None:
             return
-        self._emit([f"# {s}" for s in summary] + [f"# end: {self.records} records"])
+        lines = [f"# records in the run: {total}"]
+        if self.limited:
+            lines.append(f"# records in this log: {self.records} (limited by max_ops_logged={self.max_ops}; "
+                         f"the JSONL trace has all {total})")
+        self._emit(lines + [f"# {s}" for s in notes] + [f"# end: {self.records} records"])
         self._f.close()
         self._f = None
 
 
 def read_hash_log(path: Union[str, Path], allow_partial: bool = False) -> List[Record]:
     """Records of a ``HashDebugTrace`` log.  Raises :class:`TraceFormatError` naming the file and line."""
+    return read_hash_log_file(path, allow_partial).records
+
+
+def read_hash_log_file(path: Union[str, Path], allow_partial: bool = False) -> TraceFile:
+    """:func:`read_hash_log` plus completeness.  ``allow_partial`` accepts a log whose run died: no end
+    line, and a last line cut mid-write (no newline), which is dropped.  A log cut at ``max_ops_logged``
+    is read as far as it goes and marked ``limited``."""
     p = Path(path)
     try:
         with open(p, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise TraceFormatError(f"{p}: cannot read HashDebugTrace log ({type(e).__name__})") from None
+    lines = text.splitlines()
     if not lines or lines[0] != MAGIC:
         raise TraceFormatError(f"{p}: not a determ HashDebugTrace log (line 1 is not {MAGIC!r})")
+    if allow_partial and not text.endswith("\n"):
+        lines.pop()  # the writer died in the middle of this line
     parser = _Parser(p)
     for lineno, line in enumerate(lines[1:], start=2):
         parser.feed(lineno, line)
     if parser.end is None and not allow_partial:
         raise TraceFormatError(f"{p}: truncated HashDebugTrace log (no '# end' line; the run may have died)")
-    if parser.end is not None and parser.end != len(parser.records) and not parser.limited:
+    if parser.end is not None and parser.end != len(parser.records):
         raise TraceFormatError(f"{p}: end line says {parser.end} records, found {len(parser.records)}")
-    return parser.records
+    limited = None
+    if parser.limited is not None:
+        limited = f"text log cut at {parser.limited}: it holds the first {len(parser.records)} records"
+        if parser.total is not None:
+            limited += f" of {parser.total}"
+    return TraceFile(p, parser.records, complete=parser.end is not None, limited=limited)
 
 
 class _Parser:
@@ -144,7 +168,8 @@ class _Parser:
         self.records: List[Record] = []
         self.run: Optional[str] = None
         self.end: Optional[int] = None
-        self.limited = False
+        self.limited: Optional[str] = None  # "max_ops_logged=N" once the log says its limit was reached
+        self.total: Optional[int] = None  # records in the whole run, from the footer
         self._block: Optional[dict] = None
 
     def _bad(self, lineno: int, what: str) -> TraceFormatError:
@@ -176,7 +201,9 @@ class _Parser:
             except (ValueError, IndexError):
                 raise self._bad(lineno, "bad end line") from None
         elif text.startswith("log limit reached"):
-            self.limited = True
+            self.limited = text.partition(": ")[2].partition(";")[0] or "max_ops_logged"
+        elif text.startswith(("records in the run: ", "records: ")):
+            self.total = _int_or_none(text.rpartition(": ")[2])
 
     def _field(self, lineno: int, text: str) -> None:
         b = self._block
@@ -233,6 +260,13 @@ class _Parser:
                      inputs=list(b["inputs"]), in_hashes=list(b["in_hashes"]), run=self.run,
                      extra=extra or None)
         return Record.from_dict(json.loads(rec.to_json()))  # exactly what the JSONL trace reads back as
+
+
+def _int_or_none(text: str) -> Optional[int]:
+    try:
+        return int(text.split()[0])
+    except (ValueError, IndexError):
+        return None
 
 
 def _tokens(rest: str):

@@ -6,24 +6,28 @@
   lists), the tensors an op returns or writes (:func:`written_tensors`), schema
   facts (writes, views, uninitialized outputs, pure copies);
 * tensor identity: a memory key and version counter that survive a tensor crossing
-  C++ and coming back as a new Python object.
+  C++ and coming back as a new Python object;
+* :func:`unseen`: run a mode's own work (fingerprints, metrics) below every dispatch
+  mode, so an outer mode does not record it as the user's ops.
 
 The recording itself lives in :mod:`determ_backend._modes_record`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sysconfig
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes, _len_torch_dispatch_stack
 
 from .trace import Record, format_hash
 
 __all__ = ["FrameFilter", "user_frames", "iter_args", "written_tensors", "schema_writes", "returns_view",
-           "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key"]
+           "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key", "unseen"]
 
 _INTERNAL_ROOTS = tuple(os.path.join(p, "") for p in (
     os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
@@ -154,3 +158,11 @@ def mem_key(t: torch.Tensor) -> Optional[tuple]:
         return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
     except RuntimeError:  # no storage (sparse, functional wrappers)
         return None
+
+
+def unseen():
+    """Context for a mode's own torch ops (fingerprints, metrics): no dispatch mode sees them.
+
+    Inside ``__torch_dispatch__`` the running mode is already off the stack, but an outer mode
+    (nested eager tools) is not; free when no mode is active."""
+    return _disable_current_modes() if _len_torch_dispatch_stack() else contextlib.nullcontext()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -34,12 +35,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from . import _torch_compat as _compat
 from ._modes_bitwise import BitwiseEquivalenceMode
-from ._modes_log import LogWriter, read_hash_log
+from ._modes_log import LogWriter, read_hash_log, read_hash_log_file
 from ._modes_record import OpEvent, OpRecorder
 from .errors import ConfigError
 from .trace import Record, TraceWriter
 
-__all__ = ["HashMode", "HashDebugTrace", "BitwiseEquivalenceMode", "read_hash_log"]
+__all__ = ["HashMode", "HashDebugTrace", "BitwiseEquivalenceMode", "read_hash_log", "read_hash_log_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,31 @@ def _protect(code) -> None:
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _check_bool(**flags) -> None:
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise ConfigError(f"{name}={v!r}: expected True or False")
+
+
+def _check_count(name: str, v, minimum: int, optional: bool = False) -> None:
+    if optional and v is None:
+        return
+    if type(v) is not int or v < minimum:
+        expected = "a positive integer" if minimum > 0 else "a non-negative integer"
+        raise ConfigError(f"{name}={v!r}: expected {expected}{' or None' if optional else ''}")
+
+
+def _check_path(name: str, v, optional: bool = False) -> Optional[Path]:
+    if optional and v is None:
+        return None
+    if not isinstance(v, (str, os.PathLike)) or not str(v):
+        raise ConfigError(f"{name}={v!r}: expected a file name (str or path)")
+    p = Path(v)
+    if p.is_dir():
+        raise ConfigError(f"{name}={str(v)!r}: is a directory; expected a file name")
+    return p
 
 
 def _tensor_names(module: Optional[torch.nn.Module]) -> Dict[int, Tuple[weakref.ref, str]]:
@@ -83,10 +109,14 @@ class HashMode(TorchDispatchMode):
                  module: Optional[torch.nn.Module] = None, stack_depth: int = 1, keep_records: bool = True,
                  batch: int = 512, _describe_args: bool = False):
         super().__init__()
-        if batch < 1:
-            raise ConfigError(f"batch: expected a positive number of ops, got {batch}")
+        _check_count("batch", batch, 1)
+        _check_count("stack_depth", stack_depth, 0)
+        _check_bool(stats=stats, keep_records=keep_records)
+        if run is not None and not isinstance(run, str):
+            raise ConfigError(f"run={run!r}: expected a string or None")
+        trace_path = _check_path("trace_path", trace_path, optional=True)
         _protect(type(self).__torch_dispatch__.__code__)
-        self.trace_path = Path(trace_path) if trace_path is not None else None
+        self.trace_path = trace_path
         self.run = run
         self.keep_records = keep_records
         self.records: List[Record] = []
@@ -234,10 +264,12 @@ class HashMode(TorchDispatchMode):
             self._writer = None
 
     def summary(self) -> List[str]:
-        s = [f"records: {self._recorder.seq}"]
+        return [f"records: {self._recorder.seq}"] + self._notes()
+
+    def _notes(self) -> List[str]:
         if self.compiled_ops:
-            s.append(f"{self.compiled_ops} ops of torch.compile'd regions ran eagerly (compiled_region=eager)")
-        return s
+            return [f"{self.compiled_ops} ops of torch.compile'd regions ran eagerly (compiled_region=eager)"]
+        return []
 
 
 class HashDebugTrace(HashMode):
@@ -249,9 +281,12 @@ class HashDebugTrace(HashMode):
     inputs agree and outputs differ.
 
     Args:
-        log_path: the text log.
+        log_path: the text log.  A name ending in ``.jsonl`` names the JSONL trace instead, and the
+            text log goes next to it with suffix ``.log`` (``out.jsonl`` -> ``out.log``).
         verbose: also echo the log to stdout.
-        max_ops_logged: stop the text log after this many ops (the JSONL trace stays complete).
+        max_ops_logged: stop the text log after this many ops (a non-negative integer; None: no
+            limit).  The JSONL trace stays complete; ``repro-tools diff`` of limited logs compares
+            the logged ops only and never reports them identical.
         jsonl_path: the trace (default: ``log_path`` with suffix ``.jsonl``).
         stats, module, stack_depth: as for :class:`HashMode` (stats on, two frames by default).
         auto_flush: flush the text log after every batch of ops (default on).
@@ -265,15 +300,22 @@ class HashDebugTrace(HashMode):
                  run: Optional[str] = None, stats: bool = True, module: Optional[torch.nn.Module] = None,
                  stack_depth: int = 2, batch: int = 512, auto_flush: bool = True, track_gradients: bool = True,
                  include_timestamp: bool = False, show_exec_time: bool = False):
-        log_path = Path(log_path)
+        log_path = _check_path("log_path", log_path)
+        jsonl_path = _check_path("jsonl_path", jsonl_path, optional=True)
+        _check_count("max_ops_logged", max_ops_logged, 0, optional=True)
+        _check_bool(verbose=verbose, auto_flush=auto_flush, track_gradients=track_gradients,
+                    include_timestamp=include_timestamp, show_exec_time=show_exec_time)
         if jsonl_path is None:
-            jsonl_path = log_path.with_suffix(".jsonl") if log_path.suffix != ".jsonl" else Path(f"{log_path}.jsonl")
-        if Path(jsonl_path) == log_path:
+            if log_path.suffix == ".jsonl":  # the name of the trace: the text log goes next to it
+                log_path, jsonl_path = log_path.with_suffix(".log"), log_path
+            else:
+                jsonl_path = log_path.with_suffix(".jsonl")
+        if jsonl_path.resolve() == log_path.resolve():
             raise ConfigError(f"jsonl_path: must differ from log_path ({log_path})")
         super().__init__(trace_path=jsonl_path, run=run or log_path.stem, stats=stats, module=module,
                          stack_depth=stack_depth, keep_records=False, batch=batch, _describe_args=True)
         self.log_path = log_path
-        self.jsonl_path = Path(jsonl_path)
+        self.jsonl_path = jsonl_path
         self.verbose, self.max_ops_logged, self.auto_flush = verbose, max_ops_logged, auto_flush
         self._log: Optional[LogWriter] = None
 
@@ -291,5 +333,5 @@ class HashDebugTrace(HashMode):
     def _finish(self) -> None:
         super()._finish()
         if self._log is not None:
-            self._log.close(self.summary())
+            self._log.close(self._recorder.seq, self._notes())
             self._log = None

@@ -4,7 +4,10 @@ content-addressed tensor payload store.
 A trace file is JSON Lines: a header line ``{"format": "determ-trace", ...}``,
 one line per record, and a footer ``{"end": true, "count": N}`` written by
 :meth:`TraceWriter.close`.  A missing footer means the producer died; the reader
-then reports the file as truncated (or tolerates it with ``allow_partial=True``).
+then reports the file as truncated (or tolerates it with ``allow_partial=True``,
+which also drops a cut last line; a corrupt line elsewhere is always an error).
+The reader checks the type of every field and refuses a header ``version`` newer
+than it knows.
 
 Record fields (see :class:`Record`): ``graph`` (graph id, e.g. ``g0``), ``stage``
 (``dynamo``, ``aot_forward``, ``aot_backward``, ``inductor_forward``,
@@ -24,8 +27,10 @@ import contextlib
 import io
 import json
 import os
+import re
 import tempfile
 import threading
+import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
@@ -34,8 +39,8 @@ import torch
 
 from .errors import TraceFormatError
 
-__all__ = ["Record", "TraceWriter", "read_trace", "resolve_trace_path", "TensorStore", "atomic_write_text", "atomic_path",
-           "format_hash", "TRACE_NAME"]
+__all__ = ["Record", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path", "TensorStore",
+           "atomic_write_text", "atomic_path", "format_hash", "TRACE_NAME"]
 
 FORMAT = "determ-trace"
 VERSION = 1
@@ -172,40 +177,128 @@ def resolve_trace_path(path: Union[str, Path]) -> Path:
     return p
 
 
+@dataclass
+class TraceFile:
+    """A trace as read from disk: its records and how complete the file is.
+
+    ``complete`` is False when the producer died (no end line; read with ``allow_partial``).
+    ``limited`` says why the file holds only part of the run's records on purpose (e.g. a
+    ``HashDebugTrace`` text log cut at ``max_ops_logged``), else None.
+    """
+
+    path: Path
+    records: List[Record]
+    complete: bool = True
+    limited: Optional[str] = None
+
+
 def read_trace(path: Union[str, Path], allow_partial: bool = False) -> List[Record]:
     """Records of a trace file (or run dir).  Raises :class:`TraceFormatError` naming the file and line."""
+    return read_trace_file(path, allow_partial).records
+
+
+def read_trace_file(path: Union[str, Path], allow_partial: bool = False) -> TraceFile:
+    """:func:`read_trace` plus completeness.  ``allow_partial`` accepts a trace whose producer died:
+    no end line, and a corrupt (cut) last line, which is dropped.  A corrupt line anywhere else is an error."""
     p = resolve_trace_path(path)
     records: List[Record] = []
     ended = False
+    cut: Optional[int] = None  # line number of a corrupt line, tolerated only if nothing follows it
     with open(p, encoding="utf-8") as f:
         try:
-            first = f.readline()
-            header = json.loads(first)
+            header = json.loads(f.readline())
         except (json.JSONDecodeError, UnicodeDecodeError):
             header = None
-        if not isinstance(header, dict) or header.get("format") != FORMAT:
-            raise TraceFormatError(f"{p}: not a determ trace (line 1 has no determ-trace header)")
-        for lineno, line in enumerate(f, start=2):
-            if ended and line.strip():
-                raise TraceFormatError(f"{p}:{lineno}: data after the end-of-trace line")
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError:
-                if allow_partial:
-                    break
-                raise TraceFormatError(f"{p}:{lineno}: corrupt or truncated JSON line") from None
-            if d.get("end") is True:
-                ended = True
-                if d.get("count") != len(records):
-                    raise TraceFormatError(f"{p}: footer says {d.get('count')} records, found {len(records)}")
-                continue
-            try:
-                records.append(Record.from_dict(d))
-            except TypeError as e:
-                raise TraceFormatError(f"{p}:{lineno}: bad record ({e})") from None
+        _check_header(p, header)
+        try:
+            for lineno, line in enumerate(f, start=2):
+                if not line.strip():
+                    continue
+                if cut is not None:
+                    raise TraceFormatError(f"{p}:{cut}: corrupt JSON line in the middle of the trace (only a "
+                                           f"truncated last line is accepted, with allow_partial/--allow-partial)")
+                if ended:
+                    raise TraceFormatError(f"{p}:{lineno}: data after the end-of-trace line")
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError:
+                    if not allow_partial:
+                        raise TraceFormatError(f"{p}:{lineno}: corrupt or truncated JSON line") from None
+                    cut = lineno
+                    continue
+                if not isinstance(d, dict):
+                    raise TraceFormatError(f"{p}:{lineno}: expected a JSON object, got {type(d).__name__}")
+                if d.get("end") is True:
+                    ended = True
+                    if d.get("count") != len(records):
+                        raise TraceFormatError(f"{p}: footer says {d.get('count')} records, found {len(records)}")
+                    continue
+                records.append(_parse_record(p, lineno, d))
+        except UnicodeDecodeError:
+            raise TraceFormatError(f"{p}: not a text file (invalid UTF-8)") from None
     if not ended and not allow_partial:
         raise TraceFormatError(f"{p}: truncated trace (no end-of-trace line; the producing process may have died)")
-    return records
+    return TraceFile(p, records, complete=ended)
+
+
+def _check_header(p: Path, header: Any) -> None:
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TraceFormatError(f"{p}: not a determ trace (line 1 has no determ-trace header)")
+    v = header.get("version")
+    if type(v) is not int or v < 1:
+        raise TraceFormatError(f"{p}:1: bad trace format version {v!r} (expected an integer from 1 to {VERSION})")
+    if v > VERSION:
+        raise TraceFormatError(f"{p}:1: trace format version {v} is newer than this determ reads (up to {VERSION}); "
+                               f"read it with the determ release that wrote it")
+
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_NUMBER_TYPES = frozenset({int, float, type(None)})
+
+
+def _is_hash(v: Any) -> bool:
+    return type(v) is str and len(v) == 16 and _HEX16.fullmatch(v) is not None
+
+
+def _only(types_: frozenset, values) -> bool:
+    return set(map(type, values)) <= types_  # C-level loops: reading stays fast on big traces
+
+
+_STR = (lambda v: type(v) is str, "a string")
+_OPT_STR = (lambda v: v is None or type(v) is str, "a string or null")
+_INT = (lambda v: type(v) is int, "an integer")
+_CHECKS = types.MappingProxyType({  # field -> (check, what it must be)
+    "graph": _STR, "stage": _STR, "node": _STR, "op": _STR, "kind": _STR,
+    "call": _INT, "seq": _INT, "rank": _INT,
+    "source": _OPT_STR, "dtype": _OPT_STR, "run": _OPT_STR, "payload": _OPT_STR,
+    "shape": (lambda v: v is None or (type(v) is list and _only(frozenset({int}), v) and min(v, default=0) >= 0),
+              "a list of non-negative integers or null"),
+    "hash": (lambda v: v is None or _is_hash(v), "16 lowercase hex digits or null"),
+    "stats": (lambda v: v is None or (type(v) is dict and _only(_NUMBER_TYPES, v.values())),
+              "an object of numbers or null"),
+    "inputs": (lambda v: type(v) is list and _only(frozenset({str}), v), "a list of strings"),
+    "in_hashes": (lambda v: type(v) is list and all(x is None or _is_hash(x) for x in v),
+                  "a list of hashes (16 hex digits) or nulls"),
+    "extra": (lambda v: v is None or type(v) is dict, "an object or null"),
+})
+_REQUIRED = ("graph", "stage", "node", "op")
+
+
+def _parse_record(p: Path, lineno: int, d: Dict[str, Any]) -> Record:
+    """A :class:`Record` from one decoded line, every field of the expected type."""
+    for k in _REQUIRED:
+        if k not in d:
+            raise TraceFormatError(f"{p}:{lineno}: bad record (missing field {k!r})")
+    for k, v in d.items():
+        check = _CHECKS.get(k)
+        if check is not None and not check[0](v):
+            raise TraceFormatError(f"{p}:{lineno}: bad record (field {k!r} must be {check[1]}, got {_short(v)})")
+    return Record.from_dict(d)
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= 40 else s[:37] + "..."
 
 
 class TensorStore:

@@ -14,7 +14,7 @@ import torch
 from determ_backend import devices
 from determ_backend.compare import compare_traces
 from determ_backend.errors import ConfigError, NondeterminismError, TraceFormatError
-from determ_backend.modes import BitwiseEquivalenceMode, HashDebugTrace, HashMode, read_hash_log
+from determ_backend.modes import BitwiseEquivalenceMode, HashDebugTrace, HashMode, read_hash_log, read_hash_log_file
 from determ_backend.fingerprint import hash_tensor
 from determ_backend.trace import format_hash, read_trace
 from eager_helpers import (diff_logs, eager_nd_backward, eager_nd_rowsum, flip_nan_payload, flip_zero_sign, make,
@@ -293,3 +293,63 @@ def test_hashdebugtrace_options_validated(tmp_path):
     text = (tmp_path / "lim.log").read_text()
     assert "log limit reached" in text and len(read_hash_log(tmp_path / "lim.log")) < len(read_trace(t.jsonl_path))
     json.loads((tmp_path / "lim.jsonl").read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"max_ops_logged": "x"}, "max_ops_logged='x'"),
+    ({"max_ops_logged": -1}, "max_ops_logged=-1"),
+    ({"max_ops_logged": True}, "max_ops_logged=True"),
+    ({"max_ops_logged": 2.5}, "max_ops_logged=2.5"),
+    ({"verbose": "yes"}, "verbose='yes'"),
+    ({"auto_flush": 1}, "auto_flush=1"),
+    ({"stats": None}, "stats=None"),
+    ({"batch": "8"}, "batch='8'"),
+    ({"log_path": 5}, "log_path=5"),
+])
+def test_hashdebugtrace_bad_options_fail_at_construction(tmp_path, kwargs, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        HashDebugTrace(**{"log_path": tmp_path / "t.log", **kwargs})
+    with pytest.raises(ConfigError, match="is a directory"):
+        HashDebugTrace(log_path=tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_hashdebugtrace_jsonl_log_path_names_the_trace(tmp_path):
+    t = traced_run(tmp_path / "out.jsonl", nondet=False)
+    assert (t.jsonl_path, t.log_path) == (tmp_path / "out.jsonl", tmp_path / "out.log")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.log"]
+    assert [r.__dict__ for r in read_trace(tmp_path / "out.jsonl")] == [r.__dict__ for r in read_hash_log(t.log_path)]
+
+
+def test_limited_log_footer_counts_agree(tmp_path):
+    t = traced_run(tmp_path / "lim.log", max_ops_logged=3)
+    total = len(read_trace(t.jsonl_path))
+    tf = read_hash_log_file(tmp_path / "lim.log")
+    tail = (tmp_path / "lim.log").read_text().splitlines()[-3:]
+    assert tail[0] == f"# records in the run: {total}"
+    assert tail[1].startswith(f"# records in this log: {len(tf.records)} (limited by max_ops_logged=3")
+    assert tail[2] == f"# end: {len(tf.records)} records" and 0 < len(tf.records) < total
+    assert tf.complete and "max_ops_logged=3" in tf.limited and f"of {total}" in tf.limited
+    full = read_hash_log_file(traced_run(tmp_path / "full.log").log_path)
+    assert full.limited is None and len(full.records) == total
+
+
+def _fresh_step():
+    x = torch.linspace(-1, 1, 64).reshape(8, 8).requires_grad_()
+    (x @ x).relu().sum().backward()
+
+
+def test_an_outer_mode_does_not_record_an_inner_modes_fingerprinting():
+    with HashMode() as alone:
+        _fresh_step()
+    with HashMode() as outer:
+        with HashMode() as inner:
+            _fresh_step()
+    expected = [(r.node, r.hash) for r in alone.records]
+    assert [(r.node, r.hash) for r in inner.records] == expected
+    assert [(r.node, r.hash) for r in outer.records] == expected
+    with HashMode() as outer:
+        with BitwiseEquivalenceMode():
+            _fresh_step()
+    # the outer mode sees the user's ops (each run twice by the inner mode), none of its fingerprinting
+    assert {r.op for r in outer.records} <= {r.op for r in alone.records}
