@@ -19,7 +19,12 @@ run is steered and judged):
      the failure, one run counts its applications and a binary search finds the
      first application that brings the failure in (e.g. the lowering of ``relu``).
 
-Exit 1 when a guilty stage is found, 0 when the command is healthy, 2 on usage errors.
+When the command also fails with ``torch.compile`` disabled (``TORCH_COMPILE_DISABLE=1``,
+asked only once it fails under ``eager``), no stage is guilty: the failure is not
+the compiler's, and the verdict says so.
+
+Exit 1 when a guilty stage is found, 0 when the command is healthy, 2 on usage errors
+and when the command fails without compiling.
 """
 
 from __future__ import annotations
@@ -73,15 +78,17 @@ class Verdict:
     seconds: float = 0.0
     reason: Optional[str] = None
     history: List[Dict[str, Any]] = field(default_factory=list)
+    fails_uncompiled: bool = False
+    """The command fails with ``torch.compile`` disabled too: not a compiler failure."""
 
     @property
     def healthy(self) -> bool:
-        return self.stage is None
+        return self.stage is None and not self.fails_uncompiled
 
     def to_json(self) -> Dict[str, Any]:
         return {"stage": self.stage, "knob": self.knob, "detail": self.detail, "index": self.index,
                 "runs": self.runs, "seconds": round(self.seconds, 2), "healthy": self.healthy,
-                "failure": self.reason, "history": self.history}
+                "fails_uncompiled": self.fails_uncompiled, "failure": self.reason, "history": self.history}
 
 
 def config_knobs(stage: str) -> List[Tuple[str, Any]]:
@@ -170,6 +177,19 @@ def _search_knobs(r: CommandRunner, stage: str, v: Verdict) -> None:
             return
 
 
+def _fails_uncompiled(r: CommandRunner, v: Verdict, res: Any) -> bool:
+    """After a failure under ``eager``: does the command fail with torch.compile disabled too?"""
+    plain = r.run(None)
+    tail = r.stderr_tail(plain if plain.failed else res)
+    if plain.failed:
+        v.fails_uncompiled, v.reason = True, plain.reason
+        log.warning("the command fails with torch.compile disabled too (%s)%s", plain.reason,
+                    f":\n{tail}" if tail else "")
+        return True
+    log.warning("the command fails with Dynamo alone (no compiler)%s", f":\n{tail}" if tail else "")
+    return False
+
+
 def bisect_command(command: Sequence[str], workdir: Path, timeout: Optional[float] = None,
                    progress: bool = True) -> Verdict:
     """Find the guilty stage and knob for ``command`` (see the module docstring)."""
@@ -181,10 +201,9 @@ def bisect_command(command: Sequence[str], workdir: Path, timeout: Optional[floa
         for stage in STAGES:
             res = r.run(stage)
             if res.failed:
+                if stage == "eager" and _fails_uncompiled(r, v, res):
+                    break
                 v.stage, v.reason = stage, res.reason
-                if stage == "eager":
-                    tail = r.stderr_tail(res)
-                    log.warning("the command fails with Dynamo alone (no compiler)%s", f":\n{tail}" if tail else "")
                 _search_knobs(r, stage, v)
                 break
     finally:
@@ -201,7 +220,8 @@ def register(subparsers) -> None:
         description="Run CMD under the stages eager, aot_eager, aot_eager_decomp_partition and inductor, then "
                     "toggle the knobs inside the first failing stage (config changes, passes, lowerings, "
                     "decompositions), binary-searching counted ones.  A run fails when CMD exits non-zero or a "
-                    "determ report.json says divergent.  Exit 1: guilty stage found; 0: healthy; 2: usage error.",
+                    "determ report.json says divergent.  Exit 1: guilty stage found; 0: healthy; 2: usage error, "
+                    "or the command fails with torch.compile disabled too (not a compiler failure).",
         epilog="example: repro-tools bisect -- python train.py --steps 1")
     p.add_argument("--json", action="store_true", help="print the verdict (stage, knob, detail, runs, seconds) as JSON")
     p.add_argument("--timeout", type=float, default=None,
@@ -228,6 +248,10 @@ def _command(args: argparse.Namespace) -> List[str]:
 
 def _print_text(v: Verdict) -> None:
     print(f"bisect: {v.runs} runs, {v.seconds:.1f} s")
+    if v.fails_uncompiled:
+        print(f"not a compiler failure: the command fails with torch.compile disabled too ({v.reason}); "
+              "nothing to bisect")
+        return
     if v.healthy:
         print("healthy: the command passes under every stage (" + ", ".join(STAGES) + ")")
         return
@@ -236,7 +260,7 @@ def _print_text(v: Verdict) -> None:
     if v.knob is None:
         print("knob: none found (no single config change or subsystem of this stage fixes it)")
     elif v.index is not None:
-        print(f"knob: {v.knob}, application #{v.index}: {v.detail or '(not recorded)'}")
+        print(f"knob: {v.knob}, application index {v.index} (0-based, as in --json): {v.detail or '(not recorded)'}")
     else:
         print(f"knob: {v.knob}" + (f" ({v.detail})" if v.detail else ""))
 
@@ -254,4 +278,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(v.to_json(), indent=1))
     else:
         _print_text(v)
-    return 0 if v.healthy else 1
+    return 2 if v.fails_uncompiled else 0 if v.healthy else 1

@@ -3,7 +3,9 @@
 :class:`Worker` (the parent side) starts ``python -m repro_tools.isolate`` once and
 reuses it for every query; a query that kills the worker (segfault, ``abort``)
 or outlives its timeout is answered from the outside (``crash`` / ``hang``) and
-the worker is restarted for the next one.  Candidates travel as files, never
+the worker is restarted for the next one.  The worker dies with its parent (Linux
+``PR_SET_PDEATHSIG``, plus a parent-pid watchdog elsewhere), so a killed minifier
+leaves no worker behind.  Candidates travel as files, never
 pickles: the graph as Python source and the inputs for
 ``torch.load(weights_only=True)`` (:mod:`repro_tools.graph_code`); requests and
 answers are JSON lines on the worker's stdin and a private copy of its stdout
@@ -22,6 +24,7 @@ Judging itself lives in :mod:`repro_tools.oracles`.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import logging
@@ -32,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -51,6 +55,32 @@ __all__ = ["Worker", "serve"]
 
 log = logging.getLogger(__name__)
 _STARTUP_TIMEOUT = 180.0
+_PR_SET_PDEATHSIG = 1
+_WATCH_SECONDS = 1.0
+_TMP_PREFIX = "determ_worker_"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove_orphaned_tmp() -> None:
+    """Temporary directories of earlier workers whose parent was killed outright (SIGKILL: no chance to clean
+    up): ``determ_worker_<pid>_*`` of this user whose pid no longer runs."""
+    for d in Path(tempfile.gettempdir()).glob(f"{_TMP_PREFIX}*_*"):
+        pid = d.name[len(_TMP_PREFIX):].split("_", 1)[0]
+        try:
+            mine = d.is_dir() and d.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _signal_name(returncode: Optional[int]) -> str:
@@ -68,7 +98,8 @@ class Worker:
     def __init__(self, startup_timeout: float = _STARTUP_TIMEOUT, env: Optional[Dict[str, str]] = None):
         self.startup_timeout = startup_timeout
         self.extra_env = dict(env or {})
-        self.tmp = Path(tempfile.mkdtemp(prefix="determ_worker_"))
+        _remove_orphaned_tmp()
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}_"))
         self.proc: Optional[subprocess.Popen] = None
         self._buf = b""
         self.calls = 0
@@ -86,9 +117,9 @@ class Worker:
 
     def _start(self) -> None:
         self._log = open(self.tmp / "worker.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "repro_tools.isolate"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, env=self._env(),
-                                     start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "repro_tools.isolate", "--parent", str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=self._env(), start_new_session=True)
         self._buf = b""
         self.starts += 1
         msg = self._read(self.startup_timeout)
@@ -261,8 +292,33 @@ def _handle(req: Dict[str, Any]) -> Dict[str, Any]:
     return {"verdict": _verdict_json(v)}
 
 
-def serve() -> int:
-    """The worker loop: one JSON request per stdin line, one JSON answer per line."""
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(_WATCH_SECONDS)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this process when ``parent`` ends: the kernel's parent-death signal on Linux, and a thread
+    watching the parent pid (other systems, and the moment before the signal was armed)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+                log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); watching the parent pid only", ctypes.get_errno())
+        except (OSError, AttributeError) as e:
+            log.warning("prctl unavailable (%s); watching the parent pid only", e)
+    if os.getppid() != parent:  # the parent already ended
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="determ-parent-watch").start()
+
+
+def serve(parent: Optional[int] = None) -> int:
+    """The worker loop: one JSON request per stdin line, one JSON answer per line.  ``parent``: the pid
+    whose end ends this worker."""
+    if parent is not None:
+        _die_with_parent(parent)
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything printed by torch or a compiler goes to the log, not the protocol
     sys.stdout = sys.stderr
@@ -278,5 +334,11 @@ def serve() -> int:
     return 0
 
 
+def _parent_arg(argv: List[str]) -> Optional[int]:
+    if len(argv) == 2 and argv[0] == "--parent" and argv[1].isdigit():
+        return int(argv[1])
+    return None
+
+
 if __name__ == "__main__":
-    sys.exit(serve())
+    sys.exit(serve(_parent_arg(sys.argv[1:])))

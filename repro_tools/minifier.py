@@ -29,10 +29,11 @@ import torch
 import torch.fx as fx
 from tqdm import tqdm
 
-from determ_backend.errors import OracleError, ReproError
+from determ_backend.errors import ConfigError, OracleError, ReproError
 from determ_backend.trace import atomic_write_text
 
 from . import passes
+from .compilers import resolve_compiler
 from .oracles import ISOLATED_ONLY, InProcessRunner, OracleSpec, Signature, Verdict
 from .reducer import BudgetExhausted, Reducer
 from .repro_io import write_repro_any
@@ -45,6 +46,7 @@ STATE_FILE = "minify_state.json"
 _STATE_FORMAT = "determ-minify-state"
 _ERROR_KINDS = ("compile_error", "runtime_error", "error", "crash", "hang")
 _FLAKY_KINDS = ("nondeterminism", "hang")  # their final result is always asked again
+_EAGER_KINDS = ("accuracy", "cross_device")  # judged against the graph's eager values
 
 
 @dataclass
@@ -74,10 +76,10 @@ class _Session:
 
     def on_query(self, r: Reducer) -> None:
         self.bar.n = r.queries
-        self.bar.set_postfix(nodes=len(r.current.keep), refresh=True)
+        self.bar.set_postfix(ops=len(r.current.keep), refresh=True)
 
     def on_improve(self, r: Reducer) -> None:
-        self.bar.set_postfix(nodes=len(r.current.keep), refresh=True)
+        self.bar.set_postfix(ops=len(r.current.keep), refresh=True)
         if self.out_dir is None:
             return
         self.checkpoints += 1
@@ -122,8 +124,12 @@ class _Session:
             state = json.loads(path.read_text())
         except ValueError as e:
             raise ReproError(f"{path}: corrupt minifier state ({e}); delete it to start over") from e
-        if state.get("format") != _STATE_FORMAT or state.get("start_key") != start_key:
-            raise ReproError(f"{path}: state belongs to a different graph or format; use another --out or delete it")
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise ReproError(f"{path}: not a minifier state file (expected a JSON object with "
+                             f"format {_STATE_FORMAT!r}); use another --out or delete it")
+        if state.get("start_key") != start_key:
+            raise ReproError(f"{path}: state belongs to a different graph; use another --out or delete it")
+        _check_state(path, state)
         for name in {state["current"]["values"]} - {"ref"}:
             f = self.out_dir / f"values_{name}.pt"
             try:
@@ -134,6 +140,30 @@ class _Session:
         self.checkpoints = int(state.get("checkpoints", 0))
         self.localize_done = bool(state.get("localize_done"))
         return state
+
+
+def _check_state(path: Path, state: Dict[str, Any]) -> None:
+    """The fields :func:`_resume` reads, with their types; one line naming the file otherwise."""
+    cur = state.get("current")
+    ok = (isinstance(cur, dict) and isinstance(cur.get("keep"), list) and isinstance(cur.get("values"), str)
+          and "merge_inputs" in cur
+          and isinstance(cur.get("outputs"), (list, type(None))) and isinstance(state.get("spec"), dict)
+          and isinstance(state.get("cache"), dict) and isinstance(state.get("queries"), int))
+    if not ok:
+        raise ReproError(f"{path}: minifier state is incomplete or malformed (expected keys current.keep, "
+                         "current.values, current.outputs, current.merge_inputs, spec, cache, queries); delete it to start over")
+
+
+def _check_start(spec: OracleSpec, view: GraphView, out: Optional[Path], resume: bool) -> None:
+    """What is wrong before any query: a compiler that does not resolve, a graph that cannot run eagerly
+    (for oracles judging against eager), an ``out_dir`` holding an earlier minification."""
+    resolve_compiler(spec.compiler)
+    if spec.kind in _EAGER_KINDS and view.eager_error:
+        raise ReproError(f"the input graph cannot run eagerly ({view.eager_error}); the {spec.kind} oracle "
+                         "compares against its eager run")
+    if out is not None and not resume and (out / STATE_FILE).exists():
+        raise ConfigError(f"out_dir {out}: holds an earlier minification ({STATE_FILE}); resume it or use "
+                          "another directory")
 
 
 def _make_runner(spec: OracleSpec, isolate: bool):
@@ -185,10 +215,12 @@ def minify(gm: fx.GraphModule, inputs: Sequence[Any], spec: OracleSpec, *, runne
     ``runner``: an object with ``check``/``observe`` (default: in-process, or a
     persistent :class:`~repro_tools.isolate.Worker` with ``isolate=True`` or for
     crash/hang oracles).  ``out_dir``: checkpoints, state and the final repro.
-    Raises :class:`OracleError` when the input graph does not fail.
+    Raises :class:`OracleError` when the input graph does not fail, :class:`ConfigError` when the
+    compiler does not resolve or ``out_dir`` holds an earlier minification and ``resume`` is false.
     """
     view = GraphView(gm, inputs)
     out = Path(out_dir) if out_dir is not None else None
+    _check_start(spec, view, out, resume)
     own_runner = runner is None
     runner = runner if runner is not None else _make_runner(spec, isolate)
     try:

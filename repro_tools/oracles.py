@@ -45,7 +45,8 @@ from determ_backend.errors import ConfigError
 from determ_backend.fingerprint import hash_tensors
 from determ_backend.retarget import converter, moved_graph
 
-from .compilers import Compiler, call_compiled, compile_graph, compiler_name, config_patch, flat_tensors
+from .compilers import (Compiler, call_compiled, compile_graph, compiler_name, config_patch, flat_tensors,
+                        resolve_compiler)
 from .inductor_values import SUPPORTED, BufferValues
 
 __all__ = ["KINDS", "OracleSpec", "Signature", "Verdict", "check", "check_observed", "observe", "similar",
@@ -66,7 +67,7 @@ class Signature:
 
     def short(self) -> str:
         first = self.message.strip().splitlines()[0][:200] if self.message.strip() else ""
-        return f"{self.stage}: {self.type}: {first}" if self.type else f"{self.stage}: {first}"
+        return ": ".join(part for part in (self.stage, self.type, first) if part)
 
 
 @dataclass(frozen=True)
@@ -336,6 +337,7 @@ def check(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdic
     """Judge one candidate in this process (``crash``/``hang`` need :mod:`repro_tools.isolate`)."""
     if spec.kind in ISOLATED_ONLY:
         raise ConfigError(f"oracle kind {spec.kind!r} needs an isolated worker (repro_tools.isolate)")
+    resolve_compiler(spec.compiler)  # a compiler that does not resolve is bad input, never the failure judged
     if spec.kind == "accuracy":
         return _timed(_judge_accuracy, spec, gm, inputs)
     if spec.kind in ("nondeterminism", "cross_device"):

@@ -80,7 +80,11 @@ def _devices(text: Optional[str], needed: bool) -> Tuple[str, ...]:
     if len(specs) != 2:
         raise ConfigError(f"--devices {text!r}: expected exactly two device specs separated by a comma")
     for s in specs:
-        require(parse_device_spec(s)[0])
+        dev, dtype = parse_device_spec(s)
+        if dtype is not None and not dtype.is_floating_point:
+            raise ConfigError(f"--devices {text!r}: {s}: expected a floating-point dtype (e.g. float32, float64, "
+                              f"bfloat16), got {str(dtype).replace('torch.', '')}")
+        require(dev)
     return specs
 
 
@@ -128,6 +132,8 @@ def _run_script(script: str, script_args: List[str], spec: str, out: Path, backe
     if backend:
         env["TORCH_BISECT_BACKEND"] = backend
     out.mkdir(parents=True, exist_ok=True)
+    for stale in ("trace.jsonl", "report.json"):  # an earlier run's, which this run may not rewrite
+        (out / stale).unlink(missing_ok=True)
     t0 = time.perf_counter()
     with open(out / "stdout.txt", "wb") as so, open(out / "stderr.txt", "wb") as se:
         code = subprocess.run([sys.executable, script, *script_args], env=env, stdout=so, stderr=se,
@@ -173,12 +179,22 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the comparison summary as JSON")
     p.add_argument("--minify", action="store_true",
                    help="repro targets: shrink to the smallest subgraph that still diverges and write repro.py")
-    p.add_argument("--out", help="output directory (default: ./determ_xdevice, or REPRO's dir/xdevice)")
+    p.add_argument("--out", help="output directory: user scripts' runs (default ./determ_xdevice, reused), or "
+                                 "--minify's checkpoints and minimal repro (default: a new xdevice, xdevice-2, ... "
+                                 "next to REPRO)")
     p.add_argument("--script-args", default="", help="arguments for a user script, as one shell-quoted string")
     p.add_argument("--backend", choices=_BACKENDS,
                    help="user scripts: compile with this determ backend whatever the script asks for")
     p.add_argument("--limit", type=int, default=20, help="rows of divergent nodes to print (default 20)")
     p.set_defaults(func=run)
+
+
+def _script_args(text: str) -> List[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"--script-args {text!r}: {e}; expected the script's arguments as one shell-quoted "
+                          "string, e.g. --script-args '--steps 1'") from None
 
 
 def _minify(gm, inputs, specs: Tuple[str, ...], tol: float, out: Path) -> Dict[str, Any]:
@@ -204,12 +220,19 @@ def _print(cmp: Comparison, specs: Tuple[str, ...], limit: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .minify_cmd import out_dir_for
+
     kind = _kind(args.targets)
     if args.tol < 0:
         raise ConfigError(f"--tol must be >= 0, got {args.tol}")
+    if args.limit < 0:
+        raise ConfigError(f"--limit must be >= 0 (rows to print), got {args.limit}")
     if args.minify and kind != "repro":
         raise ConfigError("--minify needs a repro.py (or graph directory) target: traces and scripts carry no graph")
+    script_args = _script_args(args.script_args)
     specs = _devices(args.devices, needed=kind != "traces")
+    src = Path(args.targets[0])
+    min_out = out_dir_for(src, args.out, name="xdevice") if args.minify else None
     summary: Dict[str, Any] = {"target": kind, "devices": list(specs)}
     if kind == "traces":
         pair = args.targets if len(args.targets) == 2 else args.targets[0].split(",")
@@ -220,13 +243,11 @@ def run(args: argparse.Namespace) -> int:
         cmp, gm, inputs = compare_repro(args.targets[0], specs, args.tol)
     else:
         out = Path(args.out or "determ_xdevice")
-        cmp = compare_script(args.targets[0], shlex.split(args.script_args), specs, args.tol, out, args.backend)
+        cmp = compare_script(args.targets[0], script_args, specs, args.tol, out, args.backend)
         summary["runs"] = str(out)
     summary.update(cmp.summary(["xdevice"]))
     if args.minify and cmp.divergent:
-        src = Path(args.targets[0])
-        out = Path(args.out) if args.out else (src if src.is_dir() else src.parent) / "xdevice"
-        summary["minify"] = _minify(gm, inputs, specs, args.tol, out)
+        summary["minify"] = _minify(gm, inputs, specs, args.tol, min_out)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:

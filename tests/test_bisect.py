@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,76 @@ def test_bisect_stage_caps_the_stack_and_keeps_tracing(tmp_path, stage, trace_st
     assert {r.stage for r in records} == {trace_stage}
     ops = {r.op for r in records}
     assert ("aten.hardswish.default" not in ops and "aten.clamp_min.default" in ops) == decomposed
+
+
+# ------------------------------------------------------------------ where runs write, what they leave behind
+
+# A nondeterministic op (fresh noise each call) seen by the determ determinism check: no exit status, only
+# the report says divergent, written where the script's own options put it, relative to the directory the
+# command changes into.
+NOISY_OWN_DIR = """
+    import random
+    import torch
+
+    @torch.library.custom_op("determ_bisect_test::noisy", mutates_args=())
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return x + random.SystemRandom().random() * 1e-3
+
+    @noisy.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    def f(x):
+        return torch.ops.determ_bisect_test.noisy(x.sin()).cos()
+
+    opts = {"check": "determinism", "dir": "my_out", "raise_on_divergence": False}
+    torch.compile(f, backend="determ_aot_eager", options=opts)(torch.randn(8))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_report_is_found_where_the_script_puts_it_after_changing_directory(tmp_path, capsys, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "script.py").write_text(textwrap.dedent(NOISY_OWN_DIR))
+    monkeypatch.chdir(tmp_path)
+    code = main(["bisect", "--json", "--no-progress", "--workdir", "rel_logs", "--", "bash", "-c",
+                 f"cd sub && {sys.executable} ../script.py"])
+    v = json.loads(capsys.readouterr().out)
+    assert code == 1 and v["stage"] == "eager" and v["runs"] == 2, v  # passes without torch.compile
+    assert v["failure"].startswith("determ determinism divergence at noisy")
+    assert (tmp_path / "rel_logs" / "runs" / "000").is_dir() and not (tmp_path / "sub" / "rel_logs").exists()
+    assert list((tmp_path / "sub" / "my_out").glob("bisect-*/report.json"))
+
+
+def test_command_failing_without_compiling_is_not_a_compiler_failure(tmp_path, capsys):
+    code = main(["bisect", "--no-progress", "--workdir", str(tmp_path), "--", sys.executable, "-c",
+                 "import sys; sys.exit(3)"])
+    out = capsys.readouterr().out
+    assert code == 2 and "not a compiler failure" in out and "exit status 3" in out and "guilty" not in out
+
+
+_SPAWNER = "import subprocess, sys; p = subprocess.Popen(['sleep', '60']); " \
+           "open(sys.argv[1], 'a').write(f'{p.pid}\\n'); p.wait()"
+
+
+def test_timeout_kills_the_commands_grandchildren(tmp_path, capsys):
+    pids = tmp_path / "pids"
+    code = main(["bisect", "--no-progress", "--timeout", "2", "--workdir", str(tmp_path / "w"), "--",
+                 sys.executable, "-c", _SPAWNER, str(pids)])
+    capsys.readouterr()
+    assert code == 2  # timed out with torch.compile disabled too
+    spawned = [int(p) for p in pids.read_text().split()]
+    assert len(spawned) == 2
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in spawned) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in spawned)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -1,5 +1,10 @@
 """The persistent oracle worker: reused across queries, survives crashes and hangs; graph code round trip."""
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -74,3 +79,59 @@ def test_graph_dir_bad_inputs_are_clear(tmp_path, damage):
         (tmp_path / "inputs.pt").write_bytes(b"not a tensor file")
     with pytest.raises(ReproError, match="inputs.pt"):
         read_graph_dir(tmp_path)
+
+
+_PARENT = """
+import sys, time
+sys.path[:0] = {paths!r}
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from repro_tools.isolate import Worker
+from repro_tools.oracles import OracleSpec
+
+w = Worker()
+x = torch.randn(4, 3)
+gm = make_fx(lambda x: (torch.erf(x) + 1,))(x)
+print(w.tmp, flush=True)
+w.check(OracleSpec(kind="hang", compiler="minifier_helpers:hang_on_erf", timeout=600), gm, [x])
+"""
+
+
+def _children(pid):
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _exited(pid, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_worker_dies_with_its_killed_parent_and_its_files_are_collected_later(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    code = _PARENT.format(paths=[str(root / "tests"), str(root)])
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    tmp = Path(parent.stdout.readline().strip())
+    deadline, workers = time.monotonic() + 120, []
+    while not workers and time.monotonic() < deadline:
+        time.sleep(0.2)
+        workers = _children(parent.pid)
+    assert workers and tmp.is_dir()
+    time.sleep(1.0)
+    parent.kill()  # SIGKILL: the parent cannot clean up
+    parent.wait()
+    assert _exited(workers[0])
+    assert tmp.is_dir()  # left behind by the killed parent ...
+    Worker().close()  # ... and removed by the next worker
+    assert not tmp.exists()

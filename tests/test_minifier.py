@@ -13,7 +13,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import minifier_helpers as H
-from determ_backend.errors import OracleError
+from determ_backend.errors import ConfigError, OracleError, ReproError
 from repro_tools.cli import main
 from repro_tools.graph_code import write_graph_dir
 from repro_tools.minifier import minify
@@ -166,3 +166,152 @@ def test_checkpoint_and_minimal_repros_keep_the_source_flows_settings(tmp_path, 
         assert {k: meta.get(k) for k in flow} == want, path
         assert meta["kind"] == "accuracy" and meta["compiler"] == "minifier_helpers:wrong_erf" and not meta.get("launcher")
         assert meta["tol"] == 0.002 and meta["source"] == str(src)  # the oracle's settings and the source win
+
+
+# ------------------------------------------------------------------ bad input, recorded settings, interruption
+
+def _one_line_error(capsys, needle):
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_cli_imports_the_compiler_from_the_repros_recorded_sys_path(tmp_path, capsys, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "determ_test_recorded_comp.py").write_text(
+        "from minifier_helpers import erf_compile_error as refuse_erf\n")
+    gm, inputs = H.mlp_graph(layers=2)
+    write_graph_dir(gm, inputs, tmp_path / "repro", {"kind": "compile_error", "sys_path": [str(home)],
+                                                     "compiler": "determ_test_recorded_comp:refuse_erf"})
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restored afterwards
+    monkeypatch.chdir(tmp_path)
+    assert main(["minify", str(tmp_path / "repro"), "--in-process", "--no-progress", "--json"]) == 1
+    s = json.loads(capsys.readouterr().out)
+    assert "no lowering for aten.erf.default" in s["failure"] and s["culprit"]["op"] == "aten.erf.default"
+
+
+@pytest.mark.parametrize("compiler, needle", [("determ_no_such_backend", "not a known backend"),
+                                              ("determ_no_such_module:fn", "cannot import it")])
+def test_cli_compiler_that_does_not_resolve_is_bad_input(tmp_path, capsys, compiler, needle):
+    repro = _write(tmp_path, "compile_error", "minifier_helpers:erf_compile_error", layers=1)
+    assert main(["minify", str(repro), "--compiler", compiler, "--kind", "error", "--no-progress"]) == 2
+    assert "--compiler" in _one_line_error(capsys, needle)
+    assert not (repro / "minify").exists()
+
+
+def test_api_compiler_that_does_not_resolve_is_never_the_failure():
+    gm, inputs = H.mlp_graph(layers=1)
+    with pytest.raises(ConfigError, match="determ_no_such_backend"):
+        minify(gm, inputs, OracleSpec(kind="error", compiler="determ_no_such_backend"), progress=False)
+
+
+def test_cli_graph_that_cannot_run_eagerly_is_bad_input(tmp_path, capsys):
+    gm, inputs = H.mlp_graph(layers=1)
+    write_graph_dir(gm, inputs, tmp_path / "g")
+    (tmp_path / "g" / "graph.py").write_text(
+        "import torch\nclass Repro(torch.nn.Module):\n    def forward(self, x, w):\n        return (undefined_fn(x),)\n")
+    assert main(["minify", str(tmp_path / "g"), "--kind", "accuracy", "--compiler", "eager", "--no-progress"]) == 2
+    _one_line_error(capsys, "the input graph cannot run eagerly (NameError")
+
+
+def test_api_accuracy_needs_a_graph_that_runs_eagerly():
+    gm, inputs = H.mlp_graph(layers=1)
+    bad = [torch.randn(3, 5), *inputs[1:]]  # the matmul's shapes do not match
+    with pytest.raises(ReproError, match="cannot run eagerly"):
+        minify(gm, bad, OracleSpec(kind="accuracy", compiler="minifier_helpers:wrong_erf"), progress=False)
+
+
+def test_cli_out_that_is_a_file_fails_before_loading(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    assert main(["minify", str(tmp_path / "no_repro_here"), "--out", str(tmp_path / "afile")]) == 2
+    _one_line_error(capsys, "is not a directory")
+
+
+@pytest.mark.parametrize("state", ["[1]", "{}", '{"format": "determ-minify-state", "start_key": 3}'])
+def test_cli_resume_from_a_malformed_state_is_one_line(tmp_path, capsys, state):
+    repro = _write(tmp_path, "accuracy", "minifier_helpers:wrong_erf", layers=1)
+    (tmp_path / "stc").mkdir()
+    (tmp_path / "stc" / "minify_state.json").write_text(state)
+    assert main(["minify", str(repro), "--out", str(tmp_path / "stc"), "--resume", "--in-process", "--no-progress"]) == 2
+    _one_line_error(capsys, "minify_state.json")
+
+
+def test_api_refuses_an_out_dir_holding_an_earlier_minification(tmp_path):
+    gm, inputs = H.mlp_graph(layers=1)
+    (tmp_path / "minify_state.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds an earlier minification"):
+        minify(gm, inputs, OracleSpec(kind="accuracy", compiler="minifier_helpers:wrong_erf"), out_dir=tmp_path,
+               progress=False)
+
+
+@pytest.mark.parametrize("layout", ["repro.py", "minifier_launcher.py", None])
+def test_cli_accepts_a_directory_holding_a_repro_script(tmp_path, capsys, layout):
+    from repro_tools.repro_script import write_repro
+
+    d = tmp_path / "d"
+    d.mkdir()
+    if layout is None:
+        assert main(["minify", str(d), "--in-process", "--no-progress"]) == 2
+        _one_line_error(capsys, "expected a repro script or a graph directory")
+        return
+    gm, inputs = H.mlp_graph(layers=1)
+    write_repro(gm, inputs, d / layout, meta={"kind": "accuracy", "compiler": "minifier_helpers:wrong_erf"})
+    assert main(["minify", str(d), "--in-process", "--no-progress", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["culprit"]["op"] == "aten.erf.default"
+
+
+def test_cli_config_adds_to_the_recorded_config(tmp_path, capsys):
+    from repro_tools.repro_script import read_meta
+
+    gm, inputs = H.mlp_graph(layers=1)
+    write_graph_dir(gm, inputs, tmp_path / "repro", {"kind": "accuracy", "compiler": "minifier_helpers:wrong_erf",
+                                                     "config": {"fallback_random": True, "max_autotune": True}})
+    assert main(["minify", str(tmp_path / "repro"), "--config", "max_autotune=false", "--in-process",
+                 "--no-progress", "--json"]) == 1
+    meta = read_meta(Path(json.loads(capsys.readouterr().out)["repro_path"]))
+    assert meta["config"] == {"fallback_random": True, "max_autotune": False}
+
+
+def _worker_pids(parent: int):
+    try:
+        return [int(p) for p in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _gone(pid: int, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited, waiting to be reaped
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_cli_stops_its_worker_and_says_how_to_resume(tmp_path, sig, code):
+    import tempfile
+
+    repro = _write(tmp_path, "hang", "minifier_helpers:hang_on_erf", layers=1)
+    cmd, env = _cli(str(repro), "--timeout", "120", "--no-progress", "--out", str(tmp_path / "out"))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, workers = time.monotonic() + 120, []
+    while not workers and time.monotonic() < deadline:
+        time.sleep(0.2)
+        workers = _worker_pids(proc.pid)
+    assert workers, "the minifier never started its worker"
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert err.strip().splitlines()[-1].startswith("repro-tools minify: interrupted; resume with: ")
+    assert "Traceback" not in err and "--resume" in err
+    assert all(_gone(w) for w in workers)
+    assert not list(Path(tempfile.gettempdir()).glob(f"determ_worker_{proc.pid}_*"))

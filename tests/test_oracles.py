@@ -134,3 +134,18 @@ def test_check_observed_is_check_outside_inductor_accuracy(kind, compiler, fails
     gm, inputs = _erf_graph()
     v, seen = check_observed(OracleSpec(kind=kind, compiler=compiler), gm, inputs, {})
     assert v.fails is fails and seen is None
+
+
+@pytest.mark.parametrize("kind", ["error", "compile_error", "accuracy", "nondeterminism"])
+@pytest.mark.parametrize("compiler", ["determ_no_such_backend", "determ_no_such_module:fn"])
+def test_a_compiler_that_does_not_resolve_is_a_config_error_not_a_verdict(kind, compiler):
+    gm, inputs = _erf_graph()
+    with pytest.raises(ConfigError, match="determ_no_such_"):
+        check(OracleSpec(kind=kind, compiler=compiler), gm, inputs)
+
+
+@pytest.mark.parametrize("sig, text", [(Signature("crash", "SIGABRT", ""), "crash: SIGABRT"),
+                                       (Signature("accuracy", "", "output 0 differs"), "accuracy: output 0 differs"),
+                                       (Signature("compile", "E", "boom\nmore"), "compile: E: boom")])
+def test_signature_short_has_no_dangling_separator(sig, text):
+    assert sig.short() == text

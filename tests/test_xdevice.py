@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -146,6 +147,9 @@ def test_trace_pair_localizes_the_cancellation(script_runs, capsys, form):
     (["--devices", "cpu,npu:1"], "device 'npu:1' is not available"),
     (["--devices", "cpu,cpu:notadtype"], "bad dtype 'notadtype'"),
     (["--devices", "cpu"], "expected exactly two device specs"),
+    (["--devices", "cpu,cpu:int8"], "cpu:int8: expected a floating-point dtype"),
+    (["--devices", "cpu:bool,cpu"], "cpu:bool: expected a floating-point dtype"),
+    (["--devices", DEVICES, "--limit", "-1"], "--limit must be >= 0"),
     ([], "--devices: expected two device specs"),
 ])
 def test_bad_devices_exit_2_with_one_line(repro, capsys, argv, needle):
@@ -204,3 +208,36 @@ def test_backend_on_another_dtype_returns_original_dtype_and_gradients(tmp_path)
 def test_bad_settings_are_one_clear_line(env, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(env=env)
+
+
+def test_unbalanced_script_args_exit_2_with_one_line(tmp_path, capsys):
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    assert main(["xdevice", str(tmp_path / "train.py"), "--devices", DEVICES, "--script-args", '"unclosed']) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--script-args" in err and "No closing quotation" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_script_without_a_trace_is_not_judged_on_an_earlier_runs_trace(tmp_path, capsys, script_runs):
+    _, _, runs = script_runs
+    out = tmp_path / "out"
+    shutil.copytree(runs, out)  # an earlier run's traces in the same --out
+    (tmp_path / "plain.py").write_text("print('no torch.compile here')\n")
+    assert main(["xdevice", str(tmp_path / "plain.py"), "--devices", DEVICES, "--out", str(out)]) == 2
+    assert "wrote no determ trace" in capsys.readouterr().err
+
+
+def test_minify_picks_a_new_directory_per_run(tmp_path, capsys):
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 16), torch.randn(4, 16)]
+    src = write_repro(fx.symbolic_trace(Cancel()), inputs, tmp_path / "repro.py",
+                      meta={"kind": "cross_device", "compiler": "eager"})
+    paths = []
+    for _ in range(2):
+        code, s = xdevice(capsys, str(src), "--devices", DEVICES, "--minify")
+        assert code == 1
+        paths.append(Path(s["minify"]["repro_path"]))
+    assert [p.relative_to(tmp_path).parts[0] for p in paths] == ["xdevice", "xdevice-2"]
+    assert all(p.is_file() for p in paths)
+    assert main(["xdevice", str(src), "--devices", DEVICES, "--minify", "--out", str(tmp_path / "xdevice")]) == 2
+    assert "holds an earlier minification" in capsys.readouterr().err
