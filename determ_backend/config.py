@@ -166,7 +166,8 @@ def option_names() -> frozenset:
 
 def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[str, str]] = None,
                 base: Optional[DetermConfig] = None) -> DetermConfig:
-    """Build a config from defaults (or ``base``), the environment, then ``options``."""
+    """Build a config from defaults (or ``base``), the environment, then ``options``; under
+    ``repro-tools bisect`` (``DETERM_BISECT_DIR`` set) the output directory and run id are bisect's."""
     env = os.environ if env is None else env
     values = {}
     for name, var in _ENV.items():
@@ -177,5 +178,9 @@ def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mappi
         if name not in _ENV:
             raise ConfigError(f"unknown determ option {key!r}; expected one of {', '.join(sorted(_ENV))}")
         values[name] = _coerce(name, value, f"options[{key!r}]")
+    if env.get("DETERM_BISECT_DIR"):  # set by repro-tools bisect, which must find each run's report
+        values["dir"] = _coerce("dir", env["DETERM_BISECT_DIR"], "DETERM_BISECT_DIR")
+        if "DETERM_RUN_ID" in env:
+            values["run_id"] = _coerce("run_id", env["DETERM_RUN_ID"], "DETERM_RUN_ID")
     base = base or DetermConfig()
     return base.replace(**values, given=base.given | frozenset(values))

@@ -184,3 +184,10 @@ def test_report_names_a_trace_only_once_one_is_written_and_takes_detail_findings
     assert report["first_divergence"]["check"] == "repro accuracy"
     assert "determ repro accuracy divergence: output 0: max_abs=0.01" in caplog.text
     assert not (tmp_path / "r" / "trace.jsonl").exists()
+
+
+def test_bisect_dir_and_run_id_override_the_scripts_options():
+    env = {"DETERM_BISECT_DIR": "/b/out", "DETERM_RUN_ID": "bisect-1-003", "DETERM_DIR": "/b/out"}
+    cfg = load_config({"dir": "my_out", "run_id": "mine"}, env=env)
+    assert (cfg.dir, cfg.run_id) == ("/b/out", "bisect-1-003")
+    assert load_config({"dir": "my_out"}, env={"DETERM_DIR": "/b/out"}).dir == "my_out"  # options win otherwise
