@@ -246,6 +246,10 @@ def run(args: argparse.Namespace) -> int:
         cmp = compare_script(args.targets[0], script_args, specs, args.tol, out, args.backend)
         summary["runs"] = str(out)
     summary.update(cmp.summary(["xdevice"]))
+    if not summary["pairs"]:  # nothing was compared: never "the devices agree"
+        raise ConfigError(f"{args.targets[0]}: no record of one side pairs with the other "
+                              f"({summary['unmatched_a']} vs {summary['unmatched_b']} records); expected runs of "
+                              "the same model with the same determ backend")
     if args.minify and cmp.divergent:
         summary["minify"] = _minify(gm, inputs, specs, args.tol, min_out)
     if args.json:

@@ -241,3 +241,17 @@ def test_minify_picks_a_new_directory_per_run(tmp_path, capsys):
     assert all(p.is_file() for p in paths)
     assert main(["xdevice", str(src), "--devices", DEVICES, "--minify", "--out", str(tmp_path / "xdevice")]) == 2
     assert "holds an earlier minification" in capsys.readouterr().err
+
+
+def test_traces_with_nothing_paired_are_not_said_to_agree(tmp_path, capsys):
+    from backend_helpers import compile_run
+
+    torch.manual_seed(0)
+    _, run = compile_run(torch.nn.Linear(4, 4), (torch.randn(2, 4),), "determ_eager", tmp_path, "a")
+    trace = run / "trace.jsonl"
+    empty = tmp_path / "empty.jsonl"
+    lines = trace.read_text().splitlines()
+    empty.write_text(lines[0] + '\n{"end": true, "count": 0}\n')  # a complete run that traced nothing
+    assert main(["xdevice", f"{trace},{empty}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no record of one side pairs with the other" in err and len(err.splitlines()) == 1
