@@ -259,6 +259,8 @@ def config_applied():
 
 
 def _get_args(ns):
+    if ns.out:
+        _check_out(ns.out)
     args = load_args(ns.device)
     for i, (spec, a) in enumerate(zip(INPUTS, args)):
         if isinstance(a, torch.Tensor):
@@ -267,9 +269,32 @@ def _get_args(ns):
         else:
             print(f"{i}\t{spec.get('name', '')}\t{type(a).__name__}\t{a!r}")
     if ns.out:
-        torch.save([a.detach() if isinstance(a, torch.Tensor) else a for a in args], ns.out)
+        _save_args(args, ns.out)
         print(f"saved to {ns.out} (load with torch.load(path, weights_only=True))", file=sys.stderr)
     return 0
+
+
+def _check_out(out):
+    """The directory ``out`` goes into; a ReproInputError when it cannot be a new or replaced file there."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ReproInputError(f"--out {out}: directory {parent} does not exist")
+    if os.path.isdir(out):
+        raise ReproInputError(f"--out {out}: is a directory; expected a file path")
+    return parent
+
+
+def _save_args(args, out):
+    """``torch.save`` of the inputs to ``out``, atomically (a temporary file next to it, then renamed)."""
+    parent = _check_out(out)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.{os.getpid()}.tmp")
+    try:
+        torch.save([a.detach() if isinstance(a, torch.Tensor) else a for a in args], tmp)
+        os.replace(tmp, out)
+    except (OSError, RuntimeError) as err:  # torch.save reports unwritable paths as RuntimeError
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ReproInputError(f"--out {out}: cannot write it ({str(err).strip().splitlines()[0]})") from None
 
 
 def _determ(command, rest):

@@ -106,7 +106,9 @@ def _check_accuracy(compiled: Callable, inputs: List[Any], cfg: DetermConfig, du
 
 
 def inductor_backend(config: Optional[DetermConfig] = None) -> Callable:
-    """A dynamo backend: inductor with the after-AOT repro flows around ``compile_fx_inner``."""
+    """A dynamo backend: inductor with the after-AOT repro flows around ``compile_fx_inner``.
+
+    Call it: ``torch.compile(m, backend=inductor_backend())``."""
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         inner = wrap_compiler(tc.compile_fx_inner, config, "inductor")

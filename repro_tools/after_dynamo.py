@@ -10,8 +10,11 @@ callable ``f(gm, example_inputs)``) into one that, per level:
 4. checks the compiled graph against eager with an fp64 reference
    (:func:`repro_tools.accuracy.same_two_models`, forward and backward) on the
    example inputs; on a divergence writes the launcher, minifies (unless
-   ``DETERM_MINIFY=0``) and raises :class:`~determ_backend.errors.AccuracyError`.
-   An error while checking is reported as a checker error, never swallowed.
+   ``DETERM_MINIFY=0``) and raises :class:`~determ_backend.errors.AccuracyError`
+   when the graph is called (so it reaches the caller as itself, not wrapped in
+   dynamo's ``BackendCompilerFailed``; so does an error of the compiled graph met
+   while checking).  An error while checking is reported as a checker error,
+   never swallowed.
 
 Errors are re-raised after dumping.  Dumps, minification and the summary live
 in :mod:`repro_tools.repro_flows`; the after-aot flows in :mod:`repro_tools.after_aot`.
@@ -77,9 +80,20 @@ def _compile(inner: Callable, gm: fx.GraphModule, inputs: list, kwargs: dict, cf
         dump.on_failure("compile_error", inputs, e, launcher)
         raise
     if level == 4:
-        _check_accuracy(compiled, inputs, cfg, dump)
+        try:
+            _check_accuracy(compiled, inputs, cfg, dump)
+        except Exception as e:  # raised by the graph's call instead: from here dynamo would wrap it
+            return _raise_on_call(e)  # in BackendCompilerFailed, and `except AccuracyError` would miss it
         return compiled
     return _guard_runtime(compiled, dump, launcher)
+
+
+def _raise_on_call(error: BaseException) -> Callable:
+    """A compiled graph that raises ``error`` (already dumped) each time it is called."""
+    def run(*args: Any) -> Any:
+        raise error
+
+    return run
 
 
 def _check_accuracy(compiled: Callable, inputs: list, cfg: DetermConfig, dump: GraphDump) -> None:

@@ -12,17 +12,23 @@ line in the repro.  The tracing and checks are the backends'
 
 A compiler determ cannot look inside (any other backend) is analysed at its
 outputs only (accuracy vs eager/fp64, two runs bitwise), and the report says so.
-Exit codes: 0 no divergence, 1 divergence found, 2 bad input.
+A graph that fails to compile or run (a compile- or runtime-error repro) has
+nothing to compare: the error is summarized (type, message, where it was raised;
+``--traceback`` adds the full traceback) and the exit code is 1 (failure reproduced).
+Exit codes: 0 no divergence, 1 divergence found or the graph fails, 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import logging
 import os
 import re
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -30,11 +36,14 @@ import torch
 
 from determ_backend import _torch_compat as tc
 from determ_backend.config import CHECKS
+from determ_backend.errors import DetermError
 
 from .accuracy import call_maybe_boxed, clone_inputs, flatten, same_two_models
 from .repro_script import load_repro
 
 __all__ = ["register", "run", "analyze_repro"]
+
+log = logging.getLogger(__name__)
 
 _DETERM_BACKENDS = {"inductor": "determ_inductor", "inductor_inner": "determ_inductor", "aot_eager": "determ_aot_eager",
                     "eager": "determ_eager"}
@@ -51,6 +60,8 @@ def register(subparsers) -> None:
     p.add_argument("--tol", type=float, help="accuracy tolerance (default: the repro's, else 1e-3)")
     p.add_argument("--out", help="directory for the trace and report (default: <repro dir>/analyze)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--traceback", action="store_true",
+                   help="when the graph fails to compile or run: also print the full traceback (stderr)")
     p.set_defaults(func=run)
 
 
@@ -77,7 +88,15 @@ def _traced(path: Path, gm, inputs, meta, backend: str, checks: List[str], tol: 
     tc.dynamo_reset()
     with tc.inductor_config_patch(dict(meta.get("config") or {})):
         with torch.no_grad():
-            torch.compile(gm, backend=backend, options=options)(*clone_inputs(inputs))
+            try:
+                torch.compile(gm, backend=backend, options=options)(*clone_inputs(inputs))
+            except DetermError:
+                raise
+            except Exception as e:  # the repro's own failure (a compile or runtime error): reported, not a traceback
+                inner = getattr(e, "inner_exception", None)  # dynamo wraps what a backend raised
+                if isinstance(inner, DetermError):
+                    raise inner from None
+                return _failed("compile" if inner is not None else "compile or run", inner or e, backend)
     report = json.loads((out / run_id / "report.json").read_text())
     findings = []
     for f in report.get("findings", []):
@@ -89,24 +108,50 @@ def _traced(path: Path, gm, inputs, meta, backend: str, checks: List[str], tol: 
             "report": str(out / run_id / "report.json")}
 
 
+def _failed(stage: str, e: BaseException, backend: Optional[str]) -> Dict[str, Any]:
+    """The result when the graph cannot be compiled or run: the error, summarized (nothing to compare)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+    log.debug("analyze: the compiled graph failed", exc_info=(type(e), e, e.__traceback__))
+    return {"mode": "failed", "backend": backend, "findings": [], "checker_errors": [],
+            "failure": {"stage": stage, "type": type(e).__name__, "message": str(e).strip(), "where": where,
+                        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__))}}
+
+
+def _two_runs_differ(fn, inputs) -> bool:
+    a, b = ([o.detach().clone() if isinstance(o, torch.Tensor) else o
+             for o in flatten(call_maybe_boxed(fn, clone_inputs(inputs)))] for _ in range(2))
+    return not all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
 def _opaque(gm, inputs, meta, checks: List[str], tol: float) -> Dict[str, Any]:
     from .compilers import compile_graph
 
+    compiler = meta.get("compiler", "eager")
     with tc.inductor_config_patch(dict(meta.get("config") or {})):
-        compiled = compile_graph(meta.get("compiler", "eager"), gm, clone_inputs(inputs))
+        try:  # a copy: some compilers rewrite the graph they are handed, and ``gm`` is the eager reference
+            compiled = compile_graph(compiler, copy.deepcopy(gm), clone_inputs(inputs))
+        except DetermError:
+            raise
+        except Exception as e:  # the repro's own compile error: reported, not a traceback
+            return _failed("compile", e, compiler)
         fn = compiled if meta.get("after") == "aot" else (lambda *a: compiled(*a))  # dynamo calls unboxed
         findings: List[Dict[str, Any]] = []
         if "accuracy" in checks:
             r = same_two_models(gm, fn, inputs, only_fwd=True, tol=tol)
+            if r.status == "compiled_error":
+                return _failed("run", r.error, compiler)
             if r.status != "same":
                 findings.append({"check": "accuracy", "node": "<outputs>", "detail": f"{r.status}: {r.detail}"})
         if "determinism" in checks:
-            a, b = ([o.detach().clone() if isinstance(o, torch.Tensor) else o
-                     for o in flatten(call_maybe_boxed(fn, clone_inputs(inputs)))] for _ in range(2))
-            if not all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b)):
+            try:
+                differ = _two_runs_differ(fn, inputs)
+            except Exception as e:  # the repro's own runtime error
+                return _failed("run", e, compiler)
+            if differ:
                 findings.append({"check": "determinism", "node": "<outputs>", "detail": "two runs differ bitwise"})
-    return {"mode": "outputs only", "backend": meta.get("compiler"), "findings": findings, "checker_errors": [],
-            "note": f"compiler {meta.get('compiler')!r} is opaque to determ: per-node tracing needs inductor, "
+    return {"mode": "outputs only", "backend": compiler, "findings": findings, "checker_errors": [],
+            "note": f"compiler {compiler!r} is opaque to determ: per-node tracing needs inductor, "
                     "aot_eager or eager"}
 
 
@@ -132,8 +177,25 @@ def analyze_repro(path, checks=("accuracy", "determinism"), tol: Optional[float]
     return result
 
 
-def _print(r: Dict[str, Any]) -> None:
+def _print_failure(f: Dict[str, Any], full: bool) -> None:
+    lines = [ln for ln in f["message"].splitlines() if ln.strip()] or [""]
+    stage = {"compile": "compile_error", "run": "runtime_error"}.get(f["stage"], "error")
+    print(f"  reproduced {stage}: {f['type']}: {lines[0][:300]}")
+    for ln in (lines[1:][-3:] if len(lines) > 1 else []):
+        print(f"      {ln[:300]}")
+    if f.get("where"):
+        print(f"      raised at {f['where']}")
+    print(f"  nothing to compare: the graph does not {'compile' if f['stage'] == 'compile' else 'compile and run'}"
+          + ("" if full else " (--traceback prints the full traceback)"))
+    if full:
+        print(f["traceback"].rstrip(), file=sys.stderr)
+
+
+def _print(r: Dict[str, Any], full_traceback: bool = False) -> None:
     print(f"analyze {r['repro']}: {r['mode']} with {r['backend']}, checks {', '.join(r['checks'])}")
+    if r.get("failure"):
+        _print_failure(r["failure"], full_traceback)
+        return
     if r.get("note"):
         print(f"  note: {r['note']}")
     for c in r["checks"]:
@@ -163,5 +225,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(r, indent=1, default=str))
     else:
-        _print(r)
-    return 1 if r["findings"] else 0
+        _print(r, args.traceback)
+    return 1 if r["findings"] or r.get("failure") else 0

@@ -6,13 +6,17 @@ owns one failing graph's directory ``<DETERM_DIR>/<run id>/repro/<after>-<n>/``:
 ``repro.py`` (level 1) or ``minifier_launcher.py`` (levels 2-4; level 3 writes it
 before compiling), the minifier's checkpoints and minimal result under
 ``minify/``; nothing there is ever overwritten.  The final ``repro.py`` is also
-copied to the working directory and its path is the last line of the stderr
-summary.
+copied to the working directory (a different ``./repro.py`` already there is kept
+as ``repro.prev-N.py``) and its path is the last line of the stderr summary.
+Level 4 minifies in this process, except inside a compile's fake tensor mode
+(a compile error after AOT), where it runs in a process of its own as level 3 does.
 
-:func:`minify_script` is what a launcher's ``minify`` subcommand runs: it finds
-out how the script fails (when the launcher was written before the failure was
-known), runs :mod:`repro_tools.minifier` (or, where that is not installed, keeps
-the full graph, clearly labelled "not minified"), and copies the result.
+:func:`minify_script` is what a launcher's ``minify`` subcommand runs: it checks
+that the script fails here and how (one ``run`` in a child process; skipped when
+the flows saw it fail), runs :mod:`repro_tools.minifier` (or, where that is not
+installed, keeps the full graph, clearly labelled "not minified"), and copies the
+result; when the script being minified is ``./repro.py`` itself, the result goes
+to ``./repro.min.py`` and the script is left as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -27,8 +32,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
 import torch.fx as fx
 
+from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, DetermError, ReproError
 from determ_backend.run import get_run
@@ -41,6 +48,8 @@ log = logging.getLogger(__name__)
 
 LAUNCHER = "minifier_launcher.py"
 REPRO = "repro.py"
+MINIMAL = "repro.min.py"
+"""Where ``minify`` copies its result when the script being minified is ``./repro.py`` itself."""
 _REPRODUCED = re.compile(r"^reproduced (\w+):", re.M)
 
 
@@ -131,13 +140,20 @@ class GraphDump:
             print_summary(what, lines + [f"{hint}run the launcher to minify: python {launcher}"], launcher)
             return launcher
         print_summary(what, lines + [f"launcher: {launcher}", "minifying ..."], None)
-        if level == 3:
+        if level == 3 or _tensors_made_here_are_fake():
             rc = subprocess.run([sys.executable, str(launcher), "minify", "--kind", kind, "--known-failure"],
                                 stdout=_stderr_fd()).returncode
             final = Path.cwd() / REPRO if rc == 1 else None
         else:
             final = _minify_in_process(launcher, kind)
         return final
+
+
+def _tensors_made_here_are_fake() -> bool:
+    """Whether a fake tensor mode is active here, as it is while AOTAutograd hands a graph to its compiler:
+    every tensor made in this process (the launcher's inputs, the minifier's values) would then be fake,
+    so the minifier must run in a process of its own."""
+    return tc.is_fake_tensor(torch.empty(0))
 
 
 def _stderr_fd() -> Optional[int]:
@@ -158,16 +174,30 @@ def _minify_in_process(launcher: Path, kind: str) -> Optional[Path]:
     return Path.cwd() / REPRO if rc == 1 else None
 
 
-def _detect_kind(path: Path, timeout: float) -> Optional[str]:
-    """How the script fails: ``python script run`` in a child process (isolated, so a crash is seen)."""
+def _detect_kind(path: Path, timeout: float, flags: Sequence[str] = ()) -> Optional[str]:
+    """How the script fails (None: it does not): ``python script run [flags]`` in a child process
+    (isolated, so a crash is seen)."""
     try:
-        proc = subprocess.run([sys.executable, str(path), "run"], capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([sys.executable, str(path), "run", *flags], capture_output=True, text=True,
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
         return "hang"
     m = _REPRODUCED.search(proc.stdout)
     if proc.returncode == 2:
         raise ReproError(f"{path}: cannot run it ({proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''})")
     return m.group(1) if m else None
+
+
+_RUN_CANNOT_CHECK = frozenset({"--compiler", "--config", "--devices", "--similarity"})
+"""Minify options a script's own ``run`` cannot apply: with them, the minifier alone checks the failure."""
+
+
+def _run_flags(kind: str, argv: Sequence[str]) -> List[str]:
+    """``run`` flags checking for ``kind`` as ``minify`` would (its ``--tol``/``--strict``)."""
+    flags = [] if kind in ("any", "error") else ["--kind", kind]
+    if "--tol" in argv and argv.index("--tol") + 1 < len(argv):
+        flags += ["--tol", argv[argv.index("--tol") + 1]]
+    return flags + (["--strict"] if "--strict" in argv else [])
 
 
 def _pop_option(argv: List[str], name: str) -> Optional[str]:
@@ -180,10 +210,11 @@ def _pop_option(argv: List[str], name: str) -> Optional[str]:
 
 
 def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
-    """Minify a repro/launcher script; the minimal ``repro.py`` goes under ``<script dir>/minify*/`` and to the cwd.
+    """Minify a repro/launcher script; the minimal ``repro.py`` goes under ``<script dir>/minify*/`` and to the
+    cwd (as ``repro.min.py`` when the script is ``./repro.py``: the source is never overwritten).
 
-    Exit code as ``repro-tools minify``: 1 when a minimal repro was written (the failure reproduces),
-    0 when the script does not fail, 2 for bad input.
+    Exit code: 1 when a minimal repro was written (the failure reproduces), 0 when the script does not
+    fail here (nothing is written), 2 for bad input.
     """
     path = Path(path).resolve()
     argv = list(argv)
@@ -191,13 +222,15 @@ def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
     argv = [a for a in argv if a != "--known-failure"]
     meta = read_meta(path)
     kind = _pop_option(argv, "--kind") or meta.get("kind", "any")
-    if kind == "any":
-        kind = _detect_kind(path, float(meta.get("timeout", 300)))
-        if kind is None:
-            print_summary(f"{path.name} does not fail here; nothing to minify", [], None)
+    if not known and not _RUN_CANNOT_CHECK.intersection(argv):
+        found = _detect_kind(path, float(meta.get("timeout", 300)), _run_flags(kind, argv))
+        if found is None:
+            print_summary(f"{path.name} does not fail here ({kind}): nothing to minify", [], None)
             return 0
+        kind = found if kind == "any" else kind
     sys.path.extend(p for p in meta.get("sys_path", []) if p not in sys.path)  # the compiler's module (workers inherit)
-    out = Path(_pop_option(argv, "--out") or _unique_dir(path.parent, "minify"))
+    given = _pop_option(argv, "--out")
+    out = Path(given or _unique_dir(path.parent, "minify"))
     if importlib.util.find_spec("repro_tools.minifier") is None:
         return _not_minified(path, out, kind, "repro_tools.minifier is not installed")
     from .cli import main as cli_main
@@ -205,14 +238,26 @@ def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
     rc = cli_main(["minify", str(path), "--kind", kind, "--out", str(out)] + argv)
     minimal = out / "minimal" / REPRO
     if rc != 1 or not minimal.is_file():
-        if not known:
+        if not given and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # ours, and the minifier left nothing in it
+        if not known or rc >= 128:  # an interrupted minifier is not a reason to hand out the full graph
             return rc
         return _not_minified(path, out, kind, f"the minifier stopped (exit {rc}; see above)")
-    final = copy_repro(minimal, Path.cwd() / REPRO)
+    if _is_cwd_repro(path):  # never over the script being minified: it may be the only full copy
+        final = copy_repro(minimal, Path.cwd() / MINIMAL)
+        where = f"copied to the working directory (./{REPRO} is the original, kept):"
+    else:
+        final = copy_repro(minimal, Path.cwd() / REPRO)
+        where = "copied to the working directory:"
     print_summary(f"minimal repro of {kind} ({path.name})",
-                  [f"original: {path}", f"checkpoints: {out / 'checkpoints'}", f"minimal: {minimal}",
-                   "copied to the working directory:"], final)
+                  [f"original: {path}", f"checkpoints: {out / 'checkpoints'}", f"minimal: {minimal}", where], final)
     return 1
+
+
+def _is_cwd_repro(path: Path) -> bool:
+    """Whether ``path`` is ``./repro.py`` (where results are copied)."""
+    cwd_repro = Path.cwd() / REPRO
+    return cwd_repro.exists() and Path(path).exists() and os.path.samefile(cwd_repro, path)
 
 
 def _not_minified(path: Path, out: Path, kind: str, why: str) -> int:
@@ -220,6 +265,10 @@ def _not_minified(path: Path, out: Path, kind: str, why: str) -> int:
     log.warning("%s: not minified (%s); the repro is the full failing graph", path, why)
     out.mkdir(parents=True, exist_ok=True)
     full = copy_repro(path, out / REPRO, {"launcher": False, "minified": False, "kind": kind})
+    if _is_cwd_repro(path):  # ./repro.py already is the full graph: left as it is
+        print_summary(f"repro of {kind} ({path.name}), NOT minified: {why}",
+                      [f"original (unchanged): {path}", "repro:"], full)
+        return 1
     final = copy_repro(full, Path.cwd() / REPRO)
     print_summary(f"repro of {kind} ({path.name}), NOT minified: {why}",
                   [f"original: {path}", f"repro: {full}", "copied to the working directory:"], final)
@@ -239,5 +288,6 @@ def act_on_accuracy(result, cfg: DetermConfig, dump: "GraphDump", inputs: List[A
         dump.on_failure("runtime_error", inputs, result.error)
         raise result.error
     dump.on_failure("accuracy", inputs, detail=f"AccuracyError: {result.detail}")
+    get_run(cfg).add_finding(check, {"divergent": True, "detail": result.detail, "repro": str(dump.dir)})
     raise AccuracyError(f"{what} is less accurate than eager against fp64: {result.detail}; dumps in {dump.dir}")
 

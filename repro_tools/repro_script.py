@@ -266,8 +266,12 @@ def _retrace(root: torch.nn.Module, nodes: Sequence[Sequence[Any]]) -> fx.GraphM
 def copy_repro(src: Union[str, Path], dst: Union[str, Path], updates: Optional[Dict[str, Any]] = None) -> Path:
     """Copy a repro script and the store files it needs to ``dst`` (a file path); returns ``dst``.
 
-    ``updates`` changes ``META`` entries of the copy (e.g. ``{"launcher": False}``)."""
+    ``updates`` changes ``META`` entries of the copy (e.g. ``{"launcher": False}``).  A different file
+    already at ``dst`` is kept, renamed to ``<stem>.prev-N<suffix>`` (its store files stay next to it);
+    ``dst`` being ``src`` itself is refused (the source would be lost)."""
     src, dst = Path(src).resolve(), Path(dst).resolve()
+    if dst == src or (dst.exists() and os.path.samefile(src, dst)):
+        raise ReproError(f"{dst}: is the repro being copied; refusing to overwrite it")
     lit = _literals(src, ("META", "INPUTS", "ATTRS"))
     sources = [src.parent / lit["META"].get("store", STORE_NAME), Path(lit["META"].get("store_abs") or src.parent)]
     dst_store = dst.parent / STORE_NAME
@@ -276,9 +280,25 @@ def copy_repro(src: Union[str, Path], dst: Union[str, Path], updates: Optional[D
     text = src.read_text(encoding="utf-8")
     meta = dict(lit["META"], store=STORE_NAME, store_abs=str(dst_store), script_name=dst.name, **(updates or {}))
     text = _replace_meta(text, src, meta)
+    _keep_previous(dst, text)
     atomic_write_text(dst, text)
     os.chmod(dst, 0o755)
     return dst
+
+
+def _keep_previous(dst: Path, text: str) -> None:
+    """Rename a file at ``dst`` that differs from ``text`` aside, so writing ``dst`` loses nothing."""
+    if not dst.exists() or (dst.is_file() and dst.read_bytes() == text.encode("utf-8")):
+        return
+    n = 1
+    while True:
+        kept = dst.parent / f"{dst.stem}.prev-{n}{dst.suffix}"
+        try:
+            os.link(dst, kept)  # a second name for the old file; the atomic write then replaces only ``dst``
+            break
+        except FileExistsError:
+            n += 1
+    log.warning("%s existed; the previous file is kept as %s", dst, kept)
 
 
 def _replace_meta(text: str, path: Path, meta: Dict[str, Any]) -> str:

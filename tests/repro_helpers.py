@@ -138,6 +138,15 @@ def aot_relu_accuracy_error(gm, example_inputs):
     return gm
 
 
+def relu_plus_one_in_place(gm, example_inputs):
+    """relu(x) computed as x + 1 by rewriting the graph it is handed (as PyTorch's relu_accuracy_error does)."""
+    for n in gm.graph.nodes:
+        if n.target in (torch.relu, torch.ops.aten.relu.default):
+            n.target, n.args = torch.ops.aten.add.Tensor, (n.args[0], 1)
+    gm.recompile()
+    return gm
+
+
 def noisy_backend(gm, example_inputs):
     """Nondeterministic: each call adds a different tiny offset (not tied to the torch seed)."""
     calls = [0]

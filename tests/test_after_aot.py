@@ -138,3 +138,16 @@ def test_inductor_level4_injected_accuracy_bug(tmp_path, capsys, inject):
     launcher = _graph_dir(tmp_path) / "minifier_launcher.py"
     assert last_stderr_line(capsys.readouterr().err) == str(launcher)
     assert_reproduces(launcher, "accuracy", RELU, "run")
+
+
+@pytest.mark.slow
+def test_level4_compile_error_is_minified_with_real_inputs(tmp_path, capfd):
+    """At compile time AOTAutograd's fake tensor mode is active: the minifier must not run under it."""
+    err = compile_and_fail(aot_backend(rh.aot_relu_compile_error, config=repro_config(tmp_path, 4)))
+    assert "relu is not supported" in str(err)
+    stderr = capfd.readouterr().err
+    assert "Cannot access data pointer" not in stderr and "NOT minified" not in stderr
+    assert last_stderr_line(stderr) == str(tmp_path / "repro.py")
+    assert (_graph_dir(tmp_path) / "minify-0" / "minimal" / "repro.py").is_file()
+    assert_reproduces(tmp_path / "repro.py", "compile_error", RELU)
+    assert "aten.mm" not in forward_source(tmp_path / "repro.py")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import json
+
 import torch
 
 import determ_backend
@@ -101,6 +103,19 @@ def test_level4_without_minify_leaves_the_launcher(tmp_path, capsys):
     assert last_stderr_line(capsys.readouterr().err) == str(launcher) and not (tmp_path / "repro.py").exists()
     meta = read_meta(launcher)
     assert meta["kind"] == "accuracy" and meta["launcher"] is True and "AccuracyError" not in meta.get("error", "")
+
+
+def test_level4_accuracy_error_reaches_the_caller_unwrapped_once_dumped(tmp_path, capsys):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=determ_backend.wrap_backend("relu_accuracy_error_TESTING_ONLY",
+                                                                         repro_config(tmp_path, 4, minify=False)))
+    for _ in range(2):  # the graph stays compiled and keeps failing; it is dumped once
+        with pytest.raises(AccuracyError, match="less accurate than eager"):
+            compiled(*model_inputs())
+    assert sorted(p.name for p in (tmp_path / "out" / "r" / "repro").iterdir()) == ["dynamo-0"]
+    report = json.loads((tmp_path / "out" / "r" / "report.json").read_text())
+    assert report["divergent"] and report["findings"][0]["detail"]
+    assert report["findings"][0]["repro"].endswith("dynamo-0")
 
 
 def test_level4_passes_a_correct_backend_unchanged(tmp_path):

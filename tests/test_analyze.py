@@ -20,7 +20,7 @@ def _write(tmp_path, fn, inputs, **meta):
 
 def _run(path, **kw) -> int:
     ns = argparse.Namespace(repro=str(path), checks=kw.get("checks", "accuracy,determinism"), tol=None, out=None,
-                            json=kw.get("json", False))
+                            json=kw.get("json", False), traceback=kw.get("traceback", False))
     return analyze.run(ns)
 
 
@@ -75,3 +75,22 @@ def test_inductor_injected_accuracy_bug_is_located_at_the_relu(tmp_path):
     (f,) = r["findings"]
     assert r["backend"] == "determ_inductor" and f["node"] == "relu" and f["op"] == "aten.relu.default"
     assert f["metrics"]["max_abs"] > 0.5 and "= torch.ops.aten.relu.default(" in f["repro_line"]
+
+
+def test_a_compiler_rewriting_its_graph_in_place_is_compared_with_the_untouched_graph(tmp_path):
+    path = _write(tmp_path, plain_graph, [torch.randn(8, 8)], compiler="repro_helpers:relu_plus_one_in_place")
+    r = analyze.analyze_repro(path, ("accuracy",))
+    assert r["mode"] == "outputs only" and [f["check"] for f in r["findings"]] == ["accuracy"]
+    assert "diverged" in r["findings"][0]["detail"]
+
+
+@pytest.mark.parametrize("compiler, stage", [("repro_helpers:aot_relu_compile_error", "compile_error"),
+                                             ("repro_helpers:aot_relu_runtime_error", "runtime_error")])
+def test_a_failing_graph_is_one_summary_exit_1(tmp_path, capsys, compiler, stage):
+    path = _write(tmp_path, plain_graph, [torch.randn(8, 8)], compiler=compiler, after="aot")
+    assert _run(path) == 1
+    cap = capsys.readouterr()
+    assert f"reproduced {stage}: RuntimeError: relu" in cap.out and "raised at " in cap.out
+    assert "Traceback" not in cap.out + cap.err
+    assert _run(path, traceback=True) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err

@@ -12,8 +12,8 @@ import torch.fx as fx
 from determ_backend.errors import ReproError
 from repro_tools.repro_script import copy_repro, load_repro, read_meta, write_repro
 
-from repro_helpers import (TESTS, assert_reproduces, capture_graph, forward_source, model, model_inputs, run_main,
-                           run_without_determ)
+from repro_helpers import (TESTS, assert_reproduces, capture_graph, forward_source, last_stderr_line, model,
+                           model_inputs, run_main, run_without_determ)
 
 
 class WithParams(torch.nn.Module):
@@ -168,3 +168,50 @@ def test_not_a_repro_script(tmp_path, content, message):
         load_repro(tmp_path / "r.py")
     with pytest.raises(ReproError, match="no such repro script"):
         load_repro(tmp_path / "missing.py")
+
+
+@pytest.mark.parametrize("out, message", [("nodir/args.pt", "does not exist"), (".", "is a directory")])
+def test_get_args_to_a_bad_out_path_is_one_line_exit_2(dynamo_graph, tmp_path, capsys, out, message):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py")
+    assert run_main(path, "get-args", "--out", str(tmp_path / out)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "--out" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert run_main(path, "get-args", "--out", str(tmp_path / "args.pt")) == 0
+    assert len(torch.load(tmp_path / "args.pt", weights_only=True)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["args.pt", "repro.py", "repro_store"]  # no temp file left
+
+
+def test_copy_repro_keeps_a_different_file_at_the_destination_and_refuses_its_source(dynamo_graph, tmp_path, caplog):
+    src = write_repro(*dynamo_graph, tmp_path / "a" / "repro.py", meta={"kind": "compile_error"})
+    (tmp_path / "repro.py").write_text("# the user's own edits\n")
+    with caplog.at_level(logging.WARNING):
+        copy_repro(src, tmp_path / "repro.py")
+    assert (tmp_path / "repro.prev-1.py").read_text() == "# the user's own edits\n" and "repro.prev-1.py" in caplog.text
+    copy_repro(src, tmp_path / "repro.py")  # the same content again: nothing to keep
+    assert not (tmp_path / "repro.prev-2.py").exists()
+    with pytest.raises(ReproError, match="refusing to overwrite"):
+        copy_repro(src, src)
+
+
+@pytest.mark.slow
+def test_minifying_the_working_directorys_repro_keeps_it(dynamo_graph, tmp_path, monkeypatch, capsys):
+    from repro_tools.repro_flows import minify_script
+
+    monkeypatch.chdir(tmp_path)
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py",
+                       meta={"kind": "compile_error", "compiler": "repro_helpers:aot_relu_compile_error"})
+    original = path.read_text()
+    assert minify_script(path, ["--in-process", "--no-progress"]) == 1
+    assert path.read_text() == original
+    assert last_stderr_line(capsys.readouterr().err) == str(tmp_path / "repro.min.py")
+    assert " @ " in forward_source(path) and " @ " not in forward_source(tmp_path / "repro.min.py")
+    assert_reproduces(tmp_path / "repro.min.py", "compile_error", "torch.relu(")
+
+
+def test_minifying_a_repro_that_does_not_fail_exits_0_and_leaves_nothing(dynamo_graph, tmp_path, capsys):
+    from repro_tools.repro_flows import minify_script
+
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py", meta={"kind": "accuracy", "compiler": "eager"})
+    assert minify_script(path) == 0
+    assert "does not fail here" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repro.py", "repro_store"]
