@@ -15,8 +15,8 @@ selects a stage and a knob, and answers "does it still fail?":
   ``report.json`` that says ``divergent``: under the run's ``DETERM_DIR``, or, when
   the script names its own ``options={"dir": ...}``, in the directory named by the
   run's own ``DETERM_RUN_ID`` (looked for up to a few levels below the current
-  directory).  ``DETERM_BISECT_DIR`` also carries the run's directory, for a
-  determ that lets it override ``options["dir"]``.
+  directory).  ``DETERM_BISECT_DIR`` also carries the run's directory; determ's
+  config puts it (and the run id) before the script's ``options``.
 
 Paths handed to the command are absolute (it may change directory).  The command
 runs in its own session; a timeout, an interruption, or the command's end kills
