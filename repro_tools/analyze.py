@@ -39,7 +39,7 @@ from determ_backend.config import CHECKS
 from determ_backend.errors import DetermError
 
 from .accuracy import call_maybe_boxed, clone_inputs, flatten, same_two_models
-from .repro_script import load_repro
+from .repro_script import add_sys_path, load_repro
 
 __all__ = ["register", "run", "analyze_repro"]
 
@@ -165,7 +165,7 @@ def analyze_repro(path, checks=("accuracy", "determinism"), tol: Optional[float]
     if bad or not checks:
         raise ConfigError(f"--checks {','.join(checks)!r}: expected a comma-separated subset of {', '.join(CHECKS)}")
     gm, inputs, meta = load_repro(path)
-    sys.path.extend(p for p in meta.get("sys_path", []) if p not in sys.path)  # a "module:function" compiler's home
+    add_sys_path(meta, path)  # a "module:function" compiler's home
     tol = float(tol if tol is not None else meta.get("tol", 1e-3))
     backend = _DETERM_BACKENDS.get(meta.get("compiler", "eager"))
     if backend == "determ_eager" and meta.get("after") == "aot":

@@ -25,8 +25,9 @@ from .compilers import resolve_compiler
 from .minifier import STATE_FILE, minify
 from .oracles import KINDS
 from .repro_io import inherited_meta, load_repro_any, spec_from_meta
+from .repro_script import add_sys_path
 
-__all__ = ["register", "run", "out_dir_for", "add_sys_path"]
+__all__ = ["register", "run", "out_dir_for"]
 
 log = logging.getLogger(__name__)
 
@@ -143,15 +144,6 @@ def _load(path: Path) -> Tuple[Any, List[Any], Dict[str, Any]]:
         raise ReproError(f"{path}: the input graph cannot run eagerly ({type(e).__name__}: {e})") from e
 
 
-def add_sys_path(meta: Dict[str, Any], source: Path) -> None:
-    """Make the directories the repro recorded (META ``sys_path``: where a ``module:function`` compiler
-    lives) importable here and in the worker, which inherits ``sys.path``."""
-    paths = meta.get("sys_path") or []
-    if not isinstance(paths, list) or not all(isinstance(x, str) for x in paths):
-        raise ReproError(f"{source}: META sys_path must be a list of directory names, got {paths!r}")
-    sys.path.extend(x for x in paths if x not in sys.path)
-
-
 def _check_compiler(spec: Any, given: Optional[str], src: Path) -> None:
     """Resolve the compiler now: a name that does not resolve is bad input, never the failure under study."""
     try:
@@ -175,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queries < 1:
         raise ConfigError(f"--max-queries must be >= 1, got {args.max_queries}")
     src = _repro_path(args.repro)
-    if args.out:
-        out_dir_for(src, args.out, args.resume)  # a bad --out fails before the (slow) load and input check
+    out = out_dir_for(src, args.out, args.resume)  # a bad --out fails before the (slow) load and input check
     gm, inputs, meta = _load(src)
     add_sys_path(meta, src)
     config = {**(meta.get("config") if isinstance(meta.get("config"), dict) else {}), **_config_items(args.config)}
@@ -184,7 +175,6 @@ def run(args: argparse.Namespace) -> int:
                           timeout=args.timeout, similarity=args.similarity, devices=args.devices,
                           **({"config": config} if args.config else {}))
     _check_compiler(spec, args.compiler, src)
-    out = out_dir_for(src, args.out, args.resume)
     main_thread = threading.current_thread() is threading.main_thread()
     # SIGTERM is cleaned up like Ctrl-C: the worker is stopped and its temporary files are removed
     old = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None

@@ -228,7 +228,6 @@ def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
             print_summary(f"{path.name} does not fail here ({kind}): nothing to minify", [], None)
             return 0
         kind = found if kind == "any" else kind
-    sys.path.extend(p for p in meta.get("sys_path", []) if p not in sys.path)  # the compiler's module (workers inherit)
     given = _pop_option(argv, "--out")
     out = Path(given or _unique_dir(path.parent, "minify"))
     if importlib.util.find_spec("repro_tools.minifier") is None:

@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import os
 import pprint
+import sys
 import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -39,7 +40,7 @@ from determ_backend.trace import atomic_write_text
 from .repro_codegen import CodeWriter, script_text
 from .repro_store import STORE_NAME, StoreWriter, copy_store_files, describe_value, json_safe
 
-__all__ = ["write_repro", "load_repro", "read_meta", "import_script", "copy_repro", "capture_compile_config", "capture_env",
+__all__ = ["write_repro", "load_repro", "read_meta", "add_sys_path", "import_script", "copy_repro", "capture_compile_config", "capture_env",
            "compiler_ref", "FAILURE_KINDS", "STORE_NAME"]
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,15 @@ def read_meta(path: Union[str, Path]) -> Dict[str, Any]:
     """``META`` of a repro script, read without executing it."""
     literals = _literals(Path(path), ("META",))
     return literals["META"]
+
+
+def add_sys_path(meta: Dict[str, Any], source: Union[str, Path]) -> None:
+    """Make the directories a repro recorded (META ``sys_path``: where a ``module:function`` compiler
+    lives) importable here and in the workers, which inherit ``sys.path``."""
+    paths = meta.get("sys_path") or []
+    if not isinstance(paths, list) or not all(isinstance(x, str) for x in paths):
+        raise ReproError(f"{source}: META sys_path must be a list of directory names, got {paths!r}")
+    sys.path.extend(x for x in paths if x not in sys.path)
 
 
 def _literals(path: Path, names: Sequence[str]) -> Dict[str, Any]:
