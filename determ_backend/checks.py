@@ -32,7 +32,7 @@ from .compare import Comparison, Pair, align, compare_traces, find_roots, fp64_c
 from .config import DetermConfig
 from .recorder import CallResult, Recorder
 from .run import Run
-from .trace import Record, TensorStore
+from .trace import Record
 
 __all__ = ["GraphExec", "clone_inputs", "eager_node_values"]
 
@@ -198,7 +198,7 @@ class GraphExec:
                           and p.a.dtype and p.b.dtype)
         other_device = bool(ref.device and self.run.device and ref.device != self.run.device)
         tol = self.config.tol if other_dtype or other_device or "tol" in self.config.given else None
-        store = TensorStore(self.run.dir / "tensors") if self.config.save_tensors else None
+        store = self.run.tensors if self.config.save_tensors else None
         cmp = compare_traces(group, result.records, tol=tol, store_a=ref.store, store_b=store, pairs=pairs)
         if cmp.divergent:
             self.run.add_finding("reference", cmp.summary(["reference"]))

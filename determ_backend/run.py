@@ -23,7 +23,7 @@ import torch
 
 from .config import DetermConfig
 from .errors import AccuracyError, ConfigError, TraceFormatError
-from .trace import TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_text, read_trace, resolve_trace_path
+from .trace import TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_text, read_trace_file
 
 __all__ = ["Run", "ReferenceTrace", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
 
@@ -48,15 +48,13 @@ class ReferenceTrace:
     def __init__(self, path: str):
         self.name = path
         try:
-            self.path = resolve_trace_path(path)
-            records = read_trace(self.path)
-            with open(self.path, encoding="utf-8") as f:
-                header = json.loads(f.readline())
+            tf = read_trace_file(path)
         except TraceFormatError as e:
             raise TraceFormatError(f"DETERM_REFERENCE: {e}") from None
-        self.device: Optional[str] = header.get("device")
+        self.path = tf.path
+        self.device: Optional[str] = tf.header.get("device")
         self.groups: Dict[tuple, List[Record]] = {}
-        for r in records:
+        for r in tf.records:
             self.groups.setdefault((r.graph, r.stage, r.call), []).append(r)
         store = self.path.parent / "tensors"
         self.store = TensorStore(store) if store.is_dir() else None
@@ -90,6 +88,7 @@ class Run:
             raise ConfigError(f"DETERM_DIR={config.dir!r}: cannot create {self.dir} ({e.strerror}); "
                               f"expected a writable directory") from None
         self.device: Optional[str] = None  # where the graphs compute (set by the first graph call)
+        self.tensors = TensorStore(self.dir / "tensors")  # DETERM_SAVE_TENSORS payloads
         self._writer: Optional[TraceWriter] = None
         self._lock = threading.Lock()
         self._graphs = 0
@@ -119,11 +118,10 @@ class Run:
 
     def store_payloads(self, result) -> None:
         """Save each captured tensor once under ``<run dir>/tensors/<fingerprint>.pt`` (DETERM_SAVE_TENSORS)."""
-        store = TensorStore(self.dir / "tensors")
         for rec in result.records:
             value = result.values.get(rec.node)
             if value is not None and rec.hash is not None:
-                rec.payload = store.put(rec.hash, value)
+                rec.payload = self.tensors.put(rec.hash, value)
 
     def add_finding(self, check: str, summary: Dict[str, Any]) -> None:
         """Record a divergence found by ``check``; log one line; raise if configured to.

@@ -183,13 +183,15 @@ class TraceFile:
 
     ``complete`` is False when the producer died (no end line; read with ``allow_partial``).
     ``limited`` says why the file holds only part of the run's records on purpose (e.g. a
-    ``HashDebugTrace`` text log cut at ``max_ops_logged``), else None.
+    ``HashDebugTrace`` text log cut at ``max_ops_logged``), else None.  ``header``: the trace's
+    header line (run, torch version, rank, device, ...), when the format has one.
     """
 
     path: Path
     records: List[Record]
     complete: bool = True
     limited: Optional[str] = None
+    header: Dict[str, Any] = field(default_factory=dict)
 
 
 def read_trace(path: Union[str, Path], allow_partial: bool = False) -> List[Record]:
@@ -238,7 +240,7 @@ def read_trace_file(path: Union[str, Path], allow_partial: bool = False) -> Trac
             raise TraceFormatError(f"{p}: not a text file (invalid UTF-8)") from None
     if not ended and not allow_partial:
         raise TraceFormatError(f"{p}: truncated trace (no end-of-trace line; the producing process may have died)")
-    return TraceFile(p, records, complete=ended)
+    return TraceFile(p, records, complete=ended, header=header)
 
 
 def _check_header(p: Path, header: Any) -> None:
