@@ -2,8 +2,12 @@
 
 :data:`FAMILIES` maps a family name to a builder; :func:`build` returns ``(model, inputs)`` where
 ``inputs`` is a dict of keyword tensors for ``model(**inputs)``; ``seq`` changes the sequence length
-(or image size) so a second call exercises a dynamic-shape recompile.  :func:`loss_of` turns an
-output into a scalar for a training step.  Used by the real-model tests and ``scripts/corpus.py``.
+(or image size, or audio length) so a second call exercises a dynamic-shape recompile.  :func:`loss_of`
+turns an output into a scalar for a training step.  :data:`RELU_FAMILIES` (and :func:`has_relu`) name the
+families whose forward computes an ``aten.relu`` (targets of inductor's injected relu bug).  Used by the
+real-model tests and ``scripts/corpus.py``.
+
+Each model is tiny (hidden size 64 or less, 2 layers or stages) so that an inductor compile stays quick.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-__all__ = ["FAMILIES", "build", "loss_of", "available"]
+__all__ = ["FAMILIES", "RELU_FAMILIES", "build", "loss_of", "available", "has_relu"]
 
 VOCAB = 128
 
@@ -62,13 +66,133 @@ def _resnet(T, seq):
     return T.ResNetForImageClassification(cfg), {"pixel_values": torch.randn(2, 3, 2 * seq, 2 * seq, generator=g)}
 
 
+def _pixels(channels: int, size: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, channels, size, size, generator=g)
+
+
+def _opt(T, seq):  # pre-LayerNorm decoder, learned positions, relu FFN
+    cfg = T.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                      word_embed_proj_dim=64, max_position_embeddings=128, activation_function="relu",
+                      pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    return T.OPTForCausalLM(cfg), {"input_ids": _ids(2, seq)}
+
+
+def _mistral(T, seq):  # RMSNorm, rotary, grouped-query attention, SiLU-gated FFN, sliding window
+    cfg = T.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, sliding_window=8)
+    return T.MistralForCausalLM(cfg), {"input_ids": _ids(2, seq)}
+
+
+def _qwen2(T, seq):  # RMSNorm, rotary, GQA with biased q/k/v projections
+    cfg = T.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return T.Qwen2ForCausalLM(cfg), {"input_ids": _ids(2, seq)}
+
+
+def _phi(T, seq):  # parallel attention + MLP, partial rotary, gelu_new
+    cfg = T.PhiConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=128)
+    return T.PhiForCausalLM(cfg), {"input_ids": _ids(2, seq)}
+
+
+def _gpt_neox(T, seq):  # parallel residual, fused qkv, rotary
+    cfg = T.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=128)
+    return T.GPTNeoXForCausalLM(cfg), {"input_ids": _ids(2, seq)}
+
+
+def _distilbert(T, seq):  # encoder without token types, gelu
+    cfg = T.DistilBertConfig(vocab_size=VOCAB, dim=64, hidden_dim=128, n_layers=2, n_heads=4, max_position_embeddings=128)
+    return T.DistilBertForMaskedLM(cfg), {"input_ids": _ids(2, seq)}
+
+
+def _roberta(T, seq):  # encoder, padding-offset positions
+    cfg = T.RobertaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=130, pad_token_id=1)
+    ids = _ids(2, seq).clamp(min=3)  # no padding token: every position counts
+    return T.RobertaForMaskedLM(cfg), {"input_ids": ids}
+
+
+def _bart(T, seq):  # encoder-decoder with cross-attention, gelu
+    cfg = T.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128,
+                       decoder_ffn_dim=128, encoder_attention_heads=4, decoder_attention_heads=4,
+                       max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                       decoder_start_token_id=2, forced_eos_token_id=2)
+    ids = _ids(2, seq).clamp(min=3)
+    return T.BartForConditionalGeneration(cfg), {"input_ids": ids, "decoder_input_ids": ids[:, : max(2, seq // 2)]}
+
+
+def _vit(T, seq):  # patch embedding (conv), pre-LN encoder, CLS pooling
+    size = 2 * seq
+    cfg = T.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                      image_size=size, patch_size=8, num_channels=3, num_labels=10)
+    return T.ViTForImageClassification(cfg), {"pixel_values": _pixels(3, size)}
+
+
+def _convnext(T, seq):  # depthwise 7x7 conv, channels-last LayerNorm, layer scale, gelu
+    cfg = T.ConvNextConfig(num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                           num_labels=10)
+    return T.ConvNextForImageClassification(cfg), {"pixel_values": _pixels(3, 2 * seq)}
+
+
+def _mobilenet_v2(T, seq):  # inverted residuals, depthwise conv, batch norm, relu6
+    cfg = T.MobileNetV2Config(num_channels=3, image_size=2 * seq, depth_multiplier=0.25, num_labels=10)
+    return T.MobileNetV2ForImageClassification(cfg), {"pixel_values": _pixels(3, 2 * seq)}
+
+
+def _whisper(T, seq):  # conv front end over log-mel frames, encoder-decoder
+    cfg = T.WhisperConfig(vocab_size=VOCAB, num_mel_bins=16, d_model=64, encoder_layers=2, decoder_layers=2,
+                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                          decoder_ffn_dim=128, max_source_positions=seq, max_target_positions=64,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, 16, 2 * seq, generator=g)  # the encoder expects 2 * max_source_positions frames
+    return T.WhisperForConditionalGeneration(cfg), {"input_features": feats, "decoder_input_ids": _ids(2, max(2, seq // 2)) % 64}
+
+
+def _wav2vec2(T, seq):  # strided conv feature extractor with group norm, convolutional positions (weight norm)
+    cfg = T.Wav2Vec2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                           num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, layerdrop=0.0,
+                           apply_spec_augment=False)
+    g = torch.Generator().manual_seed(1)
+    return T.Wav2Vec2ForCTC(cfg), {"input_values": torch.randn(2, 40 * seq, generator=g)}
+
+
+
 FAMILIES: Dict[str, Callable[[Any, int], Tuple[torch.nn.Module, Dict[str, torch.Tensor]]]] = {
     "llama": _llama,
     "gpt2": _gpt2,
     "bert": _bert,
     "t5": _t5,
     "resnet": _resnet,
+    "opt": _opt,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "phi": _phi,
+    "gpt_neox": _gpt_neox,
+    "distilbert": _distilbert,
+    "roberta": _roberta,
+    "bart": _bart,
+    "vit": _vit,
+    "convnext": _convnext,
+    "mobilenet_v2": _mobilenet_v2,
+    "whisper": _whisper,
+    "wav2vec2": _wav2vec2,
 }
+
+#: Families whose forward computes ``aten.relu`` (T5's relu FFN, OPT's relu FFN, ResNet's ReLUs): where
+#: ``torch._inductor.config.cpp.inject_relu_bug_TESTING_ONLY`` plants a bug whose root cause is a ``relu`` node.
+#: MobileNetV2's ``relu6`` is a ``hardtanh``, not a relu.
+RELU_FAMILIES = frozenset({"t5", "resnet", "opt"})
+
+
+def has_relu(family: str) -> bool:
+    """Whether ``family``'s forward contains a ``relu`` (see :data:`RELU_FAMILIES`)."""
+    if family not in FAMILIES:
+        raise KeyError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    return family in RELU_FAMILIES
 
 
 def build(family: str, seq: int = 16, seed: int = 0) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor]]:
