@@ -9,7 +9,11 @@ node), writes the records to the run's trace, and applies the configured checks:
   fingerprints differ are compared and the root cause reported.
 * ``accuracy``: every captured value is compared with an eager execution of the
   same FX graph on the same inputs, judged against an fp64 execution
-  (:func:`~determ_backend.compare.fp64_close`).
+  (:func:`~determ_backend.compare.judge`).  The root cause is the causal one of
+  :mod:`determ_backend.compare.roots`: a finding needs a failing output, and each
+  candidate is confirmed by replaying the eager graph with its compiled value
+  substituted (a divergence that leaves the outputs within tolerance is masked).
+  Inductor buffers that hold no node's value (``extra.holds``) are not judged.
 * ``reference``: records are compared online with a trace from another run
   (:class:`~determ_backend.run.ReferenceTrace`, read when the run is created):
   bitwise when both were recorded on the same device and dtype, else within
@@ -28,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from . import devices
-from .compare import Comparison, Pair, align, compare_traces, find_roots, fp64_close, tensor_metrics
+from .compare import Pair, align, compare_traces, find_roots, is_float, judge, tensor_metrics
 from .config import DetermConfig
 from .recorder import CallResult, Recorder
 from .run import Run
@@ -54,15 +58,39 @@ def clone_inputs(args: Sequence[Any]) -> List[Any]:
     return out
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
 class _Capture(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule):
+    """Keeps a clone of every tensor node's value, and of each output leaf as ``output.K``; a node named
+    in ``inject`` yields the given value instead of its own (the causal replay)."""
+
+    def __init__(self, gm: fx.GraphModule, inject: Optional[Dict[str, torch.Tensor]] = None):
         super().__init__(gm, garbage_collect_values=False)
         self.values: Dict[str, Any] = {}
+        self.inject = inject or {}
 
     def run_node(self, n: fx.Node) -> Any:
-        v = super().run_node(n)
+        if n.name in self.inject:
+            v = self.inject[n.name].clone()
+        else:
+            try:
+                v = super().run_node(n)
+            except RuntimeError:
+                if n.target not in _VIEWS:
+                    raise
+                # a compiled graph's functional ``view`` may assume the layout inductor chose; eagerly the
+                # input can be laid out otherwise: the value is the same reshape
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                v = torch.ops.aten.reshape.default(*args, **kwargs)
         if isinstance(v, torch.Tensor):
             self.values[n.name] = v.detach().clone()
+        elif n.op == "output":
+            leaves: List[Any] = []
+            fx.node.map_aggregate(v, leaves.append)
+            for k, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    self.values[f"output.{k}"] = leaf.detach().clone()
         return v
 
 
@@ -75,12 +103,73 @@ def _device_of(args: Sequence[Any]) -> Optional[str]:
     return next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
 
 
-def eager_node_values(gm: fx.GraphModule, args: Sequence[Any]) -> Dict[str, torch.Tensor]:
-    """Every tensor node's value from an eager (FX Interpreter) run of ``gm``."""
-    interp = _Capture(gm)
+def eager_node_values(gm: fx.GraphModule, args: Sequence[Any],
+                      inject: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+    """Every tensor node's value (and ``output.K`` per output leaf) from an eager (FX Interpreter) run
+    of ``gm``; nodes named in ``inject`` take the given values instead."""
+    interp = _Capture(gm, inject)
     with torch.no_grad():
         interp.run(*args)
     return interp.values
+
+
+def _ref_name(rec: Record) -> Optional[str]:
+    """The reference value a record is judged against: its FX node (or ``output.K``), None when the
+    record holds no node's value (an inductor buffer labelled ``holds``, a second buffer ``node#k``)."""
+    extra = rec.extra or {}
+    if extra.get("holds"):
+        return None
+    if extra.get("placeholder"):
+        return extra["placeholder"]
+    if rec.kind == "output":
+        return rec.node
+    return rec.node if "#" not in rec.node else None
+
+
+_MAX_REPLAYS = 8
+
+
+class _Replay:
+    """Causal confirmation of accuracy root-cause candidates: the eager graph is replayed with one
+    candidate's compiled value substituted; if every output stays within tolerance, the candidate's
+    divergence is absorbed downstream (masked)."""
+
+    def __init__(self, ex: "GraphExec", args: List[Any], rng_state, result: CallResult,
+                 ref: Dict[str, torch.Tensor], ref64: Dict[str, torch.Tensor]):
+        self.ex, self.args, self.rng, self.result, self.ref, self.ref64 = ex, args, rng_state, result, ref, ref64
+
+    def confirm(self, candidates: List[Pair]) -> List[Optional[bool]]:
+        out: List[Optional[bool]] = []
+        for k, p in enumerate(candidates):
+            out.append(self._one(p) if k < _MAX_REPLAYS else None)
+        return out
+
+    def _one(self, p: Pair) -> Optional[bool]:
+        rec = p.rec
+        name = _ref_name(rec)
+        value = self.result.values.get(rec.node)
+        if name is None or rec.kind == "output" or value is None or name not in self.ref:
+            return None
+        if value.shape != self.ref[name].shape:
+            return None
+        cur = devices.get_rng_state()
+        try:
+            devices.set_rng_state(self.rng)
+            replay = eager_node_values(self.ex.reference_gm, clone_inputs(self.args), inject={name: value})
+        except Exception as e:  # a substituted value the graph cannot run with: cannot tell
+            log.info("determ accuracy: replay with %s substituted failed (%s)", name, e)
+            return None
+        finally:
+            devices.set_rng_state(cur)
+        strict = self.ex.config.strict
+        for key, exp in self.ref.items():
+            if not key.startswith("output.") or key not in replay:
+                continue
+            if not strict and not is_float(exp):
+                continue
+            if self.ex._judge(exp, replay[key], self.ref64.get(key)) is False:
+                return True
+        return False
 
 
 class GraphExec:
@@ -132,12 +221,14 @@ class GraphExec:
         cmp = compare_traces(twin.records, result.records)
         if cmp.divergent:
             self.run.add_finding("determinism", cmp.summary(["determinism"]))
+        elif cmp.masked:
+            self.run.add_note("determinism", cmp.summary(["determinism"]))
 
     def _check_accuracy(self, eager_args: List[Any], result: CallResult, rng_state) -> None:
         cur = devices.get_rng_state()
         try:
             devices.set_rng_state(rng_state)
-            ref = eager_node_values(self.reference_gm, eager_args)
+            ref = eager_node_values(self.reference_gm, clone_inputs(eager_args))
             try:
                 devices.set_rng_state(rng_state)
                 ref64 = eager_node_values(self.reference_gm, _to64(eager_args))
@@ -151,37 +242,45 @@ class GraphExec:
         finally:
             devices.set_rng_state(cur)
         pairs = self._accuracy_pairs(result, ref, ref64)
-        cmp = find_roots(pairs, mode=f"fp64 tol={self.config.tol:g}")
+        replay = _Replay(self, eager_args, rng_state, result, ref, ref64)
+        cmp = find_roots(pairs, mode=f"fp64 tol={self.config.tol:g}", strict=self.config.strict,
+                         confirm=replay.confirm)
         if cmp.divergent:
             self.run.add_finding("accuracy", cmp.summary(["accuracy"]))
+        elif cmp.masked:
+            self.run.add_note("accuracy", cmp.summary(["accuracy"]))
+
+    def _judge(self, exp: Any, got: Any, e64: Any) -> Optional[bool]:
+        """Accuracy verdict on one value: the configured criterion, non-floating values exactly (whether
+        they count as a symptom at an output is the root-cause rule's business)."""
+        return judge(exp, got, e64, tol=self.config.tol, fp64_multiplier=self.config.fp64_multiplier, strict=True)
 
     def _accuracy_pairs(self, result: CallResult, ref: Dict[str, torch.Tensor], ref64: Dict[str, torch.Tensor]) -> List[Pair]:
         pairs: List[Pair] = []
         for rec in result.records:
-            name = (rec.extra or {}).get("placeholder") or rec.node.split("#")[0]
+            name = _ref_name(rec)
             got = result.values.get(rec.node)
-            exp = ref.get(name)
+            exp = ref.get(name) if name is not None else None
             p = Pair(rec, rec)
-            if got is None or exp is None or rec.kind == "output":
-                p.equal = None if rec.kind != "input" and rec.kind != "param" else True
-            else:
-                e64 = ref64.get(name)
-                if got.shape != exp.shape:
-                    try:
-                        exp = exp.reshape(got.shape)
-                        e64 = e64.reshape(got.shape) if e64 is not None else None
-                    except RuntimeError:
-                        p.equal = None
-                        pairs.append(p)
-                        continue
-                p.equal = fp64_close(exp, got, e64, tol=self.config.tol, multiplier=self.config.fp64_multiplier)
-                if not p.equal:
-                    m = tensor_metrics(got, exp, e64)
-                    if "err_a_vs_fp64" in m:
-                        m["err_compiled_vs_fp64"] = m.pop("err_a_vs_fp64")
-                        m["err_eager_vs_fp64"] = m.pop("err_b_vs_fp64")
-                    p.metrics = m
             pairs.append(p)
+            if rec.kind in ("input", "param"):
+                p.equal = True
+                continue
+            if got is None or exp is None:
+                continue  # not a node's value (a partial buffer, a view): judged through its neighbours
+            e64 = ref64.get(name)
+            if got.shape != exp.shape:
+                if got.numel() != exp.numel():
+                    continue
+                exp = exp.reshape(got.shape)
+                e64 = e64.reshape(got.shape) if e64 is not None else None
+            p.equal = self._judge(exp, got, e64)
+            if p.equal is False:
+                m = tensor_metrics(got, exp, e64)
+                if "err_a_vs_fp64" in m:
+                    m["err_compiled_vs_fp64"] = m.pop("err_a_vs_fp64")
+                    m["err_eager_vs_fp64"] = m.pop("err_b_vs_fp64")
+                p.metrics = m
         return pairs
 
     def _check_reference(self, result: CallResult) -> None:
@@ -202,6 +301,8 @@ class GraphExec:
         cmp = compare_traces(group, result.records, tol=tol, store_a=ref.store, store_b=store, pairs=pairs)
         if cmp.divergent:
             self.run.add_finding("reference", cmp.summary(["reference"]))
+        elif cmp.masked:
+            self.run.add_note("reference", cmp.summary(["reference"]))
 
     def _report_unmatched(self, r0: Record) -> None:
         """One checker error per graph and stage that the reference cannot be compared with."""

@@ -9,8 +9,13 @@ wrapper: after each kernel launch (``cpp_fused_*``, ``triton_*.run``,
 argument unpacking and outputs before ``return``.  The kernels themselves are
 untouched, so the numerics are bit-identical.
 
-Buffers are named by the FX node that produced them: inductor's scheduler knows
-each buffer's origin nodes; :func:`_torch_compat.capture_buffer_origins`
+Buffers are named by the FX node whose value they hold: inductor records, for the
+buffer a node was lowered to, that node as its ``origin_node``.  A buffer with no
+origin node holds no node's value (the undivided sum of a ``mean`` whose 1/N is
+fused into its consumer, a partial reduction, a layout copy): it is named after its
+buffer, labelled ``extra.holds = "partial"`` with the node it was computed for
+(``extra.of``), fingerprinted like any other, and never judged as a node's value.
+Inductor's scheduler knows each buffer's origin nodes; :func:`_torch_compat.capture_buffer_origins`
 snapshots them at codegen time and we keep them in a sidecar file keyed by
 the FX-graph cache key, so cache hits are named too.
 """
@@ -139,7 +144,6 @@ class _Planner:
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
         self.origins, self.kernels, self.display = origins, kernels, display
-        self.claimed = {o["origin"] for o in origins.values() if o.get("origin")}
         self.infos: List[NodeInfo] = []
         self.writer: Dict[str, str] = {}  # variable -> record id of its current value
         self.fresh: set = set()  # variables holding freshly allocated (never written) memory
@@ -151,18 +155,19 @@ class _Planner:
         self.used[name] = k + 1
         return name if k == 0 else f"{name}#{k}"
 
-    def _node_for(self, buf: str) -> Optional[fx.Node]:
+    def _claim(self, buf: str) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
+        """``(node whose value the buffer holds, None)`` when inductor lowered that node to exactly this
+        buffer (its ``origin_node``); else ``(None, node it was computed for)``: a partial result such as
+        the undivided sum of a ``mean`` whose division is fused into the consumer, or a layout copy."""
         o = self.origins.get(buf) or {}
         if o.get("origin") in self.nodes:
-            return self.nodes[o["origin"]]
+            return self.nodes[o["origin"]], None
         cands = [n for n in (o.get("origins") or []) if n in self.nodes]
-        own = [n for n in cands if n not in self.claimed]  # nodes other buffers are exactly the output of
-        cands = own or cands
         if not cands:
             cands = [n for n in self.pending_comment if n in self.nodes]
         if not cands:
-            return None
-        return self.nodes[max(cands, key=lambda n: self.order[n])]
+            return None, None
+        return None, self.nodes[max(cands, key=lambda n: self.order[n])]
 
     def resolve(self, variables: List[str]) -> tuple:
         """Record ids of the current values of ``variables`` (call before updating any writer).  A fresh
@@ -195,14 +200,19 @@ class _Planner:
         return False
 
     def add(self, var: str, kernel: str, inputs: tuple, kind: str = "node") -> int:
-        node = self._node_for(var) if kind == "node" else None
+        node, part_of = self._claim(var) if kind == "node" else (None, None)
         if node is not None:
             info = NodeInfo(node=self._unique(node.name), op=op_name(node), kind=kind, source=node_source(node),
                             inputs=inputs, extra={"buffer": var, "kernel": kernel})
+        elif part_of is not None:
+            info = NodeInfo(node=self._unique(self.display.get(var, var)), op=op_name(part_of), kind=kind,
+                            source=node_source(part_of), inputs=inputs,
+                            extra={"buffer": var, "kernel": kernel, "holds": "partial", "of": part_of.name})
         else:
             name = self.display.get(var, var)
             info = NodeInfo(node=self._unique(name), op=kernel, kind=kind,
-                            inputs=inputs, extra={"buffer": var, "kernel": kernel} if kind == "node" else None)
+                            inputs=inputs, extra={"buffer": var, "kernel": kernel, "holds": "partial"}
+                            if kind == "node" else None)
         self.writer[var] = info.node
         self.infos.append(info)
         return len(self.infos) - 1

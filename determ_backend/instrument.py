@@ -11,9 +11,10 @@ generated wrapper code instead of the FX graph, lives in
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -140,7 +141,23 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
                             extra=_meta_extra(n) if kind != "node" else None)
         index[n.name] = len(infos)
         infos.append(info)
+    _mark_outputs(gm, infos, index)
     return infos, index
+
+
+def _mark_outputs(gm: fx.GraphModule, infos: List[NodeInfo], index: Dict[str, int]) -> None:
+    """``extra["outputs"]``: the positions at which the graph returns a node (the causal rule's symptoms)."""
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if out is None or not out.args:
+        return
+    leaves: List[Any] = []
+    fx.node.map_aggregate(out.args[0], leaves.append)
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, fx.Node) and leaf.name in index:
+            info = infos[index[leaf.name]]
+            extra = dict(info.extra or {})
+            extra["outputs"] = list(extra.get("outputs", ())) + [k]
+            infos[index[leaf.name]] = dataclasses.replace(info, extra=extra)
 
 
 def _meta_extra(n: fx.Node) -> Optional[dict]:

@@ -28,6 +28,7 @@ from .trace import TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_te
 __all__ = ["Run", "ReferenceTrace", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
 
 log = logging.getLogger(__name__)
+_MAX_NOTES = 50  # masked-divergence notes kept in report.json
 
 
 def current_rank() -> int:
@@ -94,6 +95,7 @@ class Run:
         self._graphs = 0
         self.findings: List[Dict[str, Any]] = []
         self.checker_errors: List[str] = []
+        self.notes: List[Dict[str, Any]] = []
         self._write_report()
 
     @property
@@ -145,6 +147,18 @@ class Run:
                      else str(summary.get("detail") or "divergence"))
             raise AccuracyError(f"determ {check}: {where}; report: {self.dir / 'report.json'}")
 
+    def add_note(self, check: str, summary: Dict[str, Any]) -> None:
+        """Record divergences ``check`` found that reach no failing output (masked): no finding, no raise."""
+        notes = summary.get("masked") or []
+        with self._lock:
+            if len(self.notes) >= _MAX_NOTES:
+                return
+            self.notes.append({"check": check, "masked": notes})
+        for n in notes[:1]:
+            log.info("determ %s: masked divergence at node %s (%s) %s reaches no failing output", check,
+                     n.get("node"), n.get("op"), n.get("source") or "")
+        self._write_report()
+
     def add_checker_error(self, check: str, message: str) -> None:
         with self._lock:
             self.checker_errors.append(f"{check}: {message}")
@@ -159,7 +173,7 @@ class Run:
             first["check"] = self.findings[0]["check"]
         return {"run": self.id, "rank": self.rank, "checks": list(self.config.check) + (["reference"] if self.config.reference else []),
                 "divergent": bool(self.findings), "first_divergence": first, "findings": self.findings,
-                "checker_errors": self.checker_errors, "graphs": self._graphs,
+                "checker_errors": self.checker_errors, "notes": self.notes, "graphs": self._graphs,
                 "trace": str(self.trace_path) if self._writer is not None else None}
 
     def _write_report(self) -> None:

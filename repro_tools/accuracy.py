@@ -1,7 +1,7 @@
 """Is a compiled graph as accurate as eager?  ``same()`` over pytrees and ``same_two_models``.
 
-The criterion is the one behind PyTorch's ``same(..., fp64_ref)``, implemented by
-:func:`determ_backend.compare.fp64_close`: compiled may differ from eager when its
+The criterion is the one behind PyTorch's ``same(..., fp64_ref)``, the compare
+core's :func:`determ_backend.compare.judge`: compiled may differ from eager when its
 RMSE against an fp64 run stays within ``multiplier`` times eager's own RMSE.
 Non-floating outputs are ignored unless ``strict`` (then compared exactly; with
 ``strict`` and ``tol == 0`` every output is compared bitwise).
@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from determ_backend.compare import fp64_close, tensor_metrics
+from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
 
 __all__ = ["same", "first_mismatch", "same_two_models", "AccuracyResult", "run_fwd_maybe_bwd", "cast_to_fp64",
            "cast_to", "clone_inputs", "call_maybe_boxed", "flatten"]
@@ -39,24 +39,8 @@ def flatten(tree: Any) -> List[Any]:
     return [tree]
 
 
-def _leaf_verdict(ref: Any, res: Any, r64: Any, tol: float, multiplier: float, strict: bool) -> Optional[bool]:
-    """True/False for a compared leaf, None when the leaf is not compared (non-float, not strict)."""
-    if not isinstance(ref, torch.Tensor) or not isinstance(res, torch.Tensor):
-        if isinstance(ref, torch.Tensor) or isinstance(res, torch.Tensor):
-            return False
-        return ref == res if strict else None
-    if ref.shape != res.shape:
-        return False
-    if strict and tol == 0:
-        return ref.dtype == res.dtype and bool(torch.equal(ref.detach().cpu(), res.detach().cpu()))
-    if not (ref.is_floating_point() or ref.is_complex()):
-        return bool(torch.equal(ref.detach().cpu(), res.detach().cpu())) if strict else None
-    r64 = r64.detach().cpu() if isinstance(r64, torch.Tensor) and r64.shape == ref.shape else None
-    return fp64_close(ref, res, r64, tol=tol, multiplier=multiplier)
-
-
-def first_mismatch(ref: Any, res: Any, fp64_ref: Any = None, tol: float = 1e-3, multiplier: float = 2.0,
-                   strict: bool = False) -> Optional[Tuple[int, str]]:
+def first_mismatch(ref: Any, res: Any, fp64_ref: Any = None, tol: float = DEFAULT_TOL,
+                   multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False) -> Optional[Tuple[int, str]]:
     """``(leaf index, description)`` of the first leaf where ``res`` is not as accurate as ``ref``, or None."""
     a, b = flatten(ref), flatten(res)
     if len(a) != len(b):
@@ -65,7 +49,7 @@ def first_mismatch(ref: Any, res: Any, fp64_ref: Any = None, tol: float = 1e-3, 
     if len(c) != len(a):
         c = [None] * len(a)
     for i, (x, y, z) in enumerate(zip(a, b, c)):
-        if _leaf_verdict(x, y, z, tol, multiplier, strict) is False:
+        if judge(x, y, z, tol=tol, fp64_multiplier=multiplier, strict=strict) is False:
             return i, _describe(x, y, z)
     return None
 
@@ -81,8 +65,8 @@ def _describe(x: Any, y: Any, z: Any) -> str:
     return f"{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}: " + " ".join(parts)
 
 
-def same(ref: Any, res: Any, fp64_ref: Any = None, tol: float = 1e-3, multiplier: float = 2.0,
-         strict: bool = False) -> bool:
+def same(ref: Any, res: Any, fp64_ref: Any = None, tol: float = DEFAULT_TOL,
+         multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False) -> bool:
     """Whether ``res`` is as accurate as ``ref`` (pytrees of tensors and Python values), judged against ``fp64_ref``."""
     return first_mismatch(ref, res, fp64_ref, tol, multiplier, strict) is None
 
@@ -175,7 +159,7 @@ def _fp64_reference(gm: Callable, inputs: Sequence[Any], only_fwd: bool, require
 
 
 def same_two_models(gm: Callable, compiled_fn: Callable, example_inputs: Sequence[Any], only_fwd: bool = False, *,
-                    tol: float = 1e-3, multiplier: float = 2.0, strict: bool = False,
+                    tol: float = DEFAULT_TOL, multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False,
                     require_fp64: bool = False) -> AccuracyResult:
     """Compare ``compiled_fn`` with eager ``gm`` on clones of ``example_inputs`` (forward, and backward
     unless ``only_fwd``), against an fp64 run of ``gm``.  Parameters of ``gm`` are shared with ``compiled_fn``."""

@@ -111,14 +111,20 @@ def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None)
         lines.append(f"{'':2}{'graph':6} {'stage':18} {'node':28} {'op':32} metrics")
         for p in bad[:limit]:
             r = p.rec
-            mark = "* " if p.root_cause else "  "
+            mark = "* " if p.root_cause else "m " if p.metrics.get("masked") else "  "
             m = ", ".join(f"{k}={_fmt(v)}" for k, v in p.metrics.items() if k != "bitwise")
             lines.append(f"{mark}{r.graph:6} {r.stage:18} {r.node[:28]:28} {r.op[:32]:32} {m}")
         if len(bad) > limit:
             lines.append(f"  ... {len(bad) - limit} more")
     lines.extend(s.get("notes", []))
     fd = s["first_divergence"]
-    if fd is None:
+    masked = s.get("masked") or []
+    if fd is None and masked:
+        m0 = masked[0]
+        lines.append(f"no output differs; {len(masked)} masked divergence(s) (marked m) reach no output, first: "
+                     f"graph={m0['graph']} stage={m0['stage']} node={m0['node']} op={m0['op']} "
+                     f"source={m0['source'] or '?'}")
+    elif fd is None:
         if s["identical"]:
             lines.append("identical")
         elif s.get("notes"):

@@ -12,7 +12,7 @@ isolated worker) names the kind of failure and the compiler under test:
   ``hang`` (no answer within ``timeout`` seconds): judged by the isolated worker
   in :mod:`repro_tools.isolate`, never in-process;
 * ``accuracy``: compiled vs eager with an fp64 reference, the ``same()`` criterion
-  of :func:`determ_backend.compare.fp64_close` (``strict``: bitwise);
+  of :func:`determ_backend.compare.judge` (``strict``: non-float outputs count too);
 * ``nondeterminism``: two executions of one compiled graph differ bitwise;
 * ``cross_device``: the graph on ``devices[0]`` vs ``devices[1]`` (specs such as
   ``cuda``, ``cpu:float64``; the graph's parameters, buffers and constants move
@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from determ_backend.compare import fp64_close
+from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge
 from determ_backend.devices import parse_device_spec
 from determ_backend.errors import ConfigError
 from determ_backend.fingerprint import hash_tensors
@@ -50,7 +50,7 @@ from .compilers import (Compiler, call_compiled, compile_graph, compiler_name, c
 from .inductor_values import SUPPORTED, BufferValues
 
 __all__ = ["KINDS", "OracleSpec", "Signature", "Verdict", "check", "check_observed", "observe", "similar",
-           "InProcessRunner", "outputs_differ", "reference_outputs"]
+           "InProcessRunner", "leaf_differs", "reference_outputs"]
 
 KINDS = ("compile_error", "runtime_error", "error", "crash", "hang", "accuracy", "nondeterminism", "cross_device")
 ISOLATED_ONLY = ("crash", "hang")
@@ -88,9 +88,9 @@ class OracleSpec:
     """Backend name, ``module:function``, or a callable (in-process only)."""
     config: Tuple[Tuple[str, Any], ...] = ()
     """Inductor config entries applied while compiling, e.g. ``(("cpp.inject_relu_bug_TESTING_ONLY", "accuracy"),)``."""
-    tol: float = 1e-3
+    tol: float = DEFAULT_TOL
     """Accuracy / cross-device tolerance."""
-    multiplier: float = 2.0
+    multiplier: float = DEFAULT_FP64_MULTIPLIER
     """Accuracy: compiled error vs fp64 may be this multiple of eager's."""
     strict: bool = False
     """Accuracy / cross-device: demand bitwise equality (non-float outputs included)."""
@@ -271,28 +271,17 @@ def _judge_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
     for i, (e, r) in enumerate(zip(eager, res)):
         if not isinstance(e, torch.Tensor) or not isinstance(r, torch.Tensor):
             continue
-        if spec.strict:
-            bad = e.dtype != r.dtype or e.shape != r.shape or len(set(hash_tensors([e, r]))) > 1
-        elif not e.is_floating_point():
-            continue
-        else:
-            bad = not fp64_close(e, r, ref64[i] if ref64 else None, spec.tol, spec.multiplier)
-        if bad:
+        if leaf_differs(e, r, ref64[i] if ref64 else None, spec):
             return Verdict(True, Signature("accuracy", "", f"output {i} differs from eager beyond tolerance"))
     return Verdict(False, None, "outputs match eager")
 
 
-def outputs_differ(a: Any, b: Any, spec: OracleSpec) -> bool:
-    """Cross-device verdict for one pair of values: beyond ``tol`` (or not bitwise equal when strict)."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return False
-    if a.shape != b.shape:
-        return True
-    if spec.strict:
-        return hash_tensors([a.to(b.dtype)])[0] != hash_tensors([b])[0]
-    if not (a.is_floating_point() or a.is_complex()):
-        return not torch.equal(a, b.to(a.dtype))
-    return not torch.allclose(a.double(), b.double(), atol=spec.tol, rtol=spec.tol, equal_nan=True)
+def leaf_differs(expected: Any, actual: Any, ref64: Any, spec: OracleSpec) -> bool:
+    """The compare core's verdict on one value under ``spec`` (accuracy: fp64 criterion; cross-device:
+    within ``tol``); values it does not compare (non-float without ``strict``) do not differ."""
+    if isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor) and expected.device != actual.device:
+        actual = actual.to(expected.device)
+    return judge(expected, actual, ref64, tol=spec.tol, fp64_multiplier=spec.multiplier, strict=spec.strict) is False
 
 
 def _judge_outputs(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
@@ -307,7 +296,7 @@ def _judge_outputs(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) 
                 return Verdict(True, Signature("nondeterminism", "", f"run {r} differs bitwise from run 0"))
         return Verdict(False, None, "runs identical")
     for i, (a, b) in enumerate(zip(*sides)):
-        if outputs_differ(a, b, spec):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and leaf_differs(a, b.to(a.dtype), None, spec):
             return Verdict(True, Signature("cross_device", "", f"output {i} differs between {' and '.join(spec.devices)}"))
     return Verdict(False, None, "devices agree")
 

@@ -4,10 +4,10 @@
 ``cpu:float64``, ...; the graph's constants and inputs moved there by
 :mod:`determ_backend.retarget`) through determ's FX instrumentation and keeps
 every node's value.  :func:`compare_devices` pairs two such runs node by node,
-measures each pair in float64 (:func:`determ_backend.compare.tensor_metrics`,
-also against a CPU float64 execution of the graph when neither side is one), judges
-it within a tolerance and applies the root-cause rule: the first node whose
-inputs agree while its output does not.
+judges each pair with the compare core's :func:`determ_backend.compare.judge`
+(within ``tol``, or side B's error vs a CPU float64 execution of the graph within
+the fp64 multiplier of side A's, when neither side is float64 itself) and applies
+the causal root-cause rule of :mod:`determ_backend.compare.roots`.
 
 The command line (``repro-tools xdevice``) lives in :mod:`repro_tools.xdevice`.
 """
@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from determ_backend.compare import Comparison, Pair, find_roots, tensor_metrics
+from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, Comparison, Pair, find_roots, judge, tensor_metrics
 from determ_backend.devices import parse_device_spec
 from determ_backend.instrument import graph_node_infos, instrument_graph
 from determ_backend.recorder import CallResult, Recorder
@@ -55,15 +55,6 @@ def reference_spec(specs: Sequence[str]) -> Optional[str]:
     return "cpu:float64"
 
 
-def _judge(va: torch.Tensor, vb: torch.Tensor, ref: Optional[torch.Tensor], tol: float) -> tuple:
-    m = tensor_metrics(va, vb, ref if ref is not None and ref.shape == va.shape else None)
-    if "shape_mismatch" in m:
-        return False, m
-    if not (va.is_floating_point() or va.is_complex()):
-        return bool(torch.equal(va, vb.to(va.dtype))), m
-    return bool(m["max_abs"] <= tol or m["max_rel"] <= tol), m
-
-
 def compare_devices(a: CallResult, b: CallResult, tol: float,
                     reference: Optional[CallResult] = None) -> Comparison:
     """Pair the records of two runs of one graph by node, judge each pair within ``tol``, find the roots."""
@@ -75,8 +66,11 @@ def compare_devices(a: CallResult, b: CallResult, tol: float,
         p = Pair(ra, rb)
         va, vb = a.values.get(ra.node), b.values.get(ra.node)
         if rb is not None and va is not None and vb is not None:
-            p.equal, m = _judge(va, vb, ref_values.get(ra.node), tol)
-            if not p.equal:
-                p.metrics = m
+            ref = ref_values.get(ra.node)
+            ref = ref if ref is not None and ref.shape == va.shape else None
+            p.equal = judge(va, vb.to(va.device), ref, tol=tol, fp64_multiplier=DEFAULT_FP64_MULTIPLIER, strict=True,
+                            symmetric=True)
+            if p.equal is False:
+                p.metrics = tensor_metrics(va, vb, ref)
         pairs.append(p)
-    return find_roots(pairs, f"tol={tol:g}")
+    return find_roots(pairs, f"tol={tol:g}", strict=True)

@@ -46,12 +46,20 @@ def test_oracle_kinds(kind, compiler, make, fails):
     assert v.fails is fails, v
 
 
-def test_strict_accuracy_sees_last_bit_differences():
+def test_strict_accuracy_with_zero_tolerance_sees_last_bit_differences():
     gm, inputs = _graph(lambda x: (x.sum(0),), torch.randn(64, 3))
     rev = lambda gm, ex: (lambda x: (torch.flip(x, [0]).sum(0),))  # same math, other summation order  # noqa: E731
     assert not check(OracleSpec(kind="accuracy", compiler=rev), gm, inputs).fails
-    strict = check(OracleSpec(kind="accuracy", compiler=rev, strict=True), gm, inputs)
+    assert not check(OracleSpec(kind="accuracy", compiler=rev, strict=True), gm, inputs).fails  # floats: tolerance
+    strict = check(OracleSpec(kind="accuracy", compiler=rev, strict=True, tol=0.0), gm, inputs)
     assert strict.fails == (not torch.equal(inputs[0].sum(0), torch.flip(inputs[0], [0]).sum(0)))
+
+
+def test_strict_accuracy_counts_non_float_outputs():
+    gm, inputs = _graph(lambda x: (x > 0,), torch.randn(16))
+    flip = lambda gm, ex: (lambda x: (x <= 0,))  # noqa: E731
+    assert not check(OracleSpec(kind="accuracy", compiler=flip), gm, inputs).fails
+    assert check(OracleSpec(kind="accuracy", compiler=flip, strict=True), gm, inputs).fails
 
 
 def test_expected_error_keeps_search_on_the_same_bug():

@@ -103,11 +103,19 @@ def test_repro_agrees_within_a_loose_tolerance(repro, capsys):
     assert code == 0 and not s["divergent"] and s["first_divergence"] is None
 
 
-def test_repro_text_names_the_worse_device(repro, capsys):
+def test_repro_text_names_the_root_cause(repro, capsys):
     assert main(["xdevice", str(repro), "--devices", "cpu:float32,cpu"]) == 0  # same numerics: agree
-    assert main(["xdevice", str(repro), "--devices", "cpu:bfloat16,cpu"]) == 1
+    assert main(["xdevice", str(repro), "--devices", "cpu:bfloat16,cpu:float64"]) == 1
     out = capsys.readouterr().out
-    assert "farther from the float64 reference: cpu:bfloat16" in out and "root cause:" in out
+    assert "root cause:" in out
+
+
+def test_divergence_both_devices_cancel_is_masked(repro, capsys):
+    # bf16 and fp32 both lose every digit in `h + 1e8 - 1e8`: `add` differs, the outputs are the same
+    assert main(["xdevice", str(repro), "--devices", "cpu:bfloat16,cpu"]) == 0
+    assert "masked divergence(s)" in capsys.readouterr().out
+    code, s = xdevice(capsys, str(repro), "--devices", "cpu:bfloat16,cpu")
+    assert code == 0 and not s["divergent"] and s["divergent_pairs"] > 0 and s["masked"]
 
 
 def test_minify_writes_a_repro_that_still_diverges(repro, capsys, tmp_path):

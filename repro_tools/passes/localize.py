@@ -26,11 +26,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from determ_backend.compare import fp64_close
 from determ_backend.errors import DetermError
 from determ_backend.fingerprint import hash_tensors
 
-from ..oracles import outputs_differ
+from ..oracles import leaf_differs
 from ..reducer import BudgetExhausted, Reducer
 from ..subgraph import Candidate, GraphView
 
@@ -76,18 +75,9 @@ def _pairs(local: Any, got: Any, ref: Any) -> List[tuple]:
     return [(local[i], g, ref[i] if ref is not None else None) for i, g in got.items()]
 
 
-def _first_bad(pairs: List[tuple], spec) -> bool:
-    for want, have, ref in pairs:
-        if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):
-            continue
-        if spec.strict:
-            bad = want.dtype != have.dtype or want.shape != have.shape or len(set(hash_tensors([want, have]))) > 1
-        else:
-            bad = want.is_floating_point() and not fp64_close(want, have, ref if isinstance(ref, torch.Tensor) else None,
-                                                              spec.tol, spec.multiplier)
-        if bad:
-            return True
-    return False
+def _any_differs(pairs: List[tuple], spec) -> bool:
+    """Whether any ``(expected, actual, fp64 reference)`` pair differs under the compare core's verdict."""
+    return any(leaf_differs(want, have, ref, spec) for want, have, ref in pairs)
 
 
 def _accuracy_bad(view: GraphView, name: str, comp: Dict[str, Any], env: Dict[str, Any], spec) -> bool:
@@ -99,13 +89,13 @@ def _accuracy_bad(view: GraphView, name: str, comp: Dict[str, Any], env: Dict[st
     except Exception as e:  # a node that cannot be re-run alone is not judged
         log.debug("cannot re-run %s alone: %s", name, e)
         return False
-    if not _first_bad(_pairs(local, got, None), spec):
+    if not _any_differs(_pairs(local, got, None), spec):
         return False  # within tolerance already: the fp64 re-run is not needed
     try:
         local64 = _run_node(view, name, env, to64=True)
     except Exception:  # no fp64 kernel: judge without the fp64 reference
         local64 = None
-    return _first_bad(_pairs(local, got, local64), spec)
+    return _any_differs(_pairs(local, got, local64), spec)
 
 
 def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], spec, hashes) -> Optional[bool]:
@@ -113,22 +103,60 @@ def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], s
         return None
     if hashes is not None:
         return hashes[0][name] != hashes[1][name]
-    return outputs_differ(a[name], b[name], spec)
+    return leaf_differs(a[name], b[name], None, spec)
+
+
+_MAX_REPLAYS = 8
+
+
+def _replay_fails(view: GraphView, keep, name: str, value: Any, base: Dict[str, Any], spec) -> Optional[bool]:
+    """Eager replay from ``base`` with ``name`` holding ``value``: does an output of ``keep`` then fail?
+    None when the replay cannot run."""
+    order = [n for n in view.compute if n in keep]
+    env = dict(base)
+    env[name] = value
+    touched = {name}
+    try:
+        for n in order[order.index(name) + 1:]:
+            if any(i in touched for i in view.inputs_of(n)):
+                env[n] = _run_node(view, n, env)
+                touched.add(n)
+    except Exception as e:  # a node that cannot be re-run on the substituted value: cannot tell
+        log.debug("replay with %s substituted failed at a later node: %s", name, e)
+        return None
+    outs = [o for o in view.frontier(frozenset(keep)) if o in touched]
+    return any(leaf_differs(base.get(o), env[o], None, spec) for o in outs)
+
+
+def _first_cause(view: GraphView, keep, local: List[str], comp: Dict[str, Any], base: Dict[str, Any],
+                 spec) -> Optional[str]:
+    """The first of ``local`` (nodes with local error) whose divergence reaches an output."""
+    for k, n in enumerate(local):
+        value = comp.get(n)
+        if k >= _MAX_REPLAYS or not isinstance(value, torch.Tensor):
+            return n
+        verdict = _replay_fails(view, keep, n, value, base, spec)
+        if verdict is not False:
+            return n
+        log.info("%s differs but its error reaches no output (masked); not the culprit", n)
+    return local[0] if local else None
 
 
 def find_culprit(view: GraphView, keep, sides: List[Dict[str, Any]], spec,
                  base: Optional[Dict[str, Any]] = None) -> Optional[str]:
-    """The first node (graph order) with local error, or None.  ``base``: the values the observed
-    candidate's placeholders held (default: the eager reference)."""
+    """The root cause (graph order) by the compare core's causal rule, or None.  ``base``: the values
+    the observed candidate's placeholders held (default: the eager reference).
+
+    Accuracy: among the nodes with local error, the first whose compiled value, substituted alone
+    into an eager replay of the nodes after it, makes an output of ``keep`` fail; a node whose
+    substitution leaves every output within tolerance is masked (its error is absorbed downstream)."""
     order = [n for n in view.compute if n in keep]
     if spec.kind == "accuracy":
         comp = sides[0]
         env = dict(base if base is not None else view.ref)
         env.update(comp)
-        for n in order:
-            if not view.is_getitem(n) and _accuracy_bad(view, n, comp, env, spec):
-                return n
-        return None
+        local = [n for n in order if not view.is_getitem(n) and _accuracy_bad(view, n, comp, env, spec)]
+        return _first_cause(view, keep, local, comp, base if base is not None else view.ref, spec)
     hashes = None
     if spec.kind == "nondeterminism":
         hashes = []

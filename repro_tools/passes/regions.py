@@ -37,7 +37,7 @@ from determ_backend.errors import DetermError
 
 from ..reducer import BudgetExhausted, Reducer
 from ..subgraph import Candidate, GraphView
-from .localize import _first_bad, _pairs, _run_node, _value_map, find_culprit, verify_cut
+from .localize import _any_differs, _pairs, _run_node, _value_map, find_culprit, verify_cut
 
 __all__ = ["localize_from_buffers", "first_bad_region"]
 
@@ -69,13 +69,13 @@ def _region_bad(view: GraphView, region: List[str], got: Any, env: Dict[str, Any
     except Exception as e:  # a region that cannot be re-run eagerly is not judged
         log.debug("cannot re-run the region of %s: %s", region[-1], e)
         return False
-    if not _first_bad(_pairs(local, got, None), spec):
+    if not _any_differs(_pairs(local, got, None), spec):
         return False
     try:
         local64 = _rerun(view, region, env, True)
     except Exception:  # no fp64 kernel: judge without the fp64 reference
         local64 = None
-    return _first_bad(_pairs(local, got, local64), spec)
+    return _any_differs(_pairs(local, got, local64), spec)
 
 
 def first_bad_region(view: GraphView, keep, observed: Dict[str, Any], spec) -> Optional[Tuple[str, List[str]]]:

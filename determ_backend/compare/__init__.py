@@ -1,0 +1,23 @@
+"""The compare core: alignment, the verdict and the root-cause rule, one home for each.
+
+* :mod:`.align`: :class:`Pair`, :func:`align` (pairs the records of two traces);
+* :mod:`.verdict`: :func:`judge` ("do these two values differ?", one meaning of
+  ``tol``, ``fp64_multiplier``, ``strict`` and ``bitwise``), :func:`tensor_metrics`,
+  :func:`judge_records` (two trace records);
+* :mod:`.roots`: :func:`find_roots` (the causal root-cause rule: symptom, live
+  divergences, masked notes), :class:`Comparison`, :func:`compare_traces`.
+
+Every tool that decides whether values differ (the backends' checks, ``diff``,
+the observer, ``xdevice``, the oracles and localization of the minifier,
+``analyze``, the dump compare) goes through this package.  Reading and writing
+traces lives in :mod:`determ_backend.trace`.
+"""
+
+from .align import Pair, align
+from .roots import Comparison, Confirm, compare_traces, describe, find_roots, is_output
+from .verdict import (DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, EPS, is_float, judge, judge_records, rmse,
+                      stats_metrics, tensor_metrics)
+
+__all__ = ["Pair", "align", "Comparison", "Confirm", "compare_traces", "describe", "find_roots", "is_output",
+           "DEFAULT_FP64_MULTIPLIER", "DEFAULT_TOL", "EPS", "is_float", "judge", "judge_records", "rmse",
+           "stats_metrics", "tensor_metrics"]

@@ -1,0 +1,176 @@
+"""The verdict: do two values differ?  One :func:`judge` for every caller.
+
+Meaning (PyTorch's ``same(..., fp64_ref)``):
+
+* **bitwise** (``bitwise=True``: determinism, same-device references): same dtype,
+  same shape, same bits (fingerprints).
+* **floating values**: equal when ``allclose(expected, actual, atol=tol, rtol=tol)``;
+  otherwise, when an fp64 reference ``ref64`` is given, when ``actual``'s RMSE
+  against it is at most ``fp64_multiplier`` times ``expected``'s own RMSE against it,
+  plus ``tol / 10`` (a NaN that ``expected`` does not have always differs).
+* **non-floating values** (bool, integer tensors, Python values): compared exactly
+  when ``strict``, else not compared (``None``).  ``strict`` with ``tol == 0``
+  compares every value bitwise.
+* a shape mismatch, or a tensor against a non-tensor, always differs.
+* ``symmetric`` (two devices, neither of them the reference): with ``ref64``, the
+  values also differ when ``expected`` is the one farther from fp64 (beyond the
+  multiplier); the accuracy check is one-sided (compiled may be *more* accurate).
+
+:func:`tensor_metrics` measures a pair (max abs/rel error, cosine, errors vs fp64);
+:func:`judge_records` judges two trace records from their fingerprints, their
+stored payloads or, failing those, their statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..fingerprint import hash_tensor, hash_tensors
+from ..trace import Record, TensorStore
+
+__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse",
+           "stats_metrics", "judge_records"]
+
+DEFAULT_TOL = 1e-3
+"""The default tolerance of every verdict (``DETERM_TOL``, ``--tol``)."""
+DEFAULT_FP64_MULTIPLIER = 2.0
+"""The default allowed ratio of compiled to eager error against fp64 (``DETERM_FP64_MULTIPLIER``)."""
+EPS = 1e-12
+
+
+def is_float(x: Any) -> bool:
+    """A floating or complex tensor, or a dtype name of one (``float32``, ``bfloat16``, ``complex64``)."""
+    if isinstance(x, torch.Tensor):
+        return x.is_floating_point() or x.is_complex()
+    if isinstance(x, str):
+        return x.startswith(("float", "bfloat", "complex")) or x in ("half", "double")
+    return False
+
+
+def rmse(x: torch.Tensor, y: torch.Tensor) -> float:
+    d = x.detach().to(torch.float64).cpu() - y.detach().to(torch.float64).cpu()
+    return math.sqrt(float(torch.mean(d * d))) if d.numel() else 0.0
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.device != b.device:
+        b = b.to(a.device)
+    ha, hb = hash_tensors([a, b])
+    return ha == hb
+
+
+def judge(expected: Any, actual: Any, ref64: Any = None, *, tol: float = DEFAULT_TOL,
+          fp64_multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False,
+          bitwise: bool = False, symmetric: bool = False) -> Optional[bool]:
+    """True when ``actual`` agrees with ``expected``, False when it differs, None when not compared
+    (a non-floating value without ``strict``).  See the module docstring for the meaning."""
+    et, at = isinstance(expected, torch.Tensor), isinstance(actual, torch.Tensor)
+    if not et or not at:
+        if et or at:
+            return False
+        return bool(expected == actual) if (strict or bitwise) else None
+    if expected.shape != actual.shape:
+        return False
+    if bitwise or (strict and tol == 0):
+        return _bitwise(expected.detach(), actual.detach())
+    if not is_float(expected):
+        if not strict:
+            return None
+        return bool(torch.equal(expected.detach().cpu(), actual.detach().cpu().to(expected.dtype)))
+    common = torch.promote_types(expected.dtype, actual.dtype)  # two dtypes: judged in the wider one
+    e, c = expected.detach().cpu().to(common), actual.detach().cpu().to(common)
+    if torch.allclose(e, c, atol=tol, rtol=tol, equal_nan=True):
+        return True
+    r = ref64.detach().cpu() if isinstance(ref64, torch.Tensor) and ref64.shape == e.shape else None
+    if r is None:
+        return False
+    if e.is_complex() or c.is_complex():
+        e, c, r = e.abs(), c.abs(), r.abs()
+    nan_c, nan_e = bool(torch.isnan(c).any()), bool(torch.isnan(e).any())
+    if nan_c != nan_e and (nan_c or symmetric):
+        return False
+    err_c, err_e = rmse(r, c), rmse(r, e)
+    if symmetric and err_e > fp64_multiplier * err_c + tol / 10.0:
+        return False
+    return err_c <= fp64_multiplier * err_e + tol / 10.0
+
+
+def tensor_metrics(a: torch.Tensor, b: torch.Tensor, ref64: Optional[torch.Tensor] = None) -> Dict[str, Any]:
+    """max abs/rel error (rel with an epsilon), cosine, bitwise flag; RMSE of each side vs ``ref64`` when given."""
+    out: Dict[str, Any] = {}
+    if a.shape != b.shape:
+        return {"bitwise": False, "shape_mismatch": [list(a.shape), list(b.shape)]}
+    x = a.detach().to(torch.float64).cpu() if not a.is_complex() else a.detach().abs().double().cpu()
+    y = b.detach().to(torch.float64).cpu() if not b.is_complex() else b.detach().abs().double().cpu()
+    out["bitwise"] = a.dtype == b.dtype and hash_tensor(a) == hash_tensor(b.to(a.device))
+    if x.numel() == 0:
+        out.update(max_abs=0.0, max_rel=0.0, cosine=1.0)
+        return out
+    both_nan = torch.isnan(x) & torch.isnan(y)
+    d = torch.where(both_nan, torch.zeros_like(x), (x - y).abs())
+    d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
+    out["max_abs"] = float(d.max())
+    out["max_rel"] = float((d / (y.abs() + EPS)).max())
+    nx, ny = float(torch.linalg.vector_norm(x)), float(torch.linalg.vector_norm(y))
+    if nx == 0 and ny == 0:
+        out["cosine"] = 1.0
+    elif nx == 0 or ny == 0 or not (math.isfinite(nx) and math.isfinite(ny)):
+        out["cosine"] = float("nan") if not (math.isfinite(nx) and math.isfinite(ny)) else 0.0
+    else:
+        out["cosine"] = float(torch.dot(x.reshape(-1), y.reshape(-1)) / (nx * ny))
+    if ref64 is not None and ref64.shape == a.shape:
+        out["err_a_vs_fp64"] = rmse(a, ref64)
+        out["err_b_vs_fp64"] = rmse(b, ref64)
+    return out
+
+
+def stats_metrics(a: Record, b: Record) -> Dict[str, Any]:
+    """What two records' statistics say about their difference (no payloads at hand)."""
+    out: Dict[str, Any] = {"bitwise": a.hash == b.hash}
+    sa, sb = a.stats or {}, b.stats or {}
+    for k in ("min", "max", "mean", "l2"):
+        va, vb = sa.get(k), sb.get(k)
+        if isinstance(va, (int, float)) and isinstance(vb, (int, float)):
+            out[f"{k}_diff"] = abs(va - vb) if not (math.isnan(va) and math.isnan(vb)) else 0.0
+    if "l2" in sa and "l2" in sb and isinstance(sb["l2"], (int, float)):
+        out["l2_rel"] = out.get("l2_diff", 0.0) / (abs(sb["l2"]) + EPS)
+    for k in ("nan", "inf"):
+        if sa.get(k) != sb.get(k):
+            out[f"{k}_counts"] = [sa.get(k), sb.get(k)]
+    return out
+
+
+def _stats_close(m: Dict[str, Any], b: Record, tol: float) -> bool:
+    if "nan_counts" in m or "inf_counts" in m:
+        return False
+    scale = max((abs(v) for v in (b.stats or {}).values() if isinstance(v, float) and math.isfinite(v)), default=1.0)
+    return all(m.get(f"{k}_diff", 0.0) <= tol * (1.0 + scale) for k in ("min", "max", "mean", "l2"))
+
+
+def judge_records(a: Record, b: Record, tol: Optional[float], store_a: Optional[TensorStore] = None,
+                  store_b: Optional[TensorStore] = None, strict: bool = False):
+    """``(verdict, metrics)`` for two records of one value: bitwise when ``tol`` is None, else within
+    ``tol`` by :func:`judge` on the stored payloads, or by the statistics when no payloads are stored."""
+    if a.hash is not None and a.hash == b.hash and a.dtype == b.dtype and a.shape == b.shape:
+        return True, {"bitwise": True}
+    if a.shape != b.shape:
+        return False, {"bitwise": False, "shape_mismatch": [a.shape, b.shape]}
+    if tol is not None and not strict and a.dtype and not is_float(a.dtype) and a.dtype == b.dtype:
+        return False, {"bitwise": False}  # integer/bool values agree only bitwise
+    if store_a is not None and store_b is not None and a.payload and b.payload and a.payload in store_a \
+            and b.payload in store_b:
+        va, vb = store_a.get(a.payload), store_b.get(b.payload)
+        m = tensor_metrics(va, vb)
+        m["bitwise"] = False
+        if tol is None:
+            return False, m
+        return judge(va, vb, tol=tol, strict=True) is not False, m
+    m = stats_metrics(a, b)
+    if tol is None:
+        return False, m
+    return _stats_close(m, b, tol), m
