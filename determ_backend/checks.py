@@ -34,6 +34,7 @@ import torch.fx as fx
 from . import devices
 from .compare import Pair, align, compare_traces, find_roots, is_float, judge, tensor_metrics
 from .config import DetermConfig
+from .errors import AccuracyError
 from .recorder import CallResult, Recorder
 from .run import Run
 from .trace import Record
@@ -44,18 +45,34 @@ log = logging.getLogger(__name__)
 
 
 def clone_inputs(args: Sequence[Any]) -> List[Any]:
-    """Clones preserving strides (``requires_grad`` kept) of every tensor argument."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            c = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
-            with torch.no_grad():
-                c.copy_(a)
-            c.requires_grad_(a.requires_grad)
-            out.append(c)
+    """Clones preserving strides, storage offset aliasing included (an expanded tensor stays expanded),
+    and ``requires_grad``, of every tensor argument."""
+    return [_clone_exact(a) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _clone_exact(a: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        if a.numel() and any(st == 0 and n > 1 for n, st in zip(a.shape, a.stride())) or \
+                a.numel() and not a.is_contiguous() and _overlaps(a):
+            # overlapping memory (expanded): copy the storage region the tensor covers and view it alike
+            extent = 1 + sum((n - 1) * abs(st) for n, st in zip(a.shape, a.stride()))
+            flat = a.as_strided((extent,), (1,), a.storage_offset()).clone()
+            c = flat.as_strided(a.size(), a.stride(), 0)
         else:
-            out.append(a)
-    return out
+            c = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+            c.copy_(a)
+    return c.requires_grad_(a.requires_grad) if c.is_leaf else c
+
+
+def _overlaps(a: torch.Tensor) -> bool:
+    """Whether two elements of ``a`` may share memory (a layout no dense tensor has)."""
+    dims = sorted((abs(st), n) for n, st in zip(a.shape, a.stride()) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            return True
+        span = st * n
+    return False
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -197,12 +214,14 @@ class GraphExec:
             self.run.device = _device_of(args_list)
         checks = self.config.check
         twin: Optional[CallResult] = None
-        eager_args = clone_inputs(args_list) if "accuracy" in checks and self.reference_gm is not None else None
+        eager_args = self._guard("accuracy", clone_inputs, args_list) \
+            if "accuracy" in checks and self.reference_gm is not None else None
         if "determinism" in checks:
             rng = devices.get_rng_state()
-            self._invoke(clone_inputs(args_list))
-            twin = self.recorder.end_call(count=False)
-            devices.set_rng_state(rng)
+            try:
+                twin = self._guard("determinism", self._twin, args_list)
+            finally:
+                devices.set_rng_state(rng)
         rng_before = devices.get_rng_state() if eager_args is not None else None
         out = self._invoke(args_list)
         result = self.recorder.end_call()
@@ -210,12 +229,32 @@ class GraphExec:
             self.run.store_payloads(result)
         self.run.write(result.records)
         if twin is not None:
-            self._check_determinism(twin, result)
+            self._guard("determinism", self._check_determinism, twin, result)
         if eager_args is not None:
-            self._check_accuracy(eager_args, result, rng_before)
+            self._guard("accuracy", self._check_accuracy, eager_args, result, rng_before)
         if self.config.reference:
-            self._check_reference(result)
+            self._guard("reference", self._check_reference, result)
         return out
+
+    def _twin(self, args_list: List[Any]) -> CallResult:
+        """The determinism check's first execution, on clones of the inputs."""
+        try:
+            self._invoke(clone_inputs(args_list))
+        finally:
+            twin = self.recorder.end_call(count=False)
+        return twin
+
+    def _guard(self, check: str, fn: Callable, *args: Any) -> Any:
+        """Run a piece of ``check``'s machinery; a failure becomes a checker error and the model goes on.
+        A divergence raised on purpose (``DETERM_RAISE``) passes through."""
+        try:
+            return fn(*args)
+        except AccuracyError:
+            raise
+        except Exception as e:
+            self.run.add_checker_error(check, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                                              f" (in {getattr(fn, '__name__', 'check')})")
+            return None
 
     def _check_determinism(self, twin: CallResult, result: CallResult) -> None:
         cmp = compare_traces(twin.records, result.records)
