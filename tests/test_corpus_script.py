@@ -1,5 +1,6 @@
-"""scripts/corpus.py: the case plan, the verdict of a finished case (from its exit status, report.json and
-stderr), the per-case timeout, and one real run on a tiny family."""
+"""scripts/corpus.py: its families (each builds offline and runs forward and backward eagerly; RELU_FAMILIES
+names exactly those that dispatch ``aten.relu``), the case plan, the verdict of a finished case (from its exit
+status, report.json and stderr), the per-case timeout, and one real run on a tiny family."""
 
 import json
 import os
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import real_models
 
@@ -35,6 +38,38 @@ def _finished(tmp_path, report=None, stderr="", trace=None):
 def _finding(node, op, source="/x/site-packages/transformers/models/llama/modeling_llama.py:64 (forward)", **extra):
     fd = {"graph": "g0", "stage": "inductor_forward", "call": 0, "node": node, "op": op, "source": source}
     return {"first_divergence": fd, "findings": [{"check": "accuracy", "first_divergence": fd, "root_causes": [fd], **extra}]}
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_at_least_ten_families():
+    assert len(real_models.FAMILIES) >= 10
+    assert real_models.RELU_FAMILIES <= set(real_models.FAMILIES)
+    assert set(corpus.QUICK_FAMILIES) <= set(real_models.FAMILIES)
+    with pytest.raises(KeyError, match="unknown family"):
+        real_models.has_relu("nosuch")
+
+
+@needs_transformers
+@pytest.mark.parametrize("family", list(real_models.FAMILIES))
+def test_family_runs_forward_and_backward_eagerly(family):
+    model, inputs = real_models.build(family)
+    assert sum(p.numel() for p in model.parameters()) < 300_000  # small enough for a quick compile
+    model.train()
+    with _Ops() as seen:
+        loss = real_models.loss_of(model(**inputs))
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert any(p.grad is not None for p in model.parameters())
+    assert (torch.ops.aten.relu.default in seen.ops) == real_models.has_relu(family)
 
 
 CASE = corpus.Case("llama", "eval", "accuracy", "determ_inductor")
