@@ -315,3 +315,38 @@ def test_interrupted_cli_stops_its_worker_and_says_how_to_resume(tmp_path, sig, 
     assert "Traceback" not in err and "--resume" in err
     assert all(_gone(w) for w in workers)
     assert not list(Path(tempfile.gettempdir()).glob(f"determ_worker_{proc.pid}_*"))
+
+
+def _mask_graph(x):
+    y = torch.log1p(x)
+    b = torch.logical_not(torch.logical_not(y > 0))
+    r = torch.relu(x)
+    return (torch.where(b, r, r),)
+
+
+def _bool_graph(x):
+    return (torch.log1p(x) > 0,)
+
+
+_BOTH_BUGS = (("cpp.inject_relu_bug_TESTING_ONLY", "accuracy"), ("cpp.inject_log1p_bug_TESTING_ONLY", "accuracy"))
+
+
+@pytest.mark.slow
+def test_masked_divergence_is_not_the_culprit_in_either_mode():
+    # PyTorch's accuracy-vs-strict scenario: the wrong log1p only feeds a mask that cannot change where(b, x, x)
+    x = torch.randn(20, generator=torch.Generator().manual_seed(0))
+    for strict in (False, True):
+        spec = OracleSpec(kind="accuracy", compiler="inductor", config=_BOTH_BUGS, strict=strict)
+        res = minify(make_fx(_mask_graph)(x), [x], spec, progress=False)
+        assert res.summary["culprit"]["node"] == "relu", (strict, res.summary)
+
+
+@pytest.mark.slow
+def test_boolean_output_counts_only_when_strict():
+    x = torch.randn(20, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(OracleError):
+        minify(make_fx(_bool_graph)(x), [x], OracleSpec(kind="accuracy", compiler="inductor", config=_BOTH_BUGS),
+               progress=False)
+    res = minify(make_fx(_bool_graph)(x), [x],
+                 OracleSpec(kind="accuracy", compiler="inductor", config=_BOTH_BUGS, strict=True), progress=False)
+    assert res.summary["culprit"]["node"] == "log1p"

@@ -109,23 +109,30 @@ def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], s
 _MAX_REPLAYS = 8
 
 
-def _replay_fails(view: GraphView, keep, name: str, value: Any, base: Dict[str, Any], spec) -> Optional[bool]:
-    """Eager replay from ``base`` with ``name`` holding ``value``: does an output of ``keep`` then fail?
-    None when the replay cannot run."""
-    order = [n for n in view.compute if n in keep]
+def _replay(view: GraphView, order: List[str], name: str, value: Any, base: Dict[str, Any]) -> Dict[str, Any]:
+    """Values of ``name`` and everything after it that depends on it, replayed eagerly from ``base``."""
     env = dict(base)
     env[name] = value
-    touched = {name}
+    touched = {name: value}
+    for n in order[order.index(name) + 1:]:
+        if any(i in touched for i in view.inputs_of(n)):
+            env[n] = touched[n] = _run_node(view, n, env)
+    return touched
+
+
+def _replay_fails(view: GraphView, keep, name: str, value: Any, base: Dict[str, Any], spec) -> Optional[bool]:
+    """Does substituting ``value`` for ``name`` alone make an output of ``keep`` fail?  Both sides are
+    eager replays from ``base`` (``name`` recomputed vs substituted), so only this node's error counts.
+    None when a replay cannot run."""
+    order = [n for n in view.compute if n in keep]
     try:
-        for n in order[order.index(name) + 1:]:
-            if any(i in touched for i in view.inputs_of(n)):
-                env[n] = _run_node(view, n, env)
-                touched.add(n)
+        clean = _replay(view, order, name, _run_node(view, name, base), base)
+        dirty = _replay(view, order, name, value, base)
     except Exception as e:  # a node that cannot be re-run on the substituted value: cannot tell
-        log.debug("replay with %s substituted failed at a later node: %s", name, e)
+        log.debug("replay with %s substituted failed: %s", name, e)
         return None
-    outs = [o for o in view.frontier(frozenset(keep)) if o in touched]
-    return any(leaf_differs(base.get(o), env[o], None, spec) for o in outs)
+    outs = [o for o in view.frontier(frozenset(keep)) if o in dirty]
+    return any(leaf_differs(clean[o], dirty[o], None, spec) for o in outs)
 
 
 def _first_cause(view: GraphView, keep, local: List[str], comp: Dict[str, Any], base: Dict[str, Any],
