@@ -224,6 +224,16 @@ def is_fake_tensor(t) -> bool:
     return isinstance(t, FakeTensor)
 
 
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Leave the active fake tensor mode (AOTAutograd's, while its compiler runs) for the block:
+    tensors made or copied inside are real again.  A no-op when no fake mode is active."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
+
+
 def symint_hint(s):
     """A concrete int for a SymInt (its hint when it is symbolic)."""
     node = getattr(s, "node", None)

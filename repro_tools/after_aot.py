@@ -17,6 +17,12 @@ while runtime dumps save the real values.  Per level:
    launcher, minifies (unless ``DETERM_MINIFY=0``) and raises
    :class:`~determ_backend.errors.AccuracyError`.  Checker errors are reported.
 
+The flows keep a :func:`~repro_tools.repro_flows.graph_snapshot` of each graph
+(never a deep copy: AOT's fake tensor mode is active while its compiler runs,
+and real tensor constants cannot be copied under it).  A failure of the flows'
+own machinery is a checker error in ``report.json`` and one line on stderr; the
+graph then compiles and runs as the wrapped compiler would.
+
 :func:`inductor_backend` and :func:`aot_backend` build ready-to-use dynamo
 backends.  Dumps and minification live in :mod:`repro_tools.repro_flows`.
 """
@@ -33,7 +39,7 @@ from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig, load_config
 
 from .accuracy import call_maybe_boxed, same_two_models
-from .repro_flows import LAUNCHER, GraphDump, act_on_accuracy
+from .repro_flows import GraphDump, act_on_accuracy, graph_snapshot, report_flow_error
 from .repro_script import compiler_ref
 
 __all__ = ["wrap_compiler", "inductor_backend", "aot_backend"]
@@ -66,9 +72,14 @@ def wrap_compiler(inner_compile: Callable, config: Optional[DetermConfig] = None
     def repro_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         cfg = config if config is not None else load_config()
         stage = "backward" if kwargs.get("is_backward") else "forward"
-        dump = GraphDump(cfg, "aot", label, copy.deepcopy(gm), {"sys_path": sys_path, "only_fwd": True, "stage": stage})
         inputs = list(example_inputs)
-        launcher = dump.write(LAUNCHER, inputs, "any", launcher=True) if cfg.repro_level == 3 else None
+        try:  # AOT's fake mode is active here: the snapshot shares the graph's real constants, copies none
+            dump = GraphDump(cfg, "aot", label, graph_snapshot(gm), {"sys_path": sys_path, "only_fwd": True,
+                                                                     "stage": stage})
+        except Exception as e:
+            report_flow_error(cfg, "aot", f"copying the {stage} graph", e)
+            return inner_compile(gm, example_inputs, **kwargs)  # this graph goes on without the flows
+        launcher = dump.launcher_before_compile(inputs) if cfg.repro_level == 3 else None
         try:
             compiled = inner_compile(gm, example_inputs, **kwargs)
         except Exception as e:
@@ -99,7 +110,12 @@ def _runtime(compiled: Callable, cfg: DetermConfig, dump: GraphDump, launcher) -
 
 
 def _check_accuracy(compiled: Callable, inputs: List[Any], cfg: DetermConfig, dump: GraphDump) -> None:
-    result = same_two_models(copy.deepcopy(dump.gm), compiled, inputs, only_fwd=True, tol=cfg.tol,
+    try:
+        reference = copy.deepcopy(dump.gm)  # the reference runs get constants of their own, not the shared ones
+    except Exception as e:
+        report_flow_error(cfg, "aot", f"copying the {dump.extra_meta.get('stage')} graph for the accuracy check", e)
+        return
+    result = same_two_models(reference, compiled, inputs, only_fwd=True, tol=cfg.tol,
                              multiplier=cfg.fp64_multiplier, strict=cfg.strict)
     act_on_accuracy(result, cfg, dump, inputs, "repro accuracy (after aot)",
                     f"compiled {dump.extra_meta.get('stage')} graph ({dump.compiler})")

@@ -16,6 +16,10 @@ callable ``f(gm, example_inputs)``) into one that, per level:
    while checking).  An error while checking is reported as a checker error,
    never swallowed.
 
+A failure of the flows' own machinery (copying or dumping the graph, writing the
+launcher, minifying) is a checker error in ``report.json`` and one line on
+stderr; the graph then compiles and runs as the wrapped backend would.
+
 Errors are re-raised after dumping.  Dumps, minification and the summary live
 in :mod:`repro_tools.repro_flows`; the after-aot flows in :mod:`repro_tools.after_aot`.
 """
@@ -32,7 +36,7 @@ from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig, load_config
 
 from .accuracy import same_two_models
-from .repro_flows import LAUNCHER, GraphDump, act_on_accuracy
+from .repro_flows import GraphDump, act_on_accuracy, report_flow_error
 from .repro_script import compiler_ref
 
 __all__ = ["wrap_backend"]
@@ -63,7 +67,11 @@ def wrap_backend(backend: Union[str, Callable], config: Optional[DetermConfig] =
     def repro_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         cfg = config if config is not None else load_config()
         inner = tc.lookup_backend(backend) if isinstance(backend, str) else backend
-        dump = GraphDump(cfg, "dynamo", label, copy.deepcopy(gm), {"sys_path": sys_path, "only_fwd": False})
+        try:
+            dump = GraphDump(cfg, "dynamo", label, copy.deepcopy(gm), {"sys_path": sys_path, "only_fwd": False})
+        except Exception as e:
+            report_flow_error(cfg, "dynamo", "copying the graph", e)
+            return inner(gm, example_inputs, **kwargs)  # this graph goes on without the flows
         return _compile(inner, gm, list(example_inputs), kwargs, cfg, dump)
 
     repro_backend.__name__ = f"repro_{label}".replace(":", "_").replace(".", "_")
@@ -73,7 +81,7 @@ def wrap_backend(backend: Union[str, Callable], config: Optional[DetermConfig] =
 def _compile(inner: Callable, gm: fx.GraphModule, inputs: list, kwargs: dict, cfg: DetermConfig,
              dump: GraphDump) -> Callable:
     level = cfg.repro_level
-    launcher = dump.write(LAUNCHER, inputs, "any", launcher=True) if level == 3 else None
+    launcher = dump.launcher_before_compile(inputs) if level == 3 else None
     try:
         compiled = inner(gm, inputs, **kwargs)
     except Exception as e:
@@ -100,7 +108,12 @@ def _check_accuracy(compiled: Callable, inputs: list, cfg: DetermConfig, dump: G
     # dynamo calls a backend's result with positional args, whatever ``_boxed_call`` it carries (inductor's
     # compile_fx result inherits a misleading ``_boxed_call`` from the boxed function it wraps)
     unboxed = lambda *args: compiled(*args)  # noqa: E731
-    result = same_two_models(copy.deepcopy(dump.gm), unboxed, inputs, only_fwd=False, tol=cfg.tol,
+    try:
+        reference = copy.deepcopy(dump.gm)  # the fp64 reference casts its module
+    except Exception as e:
+        report_flow_error(cfg, "dynamo", "copying the graph for the accuracy check", e)
+        return
+    result = same_two_models(reference, unboxed, inputs, only_fwd=False, tol=cfg.tol,
                              multiplier=cfg.fp64_multiplier, strict=cfg.strict)
     act_on_accuracy(result, cfg, dump, inputs, "repro accuracy", f"compiled graph ({dump.compiler})")
 

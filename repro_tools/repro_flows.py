@@ -11,6 +11,13 @@ as ``repro.prev-N.py``) and its path is the last line of the stderr summary.
 Level 4 minifies in this process, except inside a compile's fake tensor mode
 (a compile error after AOT), where it runs in a process of its own as level 3 does.
 
+The flows must never break the user's program: a failure of their own machinery
+(copying or dumping the graph, writing the launcher, minifying) is
+:func:`report_flow_error`: a checker error in ``report.json`` and one line on
+stderr, after which the model goes on as the wrapped compiler would.
+:func:`graph_snapshot` is the flows' copy of a graph: its structure copied, its
+tensors shared, so taking it creates no tensor (safe under AOT's fake mode).
+
 :func:`minify_script` is what a launcher's ``minify`` subcommand runs: it checks
 that the script fails here and how (one ``run`` in a child process; skipped when
 the flows saw it fail), runs :mod:`repro_tools.minifier` (or, where that is not
@@ -22,6 +29,8 @@ to ``./repro.min.py`` and the script is left as it is.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import importlib.util
 import logging
 import os
@@ -37,12 +46,12 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig
-from determ_backend.errors import AccuracyError, DetermError, ReproError
+from determ_backend.errors import AccuracyError, ReproError
 from determ_backend.run import get_run
 
 from .repro_script import capture_compile_config, copy_repro, read_meta, write_repro
 
-__all__ = ["GraphDump", "minify_script", "print_summary", "LAUNCHER", "REPRO"]
+__all__ = ["GraphDump", "graph_snapshot", "report_flow_error", "minify_script", "print_summary", "LAUNCHER", "REPRO"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +80,36 @@ def print_summary(title: str, lines: Sequence[str], final: Optional[Path]) -> No
     if final is not None:
         out.append(str(final))
     print("\n".join(out), file=sys.stderr, flush=True)
+
+
+def graph_snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule running a copy of ``gm``'s graph (subgraphs of higher-order ops copied likewise) on
+    ``gm``'s own tensor constants and modules, which are shared, not copied.
+
+    Compilers rewrite the graph they are given in place; the snapshot keeps the graph as it was handed
+    over.  No tensor is created, so it can be taken under a fake tensor mode, where copying a real
+    constant fails."""
+    snap = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    snap.meta.update(getattr(gm, "meta", {}))
+    for target in {n.target for n in snap.graph.nodes if n.op in ("get_attr", "call_module")}:
+        *path, leaf = target.split(".")
+        owner = functools.reduce(getattr, path, snap)
+        own = not path or owner is not functools.reduce(getattr, path, gm)  # never set an attribute of gm's
+        if own and isinstance(getattr(owner, leaf), fx.GraphModule):
+            setattr(owner, leaf, graph_snapshot(getattr(owner, leaf)))
+    return snap
+
+
+def report_flow_error(config: DetermConfig, after: str, what: str, error: BaseException) -> None:
+    """A failure of the flows' own machinery: a checker error in the run's ``report.json`` and one line
+    on stderr (the traceback at debug level).  Never raises: the user's program goes on."""
+    log.debug("determ repro (after %s): %s", after, what, exc_info=error)
+    message = " ".join(f"{what} raised {type(error).__name__}: {error}".split())[:1000]
+    try:
+        get_run(config).add_checker_error(f"repro (after {after})", message)
+    except Exception as e:  # no run directory to report in: the line on stderr is all there is
+        log.error("determ repro (after %s) could not run: %s (not recorded in report.json: %s)", after, message,
+                  " ".join(str(e).split())[:300])
 
 
 class GraphDump:
@@ -104,23 +143,30 @@ class GraphDump:
         path = self.dir / name
         if path.exists():
             path = self.dir / f"{path.stem}-{len(list(self.dir.glob(path.stem + '*.py')))}.py"
-        return write_repro(self.gm, list(inputs), path, meta=self.meta(kind, error, launcher))
+        with tc.real_tensors():  # the graph's constants are real; under AOT's fake mode, reading them would fail
+            return write_repro(self.gm, list(inputs), path, meta=self.meta(kind, error, launcher))
+
+    def launcher_before_compile(self, inputs: Sequence[Any]) -> Optional[Path]:
+        """Level 3: the launcher, written before compiling (None, reported, when it cannot be written)."""
+        try:
+            return self.write(LAUNCHER, inputs, "any", launcher=True)
+        except Exception as e:
+            report_flow_error(self.config, self.after, "writing the minifier launcher before compiling", e)
+            return None
 
     def on_failure(self, kind: str, inputs: Sequence[Any], error: Optional[BaseException] = None,
                    launcher: Optional[Path] = None, detail: str = "") -> Optional[Path]:
         """Dump (and minify, per level) a graph's first failure; returns the final repro (or launcher) path.
 
-        A failure to dump or minify is logged with its traceback, not raised, so the caller can
-        re-raise the original error."""
+        A failure to dump or minify is a checker error (:func:`report_flow_error`), never raised, so the
+        caller can go on with the original error or result."""
         if self.failed:
             return None
         self.failed = True
         try:
             return self._on_failure(kind, inputs, error, launcher, detail)
-        except DetermError as e:
-            log.error("determ repro: could not dump the failing graph (%s): %s", kind, e)
-        except Exception:  # a bug in dumping must not replace the user's error; it is logged in full
-            log.exception("determ repro: dumping the failing graph (%s) raised", kind)
+        except Exception as e:  # never replaces the user's error
+            report_flow_error(self.config, self.after, f"dumping or minifying the failing graph ({kind})", e)
         return None
 
     def _on_failure(self, kind: str, inputs: Sequence[Any], error: Optional[BaseException],
@@ -143,10 +189,15 @@ class GraphDump:
         if level == 3 or _tensors_made_here_are_fake():
             rc = subprocess.run([sys.executable, str(launcher), "minify", "--kind", kind, "--known-failure"],
                                 stdout=_stderr_fd()).returncode
-            final = Path.cwd() / REPRO if rc == 1 else None
+            where = "in a process of its own"
         else:
-            final = _minify_in_process(launcher, kind)
-        return final
+            with contextlib.redirect_stdout(sys.stderr):  # the program's stdout is not ours to write to
+                rc = minify_script(launcher, ["--kind", kind, "--known-failure", "--in-process"])
+            where = "in this process"
+        if rc != 1:
+            raise ReproError(f"minifying {launcher} {where} ended with exit status {rc} (see above); "
+                             f"the launcher is kept: python {launcher}")
+        return Path.cwd() / REPRO
 
 
 def _tensors_made_here_are_fake() -> bool:
@@ -161,17 +212,6 @@ def _stderr_fd() -> Optional[int]:
         return sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # a replaced stderr without a file descriptor
         return None
-
-
-def _minify_in_process(launcher: Path, kind: str) -> Optional[Path]:
-    """Level 4: minify from this process (warm imports and caches; accuracy cannot crash the process)."""
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # the program's stdout is not ours to write to
-            rc = minify_script(launcher, ["--kind", kind, "--known-failure", "--in-process"])
-    except DetermError as e:
-        log.error("minifying %s failed: %s", launcher, e)
-        return None
-    return Path.cwd() / REPRO if rc == 1 else None
 
 
 def _detect_kind(path: Path, timeout: float, flags: Sequence[str] = ()) -> Optional[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import real_models
 import repro_helpers as rh
 from determ_backend.errors import AccuracyError
 from repro_tools.after_aot import aot_backend, inductor_backend
@@ -151,3 +152,115 @@ def test_level4_compile_error_is_minified_with_real_inputs(tmp_path, capfd):
     assert (_graph_dir(tmp_path) / "minify-0" / "minimal" / "repro.py").is_file()
     assert_reproduces(tmp_path / "repro.py", "compile_error", RELU)
     assert "aten.mm" not in forward_source(tmp_path / "repro.py")
+
+
+# ------------------------------------------------------------------ the flows never break the user's program
+
+def _scaled(x):
+    """A real tensor constant in the AOT graph (``_tensor_constant0``): AOT's fake mode cannot copy it."""
+    return (x * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum(0)
+
+
+def _report(tmp_path, written=True):
+    """The run's report.json (``written=False``: a run that had nothing to report may have none)."""
+    import json
+
+    path = tmp_path / "out" / "r" / "report.json"
+    if not written and not path.exists():
+        return {"checker_errors": [], "divergent": False}
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("level", [3, 4])
+def test_a_graph_with_a_tensor_constant_compiles_under_aot_fake_mode(tmp_path, level):
+    from repro_tools.repro_script import load_repro
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 4)
+    out = torch.compile(_scaled, backend=aot_backend(rh.aot_relu_compile_error, config=repro_config(tmp_path, level)))(x)
+    assert torch.equal(out, _scaled(x))
+    report = _report(tmp_path, written=False)
+    assert report["checker_errors"] == [] and not report["divergent"]
+    launchers = sorted((tmp_path / "out" / "r").glob("repro/*/minifier_launcher.py"))
+    if level == 4:
+        assert launchers == []  # healthy: nothing written
+        return
+    assert len(launchers) == 1  # written before compiling, the constant's values saved
+    gm, inputs, _ = load_repro(launchers[0])
+    assert torch.equal(gm(*inputs)[0], _scaled(inputs[0]))
+
+
+@pytest.mark.parametrize("level", [1, 3])
+def test_a_failure_of_the_flows_own_machinery_is_a_checker_error(tmp_path, caplog, level):
+    (tmp_path / "out" / "r").mkdir(parents=True)
+    (tmp_path / "out" / "r" / "repro").write_text("a file where the flows want their directory\n")
+    backend = aot_backend(rh.aot_relu_compile_error, config=repro_config(tmp_path, level))
+    if level == 1:  # the compile error reaches the caller as it is; the failed dump is reported
+        err = compile_and_fail(backend)
+        assert "relu is not supported by this compiler" in str(err)
+    else:  # the launcher cannot be written before compiling: the graph compiles and runs as without the flows
+        torch._dynamo.reset()
+        x = torch.randn(3, 4)
+        assert torch.equal(torch.compile(_scaled, backend=backend)(x), _scaled(x))
+    errors = _report(tmp_path)["checker_errors"]
+    assert len(errors) == 1 and errors[0].startswith("repro (after aot): ")
+    assert ("dumping or minifying the failing graph" if level == 1 else "writing the minifier launcher") in errors[0]
+    lines = [r.getMessage() for r in caplog.records if "determ repro" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "check could not run" in lines[0]
+
+
+def _tiny_t5():
+    """T5 with a relu feed-forward, one layer each side (smaller than real_models' T5: two compiles stay quick)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2, d_kv=16,
+                     feed_forward_proj="relu", dropout_rate=0.0)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    return T.T5ForConditionalGeneration(cfg).eval(), {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+
+
+def _level4(tmp_path, **options):
+    return {"repro_after": "aot", "repro_level": 4, "dir": str(tmp_path / "out"), "run_id": "r", **options}
+
+
+needs_transformers = pytest.mark.skipif(not real_models.available(), reason="transformers is not installed")
+
+
+@pytest.mark.slow
+@needs_transformers
+def test_level4_on_a_healthy_real_model_eval_and_training_step(tmp_path):
+    """GPT-2's AOT graphs hold real tensor constants; determ_inductor at level 4 checks them and stays quiet."""
+    torch._dynamo.reset()
+    model, inputs = real_models.build("gpt2", 8)
+    for m in model.modules():  # the eager reference would draw other dropout masks than the compiled graph
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    compiled = torch.compile(model.eval(), backend="determ_inductor", options=_level4(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**inputs).logits, model(**inputs).logits, rtol=1e-4, atol=1e-4)
+    model.train()
+    real_models.loss_of(compiled(**inputs)).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    report = _report(tmp_path)
+    assert report["checker_errors"] == [] and not report["divergent"]
+    assert not (tmp_path / "out" / "r" / "repro").exists() and not (tmp_path / "repro.py").exists()
+
+
+@pytest.mark.slow
+@needs_transformers
+def test_level4_on_a_real_model_with_inductors_relu_bug_minifies_to_the_relu(tmp_path):
+    import torch._inductor.config as icfg
+
+    torch._dynamo.reset()
+    model, inputs = _tiny_t5()
+    with icfg.patch({"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"}), torch.no_grad():  # in the FX cache key
+        with pytest.raises(AccuracyError, match="less accurate than eager"):
+            torch.compile(model, backend="determ_inductor", options=_level4(tmp_path))(**inputs)
+    report = _report(tmp_path)
+    assert report["divergent"] and report["checker_errors"] == []
+    assert (_graph_dir(tmp_path) / "minifier_launcher.py").is_file()
+    assert (_graph_dir(tmp_path) / "minify-0" / "minimal" / "repro.py").is_file()
+    proc = assert_reproduces(tmp_path / "repro.py", "accuracy", RELU)  # a fresh process, torch alone
+    assert "reproduced accuracy" in proc.stdout
+    assert forward_source(tmp_path / "repro.py").count("torch.ops.aten.") == 1  # the relu alone
