@@ -292,6 +292,22 @@ def fresh_inductor_cache():
 
 # --- determ_backend.retarget / repro_tools.bisect (stages and torch's CompilerBisector) ---
 
+def share_symbolic_context(original, copy) -> None:
+    """Let ``copy``, a Dynamo graph input moved or cast (same sizes and strides, another tensor), be
+    fakified by AOTAutograd as ``original`` was by Dynamo: the same size symbols, with the input's
+    source.  Otherwise AOTAutograd gives the copy fresh symbols that no source backs, and a guard on
+    them breaks Dynamo's guard creation.  A no-op outside a Dynamo compile or for a tensor Dynamo
+    did not fakify."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    if ctx is None or original is copy:
+        return
+    symbolic = ctx.tensor_to_context.get(original)
+    if symbolic is not None:
+        ctx.tensor_to_context[copy] = symbolic
+
+
 def aot_eager_decomp_partition(gm, example_inputs, fw_compiler=None, bw_compiler=None):
     """``aot_eager`` with inductor's decompositions and min-cut partitioner (torch's
     ``aot_eager_decomp_partition`` backend), taking our fw/bw compilers."""

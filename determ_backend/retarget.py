@@ -5,7 +5,10 @@
   them), constants and submodules are moved and cast before compiling and on
   every call, and outputs return to the device and dtype the graph produced
   originally, with autograd intact.  ``repro-tools xdevice`` runs a user script
-  once per device this way.  Input mutations land on the moved copies.
+  once per device this way.  Input mutations land on the moved copies.  The
+  moved example inputs keep the shape symbols Dynamo gave the originals, so
+  AOTAutograd traces them as those inputs (not as unknown tensors with
+  dynamic sizes no guard can name).
 * :func:`stage_scope` and :func:`scoped_wrap`: under ``DETERM_BISECT_STAGE`` a
   determ backend compiles through that stage of the stack (see
   :data:`~determ_backend.config.STAGES`) and torch's ``CompilerBisector`` hooks
@@ -98,7 +101,11 @@ def on_device(spec: str, compile_fn: Callable, gm: fx.GraphModule, example_input
     returns values on the original devices and dtypes."""
     conv = converter(spec)
     targets = _output_targets(gm)
-    compiled = compile_fn(moved_graph(gm, conv), [conv(x) for x in example_inputs])
+    moved = [conv(x) for x in example_inputs]
+    for x, m in zip(example_inputs, moved):  # AOTAutograd must see the inputs' own shape symbols
+        if isinstance(x, torch.Tensor):
+            _torch_compat.share_symbolic_context(x, m)
+    compiled = compile_fn(moved_graph(gm, conv), moved)
 
     def run(*args: Any) -> Any:
         return _back(compiled(*[conv(a) for a in args]), targets)

@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.fx as fx
 
+import real_models
+
 from determ_backend import run as run_mod
 from determ_backend.config import load_config
 from determ_backend.devices import is_available
@@ -207,6 +209,58 @@ def test_backend_on_another_dtype_returns_original_dtype_and_gradients(tmp_path)
     torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-6)
     dtypes = {json.loads(line).get("dtype") for line in (tmp_path / "r" / "trace.jsonl").read_text().splitlines()[1:-1]}
     assert "float64" in dtypes and "float32" not in dtypes
+
+
+class Heads(torch.nn.Module):
+    """Splits a projection into heads with ``view(..., -1, 16)``: a guard on the weight's size."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.lin(x).view(*x.shape[:-1], -1, 16).transpose(1, 2).sum(-1)
+
+
+def test_backend_on_another_dtype_guards_on_the_inputs_own_shapes(tmp_path):
+    """The cast copies of the graph inputs are traced by AOTAutograd as those inputs, so a shape guard
+    on a cast parameter names the parameter (it broke Dynamo's guard creation on Llama-style models)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m, x = Heads(), torch.randn(2, 8, 64)
+    opts = {"dir": str(tmp_path), "run_id": "r", "device": "cpu:float64"}
+    out = torch.compile(m, backend="determ_aot_eager", options=opts)(x)
+    out.sum().backward()
+    run_mod.finish_all()
+    assert out.dtype == torch.float32 and m.lin.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+
+
+REAL_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    import real_models
+
+    model, inputs = real_models.build("llama", 8)
+    out = torch.compile(model, backend="determ_aot_eager")(**inputs)
+    real_models.loss_of(out).backward()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not real_models.available(), reason="transformers is not installed")
+def test_user_script_with_a_real_llama_agrees_on_cpu_and_float64(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(REAL_SCRIPT.format(tests=str(Path(__file__).resolve().parent)))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["xdevice", str(script), "--devices", DEVICES, "--out", str(tmp_path / "out"), "--json"])
+    s = json.loads(buf.getvalue())
+    assert code == 0 and not s["divergent"] and s["pairs"] > 100, s
+    stages = {json.loads(line).get("stage") for line in
+              (tmp_path / "out" / "side1_cpu_float64" / "trace.jsonl").read_text().splitlines()[1:-1]}
+    assert stages == {"aot_forward", "aot_backward"}
 
 
 @pytest.mark.parametrize("env, needle", [
