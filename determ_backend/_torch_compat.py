@@ -234,6 +234,11 @@ def real_tensors() -> Iterator[None]:
         yield
 
 
+def is_op_overload(fn) -> bool:
+    """An operator overload such as ``torch.ops.aten.relu.default``."""
+    return isinstance(fn, torch._ops.OpOverload)
+
+
 def symint_hint(s):
     """A concrete int for a SymInt (its hint when it is symbolic)."""
     node = getattr(s, "node", None)

@@ -245,11 +245,20 @@ def load_repro(path: Union[str, Path], device: Optional[str] = None) -> Tuple[fx
 
 
 class _NamingTracer(fx.Tracer):
-    """Traces ``Repro`` back into a graph whose call nodes get their original names and source lines."""
+    """Traces ``Repro`` back into a graph whose call nodes get their original names and source lines.
+
+    Names are handed out in call order, so every call of the script must become a node: an op
+    whose arguments hold no traced value (``iota``, ``full``, ``rand`` and what is computed from
+    them) is recorded as a call too, not run while tracing and folded into a constant, which
+    would also shift every later node's name onto another op."""
 
     def __init__(self, nodes: Sequence[Sequence[Any]]):
         super().__init__()
         self._pending = [tuple(n) for n in nodes]
+
+    def trace(self, root, concrete_args=None):
+        with _RecordConstantOps(self):
+            return super().trace(root, concrete_args)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         src = None
@@ -259,6 +268,28 @@ class _NamingTracer(fx.Tracer):
         if src:
             node.meta["stack_trace"] = src
         return node
+
+
+class _RecordConstantOps(torch.overrides.TorchFunctionMode):
+    """While tracing: an operator called on no traced value becomes a node, as it was in the graph."""
+
+    def __init__(self, tracer: fx.Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if tc.is_op_overload(func) and not _holds_proxy((args, kwargs)):
+            return self.tracer.create_proxy("call_function", func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _holds_proxy(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds_proxy(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_proxy(v) for v in value.values())
+    return isinstance(value, fx.Proxy)
 
 
 def _retrace(root: torch.nn.Module, nodes: Sequence[Sequence[Any]]) -> fx.GraphModule:

@@ -6,6 +6,8 @@ aot_eager-style compilers from repro_helpers are cheap; the inductor cases use P
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -209,6 +211,24 @@ def test_a_failure_of_the_flows_own_machinery_is_a_checker_error(tmp_path, caplo
     assert len(lines) == 1 and "\n" not in lines[0] and "check could not run" in lines[0]
 
 
+def test_an_aot_graphs_factory_ops_keep_their_names_in_a_repro(tmp_path):
+    """``iota`` takes no traced value: read back from the script, it is still a node, and every later
+    node keeps its own name (they used to shift onto other ops)."""
+    from repro_tools.repro_script import load_repro, write_repro
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    iota = g.call_function(torch.ops.prims.iota.default, (4,), {"start": 0, "step": 1, "dtype": torch.int64,
+                                                                "device": torch.device("cpu"), "requires_grad": False})
+    add = g.call_function(torch.ops.aten.add.Tensor, (x, iota))
+    g.output((g.call_function(torch.ops.aten.relu.default, (add,)),))
+    gm = torch.fx.GraphModule({}, g)
+    inputs = [torch.randn(3, 4)]
+    gm2, inputs2, _ = load_repro(write_repro(gm, inputs, tmp_path / "repro.py", meta={"kind": "accuracy"}))
+    assert [(n.name, n.target) for n in gm2.graph.nodes] == [(n.name, n.target) for n in gm.graph.nodes]
+    assert torch.equal(gm2(*inputs2)[0], gm(*inputs)[0])
+
+
 def _tiny_t5():
     """T5 with a relu feed-forward, one layer each side (smaller than real_models' T5: two compiles stay quick)."""
     import transformers as T
@@ -263,4 +283,6 @@ def test_level4_on_a_real_model_with_inductors_relu_bug_minifies_to_the_relu(tmp
     assert (_graph_dir(tmp_path) / "minify-0" / "minimal" / "repro.py").is_file()
     proc = assert_reproduces(tmp_path / "repro.py", "accuracy", RELU)  # a fresh process, torch alone
     assert "reproduced accuracy" in proc.stdout
-    assert forward_source(tmp_path / "repro.py").count("torch.ops.aten.") == 1  # the relu alone
+    forward = forward_source(tmp_path / "repro.py")
+    assert forward.count("torch.ops.aten.") == 1 and re.search(r"\brelu(_\d+)? = torch\.ops\.aten\.relu", forward)
+    assert read_meta(tmp_path / "repro.py")["culprit"].startswith("relu")  # named as in the model's graph
