@@ -163,7 +163,8 @@ def _mark_outputs(gm: fx.GraphModule, infos: List[NodeInfo], index: Dict[str, in
 def _meta_extra(n: fx.Node) -> Optional[dict]:
     val = n.meta.get("val", n.meta.get("example_value"))
     if isinstance(val, torch.Tensor):
-        return {"dtype": str(val.dtype).replace("torch.", ""), "shape": [int(s) if isinstance(s, int) else str(s) for s in val.shape]}
+        static = all(isinstance(s, int) for s in val.shape)  # a dynamic graph's sizes change from call to call
+        return {"dtype": str(val.dtype).replace("torch.", ""), "shape": [int(s) for s in val.shape] if static else None}
     return None
 
 

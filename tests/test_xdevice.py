@@ -236,6 +236,23 @@ def test_backend_on_another_dtype_guards_on_the_inputs_own_shapes(tmp_path):
     torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
 
 
+def test_runs_with_a_second_sequence_length_are_compared(tmp_path, capsys):
+    """The recompile for a second length has symbolic sizes: its view records are traced without a
+    fixed shape (one that a trace could not hold), and the two runs still pair and agree."""
+    def f(x):
+        return torch.tanh(x).transpose(0, 1).sum(0)
+
+    for spec in ("cpu", "cpu:float64"):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="determ_aot_eager",
+                                 options={"dir": str(tmp_path), "run_id": spec.replace(":", "_"), "device": spec})
+        for n in (4, 6):
+            compiled(torch.randn(n, 8, generator=torch.Generator().manual_seed(n)))
+        run_mod.finish_all()
+    code, s = xdevice(capsys, f"{tmp_path / 'cpu'},{tmp_path / 'cpu_float64'}")
+    assert code == 0 and not s["divergent"] and s["pairs"] > 0 and s["unmatched_a"] == s["unmatched_b"] == 0, s
+
+
 REAL_SCRIPT = textwrap.dedent("""
     import sys
     import torch
