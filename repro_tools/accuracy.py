@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from determ_backend.checks import clone_inputs
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
 
 __all__ = ["same", "first_mismatch", "same_two_models", "AccuracyResult", "run_fwd_maybe_bwd", "cast_to_fp64",
@@ -69,19 +70,6 @@ def same(ref: Any, res: Any, fp64_ref: Any = None, tol: float = DEFAULT_TOL,
          multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False) -> bool:
     """Whether ``res`` is as accurate as ``ref`` (pytrees of tensors and Python values), judged against ``fp64_ref``."""
     return first_mismatch(ref, res, fp64_ref, tol, multiplier, strict) is None
-
-
-def clone_inputs(inputs: Sequence[Any]) -> List[Any]:
-    """Detached clones (same strides) that keep ``requires_grad``; non-tensors as they are."""
-    out = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            c = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
-            c.copy_(x.detach())
-            out.append(c.requires_grad_(x.requires_grad))
-        else:
-            out.append(x)
-    return out
 
 
 def cast_to(dtype: torch.dtype, model: Any, inputs: Sequence[Any]) -> Tuple[Any, List[Any]]:
