@@ -52,8 +52,7 @@ def clone_inputs(args: Sequence[Any]) -> List[Any]:
 
 def _clone_exact(a: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        if a.numel() and any(st == 0 and n > 1 for n, st in zip(a.shape, a.stride())) or \
-                a.numel() and not a.is_contiguous() and _overlaps(a):
+        if a.numel() and not a.is_contiguous() and _overlaps(a):
             # overlapping memory (expanded): copy the storage region the tensor covers and view it alike
             extent = 1 + sum((n - 1) * abs(st) for n, st in zip(a.shape, a.stride()))
             flat = a.as_strided((extent,), (1,), a.storage_offset()).clone()

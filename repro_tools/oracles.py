@@ -93,7 +93,7 @@ class OracleSpec:
     multiplier: float = DEFAULT_FP64_MULTIPLIER
     """Accuracy: compiled error vs fp64 may be this multiple of eager's."""
     strict: bool = False
-    """Accuracy / cross-device: demand bitwise equality (non-float outputs included)."""
+    """Accuracy / cross-device: non-float outputs count too (with ``tol == 0``: everything bitwise)."""
     devices: Tuple[str, ...] = ("cpu", "cpu:float64")
     """Cross-device: the two device specs compared."""
     runs: int = 2
@@ -278,9 +278,8 @@ def _judge_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
 
 def leaf_differs(expected: Any, actual: Any, ref64: Any, spec: OracleSpec) -> bool:
     """The compare core's verdict on one value under ``spec`` (accuracy: fp64 criterion; cross-device:
-    within ``tol``); values it does not compare (non-float without ``strict``) do not differ."""
-    if isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor) and expected.device != actual.device:
-        actual = actual.to(expected.device)
+    within ``tol``, two dtypes in the wider one); values it does not compare (non-float without ``strict``)
+    do not differ."""
     return judge(expected, actual, ref64, tol=spec.tol, fp64_multiplier=spec.multiplier, strict=spec.strict) is False
 
 
@@ -296,7 +295,7 @@ def _judge_outputs(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) 
                 return Verdict(True, Signature("nondeterminism", "", f"run {r} differs bitwise from run 0"))
         return Verdict(False, None, "runs identical")
     for i, (a, b) in enumerate(zip(*sides)):
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and leaf_differs(a, b.to(a.dtype), None, spec):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and leaf_differs(a, b, None, spec):
             return Verdict(True, Signature("cross_device", "", f"output {i} differs between {' and '.join(spec.devices)}"))
     return Verdict(False, None, "devices agree")
 

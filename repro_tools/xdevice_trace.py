@@ -68,7 +68,7 @@ def compare_devices(a: CallResult, b: CallResult, tol: float,
         if rb is not None and va is not None and vb is not None:
             ref = ref_values.get(ra.node)
             ref = ref if ref is not None and ref.shape == va.shape else None
-            p.equal = judge(va, vb.to(va.device), ref, tol=tol, fp64_multiplier=DEFAULT_FP64_MULTIPLIER, strict=True,
+            p.equal = judge(va, vb, ref, tol=tol, fp64_multiplier=DEFAULT_FP64_MULTIPLIER, strict=True,
                             symmetric=True)
             if p.equal is False:
                 p.metrics = tensor_metrics(va, vb, ref)
