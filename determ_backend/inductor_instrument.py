@@ -11,10 +11,11 @@ untouched, so the numerics are bit-identical.
 
 Buffers are named by the FX node whose value they hold: inductor records, for the
 buffer a node was lowered to, that node as its ``origin_node``.  A buffer with no
-origin node holds no node's value (the undivided sum of a ``mean`` whose 1/N is
-fused into its consumer, a partial reduction, a layout copy): it is named after its
-buffer, labelled ``extra.holds = "partial"`` with the node it was computed for
-(``extra.of``), fingerprinted like any other, and never judged as a node's value.
+origin node is not known to hold a node's value (the undivided sum of a ``mean``
+whose 1/N is fused into its consumer, a partial reduction, an input an extern kernel
+needed materialized): it is named after the node it was most likely computed for,
+labelled ``extra.holds = "partial"`` (``extra.of``: that node), fingerprinted like any
+other, and never judged as a node's value.
 Inductor's scheduler knows each buffer's origin nodes; :func:`_torch_compat.capture_buffer_origins`
 snapshots them at codegen time and we keep them in a sidecar file keyed by
 the FX-graph cache key, so cache hits are named too.
@@ -144,6 +145,7 @@ class _Planner:
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
         self.origins, self.kernels, self.display = origins, kernels, display
+        self.claimed = {o["origin"] for o in origins.values() if o.get("origin")}
         self.infos: List[NodeInfo] = []
         self.writer: Dict[str, str] = {}  # variable -> record id of its current value
         self.fresh: set = set()  # variables holding freshly allocated (never written) memory
@@ -157,12 +159,14 @@ class _Planner:
 
     def _claim(self, buf: str) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
         """``(node whose value the buffer holds, None)`` when inductor lowered that node to exactly this
-        buffer (its ``origin_node``); else ``(None, node it was computed for)``: a partial result such as
-        the undivided sum of a ``mean`` whose division is fused into the consumer, or a layout copy."""
+        buffer (its ``origin_node``); else ``(None, node it was most likely computed for)``: a partial
+        result such as the undivided sum of a ``mean`` whose division is fused into the consumer, or an
+        input an extern kernel needed materialized.  The guess prefers origins no other buffer holds."""
         o = self.origins.get(buf) or {}
         if o.get("origin") in self.nodes:
             return self.nodes[o["origin"]], None
         cands = [n for n in (o.get("origins") or []) if n in self.nodes]
+        cands = [n for n in cands if n not in self.claimed] or cands
         if not cands:
             cands = [n for n in self.pending_comment if n in self.nodes]
         if not cands:
@@ -205,7 +209,7 @@ class _Planner:
             info = NodeInfo(node=self._unique(node.name), op=op_name(node), kind=kind, source=node_source(node),
                             inputs=inputs, extra={"buffer": var, "kernel": kernel})
         elif part_of is not None:
-            info = NodeInfo(node=self._unique(self.display.get(var, var)), op=op_name(part_of), kind=kind,
+            info = NodeInfo(node=self._unique(part_of.name), op=op_name(part_of), kind=kind,
                             source=node_source(part_of), inputs=inputs,
                             extra={"buffer": var, "kernel": kernel, "holds": "partial", "of": part_of.name})
         else:
@@ -219,7 +223,7 @@ class _Planner:
 
 
 _COMMENT = re.compile(r"# Topologically Sorted Source Nodes: \[([^\]]*)\]")
-_ALIAS = re.compile(r"^(\w+) = (\w+); del \w+")
+_ALIAS = re.compile(r"^(\w+) = (\w+)(?:; del \w+.*)?$")
 _REINTERPRET = re.compile(r"^(\w+) = reinterpret_tensor\((\w+),")
 _ITEM = re.compile(r"^(\w+) = (\w+)\[(\d+)\]$")
 _FRESH = re.compile(r"^(\w+) = (?:empty_strided\w*|torch\.empty\w*|alloc_from_pool)\(")
