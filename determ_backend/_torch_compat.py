@@ -42,6 +42,38 @@ def inductor_config_patch(changes: Dict[str, Any]) -> Iterator[None]:
         yield
 
 
+def _config_modules() -> list:
+    import torch._dynamo.config as dc
+    import torch._functorch.config as fc
+    import torch._inductor.config as ic
+
+    return [ic, dc, fc]
+
+
+def config_snapshot() -> List[Dict[str, Any]]:
+    """This thread's inductor / dynamo / functorch config (their settings are per thread)."""
+    return [m.get_config_copy() for m in _config_modules()]
+
+
+@contextlib.contextmanager
+def config_applied(snapshot: List[Dict[str, Any]]) -> Iterator[None]:
+    """Another thread's :func:`config_snapshot` in force on this thread, restored on exit."""
+    with contextlib.ExitStack() as stack:
+        for mod, want in zip(_config_modules(), snapshot):
+            have = mod.get_config_copy()
+            changes = {}
+            for k, v in want.items():
+                try:
+                    differs = bool(have.get(k) != v)
+                except Exception:  # a value that does not compare (a tensor): leave it
+                    differs = False
+                if differs:
+                    changes[k] = v
+            if changes:
+                stack.enter_context(mod.patch(changes))
+        yield
+
+
 def lookup_backend(name_or_fn) -> Callable:
     """Resolve a dynamo backend name (``"inductor"``, ``"aot_eager"``, a registered entry point) or callable."""
     from torch._dynamo.backends.registry import lookup_backend as _lookup

@@ -127,13 +127,19 @@ def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_c
         rec = instrument_compiled(compiled, fx_g, lambda infos: _recorder(run, cfg, graph, stage, infos), origins, disp)
         if rec is None:
             return compiled
-        exec_ = GraphExec(compiled.current_callable, rec, run, cfg, reference_gm=fx_g, boxed=True)
+        exec_ = GraphExec(compiled.current_callable, rec, run, cfg, reference_gm=fx_g, boxed=True,
+                          compile_region=functools.partial(_compile_region, patches=patches))
         _torch_compat.set_compiled_callable(compiled, exec_)
         return compiled
 
     inner_compile = wrap_compiler(inner, "inductor") if wrap_compiler else inner
     with _torch_compat.autograd_cache_disabled():
         return _torch_compat.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
+
+
+def _compile_region(gm: fx.GraphModule, inputs, patches: Dict[str, Any]) -> Callable:
+    """Inductor, as configured for the user's graph, on a region of it (narrowing an accuracy root)."""
+    return _torch_compat.compile_fx(gm, inputs, config_patches=patches or None)
 
 
 _IMPLS = {"eager": _eager_impl, "aot_eager": _aot_impl, "inductor": _inductor_impl,

@@ -25,14 +25,13 @@ node), writes the records to the run's trace, and applies the configured checks:
 from __future__ import annotations
 
 import logging
-import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from . import devices
-from .compare import Pair, align, compare_traces, find_roots, is_float, judge, tensor_metrics
+from . import devices, narrow
+from .compare import Comparison, Pair, align, compare_traces, find_roots, is_float, judge, tensor_metrics
 from .config import DetermConfig
 from .errors import AccuracyError
 from .recorder import CallResult, Recorder
@@ -101,6 +100,8 @@ class _Capture(fx.Interpreter):
                 v = torch.ops.aten.reshape.default(*args, **kwargs)
         if isinstance(v, torch.Tensor):
             self.values[n.name] = v.detach().clone()
+        elif isinstance(v, (bool, int, float)):
+            self.values[n.name] = v  # a size or scalar a region of the graph may read (narrowing)
         elif n.op == "output":
             leaves: List[Any] = []
             fx.node.map_aggregate(v, leaves.append)
@@ -121,8 +122,8 @@ def _device_of(args: Sequence[Any]) -> Optional[str]:
 
 def eager_node_values(gm: fx.GraphModule, args: Sequence[Any],
                       inject: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
-    """Every tensor node's value (and ``output.K`` per output leaf) from an eager (FX Interpreter) run
-    of ``gm``; nodes named in ``inject`` take the given values instead."""
+    """Every tensor and scalar node's value (and ``output.K`` per output leaf) from an eager (FX
+    Interpreter) run of ``gm``; nodes named in ``inject`` take the given values instead."""
     interp = _Capture(gm, inject)
     with torch.no_grad():
         interp.run(*args)
@@ -143,6 +144,22 @@ def _ref_name(rec: Record) -> Optional[str]:
 
 
 _MAX_REPLAYS = 8
+_MAX_NARROW = 2
+"""Roots narrowed inside their fused kernel per graph call (one compile each)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.Tensor]) -> Dict[str, Any]:
+    """:func:`tensor_metrics` of a compiled value against eager, the fp64 errors named by side."""
+    m = tensor_metrics(got, exp, e64)
+    if "err_a_vs_fp64" in m:
+        m["err_compiled_vs_fp64"] = m.pop("err_a_vs_fp64")
+        m["err_eager_vs_fp64"] = m.pop("err_b_vs_fp64")
+    return m
 
 
 class _Replay:
@@ -192,8 +209,10 @@ class GraphExec:
     """A compiled graph plus determ's recording and checks.  ``boxed`` follows AOT's calling convention."""
 
     def __init__(self, fn: Callable, recorder: Recorder, run: Run, config: DetermConfig,
-                 reference_gm: Optional[fx.GraphModule] = None, boxed: bool = False):
+                 reference_gm: Optional[fx.GraphModule] = None, boxed: bool = False,
+                 compile_region: Optional[Callable[[fx.GraphModule, List[Any]], Callable]] = None):
         self.fn, self.recorder, self.run, self.config = fn, recorder, run, config
+        self.compile_region = compile_region  # the graph's compiler, to narrow a root inside a fused kernel
         self.reference_gm, self.boxed = reference_gm, boxed
         self._boxed_call = boxed
         self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
@@ -251,8 +270,7 @@ class GraphExec:
         except AccuracyError:
             raise
         except Exception as e:
-            self.run.add_checker_error(check, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                                              f" (in {getattr(fn, '__name__', 'check')})")
+            self.run.add_checker_error(check, f"{type(e).__name__}: {_first_line(e)} (in {getattr(fn, '__name__', 'check')})")
             return None
 
     def _check_determinism(self, twin: CallResult, result: CallResult) -> None:
@@ -274,8 +292,8 @@ class GraphExec:
                 log.info("determ accuracy: fp64 reference failed (%s); comparing against eager only", e)
                 ref64 = {}
         except Exception as e:
-            self.run.add_checker_error("accuracy", f"eager reference run failed: {type(e).__name__}: {e}\n"
-                                                   f"{traceback.format_exc(limit=3)}")
+            log.debug("determ accuracy: eager reference run failed", exc_info=True)
+            self.run.add_checker_error("accuracy", f"eager reference run failed: {type(e).__name__}: {_first_line(e)}")
             return
         finally:
             devices.set_rng_state(cur)
@@ -283,10 +301,36 @@ class GraphExec:
         replay = _Replay(self, eager_args, rng_state, result, ref, ref64)
         cmp = find_roots(pairs, mode=f"fp64 tol={self.config.tol:g}", strict=self.config.strict,
                          confirm=replay.confirm)
+        if cmp.divergent and self.compile_region is not None:
+            self._narrow(cmp, ref, ref64)
         if cmp.divergent:
             self.run.add_finding("accuracy", cmp.summary(["accuracy"]))
         elif cmp.masked:
             self.run.add_note("accuracy", cmp.summary(["accuracy"]))
+
+    def _narrow(self, cmp: Comparison, ref: Dict[str, Any], ref64: Dict[str, Any]) -> None:
+        """Roots written by a kernel that fused several nodes are narrowed to the node that diverges when
+        the kernel's region is compiled alone (:mod:`determ_backend.narrow`)."""
+        judged = {n for n in (_ref_name(q.rec) for q in cmp.pairs if q.equal is not None) if n}
+        for p in cmp.root_causes[:_MAX_NARROW]:
+            rec = p.rec
+            kernel = (rec.extra or {}).get("kernel")
+            name = _ref_name(rec)
+            if rec.kind != "node" or not kernel or name is None:
+                continue
+            try:
+                found = narrow.narrow_root(self.reference_gm, name, judged, ref, ref64, self.compile_region,
+                                           self._judge)
+            except Exception as e:  # the region could not be compiled or run alone: the buffer stays the answer
+                self.run.add_checker_error("accuracy", f"narrowing {rec.node} inside {kernel} failed: "
+                                                       f"{type(e).__name__}: {_first_line(e)}")
+                continue
+            if found is None:
+                continue
+            p.inside = dict(found.describe(), kernel=kernel)
+            if found.node is not None:
+                p.inside["metrics"] = _accuracy_metrics(found.value, ref[found.node.name],
+                                                        ref64.get(found.node.name))
 
     def _judge(self, exp: Any, got: Any, e64: Any) -> Optional[bool]:
         """Accuracy verdict on one value: the configured criterion, non-floating values exactly (whether
@@ -304,7 +348,7 @@ class GraphExec:
             if rec.kind in ("input", "param"):
                 p.equal = True
                 continue
-            if got is None or exp is None:
+            if got is None or not isinstance(exp, torch.Tensor):
                 continue  # not a node's value (a partial buffer, a view): judged through its neighbours
             e64 = ref64.get(name)
             if got.shape != exp.shape:
@@ -314,11 +358,7 @@ class GraphExec:
                 e64 = e64.reshape(got.shape) if e64 is not None else None
             p.equal = self._judge(exp, got, e64)
             if p.equal is False:
-                m = tensor_metrics(got, exp, e64)
-                if "err_a_vs_fp64" in m:
-                    m["err_compiled_vs_fp64"] = m.pop("err_a_vs_fp64")
-                    m["err_eager_vs_fp64"] = m.pop("err_b_vs_fp64")
-                p.metrics = m
+                p.metrics = _accuracy_metrics(got, exp, e64)
         return pairs
 
     def _check_reference(self, result: CallResult) -> None:

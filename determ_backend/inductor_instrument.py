@@ -24,6 +24,7 @@ the FX-graph cache key, so cache hits are named too.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import logging
 import re
@@ -151,6 +152,8 @@ class _Planner:
         self.fresh: set = set()  # variables holding freshly allocated (never written) memory
         self.used: Dict[str, int] = {}
         self.pending_comment: List[str] = []
+        self.fx_of: Dict[int, fx.Node] = {}  # capture index -> the FX node its buffer holds or was computed for
+        self._ancestors: Dict[str, set] = {}
 
     def _unique(self, name: str) -> str:
         k = self.used.get(name, 0)
@@ -219,7 +222,35 @@ class _Planner:
                             if kind == "node" else None)
         self.writer[var] = info.node
         self.infos.append(info)
+        if node is not None or part_of is not None:
+            self.fx_of[len(self.infos) - 1] = node if node is not None else part_of
         return len(self.infos) - 1
+
+    def ancestors(self, n: fx.Node) -> set:
+        """Names of the FX nodes ``n`` depends on."""
+        if n.name not in self._ancestors:
+            seen: set = set()
+            stack = list(n.all_input_nodes)
+            while stack:
+                a = stack.pop()
+                if a.name not in seen:
+                    seen.add(a.name)
+                    stack.extend(a.all_input_nodes)
+            self._ancestors[n.name] = seen
+        return self._ancestors[n.name]
+
+    def link_siblings(self, indices: List[int]) -> None:
+        """One kernel launch that writes several buffers computes them in one body: a buffer whose node
+        depends on a sibling's node reads that sibling's value inside the kernel (a pooling fused after the
+        relu it pools), although it never appears among the launch's arguments."""
+        nodes = [(i, self.fx_of[i]) for i in indices if i in self.fx_of]
+        for i, n in nodes:
+            up = self.ancestors(n)
+            extra = tuple(self.infos[j].node for j, m in nodes if j != i and m.name in up)
+            if extra:
+                info = self.infos[i]
+                self.infos[i] = dataclasses.replace(
+                    info, inputs=tuple(info.inputs) + tuple(x for x in extra if x not in info.inputs))
 
 
 _COMMENT = re.compile(r"# Topologically Sorted Source Nodes: \[([^\]]*)\]")
@@ -275,9 +306,13 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
             continue
         writes = _kernel_writes(stripped, pl.kernels)
         resolved = [pl.resolve(inputs) for _, _, inputs in writes]
+        added = []
         for (var, kernel, _), ins in zip(writes, resolved):
             i = pl.add(var, kernel, ins)
+            added.append(i)
             out.append(f"{pad}_determ_capture({i}, {var})")
+        if len(added) > 1:
+            pl.link_siblings(added)
         if writes:
             pl.pending_comment = []
     return InstrumentedCall("\n".join(out) + "\n", pl.infos, sig)

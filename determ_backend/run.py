@@ -137,8 +137,11 @@ class Run:
         if fd:
             m = fd.get("metrics") or {}
             metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
-            log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s %s", check, fd.get("graph"),
-                        fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>", metrics)
+            k = fd.get("kernel") or {}
+            inside = f" inside {k.get('name')} (its buffer {k.get('record')})" if k.get("record_metrics") else ""
+            log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s%s %s", check, fd.get("graph"),
+                        fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>", inside,
+                        metrics)
         else:
             log.warning("determ %s divergence: %s", check, summary.get("detail") or "(no details)")
         self._write_report()
@@ -170,6 +173,8 @@ class Run:
         if self.findings:
             fd = self.findings[0].get("first_divergence") or {}
             first = {k: fd.get(k) for k in ("graph", "stage", "call", "node", "op", "source", "metrics")}
+            if fd.get("kernel"):
+                first["kernel"] = fd["kernel"]
             first["check"] = self.findings[0]["check"]
         return {"run": self.id, "rank": self.rank, "checks": list(self.config.check) + (["reference"] if self.config.reference else []),
                 "divergent": bool(self.findings), "first_divergence": first, "findings": self.findings,

@@ -69,7 +69,7 @@ _ACCURACY_SCRIPT = textwrap.dedent("""
         def __init__(s):
             super().__init__(); s.l1 = torch.nn.Linear(8, 16); s.l2 = torch.nn.Linear(16, 4)
         def forward(s, x):
-            h = torch.relu(s.l1(x))
+            h = (torch.relu(s.l1(x) * 2.0) + 1.0).tanh()
             return s.l2(h).sin()
     f = torch.compile(M(), backend="determ_inductor", options={"dir": sys.argv[1], "run_id": "acc", "check": "accuracy"})
     with torch.no_grad():
@@ -77,7 +77,9 @@ _ACCURACY_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_accuracy_check_names_injected_relu_bug(tmp_path):
+def test_accuracy_check_names_injected_relu_bug_inside_its_fused_kernel(tmp_path):
+    """Inductor fuses mul, relu, add and tanh into one kernel that stores only the tanh: the buffer's
+    region is compiled alone with every node an output, and the relu is the node that diverges."""
     script = tmp_path / "acc.py"
     script.write_text(_ACCURACY_SCRIPT)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
@@ -89,6 +91,8 @@ def test_accuracy_check_names_injected_relu_bug(tmp_path):
     assert fd["op"] == "aten.relu.default" and fd["node"] == "relu"
     assert "acc.py:10" in fd["source"]  # the torch.relu line
     assert fd["metrics"]["err_compiled_vs_fp64"] > fd["metrics"]["err_eager_vs_fp64"]
+    assert fd["kernel"]["record"] == "tanh" and fd["kernel"]["region"] == ["mul", "relu", "add", "tanh"]
+    assert fd["kernel"]["name"].startswith("cpp_fused") and report["checker_errors"] == []
     assert "determ accuracy divergence" in r.stderr and "node=relu" in r.stderr
 
 

@@ -27,6 +27,9 @@ class Pair:
     """True agree, False differ, None not judged (a view, a partial buffer, a value not compared)."""
     metrics: Dict[str, Any] = field(default_factory=dict)
     root_cause: bool = False
+    inside: Optional[Dict[str, Any]] = None
+    """A root narrowed inside its fused kernel (:mod:`determ_backend.narrow`): ``kernel``, ``region`` and,
+    when one node of the region diverges alone, its ``node``, ``op``, ``source`` and ``metrics``."""
 
     @property
     def rec(self) -> Record:

@@ -96,6 +96,12 @@ def describe(p: Pair) -> Dict[str, Any]:
     label = (r.extra or {}).get("holds")
     if label:
         d["holds"] = label
+    if p.inside:  # the buffer's kernel fused several nodes: the one that diverges alone is the answer
+        ins = p.inside
+        d["kernel"] = {"name": ins.get("kernel"), "record": r.node, "region": ins.get("region", [])}
+        if ins.get("node"):
+            d["kernel"]["record_metrics"] = d["metrics"]
+            d.update({k: ins[k] for k in ("node", "op", "source", "metrics", "dtype", "shape") if k in ins})
     if other is not None and other.node != r.node:
         d["node_b"] = other.node
     return d
