@@ -163,3 +163,22 @@ def test_sinks_stand_for_outputs_when_none_are_marked():
     pairs = _pairs([("x", (), True, "input"), ("a", ("x",), False), ("b", ("a",), True), ("c", ("x",), True)])
     cmp = find_roots(pairs, "t")
     assert not cmp.divergent and _names(cmp.masked) == ["a"]
+
+
+def test_inputs_judged_by_the_caller_decide_over_missing_links():
+    # an API dump: no dependency links, but each call's arguments were dumped and judged
+    pairs = _pairs([("linear_0", (), False), ("relu_0", (), False), ("linear_1", (), False)])
+    for p, ins in zip(pairs, (True, False, False)):
+        p.inputs_equal = ins
+    assert _names(find_roots(pairs, "t").root_causes) == ["linear_0"]
+
+
+def test_dtype_tolerance_widens_to_a_few_ulps_of_the_narrowest_float():
+    from determ_backend.compare import DEFAULT_TOL, dtype_tol
+
+    assert dtype_tol(DEFAULT_TOL, "float32", torch.float32) == DEFAULT_TOL
+    assert dtype_tol(DEFAULT_TOL, "bfloat16", "float32") == 4 * torch.finfo(torch.bfloat16).eps
+    assert dtype_tol(DEFAULT_TOL, torch.float16, "int64") == 4 * torch.finfo(torch.float16).eps
+    x = torch.randn(1024)
+    assert judge(x, x.bfloat16(), tol=dtype_tol(DEFAULT_TOL, "bfloat16", "float32")) is True
+    assert judge(x, x.bfloat16()) is False  # fp32's tolerance: bf16 rounding is a difference

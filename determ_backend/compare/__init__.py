@@ -15,9 +15,9 @@ traces lives in :mod:`determ_backend.trace`.
 
 from .align import Pair, align
 from .roots import Comparison, Confirm, compare_traces, describe, find_roots, is_output
-from .verdict import (DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, EPS, is_float, judge, judge_records, rmse,
+from .verdict import (DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, EPS, dtype_tol, is_float, judge, judge_records, rmse,
                       stats_metrics, tensor_metrics)
 
 __all__ = ["Pair", "align", "Comparison", "Confirm", "compare_traces", "describe", "find_roots", "is_output",
-           "DEFAULT_FP64_MULTIPLIER", "DEFAULT_TOL", "EPS", "is_float", "judge", "judge_records", "rmse",
+           "DEFAULT_FP64_MULTIPLIER", "DEFAULT_TOL", "EPS", "dtype_tol", "is_float", "judge", "judge_records", "rmse",
            "stats_metrics", "tensor_metrics"]

@@ -27,6 +27,9 @@ class Pair:
     """True agree, False differ, None not judged (a view, a partial buffer, a value not compared)."""
     metrics: Dict[str, Any] = field(default_factory=dict)
     root_cause: bool = False
+    inputs_equal: Optional[bool] = None
+    """The verdict on the inputs when the caller judged them itself (an API dump holds every call's
+    arguments); None: from the records' dependency links."""
     inside: Optional[Dict[str, Any]] = None
     """A root narrowed inside its fused kernel (:mod:`determ_backend.narrow`): ``kernel``, ``region`` and,
     when one node of the region diverges alone, its ``node``, ``op``, ``source`` and ``metrics``."""

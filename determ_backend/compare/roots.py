@@ -153,6 +153,8 @@ class _Graph:
         return out
 
     def inputs_agree(self, p: Pair) -> bool:
+        if p.inputs_equal is not None:
+            return p.inputs_equal
         a, b = p.a, p.b
         if a.inputs:
             vs = self.effective(p)

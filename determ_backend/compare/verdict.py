@@ -32,7 +32,7 @@ from ..fingerprint import hash_tensor, hash_tensors
 from ..trace import Record, TensorStore
 
 __all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse",
-           "stats_metrics", "judge_records"]
+           "stats_metrics", "judge_records", "dtype_tol"]
 
 DEFAULT_TOL = 1e-3
 """The default tolerance of every verdict (``DETERM_TOL``, ``--tol``)."""
@@ -48,6 +48,23 @@ def is_float(x: Any) -> bool:
     if isinstance(x, str):
         return x.startswith(("float", "bfloat", "complex")) or x in ("half", "double")
     return False
+
+
+_ULPS = 4
+"""Units in the last place of the narrowest floating dtype that :func:`dtype_tol` allows."""
+
+
+def dtype_tol(tol: float, *dtypes: Any) -> float:
+    """The tolerance for values computed in ``dtypes`` (torch dtypes or their names) with no fp64
+    reference at hand: ``tol``, widened to a few units in the last place of the narrowest floating
+    dtype (bf16 or fp16 results cannot agree with fp32 ones to 1e-3)."""
+    eps = 0.0
+    for d in dtypes:
+        if isinstance(d, str):
+            d = getattr(torch, d.replace("torch.", ""), None)
+        if isinstance(d, torch.dtype) and d.is_floating_point:
+            eps = max(eps, torch.finfo(d).eps)
+    return max(tol, _ULPS * eps)
 
 
 def rmse(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -6,14 +6,19 @@ Calls of the two dumps are paired by sequence alignment of their signatures
 shifted by one, do not break the pairing (names with call counters are never
 used to pair).  Tensors of a pair are matched by argument name.
 
-Root cause (our column): a call whose output diverges while all its inputs
-match -- parameters excepted (a call that consumes a changed weight *is* where
-the divergence starts); for a backward record the inputs are the incoming
-gradients and the forward call's inputs.  "Match" is bitwise equality when
-both dumps come from the same device type and ran the same dtypes (no paired
-tensor differs in dtype), ptdbg's ``Accuracy Reached`` otherwise (e.g. CPU vs
-NPU, bf16 vs fp32 -- also for the ops after a ``.float()``, whose inputs carry
-the other dtype's rounding).
+Root cause (our column): the compare core's rule
+(:func:`determ_backend.compare.find_roots`) on calls that hold their own
+arguments: a call whose output diverges while all its inputs match --
+parameters excepted (a call that consumes a changed weight *is* where the
+divergence starts); for a backward record the inputs are the incoming
+gradients and the forward call's inputs.  "Match" is the core's verdict:
+bitwise when both dumps come from the same device type and ran the same dtypes
+(no paired tensor differs in dtype), otherwise :func:`~determ_backend.compare.judge`
+within :func:`~determ_backend.compare.dtype_tol` of the two dtypes (1e-3, or a
+few units in the last place of bf16/fp16; e.g. CPU vs NPU, bf16 vs fp32 -- also
+for the ops after a ``.float()``, whose inputs carry the other dtype's
+rounding), on the payloads or, in a statistics dump, on the statistics.
+ptdbg's ``Accuracy Reached or Not`` column is filled as ptdbg defines it.
 
 The FX-node entries of compiled regions are paired inside each pair of region
 entries and judged by the same rule (:mod:`.compiled_compare`): the culprit
@@ -32,11 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from ..compare import align
+from ..compare import DEFAULT_TOL, Pair, align, dtype_tol, find_roots, judge, judge_records
 from ..errors import ConfigError, TraceFormatError
 from ..trace import Record, atomic_write_text
 from . import compiled_compare as cc
-from .metrics import accuracy_reached, payload_metrics, stats_metrics, tensor_match
+from .metrics import accuracy_reached, payload_metrics, stats_metrics
 from .parse import Dump, check_path, find_index, rank_dirs, read_dump
 
 __all__ = ["compare", "compare_dumps", "compare_distributed", "auto_analyze", "analyze", "DumpComparison", "CSV_COLUMNS"]
@@ -104,8 +109,10 @@ def _fmt(v: Any) -> Any:
     return "N/A" if v is None else v
 
 
-def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, db: Dump):
-    """A CSV row and the metrics of one tensor pair (metrics None when a side is missing)."""
+def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, db: Dump, exact: bool):
+    """A CSV row, the metrics (None when a side is missing) and the verdict of one tensor pair: the core's
+    :func:`~determ_backend.compare.judge` (bitwise when ``exact``, else within the dtypes' tolerance) on
+    the payloads, or :func:`~determ_backend.compare.judge_records` on the statistics."""
     row: Dict[str, Any] = {c: "N/A" for c in CSV_COLUMNS}
     row.update({"NPU Name": name_a or "N/A", "Bench Name": name_b or "N/A", "Root Cause": "No", "Err_message": ""})
     for side, t in (("NPU", ta), ("Bench", tb)):
@@ -118,23 +125,29 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
         row[f"{side} Hash"] = t.get("hash", "N/A")
     if ta is None or tb is None:
         row["Err_message"] = "no counterpart in the other dump (extra or missing op or argument)"
-        return row, None
+        return row, None, None
     if ta.get("unresolved") or tb.get("unresolved"):
         row["Err_message"] = "input of a compiled node that the backend's trace does not attribute"
-        return row, None
+        return row, None, None
     if "dtype" not in ta or "dtype" not in tb:
         same = ta.get("value") == tb.get("value") and ta.get("type") == tb.get("type")
         row["Bitwise Equal"] = row["Accuracy Reached or Not"] = "Yes" if same else "No"
-        return row, {"bitwise": same, "same_dtype": True}
+        return row, {"bitwise": same, "same_dtype": True}, same
     m: Dict[str, Any] = {"same_dtype": ta["dtype"] == tb["dtype"]}
     if "hash" in ta and "hash" in tb:
         m["bitwise"] = ta["hash"] == tb["hash"] and m["same_dtype"]
     if ta.get("stats") and tb.get("stats"):
         m.update(stats_metrics(ta["stats"], tb["stats"]))
+    tol = None if exact else dtype_tol(DEFAULT_TOL, ta["dtype"], tb["dtype"])
+    verdict: Optional[bool]
     if "payload" in ta and "payload" in tb and da.has_payloads and db.has_payloads:
-        m.update(payload_metrics(da.tensor(ta), db.tensor(tb)))
-    elif "hash" in ta and "hash" in tb:
-        row["Err_message"] = "statistics only"
+        va, vb = da.tensor(ta), db.tensor(tb)
+        m.update(payload_metrics(va, vb))
+        verdict = judge(vb, va, tol=tol or 0.0, strict=True, bitwise=exact)
+    else:
+        if "hash" in ta and "hash" in tb:
+            row["Err_message"] = "statistics only"
+        verdict = judge_records(_as_record(ta), _as_record(tb), tol)[0] if (ta.get("hash") or ta.get("stats")) else None
     for key, col in (("cosine", "Cosine"), ("max_abs", "MaxAbsErr"), ("max_rel", "MaxRelativeErr"),
                      ("one", "One Thousandth Err Ratio"), ("five", "Five Thousandths Err Ratio"),
                      ("max_diff", "Max diff"), ("min_diff", "Min diff"), ("mean_diff", "Mean diff"),
@@ -143,10 +156,16 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
             row[col] = m[key]
     if "error" in m:
         row["Err_message"] = m["error"]
+        verdict = False
     if "bitwise" in m:
         row["Bitwise Equal"] = "Yes" if m["bitwise"] else "No"
     row["Accuracy Reached or Not"] = accuracy_reached(m)
-    return row, m
+    return row, m, verdict
+
+
+def _as_record(t: Dict[str, Any]) -> Record:
+    return Record(graph="", stage="", node=t.get("name", ""), op="", dtype=t.get("dtype"), shape=t.get("shape"),
+                  hash=t.get("hash"), stats=t.get("stats"))
 
 
 def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool) -> Dict[str, List[Optional[bool]]]:
@@ -162,13 +181,13 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool) -> Dict[str, Lis
         order = [t.get("name") for t in la] + [n for n in by_b if n not in by_a]
         for n in order:
             ta, tb = by_a.get(n), by_b.get(n)
-            row, m = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
-                                 f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db)
-            found.append((io_, row, m, bool((ta or tb or {}).get("param"))))
-    api_exact = exact and all(m is None or m.get("same_dtype", True) for _, _, m, _ in found)
+            found.append((io_, n, ta, tb, bool((ta or tb or {}).get("param"))))
+    api_exact = exact and all(ta is None or tb is None or ta.get("dtype") == tb.get("dtype")
+                              for _, _, ta, tb, _ in found)
     verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "outputs": []}
-    for io_, row, m, param in found:
-        v = None if m is None else tensor_match(m, api_exact)
+    for io_, n, ta, tb, param in found:
+        row, _, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
+                                f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, api_exact)
         row["_io"], row["_match"] = io_, v
         pa.rows.append(row)
         if not (io_ == "inputs" and param):
@@ -188,6 +207,8 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         exact = da.header.get("device") == db.header.get("device") and not _dtypes_differ(pairs)
     fwd_inputs: Dict[str, Optional[bool]] = {}
     diverged_before = False
+    judged: List[Pair] = []
+    api: Dict[int, ApiPair] = {}
     for pa in pairs:
         if pa.a is None or pa.b is None:
             for side, e, d in (("NPU", pa.a, da), ("Bench", pa.b, db)):
@@ -205,9 +226,17 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
             fwd_inputs[pa.a["name"]] = ins
         pa.inputs_match = ins
         pa.output_diverges = any(x is False for x in v["outputs"])
-        pa.root_cause = pa.output_diverges and ins and not cc.explained_by_nodes(pa.nodes)
-        _note(pa)
         diverged_before = diverged_before or pa.output_diverges
+        # a compiled region whose own FX nodes diverge is explained by them: its inputs do not agree
+        p = Pair(_to_record(pa.a, "a", 0), _to_record(pa.b, "b", 0), equal=not pa.output_diverges,
+                 inputs_equal=ins and not cc.explained_by_nodes(pa.nodes))
+        judged.append(p)
+        api[id(p)] = pa
+    for p in find_roots(judged, "bitwise" if exact else "tolerance", strict=True).root_causes:
+        api[id(p)].root_cause = True
+    for pa in pairs:
+        if pa.a is not None and pa.b is not None:
+            _note(pa)
         if pa.root_cause:
             for r in pa.rows:
                 if r["_io"] == "outputs" and r["_match"] is False:
@@ -267,8 +296,8 @@ def _unmatched_rows(pa: ApiPair, e: Dict[str, Any], side: str) -> None:
     for io_ in ("inputs", "outputs"):
         for t in e.get(io_, []):
             n = f"{e['name']}_{t.get('name')}"
-            row, _ = _tensor_row(n if side == "NPU" else None, n if side == "Bench" else None,
-                                 t if side == "NPU" else None, t if side == "Bench" else None, None, None)
+            row, _, _ = _tensor_row(n if side == "NPU" else None, n if side == "Bench" else None,
+                                    t if side == "NPU" else None, t if side == "Bench" else None, None, None, False)
             row["_io"], row["_match"] = io_, None
             pa.rows.append(row)
 

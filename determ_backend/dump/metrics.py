@@ -7,8 +7,7 @@ or Not`` follows ptdbg: ``No`` when Cosine < 0.99 and MaxAbsErr > 0.001, or
 Cosine < 0.9, or MaxAbsErr > 1.  Statistics-only pairs are judged on their
 statistics (nan/inf counts equal, max/min/L2 within 1e-3 + 1% relative).
 
-:func:`tensor_match` is the verdict the root-cause rule uses: bitwise equality
-in exact mode (same device type and dtype), else ``Accuracy Reached``.
+The verdict the root-cause rule uses is the compare core's (see :mod:`.compare`).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 
 from ..compare import EPS, tensor_metrics
 
-__all__ = ["payload_metrics", "stats_metrics", "accuracy_reached", "tensor_match", "STATS_RTOL", "STATS_ATOL"]
+__all__ = ["payload_metrics", "stats_metrics", "accuracy_reached", "STATS_RTOL", "STATS_ATOL"]
 
 STATS_RTOL = 1e-2
 STATS_ATOL = 1e-3
@@ -80,15 +79,3 @@ def accuracy_reached(m: Dict[str, Any]) -> str:
     if "stats_close" in m:
         return "Yes" if m["stats_close"] else "No"
     return "N/A"
-
-
-def tensor_match(m: Dict[str, Any], exact: bool) -> Optional[bool]:
-    """Do two tensors agree, for the root-cause rule?  None when they could not be compared."""
-    if m.get("bitwise"):
-        return True
-    if "error" in m:
-        return False
-    if exact and "bitwise" in m:
-        return False
-    verdict = accuracy_reached(m)
-    return None if verdict == "N/A" else verdict == "Yes"
