@@ -28,13 +28,15 @@ from ..trace import Record, TensorStore
 from .align import Pair, align
 from .verdict import is_float, judge_records
 
-__all__ = ["Comparison", "describe", "find_roots", "compare_traces", "is_output", "Confirm"]
+__all__ = ["Comparison", "describe", "find_roots", "compare_traces", "is_output", "Confirm", "MAX_CONFIRM"]
 
 Confirm = Callable[[List[Pair]], List[Optional[bool]]]
 """Given candidate root pairs, for each: True (its value alone makes an output fail), False (it
 alone leaves the outputs within tolerance: masked), None (cannot tell)."""
 
 _MAX_NOTES = 20
+MAX_CONFIRM = 8
+"""Candidates a ``confirm`` callback is asked about (each costs it a replay); later ones stand."""
 
 
 def is_output(rec: Record) -> bool:
@@ -235,7 +237,7 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
 def _confirmed(candidates: List[Pair], confirm: Optional[Confirm], masked: List[Pair]) -> List[Pair]:
     if confirm is None or not candidates:
         return candidates
-    verdicts = confirm(candidates)
+    verdicts = list(confirm(candidates[:MAX_CONFIRM])) + [None] * max(0, len(candidates) - MAX_CONFIRM)
     keep = [p for p, v in zip(candidates, verdicts) if v is not False]
     if not keep:  # no single divergence explains the failure alone: they act together
         for p in candidates:

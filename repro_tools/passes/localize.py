@@ -26,8 +26,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from determ_backend.compare import Pair, find_roots
 from determ_backend.errors import DetermError
 from determ_backend.fingerprint import hash_tensors
+from determ_backend.trace import Record
 
 from ..oracles import leaf_differs
 from ..reducer import BudgetExhausted, Reducer
@@ -106,9 +108,6 @@ def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], s
     return leaf_differs(a[name], b[name], None, spec)
 
 
-_MAX_REPLAYS = 8
-
-
 def _replay(view: GraphView, order: List[str], name: str, value: Any, base: Dict[str, Any]) -> Dict[str, Any]:
     """Values of ``name`` and everything after it that depends on it, replayed eagerly from ``base``."""
     env = dict(base)
@@ -135,35 +134,61 @@ def _replay_fails(view: GraphView, keep, name: str, value: Any, base: Dict[str, 
     return any(leaf_differs(clean[o], dirty[o], None, spec) for o in outs)
 
 
-def _first_cause(view: GraphView, keep, local: List[str], comp: Dict[str, Any], base: Dict[str, Any],
-                 spec) -> Optional[str]:
-    """The first of ``local`` (nodes with local error) whose divergence reaches an output."""
-    for k, n in enumerate(local):
-        value = comp.get(n)
-        if k >= _MAX_REPLAYS or not isinstance(value, torch.Tensor):
-            return n
-        verdict = _replay_fails(view, keep, n, value, base, spec)
-        if verdict is not False:
-            return n
-        log.info("%s differs but its error reaches no output (masked); not the culprit", n)
-    return local[0] if local else None
+def _record(view: GraphView, keep, name: str, kind: str = "node", inputs: Optional[List[str]] = None) -> Record:
+    v = view.ref.get(name)
+    dtype = str(v.dtype).replace("torch.", "") if isinstance(v, torch.Tensor) else None
+    return Record(graph="candidate", stage="minify", node=name, op=view.op_name(name) if kind == "node" else kind,
+                  kind=kind, dtype=dtype, inputs=inputs if inputs is not None else [i for i in view.inputs_of(name) if i in keep])
+
+
+def _accuracy_pairs(view: GraphView, keep, order: List[str], local: List[str]) -> List[Pair]:
+    """Nodes with local error judged False (their inputs agree by construction: the local error is
+    measured on the compiled inputs); other nodes not judged (looked through); the candidate's outputs
+    fail (the oracle said so)."""
+    bad = set(local)
+    pairs = []
+    for n in order:
+        r = _record(view, keep, n)
+        pairs.append(Pair(r, r, equal=False, inputs_equal=True) if n in bad else Pair(r, r))
+    for k, o in enumerate(view.frontier(frozenset(keep))):
+        r = _record(view, keep, o, kind="output", inputs=[o])
+        r.node = f"output.{k}"
+        pairs.append(Pair(r, r, equal=False))
+    return pairs
 
 
 def find_culprit(view: GraphView, keep, sides: List[Dict[str, Any]], spec,
                  base: Optional[Dict[str, Any]] = None) -> Optional[str]:
-    """The root cause (graph order) by the compare core's causal rule, or None.  ``base``: the values
-    the observed candidate's placeholders held (default: the eager reference).
+    """The root cause by the compare core's causal rule (:func:`~determ_backend.compare.find_roots`), or
+    None.  ``base``: the values the observed candidate's placeholders held (default: the eager reference).
 
-    Accuracy: among the nodes with local error, the first whose compiled value, substituted alone
-    into an eager replay of the nodes after it, makes an output of ``keep`` fail; a node whose
-    substitution leaves every output within tolerance is masked (its error is absorbed downstream)."""
+    Accuracy: the candidates are the nodes with local error; each is confirmed by substituting its
+    compiled value alone into an eager replay of the nodes after it: a node whose substitution leaves
+    every output within tolerance is masked (its error is absorbed downstream).  Nondeterminism and
+    cross-device: a node that differs while its inputs inside the candidate do not, on a chain of
+    differing values to a differing output."""
     order = [n for n in view.compute if n in keep]
     if spec.kind == "accuracy":
         comp = sides[0]
-        env = dict(base if base is not None else view.ref)
+        base = base if base is not None else view.ref
+        env = dict(base)
         env.update(comp)
         local = [n for n in order if not view.is_getitem(n) and _accuracy_bad(view, n, comp, env, spec)]
-        return _first_cause(view, keep, local, comp, base if base is not None else view.ref, spec)
+        if not local:
+            return None
+
+        def confirm(cands: List[Pair]) -> List[Optional[bool]]:
+            out = []
+            for c in cands:
+                value = comp.get(c.rec.node)
+                out.append(_replay_fails(view, keep, c.rec.node, value, base, spec)
+                           if isinstance(value, torch.Tensor) else None)
+            return out
+
+        cmp = find_roots(_accuracy_pairs(view, keep, order, local), spec.kind, confirm=confirm)
+        for p in cmp.masked:
+            log.info("%s differs but its error reaches no output (masked); not the culprit", p.rec.node)
+        return cmp.root_causes[0].rec.node if cmp.root_causes else local[0]
     hashes = None
     if spec.kind == "nondeterminism":
         hashes = []
@@ -171,13 +196,21 @@ def find_culprit(view: GraphView, keep, sides: List[Dict[str, Any]], spec,
             names = [k for k, v in side.items() if isinstance(v, torch.Tensor)]
             hashes.append(dict(zip(names, hash_tensors([side[k] for k in names]))))
     a, b = sides[0], sides[1]
+    outs = set(view.frontier(frozenset(keep)))
+    pairs = []
     for n in order:
-        if _differs(view, n, a, b, spec, hashes):
-            ins = [_differs(view, i, a, b, spec, hashes) for i in view.inputs_of(n) if i in keep]
-            if not any(ins):
-                src = view.inputs_of(n)[0] if view.is_getitem(n) else None
-                return src if src is not None and src in keep and not view.is_tensor(src) else n
-    return None
+        d = _differs(view, n, a, b, spec, hashes)
+        r = _record(view, keep, n)
+        if n in outs:
+            r.extra = {"outputs": [0]}
+        ins = [_differs(view, i, a, b, spec, hashes) for i in r.inputs]
+        pairs.append(Pair(r, r, equal=None if d is None else not d, inputs_equal=not any(ins)))
+    cmp = find_roots(pairs, spec.kind, strict=True)
+    if not cmp.root_causes:
+        return None
+    n = cmp.root_causes[0].rec.node
+    src = view.inputs_of(n)[0] if view.is_getitem(n) else None
+    return src if src is not None and src in keep and not view.is_tensor(src) else n
 
 
 def _value_map(view: GraphView, side: Dict[str, Any]) -> Dict[str, Any]:
