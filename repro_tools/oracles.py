@@ -259,7 +259,7 @@ def _observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Lis
     raise ConfigError(f"oracle kind {spec.kind!r} has nothing to observe")
 
 
-def _judge_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
+def _oracle_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
                     compile_fn: Callable = compile_graph) -> Verdict:
     try:
         res = _compile_run(spec, gm, inputs, compile_fn=compile_fn)[0]
@@ -327,7 +327,7 @@ def check(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdic
         raise ConfigError(f"oracle kind {spec.kind!r} needs an isolated worker (repro_tools.isolate)")
     resolve_compiler(spec.compiler)  # a compiler that does not resolve is bad input, never the failure judged
     if spec.kind == "accuracy":
-        return _timed(_judge_accuracy, spec, gm, inputs)
+        return _timed(_oracle_accuracy, spec, gm, inputs)
     if spec.kind in ("nondeterminism", "cross_device"):
         return _timed(_judge_outputs, spec, gm, inputs)
     return _timed(_judge_error, spec, gm, inputs)
@@ -348,7 +348,7 @@ def check_observed(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
     if spec.kind != "accuracy" or spec.compiler not in SUPPORTED:
         return check(spec, gm, inputs), None
     capture = BufferValues()
-    v = _timed(_judge_accuracy, spec, gm, inputs, compile_fn=capture.compile)
+    v = _timed(_oracle_accuracy, spec, gm, inputs, compile_fn=capture.compile)
     return v, (capture.values(ref) if v.fails else None)
 
 
