@@ -55,9 +55,32 @@ def resolve_compiler(name):
     return lookup_backend(name)
 
 
+class _EveryOpTraced(torch.overrides.TorchFunctionMode):
+    """While tracing ``Repro``: every operator call becomes a node -- also a factory op called on no traced
+    value, and one whose traced values sit inside a list (``full([2, s0], ...)`` with a symbolic size),
+    which the operator's own argument parser would refuse."""
+
+    def __init__(self, tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.OpOverload):
+            return self.tracer.create_proxy("call_function", func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+def trace_repro(mod):
+    """``Repro`` as a GraphModule."""
+    tracer = torch.fx.Tracer()
+    with _EveryOpTraced(tracer):
+        graph = tracer.trace(mod)
+    return torch.fx.GraphModule(tracer.root, graph)
+
+
 def compile_repro(mod, args, compiler=None):
     """Compile ``Repro`` the way the original graph was compiled; returns ``f(list_of_args)``."""
-    gm = torch.fx.symbolic_trace(mod)
+    gm = trace_repro(mod)
     fn = (compiler or resolve_compiler(META.get("compiler", "eager")))(gm, _clone(args))
     # only AOT-level compilers use the boxed convention; dynamo calls a backend's result with positional
     # args (inductor's compile_fx result carries a misleading _boxed_call)
@@ -77,7 +100,8 @@ def _flat(x):
 def run_fwd_maybe_bwd(fn, args, params=()):
     """Outputs, then the gradients of float leaves (inputs requiring grad, parameters) when any output needs one."""
     args = _clone(args)
-    outs = [o for o in _flat(fn(args)) if isinstance(o, torch.Tensor)]
+    with torch.set_grad_enabled(not META.get("only_fwd", True)):  # a forward-only graph ran without grad
+        outs = [o for o in _flat(fn(args)) if isinstance(o, torch.Tensor)]
     diff = [o for o in outs if o.requires_grad]
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(params)
     if META.get("only_fwd", True) or not diff or not leaves:

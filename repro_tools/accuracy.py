@@ -101,7 +101,8 @@ def _fwd_bwd(fn: Callable, args: Sequence[Any], only_fwd: bool,
     args = clone_inputs(args)
     if params is None:
         params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
-    outs = flatten(call_maybe_boxed(fn, args))
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not only_fwd):  # as the graph was called
+        outs = flatten(call_maybe_boxed(fn, args))
     diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(params)
     result = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]

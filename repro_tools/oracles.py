@@ -220,14 +220,17 @@ def _compile_run(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any], ru
 
 
 def reference_outputs(gm: fx.GraphModule, inputs: Sequence[Any]) -> Tuple[List[Any], Optional[List[Any]]]:
-    """Eager outputs and fp64 outputs (None when the graph cannot run in fp64)."""
-    torch.manual_seed(_SEED)
-    eager = flat_tensors(gm(*_clone(inputs)))
-    try:
+    """Eager outputs and fp64 outputs (None when the graph cannot run in fp64), without autograd: only
+    values are compared, and some ops refuse inputs that require grad (an attention mask built from
+    a parameter, in a graph that ran under ``no_grad``)."""
+    with torch.no_grad():
         torch.manual_seed(_SEED)
-        ref64 = flat_tensors(gm(*_to64(inputs)))
-    except Exception:  # some ops have no fp64 kernel: judge without the fp64 reference
-        ref64 = None
+        eager = flat_tensors(gm(*_clone(inputs)))
+        try:
+            torch.manual_seed(_SEED)
+            ref64 = flat_tensors(gm(*_to64(inputs)))
+        except Exception:  # some ops have no fp64 kernel: judge without the fp64 reference
+            ref64 = None
     return eager, ref64
 
 

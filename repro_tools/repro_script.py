@@ -271,7 +271,9 @@ class _NamingTracer(fx.Tracer):
 
 
 class _RecordConstantOps(torch.overrides.TorchFunctionMode):
-    """While tracing: an operator called on no traced value becomes a node, as it was in the graph."""
+    """While tracing: every operator call becomes a node, as it was in the graph -- one called on no
+    traced value (a factory op), and one whose traced values sit inside a list (``full([2, s0], ...)``
+    with a symbolic size), which the operator's own argument parser would refuse."""
 
     def __init__(self, tracer: fx.Tracer):
         super().__init__()
@@ -279,17 +281,9 @@ class _RecordConstantOps(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if tc.is_op_overload(func) and not _holds_proxy((args, kwargs)):
+        if tc.is_op_overload(func):
             return self.tracer.create_proxy("call_function", func, args, kwargs)
         return func(*args, **kwargs)
-
-
-def _holds_proxy(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(_holds_proxy(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_proxy(v) for v in value.values())
-    return isinstance(value, fx.Proxy)
 
 
 def _retrace(root: torch.nn.Module, nodes: Sequence[Sequence[Any]]) -> fx.GraphModule:

@@ -123,6 +123,11 @@ class GraphView:
     def is_tensor(self, name: str) -> bool:
         return isinstance(self.ref.get(name), torch.Tensor)
 
+    def can_feed(self, name: str) -> bool:
+        """Whether ``name``'s value can be a placeholder of a candidate: a tensor or a Python scalar (a
+        graph's symbolic size, concrete here); not a tuple of a multi-output op."""
+        return isinstance(self.ref.get(name), (torch.Tensor, bool, int, float))
+
     def inputs_of(self, name: str) -> List[str]:
         return [a.name for a in self.by_name[name].all_input_nodes]
 
@@ -178,7 +183,7 @@ class GraphView:
         while changed:
             changed = False
             for n in sorted(keep, key=self.order.__getitem__):
-                if any(a not in keep and not self.is_tensor(a) for a in self.inputs_of(n)):
+                if any(a not in keep and not self.can_feed(a) for a in self.inputs_of(n)):
                     keep.discard(n)
                     changed = True
         fkeep = frozenset(keep)

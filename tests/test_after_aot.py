@@ -286,3 +286,25 @@ def test_level4_on_a_real_model_with_inductors_relu_bug_minifies_to_the_relu(tmp
     forward = forward_source(tmp_path / "repro.py")
     assert forward.count("torch.ops.aten.") == 1 and re.search(r"\brelu(_\d+)? = torch\.ops\.aten\.relu", forward)
     assert read_meta(tmp_path / "repro.py")["culprit"].startswith("relu")  # named as in the model's graph
+
+
+@pytest.mark.slow
+@needs_transformers
+def test_level4_minifies_a_symbolic_shape_graph_of_a_real_model(tmp_path):
+    """A dynamic-shape compile (the recompile a second sequence length brings): the AOT graph takes
+    SymInt sizes; the flow catches the relu bug in it, minifies, and the repro runs in a fresh process."""
+    import torch._inductor.config as icfg
+
+    torch._dynamo.reset()
+    model, inputs = _tiny_t5()
+    with icfg.patch({"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"}), torch.no_grad():
+        with pytest.raises(AccuracyError, match="less accurate than eager"):
+            torch.compile(model, backend="determ_inductor", dynamic=True, options=_level4(tmp_path))(**inputs)
+    report = _report(tmp_path)
+    assert report["divergent"] and report["checker_errors"] == []
+    assert '"Sym(' in (_graph_dir(tmp_path) / "minifier_launcher.py").read_text()  # SymInt placeholders
+    proc = assert_reproduces(tmp_path / "repro.py", "accuracy", RELU)
+    assert "reproduced accuracy" in proc.stdout
+    forward = forward_source(tmp_path / "repro.py")
+    assert forward.count("torch.ops.aten.") <= 3, forward  # minified: the relu and what feeds it at most
+    assert re.search(r"\brelu(_\d+)?(: \"[^\"]*\")? = torch\.ops\.aten\.relu", forward)
