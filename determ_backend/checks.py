@@ -38,7 +38,7 @@ from .recorder import CallResult, Recorder
 from .run import Run
 from .trace import Record
 
-__all__ = ["GraphExec", "clone_inputs", "eager_node_values"]
+__all__ = ["GraphExec", "clone_inputs", "eager_node_values", "EagerInterpreter", "run_eager"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,27 @@ def _overlaps(a: torch.Tensor) -> bool:
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
-class _Capture(fx.Interpreter):
+class EagerInterpreter(fx.Interpreter):
+    """Runs a compiled graph's FX graph eagerly.  A functional ``view`` of a compiled graph may assume the
+    layout inductor chose for its input; eagerly that input can be laid out otherwise, and the value
+    is the same ``reshape``."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except RuntimeError:
+            if n.target not in _VIEWS:
+                raise
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return torch.ops.aten.reshape.default(*args, **kwargs)
+
+
+def run_eager(gm: fx.GraphModule, args: Sequence[Any]) -> Any:
+    """``gm(*args)`` through :class:`EagerInterpreter`."""
+    return EagerInterpreter(gm).run(*args)
+
+
+class _Capture(EagerInterpreter):
     """Keeps a clone of every tensor node's value, and of each output leaf as ``output.K``; a node named
     in ``inject`` yields the given value instead of its own (the causal replay)."""
 
@@ -86,18 +106,7 @@ class _Capture(fx.Interpreter):
         self.inject = inject or {}
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.name in self.inject:
-            v = self.inject[n.name].clone()
-        else:
-            try:
-                v = super().run_node(n)
-            except RuntimeError:
-                if n.target not in _VIEWS:
-                    raise
-                # a compiled graph's functional ``view`` may assume the layout inductor chose; eagerly the
-                # input can be laid out otherwise: the value is the same reshape
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                v = torch.ops.aten.reshape.default(*args, **kwargs)
+        v = self.inject[n.name].clone() if n.name in self.inject else super().run_node(n)
         if isinstance(v, torch.Tensor):
             self.values[n.name] = v.detach().clone()
         elif isinstance(v, (bool, int, float)):

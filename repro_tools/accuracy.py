@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.fx as fx
 
-from determ_backend.checks import clone_inputs
+from determ_backend.checks import clone_inputs, run_eager
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
 
 __all__ = ["same", "first_mismatch", "same_two_models", "AccuracyResult", "run_fwd_maybe_bwd", "cast_to_fp64",
@@ -102,7 +103,8 @@ def _fwd_bwd(fn: Callable, args: Sequence[Any], only_fwd: bool,
     if params is None:
         params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     with torch.set_grad_enabled(torch.is_grad_enabled() and not only_fwd):  # as the graph was called
-        outs = flatten(call_maybe_boxed(fn, args))
+        eager = isinstance(fn, fx.GraphModule) and not getattr(fn, "_boxed_call", False)
+        outs = flatten(run_eager(fn, args) if eager else call_maybe_boxed(fn, args))
     diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(params)
     result = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]

@@ -54,6 +54,7 @@ CHECKS = ("determinism", "accuracy")
 FLOWS = ("aot4", "inject")
 QUICK_FAMILIES = ("llama", "opt", "resnet")
 ACCURACY_EXIT = 3  # the child's exit status when the level-4 flow raised AccuracyError (its finding is in report.json)
+WITNESS = "witness.json"  # a determinism case's ground truth (see witness())
 MARKER = "case.json"  # marks a case directory as the corpus's own (so a rerun may replace it)
 
 
@@ -93,7 +94,7 @@ class Row:
     """A case's outcome: its verdict, where the run put the blame, and whether that is what was expected."""
 
     case: Case
-    verdict: str  # clean | divergent | checker-error | crash | timeout
+    verdict: str  # clean | divergent | nondeterministic | checker-error | crash | timeout
     seconds: float
     cause: str = ""
     found_relu: Optional[bool] = None  # inject cases: whether the first root cause is the relu
@@ -104,7 +105,7 @@ class Row:
     def ok(self) -> bool:
         if self.case.injected:
             return self.verdict == "divergent" and bool(self.found_relu)
-        return self.verdict == "clean"
+        return self.verdict in ("clean", "nondeterministic")
 
 
 # ---------------------------------------------------------------- the child: one case, in its own process
@@ -135,7 +136,50 @@ def run_case(spec: Dict[str, str]) -> int:
     except AccuracyError as e:
         print(f"corpus case: AccuracyError: {e}", file=sys.stderr)
         return ACCURACY_EXIT
+    if spec["kind"] == "determinism" and _report_has_findings(Path("run") / "report.json"):
+        Path(WITNESS).write_text(json.dumps(witness(spec)) + "\n")
     return 0
+
+
+def _report_has_findings(path: Path) -> bool:
+    report = _read_report(path)
+    return bool(report and report.get("findings"))
+
+
+def witness(spec: Dict[str, str]) -> Dict[str, Any]:
+    """Ground truth for a determinism finding, without determ: the model compiled by the plain backend
+    (``determ_inductor`` -> ``inductor``) runs the same step twice from the same weights, inputs and seed;
+    ``nondeterministic`` when an output or a gradient differs bitwise (``where``: the first one)."""
+    import copy
+
+    import torch
+
+    torch._dynamo.reset()
+    model, inputs = real_models.build(spec["family"])
+    state = copy.deepcopy(model.state_dict())
+    backend = spec["backend"].replace("determ_", "", 1)
+    compiled = torch.compile(model, backend=backend)
+    runs = []
+    for _ in range(2):
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        values: Dict[str, Any] = {}
+        if spec["mode"] == "eval":
+            model.eval()
+            with torch.no_grad():
+                out = compiled(**inputs)
+            t = getattr(out, "logits", None)
+            values["output"] = (t if t is not None else out[0] if isinstance(out, (tuple, list)) else out).clone()
+        else:
+            model.train()
+            loss = real_models.loss_of(compiled(**inputs))
+            loss.backward()
+            values["loss"] = loss.detach().clone()
+            values.update({f"grad {n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        runs.append(values)
+    where = next((k for k, v in runs[0].items() if k not in runs[1] or not torch.equal(v, runs[1][k])), None)
+    return {"nondeterministic": where is not None, "where": where}
 
 
 # ---------------------------------------------------------------- the parent: launch, time out, read the report
@@ -218,6 +262,12 @@ def judge(case: Case, case_dir: Path, rc: Optional[int], seconds: float) -> Row:
         row.verdict, row.cause = "crash", "AccuracyError raised without a finding in report.json"
     elif report.get("findings"):
         row.verdict, row.cause = "divergent", _blame(report)
+        seen = _read_report(case_dir / WITNESS) if case.kind == "determinism" else None
+        if seen and seen.get("nondeterministic"):  # the plain backend itself is not bitwise reproducible
+            row.verdict = "nondeterministic"
+            row.notes.append(f"confirmed without determ: {seen.get('where')} differs between two plain runs")
+        elif seen is not None:
+            row.notes.append("two plain runs agree bitwise")
     elif report.get("checker_errors"):
         row.verdict, row.cause = "checker-error", _one_line(report["checker_errors"][0])
     if report and report.get("findings") and report.get("checker_errors"):
@@ -341,6 +391,7 @@ def summarize(rows: List[Row], seconds: float) -> Dict[str, Any]:
     injected = [r for r in rows if r.case.injected]
     return {"cases": len(rows), "seconds": round(seconds, 1),
             "clean": sum(r.verdict == "clean" for r in healthy),
+            "nondeterministic": sum(r.verdict == "nondeterministic" for r in healthy),
             "false_divergences": sum(r.verdict == "divergent" for r in healthy),
             "checker_errors": sum(r.verdict == "checker-error" for r in rows),
             "crashes": sum(r.verdict == "crash" for r in rows), "timeouts": sum(r.verdict == "timeout" for r in rows),
@@ -349,6 +400,7 @@ def summarize(rows: List[Row], seconds: float) -> Dict[str, Any]:
 
 def summary_line(s: Dict[str, Any]) -> str:
     return (f"summary: {s['cases']} cases in {s['seconds']:.0f} s: {s['clean']} clean, "
+            f"{s['nondeterministic']} truly nondeterministic (confirmed without determ), "
             f"{s['false_divergences']} false divergences, {s['checker_errors']} checker errors, "
             f"{s['crashes']} crashes, {s['timeouts']} timeouts; "
             f"injected relu bugs found at relu: {s['injected_found_at_relu']}/{s['injected']}")

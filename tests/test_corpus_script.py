@@ -103,6 +103,21 @@ def test_clean_divergent_and_checker_error(tmp_path):
     assert (row.verdict, row.cause) == ("checker-error", "accuracy: eager reference run failed")
 
 
+def test_a_determinism_finding_confirmed_without_determ_is_a_true_one(tmp_path):
+    det = corpus.Case("bert", "train", "determinism", "determ_inductor")
+    found = _finding("index_put", "aten.index_put.default")
+    d = _finished(tmp_path, found)
+    (d / corpus.WITNESS).write_text(json.dumps({"nondeterministic": True, "where": "grad emb.weight"}))
+    row = corpus.judge(det, d, 0, 1.0)
+    assert (row.verdict, row.ok) == ("nondeterministic", True) and "grad emb.weight" in row.notes[0]
+    d = _finished(tmp_path / "b", found)
+    (d / corpus.WITNESS).write_text(json.dumps({"nondeterministic": False, "where": None}))
+    row = corpus.judge(det, d, 0, 1.0)
+    assert (row.verdict, row.ok) == ("divergent", False) and row.notes == ["two plain runs agree bitwise"]
+    s = corpus.summarize([corpus.Row(det, "nondeterministic", 1.0)], 1.0)
+    assert (s["nondeterministic"], s["false_divergences"]) == (1, 0)
+
+
 def test_crashes_and_timeouts_are_rows(tmp_path):
     row = corpus.judge(CASE, _finished(tmp_path, None, "Traceback ...\n  File x\nRuntimeError: boom\n"), 1, 2.0)
     assert (row.verdict, row.cause) == ("crash", "exit 1: RuntimeError: boom")
