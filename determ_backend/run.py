@@ -38,6 +38,32 @@ def current_rank() -> int:
     return 0
 
 
+def _claim_dir(root: Path, run_id: str, rank_part: str, given: str) -> Path:
+    """A directory no other run has: ``<root>/<run_id><rank_part>`` created here (exclusively), else
+    ``<root>/<run_id>-2<rank_part>``, ``-3``... (an earlier run's, or one another process is writing
+    at this very moment; every rank of a job picks the same suffix).  One line says where this run went."""
+    for k in range(1, 10_000):
+        rid = run_id if k == 1 else f"{run_id}-{k}"
+        leaf = root / f"{rid}{rank_part}"
+        try:
+            leaf.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"DETERM_DIR={given!r}: cannot create {leaf.parent} ({e.strerror or e}); "
+                              f"expected a writable directory") from None
+        try:
+            leaf.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ConfigError(f"DETERM_DIR={given!r}: cannot create {leaf} ({e.strerror}); "
+                              f"expected a writable directory") from None
+        if k > 1:
+            log.warning("determ: %s already exists (an earlier or concurrent run of the same id); this run "
+                        "writes to %s", root / f"{run_id}{rank_part}", leaf)
+        return leaf
+    raise ConfigError(f"DETERM_RUN_ID={run_id!r}: {root} holds 9999 runs of that id; expected a new id")
+
+
 def _default_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
 
@@ -76,18 +102,9 @@ class Run:
         self.id = config.run_id or _default_run_id()
         self.rank = current_rank()
         sub = self.id if self.rank == 0 and not (torch.distributed.is_available() and torch.distributed.is_initialized()) else f"{self.id}/rank{self.rank}"
-        self.dir = Path(config.dir) / sub
-        # the reference is checked before anything is written: a bad one fails the compile, and this run
-        # must not overwrite the trace it is compared against
+        # the reference is checked before anything is written: a bad one fails the compile
         self.reference = ReferenceTrace(config.reference) if config.reference else None
-        if self.reference is not None and self.reference.path.resolve() == self.trace_path.resolve():
-            raise ConfigError(f"DETERM_REFERENCE={config.reference!r} is this run's own trace ({self.trace_path}): "
-                              f"writing it would overwrite the reference; expected another run (set DETERM_RUN_ID)")
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"DETERM_DIR={config.dir!r}: cannot create {self.dir} ({e.strerror}); "
-                              f"expected a writable directory") from None
+        self.dir = _claim_dir(Path(config.dir), self.id, sub[len(self.id):], config.dir)
         self.device: Optional[str] = None  # where the graphs compute (set by the first graph call)
         self.tensors = TensorStore(self.dir / "tensors")  # DETERM_SAVE_TENSORS payloads
         self._writer: Optional[TraceWriter] = None

@@ -128,11 +128,12 @@ def test_bad_reference_fails_the_compile_not_a_later_call(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_reference_that_is_the_runs_own_trace_is_refused(tmp_path):
+def test_a_run_id_that_exists_gets_a_fresh_directory_and_its_reference_is_kept(tmp_path, caplog):
     _, _, ref = _reference(tmp_path, run_id="same")
     before = (ref / "trace.jsonl").read_bytes()
-    with pytest.raises(ConfigError, match="this run's own trace"):
-        Run(load_config({"dir": str(tmp_path), "run_id": "same", "reference": str(ref)}, env={}))
+    run = Run(load_config({"dir": str(tmp_path), "run_id": "same", "reference": str(ref / "trace.jsonl")}, env={}))
+    assert run.dir == tmp_path / "same-2" and "writes to" in caplog.text
+    run.close()
     assert (ref / "trace.jsonl").read_bytes() == before
 
 
