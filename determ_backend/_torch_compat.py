@@ -466,6 +466,53 @@ def is_inductor_config(changes: Dict[str, Any]) -> bool:
     return True
 
 
+def inductor_config_problem(key: str, value: Any) -> Optional[str]:
+    """Why ``value`` cannot be inductor config entry ``key`` (None when it can): an unknown key, or a value
+    of another type than the entry declares (bool, int, float, str, an enum of literals, optional)."""
+    if not is_inductor_config({key: None}):
+        return "not an inductor config entry"
+    try:
+        want = inductor_config().get_type(key)
+    except Exception:  # an entry with no declared type: anything goes
+        return None
+    return None if _fits(value, want) else f"expected {_type_text(want)}, got {value!r}"
+
+
+def _fits(value: Any, want: Any) -> bool:
+    import types
+    import typing
+
+    origin = typing.get_origin(want)
+    if origin in (typing.Union, getattr(types, "UnionType", typing.Union)):
+        return any(_fits(value, a) for a in typing.get_args(want))
+    if origin is typing.Literal:
+        return value in typing.get_args(want)
+    if want is type(None) or want is None:
+        return value is None
+    if want is bool:
+        return isinstance(value, bool)
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if want is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if want is str:
+        return isinstance(value, str)
+    if isinstance(want, type):
+        return isinstance(value, want) or origin is not None
+    return True  # a container or callable type: not checked here
+
+
+def _type_text(want: Any) -> str:
+    import typing
+
+    args = typing.get_args(want)
+    if typing.get_origin(want) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if args:
+        return " or ".join(_type_text(a) for a in args)
+    return "None" if want is type(None) else getattr(want, "__name__", str(want))
+
+
 # --- determ_backend.dump.regions (calls of torch.compile'd functions) ------------------------------
 
 def observe_compiled_calls(on_enter: Callable[[Any, tuple, dict], Any],

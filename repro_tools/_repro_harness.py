@@ -286,6 +286,8 @@ def config_applied():
 def _get_args(ns):
     if ns.out:
         _check_out(ns.out)
+        if os.path.exists(ns.out) and not ns.force:
+            raise ReproInputError(f"--out {ns.out}: the file exists; pass --force to replace it")
     args = load_args(ns.device)
     for i, (spec, a) in enumerate(zip(INPUTS, args)):
         if isinstance(a, torch.Tensor):
@@ -361,6 +363,7 @@ def main(argv=None):
     p.add_argument("--device", help="run on this device instead of the recorded one (e.g. cpu)")
     if command == "get-args":
         p.add_argument("--out", help="also save the inputs to this file (torch.save)")
+        p.add_argument("--force", action="store_true", help="replace --out when it exists")
     else:
         p.add_argument("--kind", choices=("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash",
                                           "hang", "cross_device", "any"),

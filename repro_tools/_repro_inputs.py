@@ -43,8 +43,17 @@ def _store_dirs():
     return dirs
 
 
+def _check_key(key):
+    """A storage key names its file by the checksum of its bytes: hex digits only, so an empty key, an
+    absolute path or one that leaves the store is refused by name, before any file is opened."""
+    if not isinstance(key, str) or not (8 <= len(key) <= 64) or any(c not in "0123456789abcdef" for c in key):
+        raise ReproInputError(f"{__file__}: input storage key {key!r} is not a content checksum "
+                              "(expected 8 to 64 lowercase hex digits)")
+
+
 def read_storage(key):
     """Bytes of one stored storage (a one-tensor safetensors file), checksum verified."""
+    _check_key(key)
     tried = [os.path.join(d, key + ".safetensors") for d in _store_dirs()]
     path = next((p for p in tried if os.path.isfile(p)), None)
     if path is None:

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from determ_backend import _torch_compat as tc
 from determ_backend.errors import ConfigError, DetermError, ReproError
 
 from .compilers import resolve_compiler
@@ -42,6 +43,9 @@ def _config_items(items: List[str]) -> Dict[str, Any]:
             out[key] = json.loads(raw)
         except ValueError:
             out[key] = raw
+        problem = tc.inductor_config_problem(key, out[key])
+        if problem:
+            raise ConfigError(f"--config {item!r}: {problem}")
     return out
 
 

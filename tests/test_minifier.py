@@ -273,6 +273,18 @@ def test_cli_config_adds_to_the_recorded_config(tmp_path, capsys):
     assert meta["config"] == {"fallback_random": True, "max_autotune": False}
 
 
+@pytest.mark.parametrize("item, message", [("max_autotune=notabool", "expected bool, got 'notabool'"),
+                                           ("cpp.threads=many", "expected int"),
+                                           ("no_such_entry=1", "not an inductor config entry")])
+def test_cli_config_values_are_type_checked_in_one_line(tmp_path, capsys, item, message):
+    gm, inputs = H.mlp_graph(layers=1)
+    write_graph_dir(gm, inputs, tmp_path / "repro", {"kind": "accuracy", "compiler": "minifier_helpers:wrong_erf"})
+    assert main(["minify", str(tmp_path / "repro"), "--config", item, "--in-process", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and f"--config {item!r}" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "repro" / "minify-0").exists()
+
+
 def _worker_pids(parent: int):
     try:
         return [int(p) for p in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]

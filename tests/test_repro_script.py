@@ -215,3 +215,24 @@ def test_minifying_a_repro_that_does_not_fail_exits_0_and_leaves_nothing(dynamo_
     assert minify_script(path) == 0
     assert "does not fail here" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repro.py", "repro_store"]
+
+
+@pytest.mark.parametrize("key", ["", "../../etc/passwd", "/tmp/x", "ABCDEF0123456789", "0123"])
+def test_a_storage_key_that_is_not_a_checksum_is_refused_by_name(dynamo_graph, tmp_path, capsys, key):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py")
+    text = path.read_text()
+    stored = re.search(r"'storage': '([0-9a-f]+)'", text).group(1)
+    path.write_text(text.replace(f"'storage': '{stored}'", f"'storage': {key!r}", 1))
+    for cmd in (["get-args"], ["run", "--in-process"]):
+        assert run_main(path, *cmd) == 2
+        err = capsys.readouterr().err
+        assert f"storage key {key!r} is not a content checksum" in err and len(err.strip().splitlines()) == 1
+
+
+def test_get_args_does_not_replace_a_file_without_force(dynamo_graph, tmp_path, capsys):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py")
+    (tmp_path / "args.pt").write_text("mine")
+    assert run_main(path, "get-args", "--out", str(tmp_path / "args.pt")) == 2
+    assert "exists; pass --force" in capsys.readouterr().err and (tmp_path / "args.pt").read_text() == "mine"
+    assert run_main(path, "get-args", "--out", str(tmp_path / "args.pt"), "--force") == 0
+    assert len(torch.load(tmp_path / "args.pt", weights_only=True)) == 2
