@@ -415,3 +415,14 @@ def test_precision_debugger_refuses_a_list_mixing_names_and_fragments(tmp_path):
     cfg.write_text('{"dump_path": "%s", "statistics": {"list": ["relu", "Functional.linear.0.forward"]}}' % tmp_path)
     with pytest.raises(ConfigError, match="mixes call names"):
         dump.PrecisionDebugger(config_path=str(cfg))
+
+
+def test_missing_payload_file_is_one_warning_and_statistics_still_compare(tmp_path, caplog):
+    a = dump_run(tmp_path, "a", make_net())
+    b = dump_run(tmp_path, "b", make_net(perturb="fc1.weight"))
+    (b.parent / "dump" / "tensors.bin").unlink()
+    with caplog.at_level("WARNING"):
+        cmp = compare_two(b, a, tmp_path / "out")
+    lines = [r.getMessage() for r in caplog.records if "references tensor payloads" in r.getMessage()]
+    assert len(lines) == 1 and "tensors.bin is missing" in lines[0] and str(b) in lines[0]
+    assert _root_causes(cmp) == ["Functional_linear_0_forward"]  # judged on the statistics

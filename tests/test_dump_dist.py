@@ -144,3 +144,16 @@ def test_ranks_limit(tmp_path, capsys, limit, code, expect, absent):
     captured = capsys.readouterr()
     out = captured.out + captured.err
     assert expect in out and absent not in out
+
+
+@pytest.mark.slow
+def test_a_rank_dump_copied_into_another_ranks_folder_is_refused(ddp_dumps, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(ddp_dumps / "agree" / "rank0", tmp_path / "copied" / "rank0")
+    shutil.copytree(ddp_dumps / "agree" / "rank0", tmp_path / "copied" / "rank1")
+    assert cli_main(["ranks", str(tmp_path / "copied")]) == 2
+    err = capsys.readouterr().err
+    assert "header says rank 0, but it is in folder rank1" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(TraceFormatError, match="header says rank 0, but it is in folder rank1"):
+        dump.compare_distributed(tmp_path / "copied", ddp_dumps / "agree", tmp_path / "out")

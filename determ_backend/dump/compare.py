@@ -42,7 +42,8 @@ from ..errors import ConfigError, TraceFormatError
 from ..trace import Record, atomic_write_text
 from . import compiled_compare as cc
 from .metrics import accuracy_reached, payload_metrics, stats_metrics
-from .parse import Dump, check_path, find_index, rank_dirs, read_dump
+from .parse import Dump, check_path, check_rank, find_index, rank_dirs, read_dump
+from .writer import PAYLOAD_FILE
 
 __all__ = ["compare", "compare_dumps", "compare_distributed", "auto_analyze", "analyze", "DumpComparison", "CSV_COLUMNS"]
 
@@ -202,6 +203,8 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
     dtypes; otherwise the root cause is judged by ``Accuracy Reached``."""
     da = a if isinstance(a, Dump) else read_dump(a)
     db = b if isinstance(b, Dump) else read_dump(b)
+    for d in (da, db):
+        _warn_missing_payloads(d)
     pairs = _aligned_pairs(da, db)
     if exact is None:
         exact = da.header.get("device") == db.header.get("device") and not _dtypes_differ(pairs)
@@ -242,6 +245,16 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
                 if r["_io"] == "outputs" and r["_match"] is False:
                     r["Root Cause"] = "Yes"
     return DumpComparison(pairs, exact)
+
+
+def _warn_missing_payloads(d: Dump) -> None:
+    """One line when the index names tensor payloads its data directory no longer holds."""
+    if d.has_payloads:
+        return
+    if any("payload" in t for e in d.entries for io_ in ("inputs", "outputs") for t in e.get(io_, [])):
+        where = (d.data_dir or d.path.parent / d.path.name[: -len(".pkl")]) / PAYLOAD_FILE
+        log.warning("compare: %s references tensor payloads, but %s is missing: comparing on statistics only",
+                    d.path, where)
 
 
 def _dtypes_differ(pairs: List[ApiPair]) -> bool:
@@ -417,6 +430,8 @@ def compare_distributed(npu_dump_dir: Union[str, Path], bench_dump_dir: Union[st
     results = []
     for rank in ra:
         pa, pb = find_index(ra[rank]), find_index(rb[rank])
+        check_rank(read_dump(pa), rank)
+        check_rank(read_dump(pb), rank)
         param = {"npu_pkl_path": str(pa), "bench_pkl_path": str(pb)}
         results.append(compare(param, output_path, suffix=f"_rank{rank}-rank{rank}", **kwargs))
     return results

@@ -20,7 +20,7 @@ import torch
 from ..errors import ConfigError, TraceFormatError
 from .writer import INDEX_FORMAT, PAYLOAD_FILE, read_payload
 
-__all__ = ["Dump", "read_dump", "find_index", "parse", "rank_dirs", "check_path"]
+__all__ = ["Dump", "read_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank"]
 
 
 @dataclass
@@ -129,6 +129,16 @@ def rank_dirs(root: Union[str, Path]) -> Dict[int, Path]:
         if d.is_dir() and d.name.startswith("rank") and d.name[4:].isdigit():
             out[int(d.name[4:])] = d
     return dict(sorted(out.items()))
+
+
+def check_rank(dump: Dump, rank: int) -> Dump:
+    """``dump``, read from folder ``rank<rank>``; a :class:`TraceFormatError` when its header was written by
+    another rank (a dump copied into the wrong folder would pass every replica check)."""
+    said = dump.header.get("rank")
+    if said is not None and said != rank:
+        raise TraceFormatError(f"{dump.path}: its header says rank {said}, but it is in folder rank{rank} "
+                               f"(copied from another rank?)")
+    return dump
 
 
 def _fmt(v: Any) -> str:

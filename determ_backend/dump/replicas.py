@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..errors import TraceFormatError
-from .parse import Dump, find_index, rank_dirs, read_dump
+from .parse import Dump, check_rank, find_index, rank_dirs, read_dump
 
 __all__ = ["check_replicas", "ReplicaReport", "Disagreement", "INVARIANT_COLLECTIVES"]
 
@@ -89,7 +89,7 @@ def _load(root: Union[str, Path], index: Optional[str]) -> Dict[int, Dump]:
     if len(dirs) < 2:
         raise TraceFormatError(f"{root}: found {len(dirs)} rank<N> directories; a replica check needs at least two "
                                f"(the <fpath>/<dump_tag> directory of a multi-rank dump)")
-    return {r: read_dump(d / index if index else find_index(d)) for r, d in dirs.items()}
+    return {r: check_rank(read_dump(d / index if index else find_index(d)), r) for r, d in dirs.items()}
 
 
 def check_replicas(root: Union[str, Path], everything: bool = False, index: Optional[str] = None) -> ReplicaReport:
