@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 import torch
@@ -426,3 +427,22 @@ def test_missing_payload_file_is_one_warning_and_statistics_still_compare(tmp_pa
     lines = [r.getMessage() for r in caplog.records if "references tensor payloads" in r.getMessage()]
     assert len(lines) == 1 and "tensors.bin is missing" in lines[0] and str(b) in lines[0]
     assert _root_causes(cmp) == ["Functional_linear_0_forward"]  # judged on the statistics
+
+
+def test_a_dump_path_that_cannot_be_written_is_refused_when_set(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"cannot create .*afile/sub/t: .*afile is a file"):
+        dump.set_dump_path(tmp_path / "afile" / "sub", dump_tag="t")
+
+
+def test_a_read_only_dump_path_is_refused_when_set(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("this user may write into read-only directories (root without a read-only mount)")
+        with pytest.raises(ConfigError, match="read-only or no permission"):
+            dump.set_dump_path(ro / "d")
+    finally:
+        ro.chmod(0o755)
