@@ -192,3 +192,31 @@ def test_bisect_dir_and_run_id_override_the_scripts_options():
     cfg = load_config({"dir": "my_out", "run_id": "mine"}, env=env)
     assert (cfg.dir, cfg.run_id) == ("/b/out", "bisect-1-003")
     assert load_config({"dir": "my_out"}, env={"DETERM_DIR": "/b/out"}).dir == "my_out"  # options win otherwise
+
+
+_LOOKUP_SCRIPT = """
+import torch
+f = torch.compile(torch.nn.Linear(4, 4), backend="determ_inductor")
+print("torch.compile returned")
+f(torch.randn(2, 4))
+"""
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("REPRO_LEVEL", "9", "ConfigError: REPRO_LEVEL='9'; expected 1, 2, 3 or 4"),
+    ("DETERM_CHECK", "bogus", "ConfigError: DETERM_CHECK='bogus': unknown check(s) bogus"),
+    ("DETERM_RUN_ID", "../../x", "ConfigError: DETERM_RUN_ID='../../x'; expected a plain directory name"),
+    ("DETERM_DIR", "{tmp}/afile/out", "afile is a file; expected a directory that can be created"),
+])
+def test_a_bad_setting_in_the_environment_stops_torch_compile_itself_with_our_line_last(tmp_path, var, value, message):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "s.py").write_text(_LOOKUP_SCRIPT)
+    env = dict(os.environ, **{var: value.format(tmp=tmp_path)})
+    r = subprocess.run([sys.executable, str(tmp_path / "s.py")], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "torch.compile returned" not in r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert message in last and "BackendCompilerFailed" not in r.stderr, r.stderr[-2000:]
