@@ -84,8 +84,7 @@ def test_disk_full_during_a_dump_is_raised_when_switching_off(tmp_path):
     os.symlink("/dev/full", data / "tensors.bin")
     with pytest.raises(dump.DumpWriteError, match="the disk may be full"):
         dump_run(tmp_path, "t", make_net())
-    with pytest.raises(TraceFormatError, match="incomplete dump"):
-        dump.read_dump(tmp_path / "t" / "rank0" / "dump.pkl")
+    assert dump.read_dump(tmp_path / "t" / "rank0" / "dump.pkl").cut  # the index itself is whole
 
 
 def test_file_size_limit_in_a_subprocess_is_a_clear_error(tmp_path):
@@ -103,6 +102,34 @@ def test_file_size_limit_in_a_subprocess_is_a_clear_error(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "ERR" in out.stdout and "File too large" in out.stdout, out.stderr[-2000:]
+
+
+def test_an_index_that_fills_its_file_is_cut_at_its_last_whole_entry_and_stays_readable(tmp_path, caplog):
+    """Statistics mode writes only the index: a file size limit (as a full disk would) stops it mid-dump."""
+    code = textwrap.dedent(f"""
+        import resource, signal, sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from determ_backend import dump
+        from dump_helpers import dump_run, make_net
+        dump_run({str(tmp_path)!r}, "full", make_net())  # the reference, before the limit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6_000, 6_000))
+        try:
+            dump_run({str(tmp_path)!r}, "t", make_net(), summary_only=True)
+        except dump.DumpWriteError as e:
+            print("ERR", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("ERR")), "")
+    assert "dump.pkl: cannot write the dump index (File too large); it keeps the" in line, out.stderr[-2000:]
+    index = tmp_path / "t" / "rank0" / "dump.pkl"
+    with caplog.at_level("WARNING"):
+        d = dump.read_dump(index)
+    assert d.cut and d.footer["cut"] == "File too large" and d.entries and index.stat().st_size <= 6_000
+    assert f"index was cut (File too large) after {len(d.entries)} entries" in caplog.text
+    cmp = dump.compare({"npu_pkl_path": str(index), "bench_pkl_path": str(tmp_path / "full" / "rank0" / "dump.pkl")},
+                       tmp_path / "out")
+    assert cmp.csv_path.is_file() and not cmp.root_causes  # what was kept agrees with the full dump
 
 
 def test_index_reopen_appends_after_removing_the_footer(tmp_path):

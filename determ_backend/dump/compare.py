@@ -141,8 +141,9 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
         m.update(stats_metrics(ta["stats"], tb["stats"]))
     tol = None if exact else dtype_tol(DEFAULT_TOL, ta["dtype"], tb["dtype"])
     verdict: Optional[bool]
-    if "payload" in ta and "payload" in tb and da.has_payloads and db.has_payloads:
-        va, vb = da.tensor(ta), db.tensor(tb)
+    pair = _payloads(ta, tb, da, db)
+    if pair is not None:
+        va, vb = pair
         m.update(payload_metrics(va, vb))
         verdict = judge(vb, va, tol=tol or 0.0, strict=True, bitwise=exact)
     else:
@@ -162,6 +163,19 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
         row["Bitwise Equal"] = "Yes" if m["bitwise"] else "No"
     row["Accuracy Reached or Not"] = accuracy_reached(m)
     return row, m, verdict
+
+
+def _payloads(ta: Dict[str, Any], tb: Dict[str, Any], da: Dump, db: Dump):
+    """Both stored tensors, or None: statistics only, or a payload past the end of a dump that was cut
+    (disk full) -- a damaged payload file of a complete dump is an error."""
+    if not ("payload" in ta and "payload" in tb and da.has_payloads and db.has_payloads):
+        return None
+    try:
+        return da.tensor(ta), db.tensor(tb)
+    except TraceFormatError:
+        if da.cut or db.cut:
+            return None
+        raise
 
 
 def _as_record(t: Dict[str, Any]) -> Record:

@@ -10,6 +10,7 @@ index is refused with a clear message.  Payloads are read with
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from .writer import INDEX_FORMAT, PAYLOAD_FILE, read_payload
 
 __all__ = ["Dump", "read_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Dump:
@@ -32,6 +35,11 @@ class Dump:
     entries: List[Dict[str, Any]]
     footer: Dict[str, Any] = field(default_factory=dict)
     data_dir: Optional[Path] = None
+
+    @property
+    def cut(self) -> bool:
+        """The writer ran out of room (disk full, size limit): the index or its payloads end early."""
+        return self.footer.get("complete") is False
 
     @property
     def has_payloads(self) -> bool:
@@ -111,8 +119,11 @@ def read_dump(path: Union[str, Path], allow_partial: bool = False) -> Dump:
     if not footer and not allow_partial:
         raise TraceFormatError(f"{p}: truncated dump index (no end line: the dump was not switched off, or the "
                                f"process died)")
-    if footer.get("complete") is False and not allow_partial:
-        raise TraceFormatError(f"{p}: incomplete dump: writing its tensor payloads failed (disk full?)")
+    if footer.get("complete") is False:
+        what = (f"the index was cut ({footer['cut']}) after {len(entries)} entries" if footer.get("cut")
+                else "writing its tensor payloads failed (disk full?); tensors stored before that are readable, "
+                     "later ones compare on their statistics")
+        log.warning("%s: incomplete dump: %s", p, what)
     data_dir = p.parent / p.name[: -len(".pkl")]
     return Dump(p, header, entries, footer, data_dir if data_dir.is_dir() else None)
 

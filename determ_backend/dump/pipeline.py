@@ -172,6 +172,8 @@ class DumpPipeline:
         e = self._error
         if e is None:
             return
+        if isinstance(e, DumpWriteError):  # the index writer's own: it names its file and what it kept
+            raise DumpWriteError(str(e)) from e
         if isinstance(e, OSError):
             why = e.strerror or str(e)
             raise DumpWriteError(f"{self.payload_path}: cannot write tensor payloads ({why}); the disk may be full "

@@ -15,11 +15,12 @@ Reading an index lives in :mod:`.parse`.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Deque, Dict, Optional, Union
 
 import torch
 
@@ -49,44 +50,93 @@ def write_all(fd: int, mv: memoryview) -> None:
 
 
 class IndexWriter:
-    """JSON Lines index: header, entries, footer.  :meth:`reopen` drops the footer to append again."""
+    """JSON Lines index: header, entries, footer.  :meth:`reopen` drops the footer to append again.
+
+    Lines go straight to the file descriptor, whole: when the disk fills (or a file size limit is hit)
+    the file is cut back to its last complete line, closed with a footer marked ``complete: false``
+    and ``cut`` (the reason), and :class:`DumpWriteError` names the file and how many entries it kept;
+    the index stays readable."""
 
     def __init__(self, path: Union[str, Path], header: Dict[str, Any]):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "w", encoding="utf-8")
-        self._f.write(json.dumps({"format": INDEX_FORMAT, "version": 1, **header}) + "\n")
+        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pos = 0
         self.count = 0
         self._footer_at: Optional[int] = None
+        self._starts: Deque[int] = collections.deque(maxlen=self._KEEP_STARTS)
         self._lock = threading.Lock()
+        with self._lock:
+            self._append(json.dumps({"format": INDEX_FORMAT, "version": 1, **header}) + "\n")
+
+    def _append(self, line: str) -> None:
+        data = line.encode("utf-8")
+        try:
+            write_all(self._fd, memoryview(data))
+        except OSError as e:
+            self._cut(e)
+            raise DumpWriteError(f"{self.path}: cannot write the dump index ({e.strerror or e}); it keeps the "
+                                 f"{self.count} entries written before and is marked cut") from e
+        self._pos += len(data)
+
+    _KEEP_STARTS = 64
+    """Line starts remembered, so a footer can take the place of the last entries on a full disk."""
+
+    def _cut(self, e: OSError) -> None:
+        """Back to the last complete line, a footer saying why if it fits, and closed."""
+        fd, self._fd = self._fd, None
+        try:
+            while True:
+                os.ftruncate(fd, self._pos)
+                os.lseek(fd, self._pos, os.SEEK_SET)
+                footer = json.dumps({"end": True, "count": self.count, "complete": False,
+                                     "cut": e.strerror or str(e)}) + "\n"
+                try:
+                    write_all(fd, memoryview(footer.encode("utf-8")))
+                    return
+                except OSError:
+                    if not self._starts:
+                        raise
+                    self._pos = self._starts.pop()  # no room for the footer: it takes the last entry's place
+                    self.count -= 1
+        except OSError:
+            os.ftruncate(fd, self._pos)  # nothing fits: the last complete entry ends the file
+        finally:
+            os.close(fd)
 
     def write(self, entry: Dict[str, Any]) -> None:
         line = json.dumps(entry, separators=(",", ":"), allow_nan=True, default=str)
         with self._lock:
-            self._f.write(line + "\n")
+            if self._fd is None:
+                raise DumpWriteError(f"{self.path}: the dump index is closed")
+            start = self._pos
+            self._append(line + "\n")
+            self._starts.append(start)
             self.count += 1
 
     def close(self, **footer: Any) -> None:
         with self._lock:
-            if self._f is None:
+            if self._fd is None:
                 return
-            self._f.flush()
-            self._footer_at = self._f.tell()
-            self._f.write(json.dumps({"end": True, "count": self.count, **footer}) + "\n")
-            self._f.close()
-            self._f = None
+            self._footer_at = self._pos
+            self._append(json.dumps({"end": True, "count": self.count, **footer}) + "\n")
+            os.close(self._fd)
+            self._fd = None
 
     @property
     def closed(self) -> bool:
-        return self._f is None
+        return self._fd is None
 
     def reopen(self) -> None:
         with self._lock:
-            if self._f is not None:
+            if self._fd is not None:
                 return
-            self._f = open(self.path, "r+", encoding="utf-8")
-            self._f.seek(self._footer_at)
-            self._f.truncate()
+            if self._footer_at is None:
+                raise DumpWriteError(f"{self.path}: the dump index was cut and cannot be appended to")
+            self._fd = os.open(self.path, os.O_WRONLY)
+            os.ftruncate(self._fd, self._footer_at)
+            os.lseek(self._fd, self._footer_at, os.SEEK_SET)
+            self._pos = self._footer_at
 
 
 def read_payload(data_dir: Union[str, Path], entry: Dict[str, Any], device: Union[str, torch.device] = "cpu"
