@@ -38,24 +38,32 @@ def current_rank() -> int:
     return 0
 
 
+_CLAIM = ".determ-run"
+"""Created exclusively in a run directory by the run that owns it."""
+
+
 def _claim_dir(root: Path, run_id: str, rank_part: str, given: str) -> Path:
-    """A directory no other run has: ``<root>/<run_id><rank_part>`` created here (exclusively), else
-    ``<root>/<run_id>-2<rank_part>``, ``-3``... (an earlier run's, or one another process is writing
-    at this very moment; every rank of a job picks the same suffix).  One line says where this run went."""
+    """A directory no other run has: ``<root>/<run_id><rank_part>``, else ``<run_id>-2<rank_part>``,
+    ``-3``...  A run owns its directory by creating :data:`_CLAIM` in it exclusively, so a directory an
+    earlier run wrote (or another process claims at this very moment) is never shared, while one the
+    user created empty beforehand is used; every rank of a job picks the same suffix.  One line says
+    where the run went when it is not the directory asked for."""
     for k in range(1, 10_000):
         rid = run_id if k == 1 else f"{run_id}-{k}"
         leaf = root / f"{rid}{rank_part}"
         try:
-            leaf.parent.mkdir(parents=True, exist_ok=True)
+            leaf.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"DETERM_DIR={given!r}: cannot create {leaf.parent} ({e.strerror or e}); "
+            raise ConfigError(f"DETERM_DIR={given!r}: cannot create {leaf} ({e.strerror or e}); "
                               f"expected a writable directory") from None
+        if (leaf / TRACE_NAME).exists() or (leaf / "report.json").exists():
+            continue  # an earlier run's, from before runs claimed their directory
         try:
-            leaf.mkdir()
+            os.close(os.open(leaf / _CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
             continue
         except OSError as e:
-            raise ConfigError(f"DETERM_DIR={given!r}: cannot create {leaf} ({e.strerror}); "
+            raise ConfigError(f"DETERM_DIR={given!r}: cannot write into {leaf} ({e.strerror}); "
                               f"expected a writable directory") from None
         if k > 1:
             log.warning("determ: %s already exists (an earlier or concurrent run of the same id); this run "

@@ -46,3 +46,15 @@ def test_a_second_run_of_the_same_id_does_not_replace_the_first(tmp_path):
     assert r.returncode == 0 and f"writes to {tmp_path / 'out' / 'again-2'}" in r.stderr
     assert (tmp_path / "out" / "again" / "trace.jsonl").read_bytes() == first
     assert (tmp_path / "out" / "again-2" / "trace.jsonl").is_file()
+
+
+def test_a_directory_created_empty_beforehand_is_used_and_then_owned(tmp_path):
+    from determ_backend.config import load_config
+    from determ_backend.run import Run
+
+    (tmp_path / "mine").mkdir()
+    first = Run(load_config({"dir": str(tmp_path), "run_id": "mine"}, env={}))
+    second = Run(load_config({"dir": str(tmp_path), "run_id": "mine"}, env={}))
+    assert (first.dir, second.dir) == (tmp_path / "mine", tmp_path / "mine-2")
+    first.close()
+    second.close()
