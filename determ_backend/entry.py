@@ -9,10 +9,10 @@ compiled) first reads the determ settings of the environment, so a bad one (``RE
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .trace import dir_problem
 
 __all__ = ["determ_eager", "determ_aot_eager", "determ_inductor"]
 
@@ -23,10 +23,8 @@ def __getattr__(name: str) -> Any:
         from .config import load_config
 
         cfg = load_config()
-        anc = Path(cfg.dir)
-        while not anc.exists() and anc != anc.parent:
-            anc = anc.parent
-        if not anc.is_dir():
-            raise ConfigError(f"DETERM_DIR={cfg.dir!r}: {anc} is a file; expected a directory that can be created")
+        problem = dir_problem(cfg.dir)
+        if problem:
+            raise ConfigError(f"DETERM_DIR={cfg.dir!r}: {problem}; expected a directory that can be created")
         return getattr(backends, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -123,6 +123,22 @@ def atomic_write_text(path: Union[str, Path], text: str) -> None:
         f.write(text)
 
 
+def dir_problem(target: Union[str, Path]) -> Optional[str]:
+    """Why directory ``target`` cannot be used (None when it can): it is a file, or its nearest existing
+    ancestor is a file or a directory this process may not write into."""
+    target = Path(target)
+    anc = target
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        return f"{anc} is a file, not a directory"
+    if anc == target:
+        return None if os.access(anc, os.W_OK | os.X_OK) else f"{anc} is read-only or not ours to write"
+    if not os.access(anc, os.W_OK | os.X_OK):
+        return f"cannot create it in {anc} (read-only or no permission)"
+    return None
+
+
 class TraceWriter:
     """Streams records to a JSONL file (thread-safe).  Use as a context manager or call :meth:`close`."""
 

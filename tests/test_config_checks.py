@@ -206,7 +206,7 @@ f(torch.randn(2, 4))
     ("REPRO_LEVEL", "9", "ConfigError: REPRO_LEVEL='9'; expected 1, 2, 3 or 4"),
     ("DETERM_CHECK", "bogus", "ConfigError: DETERM_CHECK='bogus': unknown check(s) bogus"),
     ("DETERM_RUN_ID", "../../x", "ConfigError: DETERM_RUN_ID='../../x'; expected a plain directory name"),
-    ("DETERM_DIR", "{tmp}/afile/out", "afile is a file; expected a directory that can be created"),
+    ("DETERM_DIR", "{tmp}/afile/out", "afile is a file, not a directory; expected a directory that can be created"),
 ])
 def test_a_bad_setting_in_the_environment_stops_torch_compile_itself_with_our_line_last(tmp_path, var, value, message):
     import os

@@ -30,6 +30,7 @@ import torch
 from .. import devices
 from ..errors import ConfigError, DeviceUnavailableError
 from ..seed import seed_all as _seed_all
+from ..trace import dir_problem
 from .hooks import Recorder
 from .modules import Installation
 from .overflow import OverflowCounter
@@ -188,20 +189,6 @@ def seed_all(seed: int = 1234, mode: bool = False) -> Dict[str, Any]:
     return _seed_all(seed, deterministic=bool(mode))
 
 
-def _check_writable(target: Path) -> None:
-    """``target`` is a writable directory or can be created: its nearest existing ancestor is a directory
-    this process may write into (a read-only mount or a path under a file is refused here, not when the
-    first call is dumped)."""
-    anc = target
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir():
-        raise ConfigError(f"set_dump_path: cannot create {target}: {anc} is a file, not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise ConfigError(f"set_dump_path: cannot write into {anc} (read-only or no permission); "
-                          f"expected a writable directory for {target}")
-
-
 def set_dump_path(fpath: Optional[Union[str, os.PathLike]] = None, dump_tag: str = "ptdbg_dump") -> Path:
     """Dump under ``<fpath>/<dump_tag>/rank<R>/``; ``fpath`` defaults to ``$ASCEND_WORK_PATH/dump_data``."""
     if fpath is None:
@@ -217,7 +204,9 @@ def set_dump_path(fpath: Optional[Union[str, os.PathLike]] = None, dump_tag: str
     p = Path(fpath)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"set_dump_path: {p} exists and is not a directory")
-    _check_writable(p / dump_tag)
+    problem = dir_problem(p / dump_tag)
+    if problem:
+        raise ConfigError(f"set_dump_path: cannot use {p / dump_tag}: {problem}")
     _STATE.switch_off()
     _STATE.sessions.clear()
     _STATE.root = p / dump_tag
