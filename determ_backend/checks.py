@@ -38,7 +38,7 @@ from .recorder import CallResult, Recorder
 from .run import Run
 from .trace import Record
 
-__all__ = ["GraphExec", "clone_inputs", "eager_node_values", "EagerInterpreter", "run_eager"]
+__all__ = ["GraphExec", "clone_inputs", "eager_node_values", "EagerInterpreter", "run_eager", "graph_in_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,30 @@ class _Capture(EagerInterpreter):
                 if isinstance(leaf, torch.Tensor):
                     self.values[f"output.{k}"] = leaf.detach().clone()
         return v
+
+
+_CONVERT = "convert_element_type"
+
+
+def graph_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
+    """``gm`` with every floating dtype its nodes name (``dtype=`` of factory ops and ``_to_copy``,
+    ``convert_element_type``'s target) replaced by ``dtype``: the graph's own float32 buffers would
+    otherwise meet float64 inputs (an ``index_put`` into a ``full(..., dtype=float32)``).  The copy
+    shares ``gm``'s parameters and constants."""
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+
+    def widen(v: Any) -> Any:
+        return dtype if isinstance(v, torch.dtype) and v.is_floating_point else v
+
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        if "dtype" in n.kwargs:
+            n.kwargs = {**n.kwargs, "dtype": widen(n.kwargs["dtype"])}
+        if _CONVERT in str(n.target) and len(n.args) > 1:
+            n.args = (n.args[0], widen(n.args[1]), *n.args[2:])
+    return fx.GraphModule(gm, g)
 
 
 def _to64(args: Sequence[Any]) -> List[Any]:
@@ -292,7 +316,7 @@ class GraphExec:
             ref = eager_node_values(self.reference_gm, clone_inputs(eager_args))
             try:
                 devices.set_rng_state(rng_state)
-                ref64 = eager_node_values(self.reference_gm, _to64(eager_args))
+                ref64 = eager_node_values(graph_in_dtype(self.reference_gm, torch.float64), _to64(eager_args))
             except Exception as e:  # some graphs do not run in fp64; judge without the fp64 reference
                 log.info("determ accuracy: fp64 reference failed (%s); comparing against eager only", e)
                 ref64 = {}

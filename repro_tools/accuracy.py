@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from determ_backend.checks import clone_inputs, run_eager
+from determ_backend.checks import clone_inputs, graph_in_dtype, run_eager
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
 
 __all__ = ["same", "first_mismatch", "same_two_models", "AccuracyResult", "run_fwd_maybe_bwd", "cast_to_fp64",
@@ -74,9 +74,12 @@ def same(ref: Any, res: Any, fp64_ref: Any = None, tol: float = DEFAULT_TOL,
 
 
 def cast_to(dtype: torch.dtype, model: Any, inputs: Sequence[Any]) -> Tuple[Any, List[Any]]:
-    """A deep copy of ``model`` (when it is a module) and of ``inputs`` with floating tensors in ``dtype``."""
+    """A deep copy of ``model`` (when it is a module) and of ``inputs`` with floating tensors in ``dtype``;
+    a graph's own floating dtypes (factory ops, conversions) are ``dtype`` too."""
     if isinstance(model, torch.nn.Module):
         model = copy.deepcopy(model).to(dtype)
+        if isinstance(model, fx.GraphModule):
+            model = graph_in_dtype(model, dtype)
     cast = []
     for x in inputs:
         if isinstance(x, torch.Tensor) and x.is_floating_point():

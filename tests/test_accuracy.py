@@ -116,3 +116,29 @@ def test_run_fwd_maybe_bwd_and_cast_to_fp64():
     assert len(run_fwd_maybe_bwd(lin, [x], only_fwd=True)) == 1
     m64, (x64,) = cast_to_fp64(lin, [x])
     assert m64.weight.dtype == torch.float64 and x64.dtype == torch.float64 and lin.weight.dtype == torch.float32
+
+
+def test_the_fp64_reference_widens_the_graphs_own_float_dtypes():
+    """A training graph accumulates into a buffer it creates as float32 (an embedding gradient): in the fp64
+    reference that buffer is float64 too, or ``index_put`` refuses the float64 values."""
+    import torch.fx as fx
+
+    from determ_backend.checks import graph_in_dtype
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x, idx = g.placeholder("x"), g.placeholder("idx")
+    buf = g.call_function(aten.full.default, ([4, 3], 0.0), {"dtype": torch.float32, "device": torch.device("cpu")})
+    put = g.call_function(aten.index_put.default, (buf, [idx], x, True))
+    conv = g.call_function(torch.ops.prims.convert_element_type.default, (put, torch.float32))
+    g.output((conv,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    args = [torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 3, 0])]
+    with pytest.raises(RuntimeError, match="dtypes match"):
+        gm(*args)
+    (out,) = graph_in_dtype(gm, torch.float64)(*args)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.zeros(4, 3, dtype=torch.float64).index_put_([args[1]], args[0], True))
+    assert [n.kwargs.get("dtype") for n in gm.graph.nodes if n.op == "call_function"][0] == torch.float32  # untouched
+    m64, _ = cast_to_fp64(gm, args)
+    assert m64(*args)[0].dtype == torch.float64

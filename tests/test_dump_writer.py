@@ -111,9 +111,11 @@ def test_an_index_that_fills_its_file_is_cut_at_its_last_whole_entry_and_stays_r
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from determ_backend import dump
         from dump_helpers import dump_run, make_net
-        dump_run({str(tmp_path)!r}, "full", make_net())  # the reference, before the limit
+        full = dump_run({str(tmp_path)!r}, "full", make_net(), summary_only=True)  # the reference, unlimited
+        limit = full.stat().st_size // 2
+        print("LIMIT", limit)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (6_000, 6_000))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         try:
             dump_run({str(tmp_path)!r}, "t", make_net(), summary_only=True)
         except dump.DumpWriteError as e:
@@ -122,10 +124,11 @@ def test_an_index_that_fills_its_file_is_cut_at_its_last_whole_entry_and_stays_r
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     line = next((x for x in out.stdout.splitlines() if x.startswith("ERR")), "")
     assert "dump.pkl: cannot write the dump index (File too large); it keeps the" in line, out.stderr[-2000:]
+    limit = int(next(x for x in out.stdout.splitlines() if x.startswith("LIMIT")).split()[1])
     index = tmp_path / "t" / "rank0" / "dump.pkl"
     with caplog.at_level("WARNING"):
         d = dump.read_dump(index)
-    assert d.cut and d.footer["cut"] == "File too large" and d.entries and index.stat().st_size <= 6_000
+    assert d.cut and d.footer["cut"] == "File too large" and d.entries and index.stat().st_size <= limit
     assert f"index was cut (File too large) after {len(d.entries)} entries" in caplog.text
     cmp = dump.compare({"npu_pkl_path": str(index), "bench_pkl_path": str(tmp_path / "full" / "rank0" / "dump.pkl")},
                        tmp_path / "out")
