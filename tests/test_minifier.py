@@ -313,7 +313,10 @@ def test_interrupted_cli_stops_its_worker_and_says_how_to_resume(tmp_path, sig, 
 
     repro = _write(tmp_path, "hang", "minifier_helpers:hang_on_erf", layers=1)
     cmd, env = _cli(str(repro), "--timeout", "120", "--no-progress", "--out", str(tmp_path / "out"))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell without job control starts background jobs with SIGINT ignored, and the child would inherit
+    # that: the CLI is given the default disposition, as a terminal's Ctrl-C finds it
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline, workers = time.monotonic() + 120, []
     while not workers and time.monotonic() < deadline:
         time.sleep(0.2)
