@@ -42,7 +42,7 @@ from ..errors import ConfigError, TraceFormatError
 from ..trace import Record, atomic_write_text
 from . import compiled_compare as cc
 from .metrics import accuracy_reached, payload_metrics, stats_metrics
-from .parse import Dump, check_path, check_rank, find_index, rank_dirs, read_dump
+from .parse import Dump, check_path, check_rank, find_index, rank_dirs, read_dump, read_header
 from .writer import PAYLOAD_FILE
 
 __all__ = ["compare", "compare_dumps", "compare_distributed", "auto_analyze", "analyze", "DumpComparison", "CSV_COLUMNS"]
@@ -214,7 +214,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
     """Align two dumps (``a`` is the NPU/test side, ``b`` the benchmark) and judge every tensor.
 
     ``exact`` (bitwise verdicts) defaults to True only when both dumps ran on the same device type in the same
-    dtypes; otherwise the root cause is judged by ``Accuracy Reached``."""
+    dtypes; otherwise the verdicts are the core's within the dtypes' tolerance (module docstring)."""
     da = a if isinstance(a, Dump) else read_dump(a)
     db = b if isinstance(b, Dump) else read_dump(b)
     for d in (da, db):
@@ -444,8 +444,8 @@ def compare_distributed(npu_dump_dir: Union[str, Path], bench_dump_dir: Union[st
     results = []
     for rank in ra:
         pa, pb = find_index(ra[rank]), find_index(rb[rank])
-        check_rank(read_dump(pa), rank)
-        check_rank(read_dump(pb), rank)
+        for index in (pa, pb):
+            check_rank(index, read_header(index), rank)
         param = {"npu_pkl_path": str(pa), "bench_pkl_path": str(pb)}
         results.append(compare(param, output_path, suffix=f"_rank{rank}-rank{rank}", **kwargs))
     return results

@@ -21,7 +21,7 @@ import torch
 from ..errors import ConfigError, TraceFormatError
 from .writer import INDEX_FORMAT, PAYLOAD_FILE, read_payload
 
-__all__ = ["Dump", "read_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank"]
+__all__ = ["Dump", "read_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank", "read_header"]
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +142,20 @@ def rank_dirs(root: Union[str, Path]) -> Dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def check_rank(dump: Dump, rank: int) -> Dump:
-    """``dump``, read from folder ``rank<rank>``; a :class:`TraceFormatError` when its header was written by
-    another rank (a dump copied into the wrong folder would pass every replica check)."""
-    said = dump.header.get("rank")
+def check_rank(path: Path, header: Dict[str, Any], rank: int) -> None:
+    """A :class:`TraceFormatError` when index ``path`` (its ``header``), found in folder ``rank<rank>``,
+    was written by another rank (a dump copied into the wrong folder would pass every replica check)."""
+    said = header.get("rank")
     if said is not None and said != rank:
-        raise TraceFormatError(f"{dump.path}: its header says rank {said}, but it is in folder rank{rank} "
+        raise TraceFormatError(f"{path}: its header says rank {said}, but it is in folder rank{rank} "
                                f"(copied from another rank?)")
-    return dump
+
+
+def read_header(path: Union[str, Path]) -> Dict[str, Any]:
+    """The header of an index (its first line only; the entries are not read)."""
+    p = find_index(path)
+    with open(p, "rb") as f:
+        return _check_header(p, f.readline())
 
 
 def _fmt(v: Any) -> str:

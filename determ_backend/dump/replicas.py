@@ -89,7 +89,10 @@ def _load(root: Union[str, Path], index: Optional[str]) -> Dict[int, Dump]:
     if len(dirs) < 2:
         raise TraceFormatError(f"{root}: found {len(dirs)} rank<N> directories; a replica check needs at least two "
                                f"(the <fpath>/<dump_tag> directory of a multi-rank dump)")
-    return {r: check_rank(read_dump(d / index if index else find_index(d)), r) for r, d in dirs.items()}
+    dumps = {r: read_dump(d / index if index else find_index(d)) for r, d in dirs.items()}
+    for r, d in dumps.items():
+        check_rank(d.path, d.header, r)
+    return dumps
 
 
 def check_replicas(root: Union[str, Path], everything: bool = False, index: Optional[str] = None) -> ReplicaReport:
