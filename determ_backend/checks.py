@@ -243,6 +243,7 @@ class GraphExec:
         self.fn, self.recorder, self.run, self.config = fn, recorder, run, config
         self.compile_region = compile_region  # the graph's compiler, to narrow a root inside a fused kernel
         self.reference_gm, self.boxed = reference_gm, boxed
+        self._gm64: Optional[fx.GraphModule] = None
         self._boxed_call = boxed
         self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
         recorder.keep_values = "accuracy" in config.check or config.save_tensors
@@ -316,7 +317,7 @@ class GraphExec:
             ref = eager_node_values(self.reference_gm, clone_inputs(eager_args))
             try:
                 devices.set_rng_state(rng_state)
-                ref64 = eager_node_values(graph_in_dtype(self.reference_gm, torch.float64), _to64(eager_args))
+                ref64 = eager_node_values(self._reference_gm64(), _to64(eager_args))
             except Exception as e:  # some graphs do not run in fp64; judge without the fp64 reference
                 log.info("determ accuracy: fp64 reference failed (%s); comparing against eager only", e)
                 ref64 = {}
@@ -336,6 +337,12 @@ class GraphExec:
             self.run.add_finding("accuracy", cmp.summary(["accuracy"]))
         elif cmp.masked:
             self.run.add_note("accuracy", cmp.summary(["accuracy"]))
+
+    def _reference_gm64(self) -> fx.GraphModule:
+        """The reference graph with its own float dtypes in float64 (built once, on the first check)."""
+        if self._gm64 is None:
+            self._gm64 = graph_in_dtype(self.reference_gm, torch.float64)
+        return self._gm64
 
     def _narrow(self, cmp: Comparison, ref: Dict[str, Any], ref64: Dict[str, Any]) -> None:
         """Roots written by a kernel that fused several nodes are narrowed to the node that diverges when
