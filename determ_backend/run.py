@@ -109,10 +109,11 @@ class Run:
         self.config = config
         self.id = config.run_id or _default_run_id()
         self.rank = current_rank()
-        sub = self.id if self.rank == 0 and not (torch.distributed.is_available() and torch.distributed.is_initialized()) else f"{self.id}/rank{self.rank}"
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank_part = f"/rank{self.rank}" if self.rank != 0 or distributed else ""
         # the reference is checked before anything is written: a bad one fails the compile
         self.reference = ReferenceTrace(config.reference) if config.reference else None
-        self.dir = _claim_dir(Path(config.dir), self.id, sub[len(self.id):], config.dir)
+        self.dir = _claim_dir(Path(config.dir), self.id, rank_part, config.dir)
         self.device: Optional[str] = None  # where the graphs compute (set by the first graph call)
         self.tensors = TensorStore(self.dir / "tensors")  # DETERM_SAVE_TENSORS payloads
         self._writer: Optional[TraceWriter] = None
