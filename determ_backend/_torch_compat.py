@@ -105,7 +105,7 @@ def dynamo_reset() -> None:
     torch._dynamo.reset()
 
 
-# --- inductor instrumentation (determ_backend.inductor_instrument) -------------------------------
+# --- inductor instrumentation (determ_backend.backends.inductor_instrument) -------------------------------
 
 def boxed_nop(gm, example_inputs):
     """The fw/bw compiler ``aot_eager`` uses (runs the graph as Python, boxed calling convention)."""
@@ -197,7 +197,7 @@ def autograd_cache_disabled() -> Iterator[None]:
         yield
 
 
-# --- eager dispatch modes (determ_backend.modes) -------------------------------------------------
+# --- eager dispatch modes (determ_backend.modes.core) -------------------------------------------------
 
 def eval_frame_setter() -> Callable:
     """Dynamo's C ``set_eval_frame(callback) -> previous``.  The previous callback is not
@@ -229,7 +229,7 @@ def debug_mode_class():
     return DebugMode
 
 
-# --- repro scripts and flows (repro_tools.repro_script, repro_tools.after_dynamo, repro_tools.after_aot) -------
+# --- repro scripts and flows (repro_tools.repro.script, repro_tools.flows.after_dynamo, repro_tools.flows.after_aot) -------
 
 def config_diffs() -> Dict[str, str]:
     """Non-default inductor / dynamo / functorch config as Python statements (``codegen_config``), by module."""
@@ -311,7 +311,7 @@ def debug_mode_hashing(hash_fn: str = "hash_tensor"):
     return stack
 
 
-# --- repro_tools.minifier / scripts/bench_minifier.py ---
+# --- repro_tools.minify.minifier / scripts/bench_minifier.py ---
 
 def fx_minifier(gm, inputs, module_fails, **kwargs):
     """PyTorch's own delta-debugging minifier (``torch._functorch.fx_minifier.minifier``), the baseline."""
@@ -327,7 +327,7 @@ def fresh_inductor_cache():
     return fresh_cache()
 
 
-# --- determ_backend.retarget / repro_tools.bisect (stages and torch's CompilerBisector) ---
+# --- determ_backend.backends.retarget / repro_tools.bisect.core (stages and torch's CompilerBisector) ---
 
 def share_symbolic_context(original, copy) -> None:
     """Let ``copy``, a Dynamo graph input moved or cast (same sizes and strides, another tensor), be
@@ -513,7 +513,7 @@ def _type_text(want: Any) -> str:
     return "None" if want is type(None) else getattr(want, "__name__", str(want))
 
 
-# --- determ_backend.dump.regions (calls of torch.compile'd functions) ------------------------------
+# --- determ_backend.dump.capture.regions (calls of torch.compile'd functions) ------------------------------
 
 def observe_compiled_calls(on_enter: Callable[[Any, tuple, dict], Any],
                            on_exit: Callable[[Any, Any, bool], None]) -> Optional[Callable[[], None]]:
@@ -579,7 +579,7 @@ def resume_function_mode(mode) -> None:
     _push_mode(mode)
 
 
-# --- determ_backend.dump.modules (names of compiled modules) ---------------------------------------
+# --- determ_backend.dump.capture.modules (names of compiled modules) ---------------------------------------
 
 def compiled_original(module):
     """The module a ``torch.compile``d ``OptimizedModule`` wraps (``module`` itself otherwise)."""

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, FrozenSet, Mapping, Optional, Tuple
 
-from .devices import parse_device_spec
-from .errors import ConfigError
+from determ_backend.devices import parse_device_spec
+from determ_backend.errors import ConfigError
 
 __all__ = ["DetermConfig", "load_config", "parse_bool", "CHECKS", "STAGES"]
 

@@ -8,7 +8,7 @@ floating-point accumulation order changes from call to call -- a stand-in for
 the nondeterministic kernels (atomics, split reductions) of real accelerators.
 
 The custom op is registered on first use (:func:`nondeterministic_op`), not at
-import.  The demo itself lives in :mod:`repro_tools.demo`.
+import.  The demo itself lives in :mod:`repro_tools.cli.demo`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import ConfigError, DeviceUnavailableError
+from determ_backend.errors import ConfigError, DeviceUnavailableError
 
 __all__ = [
     "DEVICE_TYPES",

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import ConfigError
-from .trace import dir_problem
+from determ_backend.errors import ConfigError
+from determ_backend.trace.stream import dir_problem
 
 __all__ = ["determ_eager", "determ_aot_eager", "determ_inductor"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from . import backends
-        from .config import load_config
+        from determ_backend.backends import core as backends
+        from determ_backend.config import load_config
 
         cfg = load_config()
         problem = dir_problem(cfg.dir)

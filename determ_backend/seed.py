@@ -12,8 +12,8 @@ from typing import Any, Dict
 
 import torch
 
-from . import devices
-from .errors import ConfigError
+from determ_backend import devices
+from determ_backend.errors import ConfigError
 
 __all__ = ["seed_all"]
 
@@ -46,7 +46,7 @@ def seed_all(seed: int = 1234, deterministic: bool = False) -> Dict[str, Any]:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-        from . import _torch_compat
+        from determ_backend import _torch_compat
 
         _torch_compat.set_fallback_random(True)
         done.update(deterministic_algorithms=True, cudnn_deterministic=True, cudnn_benchmark=False,

@@ -19,7 +19,7 @@ import time
 import torch
 
 from determ_backend import _torch_compat
-from determ_backend import run as run_mod
+from determ_backend.backends import run as run_mod
 
 
 class _Block(torch.nn.Module):

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
 from determ_backend import _torch_compat as compat
-from determ_backend.modes import HashDebugTrace, HashMode
+from determ_backend.modes.core import HashDebugTrace, HashMode
 
 
 class Md5HostTracer(TorchDispatchMode):

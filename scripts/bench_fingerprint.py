@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from determ_backend.fingerprint import hash_tensor, hash_tensors
+from determ_backend.fingerprint.core import hash_tensor, hash_tensors
 
 HASH_VS_CLONE_MAX = 1.5
 MD5_VS_HASH_MIN = 5.0

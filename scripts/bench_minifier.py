@@ -43,9 +43,9 @@ import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from determ_backend import _torch_compat as tc  # noqa: E402
-from repro_tools.minifier import minify  # noqa: E402
-from repro_tools.isolate import Worker  # noqa: E402
-from repro_tools.oracles import InProcessRunner, OracleSpec  # noqa: E402
+from repro_tools.minify.minifier import minify  # noqa: E402
+from repro_tools.minify.isolate import Worker  # noqa: E402
+from repro_tools.minify.oracles import InProcessRunner, OracleSpec  # noqa: E402
 
 SQRT1_2 = 0.7071067811865476
 

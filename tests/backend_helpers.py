@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from determ_backend import run as run_mod
-from determ_backend.trace import Record, read_trace
+from determ_backend.backends import run as run_mod
+from determ_backend.trace.stream import Record, read_trace
 
 _GEN = torch.Generator().manual_seed(12345)  # never reseeded: the order changes from call to call
 

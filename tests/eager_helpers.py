@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 from determ_backend.compare import Comparison, compare_traces
-from determ_backend.modes import HashDebugTrace, read_hash_log
+from determ_backend.modes.core import HashDebugTrace, read_hash_log
 
 _GEN = torch.Generator().manual_seed(4321)  # never reseeded: the order changes from call to call
 _CALLS = [0]  # call counter of the flip ops

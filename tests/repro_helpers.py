@@ -66,7 +66,7 @@ def run_without_determ(path: Path, *commands: str, timeout: float = 600) -> subp
 
 def run_main(path: Path, *args: str) -> int:
     """The script's ``main(args)`` in this process (no process start-up)."""
-    from repro_tools.repro_script import import_script
+    from repro_tools.repro.script import import_script
 
     return import_script(path).main(list(args))
 

@@ -10,13 +10,12 @@
 Every tool that decides whether values differ (the backends' checks, ``diff``,
 the observer, ``xdevice``, the oracles and localization of the minifier,
 ``analyze``, the dump compare) goes through this package.  Reading and writing
-traces lives in :mod:`determ_backend.trace`.
+traces lives in :mod:`determ_backend.trace.stream`.
 """
 
-from .align import Pair, align
-from .roots import Comparison, Confirm, compare_traces, describe, find_roots, is_output
-from .verdict import (DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, EPS, dtype_tol, is_float, judge, judge_records, rmse,
-                      stats_metrics, tensor_metrics)
+from determ_backend.compare.align import Pair, align
+from determ_backend.compare.roots import Comparison, Confirm, compare_traces, describe, find_roots, is_output
+from determ_backend.compare.verdict import (DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, EPS, dtype_tol, is_float, judge, judge_records, rmse, stats_metrics, tensor_metrics)
 
 __all__ = ["Pair", "align", "Comparison", "Confirm", "compare_traces", "describe", "find_roots", "is_output",
            "DEFAULT_FP64_MULTIPLIER", "DEFAULT_TOL", "EPS", "dtype_tol", "is_float", "judge", "judge_records", "rmse",

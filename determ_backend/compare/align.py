@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ..trace import Record
+from determ_backend.trace.stream import Record
 
 __all__ = ["Pair", "align"]
 
@@ -31,7 +31,7 @@ class Pair:
     """The verdict on the inputs when the caller judged them itself (an API dump holds every call's
     arguments); None: from the records' dependency links."""
     inside: Optional[Dict[str, Any]] = None
-    """A root narrowed inside its fused kernel (:mod:`determ_backend.narrow`): ``kernel``, ``region`` and,
+    """A root narrowed inside its fused kernel (:mod:`determ_backend.backends.narrow`): ``kernel``, ``region`` and,
     when one node of the region diverges alone, its ``node``, ``op``, ``source`` and ``metrics``."""
 
     @property

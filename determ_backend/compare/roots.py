@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ..trace import Record, TensorStore
-from .align import Pair, align
-from .verdict import is_float, judge_records
+from determ_backend.trace.stream import Record, TensorStore
+from determ_backend.compare.align import Pair, align
+from determ_backend.compare.verdict import is_float, judge_records
 
 __all__ = ["Comparison", "describe", "find_roots", "compare_traces", "is_output", "Confirm", "MAX_CONFIRM"]
 

@@ -1,0 +1,435 @@
+"""Running a compiled graph under determ: tracing and the online checks.
+
+:class:`GraphExec` wraps a compiled callable.  On every call it runs the graph
+(instrumented, so a :class:`~determ_backend.backends.recorder.Recorder` captures each
+node), writes the records to the run's trace, and applies the configured checks:
+
+* ``determinism``: the graph is first executed on cloned inputs with the RNG
+  state saved, then (RNG restored) on the real inputs; records whose
+  fingerprints differ are compared and the root cause reported.
+* ``accuracy``: every captured value is compared with an eager execution of the
+  same FX graph on the same inputs, judged against an fp64 execution
+  (:func:`~determ_backend.compare.judge`).  The root cause is the causal one of
+  :mod:`determ_backend.compare.roots`: a finding needs a failing output, and each
+  candidate is confirmed by replaying the eager graph with its compiled value
+  substituted (a divergence that leaves the outputs within tolerance is masked).
+  Inductor buffers that hold no node's value (``extra.holds``) are not judged.
+* ``reference``: records are compared online with a trace from another run
+  (:class:`~determ_backend.backends.run.ReferenceTrace`, read when the run is created):
+  bitwise when both were recorded on the same device and dtype, else within
+  ``DETERM_TOL`` as ``repro-tools xdevice`` compares traces (also when
+  ``DETERM_TOL`` is given).  A graph call with no counterpart in the reference
+  is a checker error, never a silent pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from determ_backend import devices
+from determ_backend.backends import narrow
+from determ_backend.compare import (Comparison, Pair, align, compare_traces, find_roots, is_float, judge, tensor_metrics)
+from determ_backend.config import DetermConfig
+from determ_backend.errors import AccuracyError
+from determ_backend.backends.recorder import CallResult, Recorder
+from determ_backend.backends.run import Run
+from determ_backend.trace.stream import Record
+
+__all__ = ["GraphExec", "clone_inputs", "eager_node_values", "EagerInterpreter", "run_eager", "graph_in_dtype"]
+
+log = logging.getLogger(__name__)
+
+
+def clone_inputs(args: Sequence[Any]) -> List[Any]:
+    """Clones preserving strides, storage offset aliasing included (an expanded tensor stays expanded),
+    and ``requires_grad``, of every tensor argument."""
+    return [_clone_exact(a) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _clone_exact(a: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        if a.numel() and not a.is_contiguous() and _overlaps(a):
+            # overlapping memory (expanded): copy the storage region the tensor covers and view it alike
+            extent = 1 + sum((n - 1) * abs(st) for n, st in zip(a.shape, a.stride()))
+            flat = a.as_strided((extent,), (1,), a.storage_offset()).clone()
+            c = flat.as_strided(a.size(), a.stride(), 0)
+        else:
+            c = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+            c.copy_(a)
+    return c.requires_grad_(a.requires_grad) if c.is_leaf else c
+
+
+def _overlaps(a: torch.Tensor) -> bool:
+    """Whether two elements of ``a`` may share memory (a layout no dense tensor has)."""
+    dims = sorted((abs(st), n) for n, st in zip(a.shape, a.stride()) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            return True
+        span = st * n
+    return False
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+class EagerInterpreter(fx.Interpreter):
+    """Runs a compiled graph's FX graph eagerly.  A functional ``view`` of a compiled graph may assume the
+    layout inductor chose for its input; eagerly that input can be laid out otherwise, and the value
+    is the same ``reshape``."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except RuntimeError:
+            if n.target not in _VIEWS:
+                raise
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return torch.ops.aten.reshape.default(*args, **kwargs)
+
+
+def run_eager(gm: fx.GraphModule, args: Sequence[Any]) -> Any:
+    """``gm(*args)`` through :class:`EagerInterpreter`."""
+    return EagerInterpreter(gm).run(*args)
+
+
+class _Capture(EagerInterpreter):
+    """Keeps a clone of every tensor node's value, and of each output leaf as ``output.K``; a node named
+    in ``inject`` yields the given value instead of its own (the causal replay)."""
+
+    def __init__(self, gm: fx.GraphModule, inject: Optional[Dict[str, torch.Tensor]] = None):
+        super().__init__(gm, garbage_collect_values=False)
+        self.values: Dict[str, Any] = {}
+        self.inject = inject or {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        v = self.inject[n.name].clone() if n.name in self.inject else super().run_node(n)
+        if isinstance(v, torch.Tensor):
+            self.values[n.name] = v.detach().clone()
+        elif isinstance(v, (bool, int, float)):
+            self.values[n.name] = v  # a size or scalar a region of the graph may read (narrowing)
+        elif n.op == "output":
+            leaves: List[Any] = []
+            fx.node.map_aggregate(v, leaves.append)
+            for k, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    self.values[f"output.{k}"] = leaf.detach().clone()
+        return v
+
+
+_CONVERT = "convert_element_type"
+
+
+def graph_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
+    """``gm`` with every floating dtype its nodes name (``dtype=`` of factory ops and ``_to_copy``,
+    ``convert_element_type``'s target) replaced by ``dtype``: the graph's own float32 buffers would
+    otherwise meet float64 inputs (an ``index_put`` into a ``full(..., dtype=float32)``).  The copy
+    shares ``gm``'s parameters and constants."""
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+
+    def widen(v: Any) -> Any:
+        return dtype if isinstance(v, torch.dtype) and v.is_floating_point else v
+
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        if "dtype" in n.kwargs:
+            n.kwargs = {**n.kwargs, "dtype": widen(n.kwargs["dtype"])}
+        if _CONVERT in str(n.target) and len(n.args) > 1:
+            n.args = (n.args[0], widen(n.args[1]), *n.args[2:])
+    return fx.GraphModule(gm, g)
+
+
+def _to64(args: Sequence[Any]) -> List[Any]:
+    return [a.detach().to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+def _device_of(args: Sequence[Any]) -> Optional[str]:
+    """The device type of the first tensor argument (where a graph computes)."""
+    return next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def eager_node_values(gm: fx.GraphModule, args: Sequence[Any],
+                      inject: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+    """Every tensor and scalar node's value (and ``output.K`` per output leaf) from an eager (FX
+    Interpreter) run of ``gm``; nodes named in ``inject`` take the given values instead."""
+    interp = _Capture(gm, inject)
+    with torch.no_grad():
+        interp.run(*args)
+    return interp.values
+
+
+def _ref_name(rec: Record) -> Optional[str]:
+    """The reference value a record is judged against: its FX node (or ``output.K``), None when the
+    record holds no node's value (an inductor buffer labelled ``holds``, a second buffer ``node#k``)."""
+    extra = rec.extra or {}
+    if extra.get("holds"):
+        return None
+    if extra.get("placeholder"):
+        return extra["placeholder"]
+    if rec.kind == "output":
+        return rec.node
+    return rec.node if "#" not in rec.node else None
+
+
+_MAX_NARROW = 2
+"""Roots narrowed inside their fused kernel per graph call (one compile each)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.Tensor]) -> Dict[str, Any]:
+    """:func:`tensor_metrics` of a compiled value against eager, the fp64 errors named by side."""
+    m = tensor_metrics(got, exp, e64)
+    if "err_a_vs_fp64" in m:
+        m["err_compiled_vs_fp64"] = m.pop("err_a_vs_fp64")
+        m["err_eager_vs_fp64"] = m.pop("err_b_vs_fp64")
+    return m
+
+
+class _Replay:
+    """Causal confirmation of accuracy root-cause candidates: the eager graph is replayed with one
+    candidate's compiled value substituted; if every output stays within tolerance, the candidate's
+    divergence is absorbed downstream (masked)."""
+
+    def __init__(self, ex: "GraphExec", args: List[Any], rng_state, result: CallResult,
+                 ref: Dict[str, torch.Tensor], ref64: Dict[str, torch.Tensor]):
+        self.ex, self.args, self.rng, self.result, self.ref, self.ref64 = ex, args, rng_state, result, ref, ref64
+
+    def confirm(self, candidates: List[Pair]) -> List[Optional[bool]]:
+        return [self._one(p) for p in candidates]
+
+    def _one(self, p: Pair) -> Optional[bool]:
+        rec = p.rec
+        name = _ref_name(rec)
+        value = self.result.values.get(rec.node)
+        if name is None or rec.kind == "output" or value is None or name not in self.ref:
+            return None
+        if value.shape != self.ref[name].shape:
+            return None
+        cur = devices.get_rng_state()
+        try:
+            devices.set_rng_state(self.rng)
+            replay = eager_node_values(self.ex.reference_gm, clone_inputs(self.args), inject={name: value})
+        except Exception as e:  # a substituted value the graph cannot run with: cannot tell
+            log.info("determ accuracy: replay with %s substituted failed (%s)", name, e)
+            return None
+        finally:
+            devices.set_rng_state(cur)
+        strict = self.ex.config.strict
+        for key, exp in self.ref.items():
+            if not key.startswith("output.") or key not in replay:
+                continue
+            if not strict and not is_float(exp):
+                continue
+            if self.ex._judge(exp, replay[key], self.ref64.get(key)) is False:
+                return True
+        return False
+
+
+class GraphExec:
+    """A compiled graph plus determ's recording and checks.  ``boxed`` follows AOT's calling convention."""
+
+    def __init__(self, fn: Callable, recorder: Recorder, run: Run, config: DetermConfig,
+                 reference_gm: Optional[fx.GraphModule] = None, boxed: bool = False,
+                 compile_region: Optional[Callable[[fx.GraphModule, List[Any]], Callable]] = None):
+        self.fn, self.recorder, self.run, self.config = fn, recorder, run, config
+        self.compile_region = compile_region  # the graph's compiler, to narrow a root inside a fused kernel
+        self.reference_gm, self.boxed = reference_gm, boxed
+        self._gm64: Optional[fx.GraphModule] = None
+        self._boxed_call = boxed
+        self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
+        recorder.keep_values = "accuracy" in config.check or config.save_tensors
+
+    def _invoke(self, args: List[Any]) -> Any:
+        return self.fn(args) if self.boxed else self.fn(*args)
+
+    def __call__(self, *call_args: Any) -> Any:
+        if self.boxed:
+            (args,) = call_args
+            args_list = list(args)
+            args.clear()
+        else:
+            args_list = list(call_args)
+        if self.run.device is None:
+            self.run.device = _device_of(args_list)
+        checks = self.config.check
+        twin: Optional[CallResult] = None
+        eager_args = self._guard("accuracy", clone_inputs, args_list) \
+            if "accuracy" in checks and self.reference_gm is not None else None
+        if "determinism" in checks:
+            rng = devices.get_rng_state()
+            try:
+                twin = self._guard("determinism", self._twin, args_list)
+            finally:
+                devices.set_rng_state(rng)
+        rng_before = devices.get_rng_state() if eager_args is not None else None
+        out = self._invoke(args_list)
+        result = self.recorder.end_call()
+        if self.config.save_tensors:
+            self.run.store_payloads(result)
+        self.run.write(result.records)
+        if twin is not None:
+            self._guard("determinism", self._check_determinism, twin, result)
+        if eager_args is not None:
+            self._guard("accuracy", self._check_accuracy, eager_args, result, rng_before)
+        if self.config.reference:
+            self._guard("reference", self._check_reference, result)
+        return out
+
+    def _twin(self, args_list: List[Any]) -> CallResult:
+        """The determinism check's first execution, on clones of the inputs."""
+        try:
+            self._invoke(clone_inputs(args_list))
+        finally:
+            twin = self.recorder.end_call(count=False)
+        return twin
+
+    def _guard(self, check: str, fn: Callable, *args: Any) -> Any:
+        """Run a piece of ``check``'s machinery; a failure becomes a checker error and the model goes on.
+        A divergence raised on purpose (``DETERM_RAISE``) passes through."""
+        try:
+            return fn(*args)
+        except AccuracyError:
+            raise
+        except Exception as e:
+            self.run.add_checker_error(check, f"{type(e).__name__}: {_first_line(e)} (in {getattr(fn, '__name__', 'check')})")
+            return None
+
+    def _check_determinism(self, twin: CallResult, result: CallResult) -> None:
+        cmp = compare_traces(twin.records, result.records)
+        if cmp.divergent:
+            self.run.add_finding("determinism", cmp.summary(["determinism"]))
+        elif cmp.masked:
+            self.run.add_note("determinism", cmp.summary(["determinism"]))
+
+    def _check_accuracy(self, eager_args: List[Any], result: CallResult, rng_state) -> None:
+        cur = devices.get_rng_state()
+        try:
+            devices.set_rng_state(rng_state)
+            ref = eager_node_values(self.reference_gm, clone_inputs(eager_args))
+            try:
+                devices.set_rng_state(rng_state)
+                ref64 = eager_node_values(self._reference_gm64(), _to64(eager_args))
+            except Exception as e:  # some graphs do not run in fp64; judge without the fp64 reference
+                log.info("determ accuracy: fp64 reference failed (%s); comparing against eager only", e)
+                ref64 = {}
+        except Exception as e:
+            log.debug("determ accuracy: eager reference run failed", exc_info=True)
+            self.run.add_checker_error("accuracy", f"eager reference run failed: {type(e).__name__}: {_first_line(e)}")
+            return
+        finally:
+            devices.set_rng_state(cur)
+        pairs = self._accuracy_pairs(result, ref, ref64)
+        replay = _Replay(self, eager_args, rng_state, result, ref, ref64)
+        cmp = find_roots(pairs, mode=f"fp64 tol={self.config.tol:g}", strict=self.config.strict,
+                         confirm=replay.confirm)
+        if cmp.divergent and self.compile_region is not None:
+            self._narrow(cmp, ref, ref64)
+        if cmp.divergent:
+            self.run.add_finding("accuracy", cmp.summary(["accuracy"]))
+        elif cmp.masked:
+            self.run.add_note("accuracy", cmp.summary(["accuracy"]))
+
+    def _reference_gm64(self) -> fx.GraphModule:
+        """The reference graph with its own float dtypes in float64 (built once, on the first check)."""
+        if self._gm64 is None:
+            self._gm64 = graph_in_dtype(self.reference_gm, torch.float64)
+        return self._gm64
+
+    def _narrow(self, cmp: Comparison, ref: Dict[str, Any], ref64: Dict[str, Any]) -> None:
+        """Roots written by a kernel that fused several nodes are narrowed to the node that diverges when
+        the kernel's region is compiled alone (:mod:`determ_backend.backends.narrow`)."""
+        judged = {n for n in (_ref_name(q.rec) for q in cmp.pairs if q.equal is not None) if n}
+        for p in cmp.root_causes[:_MAX_NARROW]:
+            rec = p.rec
+            kernel = (rec.extra or {}).get("kernel")
+            name = _ref_name(rec)
+            if rec.kind != "node" or not kernel or name is None:
+                continue
+            try:
+                found = narrow.narrow_root(self.reference_gm, name, judged, ref, ref64, self.compile_region,
+                                           self._judge)
+            except Exception as e:  # the region could not be compiled or run alone: the buffer stays the answer
+                self.run.add_checker_error("accuracy", f"narrowing {rec.node} inside {kernel} failed: "
+                                                       f"{type(e).__name__}: {_first_line(e)}")
+                continue
+            if found is None:
+                continue
+            p.inside = dict(found.describe(), kernel=kernel)
+            if found.node is not None:
+                p.inside["metrics"] = _accuracy_metrics(found.value, ref[found.node.name],
+                                                        ref64.get(found.node.name))
+
+    def _judge(self, exp: Any, got: Any, e64: Any) -> Optional[bool]:
+        """Accuracy verdict on one value: the configured criterion, non-floating values exactly (whether
+        they count as a symptom at an output is the root-cause rule's business)."""
+        return judge(exp, got, e64, tol=self.config.tol, fp64_multiplier=self.config.fp64_multiplier, strict=True)
+
+    def _accuracy_pairs(self, result: CallResult, ref: Dict[str, torch.Tensor], ref64: Dict[str, torch.Tensor]) -> List[Pair]:
+        pairs: List[Pair] = []
+        for rec in result.records:
+            name = _ref_name(rec)
+            got = result.values.get(rec.node)
+            exp = ref.get(name) if name is not None else None
+            p = Pair(rec, rec)
+            pairs.append(p)
+            if rec.kind in ("input", "param"):
+                p.equal = True
+                continue
+            if got is None or not isinstance(exp, torch.Tensor):
+                continue  # not a node's value (a partial buffer, a view): judged through its neighbours
+            e64 = ref64.get(name)
+            if got.shape != exp.shape:
+                if got.numel() != exp.numel():
+                    continue
+                exp = exp.reshape(got.shape)
+                e64 = e64.reshape(got.shape) if e64 is not None else None
+            p.equal = self._judge(exp, got, e64)
+            if p.equal is False:
+                p.metrics = _accuracy_metrics(got, exp, e64)
+        return pairs
+
+    def _check_reference(self, result: CallResult) -> None:
+        if not result.records:
+            return
+        ref = self.run.reference
+        r0 = result.records[0]
+        group = ref.groups.get((r0.graph, r0.stage, r0.call))
+        if group is None:
+            self._report_unmatched(r0)
+            return
+        pairs = align(group, result.records)
+        other_dtype = any(p.a.dtype != p.b.dtype for p in pairs if p.a is not None and p.b is not None
+                          and p.a.dtype and p.b.dtype)
+        other_device = bool(ref.device and self.run.device and ref.device != self.run.device)
+        tol = self.config.tol if other_dtype or other_device or "tol" in self.config.given else None
+        store = self.run.tensors if self.config.save_tensors else None
+        cmp = compare_traces(group, result.records, tol=tol, store_a=ref.store, store_b=store, pairs=pairs)
+        if cmp.divergent:
+            self.run.add_finding("reference", cmp.summary(["reference"]))
+        elif cmp.masked:
+            self.run.add_note("reference", cmp.summary(["reference"]))
+
+    def _report_unmatched(self, r0: Record) -> None:
+        """One checker error per graph and stage that the reference cannot be compared with."""
+        if (r0.graph, r0.stage) in self._unmatched:
+            return
+        self._unmatched.add((r0.graph, r0.stage))
+        ref = self.run.reference
+        calls = ref.calls(r0.graph, r0.stage)
+        if calls:
+            why = (f"the reference recorded {calls} call(s) of graph {r0.graph} stage {r0.stage}; "
+                   f"calls from {r0.call} on are not compared")
+        else:
+            why = (f"no records of graph {r0.graph} stage {r0.stage} to compare with (the reference has "
+                   f"{', '.join(ref.graph_stages()) or 'no records'}; record it with the same backend and model)")
+        self.run.add_checker_error("reference", f"{ref.name}: {why}")

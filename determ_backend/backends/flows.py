@@ -1,0 +1,32 @@
+"""The repro flows as plug-ins: what ``REPRO_AFTER=dynamo|aot`` runs around a backend.
+
+The flows themselves (dumping a failing graph, minifying it, writing ``repro.py``)
+are offline tools and live in :mod:`repro_tools.flows`.  They register under the
+``determ_flows`` entry-point group, one entry per ``REPRO_AFTER`` value, each naming
+a module: ``dynamo`` provides ``wrap_backend(backend, cfg, name)`` and ``aot``
+provides ``wrap_compiler(compiler, cfg, compiler_name)``.  Looking them up here
+keeps :mod:`determ_backend` free of imports of :mod:`repro_tools`.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib.metadata import entry_points
+from types import ModuleType
+
+from determ_backend.errors import ConfigError
+
+__all__ = ["GROUP", "load_flow"]
+
+#: The entry-point group the repro flows register under.
+GROUP = "determ_flows"
+
+
+@functools.lru_cache(maxsize=None)
+def load_flow(name: str) -> ModuleType:
+    """The module that implements ``REPRO_AFTER=<name>``; a :class:`ConfigError` when none is installed."""
+    found = entry_points(group=GROUP, name=name)
+    if not found:
+        raise ConfigError(f"REPRO_AFTER={name}: no repro flow of that name is installed "
+                          f"(entry-point group {GROUP!r}; reinstall determ: pip install -e .)")
+    return next(iter(found)).load()

@@ -1,0 +1,365 @@
+"""Instrumenting inductor's generated wrapper code, so every buffer a compiled
+graph materializes is fingerprinted right after the kernel that writes it.
+
+Inductor's own intermediate hooks fire only for some kernels (none on the C++
+CPU backend), so we rewrite the ``call`` function of the generated Python
+wrapper: after each kernel launch (``cpp_fused_*``, ``triton_*.run``,
+``extern_kernels.*(..., out=buf)``, fallback ``bufN = aten.*(...)``) a call
+``_determ_capture(i, bufN)`` is inserted; graph inputs are captured after the
+argument unpacking and outputs before ``return``.  The kernels themselves are
+untouched, so the numerics are bit-identical.
+
+Buffers are named by the FX node whose value they hold: inductor records, for the
+buffer a node was lowered to, that node as its ``origin_node``.  A buffer with no
+origin node is not known to hold a node's value (the undivided sum of a ``mean``
+whose 1/N is fused into its consumer, a partial reduction, an input an extern kernel
+needed materialized): it is named after the node it was most likely computed for,
+labelled ``extra.holds = "partial"`` (``extra.of``: that node), fingerprinted like any
+other, and never judged as a node's value.
+Inductor's scheduler knows each buffer's origin nodes; :func:`_torch_compat.capture_buffer_origins`
+snapshots them at codegen time and we keep them in a sidecar file keyed by
+the FX-graph cache key, so cache hits are named too.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import logging
+import re
+import types
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch.fx as fx
+
+from determ_backend import _torch_compat
+from determ_backend.backends.instrument import node_source, op_name
+from determ_backend.backends.recorder import NodeInfo, Recorder
+from determ_backend.trace.stream import atomic_write_text
+
+__all__ = ["InstrumentedCall", "instrument_compiled", "compile_with_origins", "save_origins", "load_origins"]
+
+log = logging.getLogger(__name__)
+
+_TRITON_DEF = re.compile(r"^(\w+) = async_compile\.triton\('\w+', '''.*?def \w+\(([^)]*)\)", re.M | re.S)
+_ALLOC = re.compile(r"^(buf\d+) = (?:empty_strided_\w+|empty_strided|torch\.empty\w*)\(\((.*?)\),")
+_NOT_KERNEL = ("empty_strided", "reinterpret_tensor", "torch.empty", "alloc_from_pool", "assert_", "torch._C")
+
+
+def _origins_dir() -> Path:
+    return Path(_torch_compat.inductor_cache_dir()) / "determ_origins"
+
+
+def save_origins(key: Optional[str], origins: Dict[str, Any]) -> None:
+    if key and origins:
+        atomic_write_text(_origins_dir() / f"{key}.json", json.dumps(origins))
+
+
+def load_origins(key: Optional[str]) -> Dict[str, Any]:
+    if not key:
+        return {}
+    p = _origins_dir() / f"{key}.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def compile_with_origins(fx_g: fx.GraphModule, inputs, **kwargs) -> Tuple[Any, Dict[str, Any]]:
+    """``compile_fx_inner`` plus each buffer's origin FX nodes: captured at codegen, or on a
+    cache hit (no codegen) read from the sidecar saved with the entry."""
+    sink: list = []
+    with _torch_compat.capture_buffer_origins(sink):
+        compiled = _torch_compat.compile_fx_inner(fx_g, inputs, **kwargs)
+    _, key, _ = _torch_compat.compiled_source(compiled)
+    origins: Dict[str, Any] = {}
+    for o in sink:
+        origins.update(o)
+    if origins:
+        save_origins(key, origins)
+    else:
+        origins = load_origins(key)
+    return compiled, origins
+
+
+def _split_args(s: str) -> List[str]:
+    """Top-level comma split of a call's argument text."""
+    out, depth, cur = [], 0, []
+    for ch in s:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def _base_name(arg: str) -> Optional[str]:
+    arg = arg.split("=", 1)[1].strip() if re.match(r"^\w+\s*=", arg) else arg
+    m = re.match(r"^(?:reinterpret_tensor\()?([A-Za-z_]\w*)(?![\w.(])", arg.strip())
+    return m.group(1) if m and m.group(1) not in ("True", "False", "None") else None
+
+
+_CPP_SIG = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\[[^\]]*\], r\'\'\'.*?kernel\(([^)]*)\)", re.M | re.S)
+
+
+def _kernel_outputs(src: str) -> Dict[str, Tuple[List[int], List[int]]]:
+    """Kernel name -> (positions it writes, positions it only writes) from the kernel signatures."""
+    out: Dict[str, Tuple[List[int], List[int]]] = {}
+    for name, params in _CPP_SIG.findall(src) + _TRITON_DEF.findall(src):
+        ps = [p.replace("*", " ").split()[-1].split(":")[0] if p.strip() else "" for p in params.split(",")]
+        ps = [p.split(":")[0].strip() for p in ps]
+        out[name] = ([i for i, p in enumerate(ps) if p.startswith(("out_ptr", "in_out_ptr"))],
+                     [i for i, p in enumerate(ps) if p.startswith("out_ptr")])
+    return out
+
+
+def _call_body(src: str) -> Tuple[List[str], int, str]:
+    """Lines of the wrapper's ``call`` function, their indentation, and its signature line."""
+    lines = src.splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.lstrip()
+        if stripped.startswith("def call(") and stripped.rstrip().endswith(":"):
+            indent = len(line) - len(stripped)
+            body = [line]
+            for nxt in lines[i + 1:]:
+                if nxt.strip() and (len(nxt) - len(nxt.lstrip())) <= indent:
+                    break
+                body.append(nxt)
+            return body, indent, stripped
+    raise ValueError("no `def call(` in the generated wrapper")
+
+
+class _Planner:
+    """Walks the call body and decides what to capture where."""
+
+    def __init__(self, gm: fx.GraphModule, origins: Dict[str, Any], kernels: Dict[str, List[int]],
+                 display: Dict[str, str]):
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+        self.origins, self.kernels, self.display = origins, kernels, display
+        self.claimed = {o["origin"] for o in origins.values() if o.get("origin")}
+        self.infos: List[NodeInfo] = []
+        self.writer: Dict[str, str] = {}  # variable -> record id of its current value
+        self.fresh: set = set()  # variables holding freshly allocated (never written) memory
+        self.used: Dict[str, int] = {}
+        self.pending_comment: List[str] = []
+        self.fx_of: Dict[int, fx.Node] = {}  # capture index -> the FX node its buffer holds or was computed for
+        self._ancestors: Dict[str, set] = {}
+
+    def _unique(self, name: str) -> str:
+        k = self.used.get(name, 0)
+        self.used[name] = k + 1
+        return name if k == 0 else f"{name}#{k}"
+
+    def _claim(self, buf: str) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
+        """``(node whose value the buffer holds, None)`` when inductor lowered that node to exactly this
+        buffer (its ``origin_node``); else ``(None, node it was most likely computed for)``: a partial
+        result such as the undivided sum of a ``mean`` whose division is fused into the consumer, or an
+        input an extern kernel needed materialized.  The guess prefers origins no other buffer holds."""
+        o = self.origins.get(buf) or {}
+        if o.get("origin") in self.nodes:
+            return self.nodes[o["origin"]], None
+        cands = [n for n in (o.get("origins") or []) if n in self.nodes]
+        cands = [n for n in cands if n not in self.claimed] or cands
+        if not cands:
+            cands = [n for n in self.pending_comment if n in self.nodes]
+        if not cands:
+            return None, None
+        return None, self.nodes[max(cands, key=lambda n: self.order[n])]
+
+    def resolve(self, variables: List[str]) -> tuple:
+        """Record ids of the current values of ``variables`` (call before updating any writer).  A fresh
+        allocation passed to an in/out argument holds no value yet, so it is no input."""
+        return tuple(self.writer.get(v, self.display.get(v, v)) for v in variables
+                     if v in self.writer or v not in self.fresh)
+
+    def track(self, stripped: str) -> bool:
+        """Follow allocations and aliases (``bufA = bufB; del bufB``, ``reinterpret_tensor``, tuple items)
+        so later reads resolve to the record that wrote the memory; True if ``stripped`` was one."""
+        m = _FRESH.match(stripped)
+        if m:
+            self.fresh.add(m.group(1))
+            self.writer.pop(m.group(1), None)
+            return True
+        m = _ALIAS.match(stripped) or _REINTERPRET.match(stripped)
+        if m:
+            dst, src = m.group(1), m.group(2)
+            if src in self.writer:
+                self.writer[dst] = self.writer[src]
+            elif src in self.fresh:
+                self.fresh.add(dst)
+            else:
+                return False
+            return True
+        m = _ITEM.match(stripped)
+        if m and m.group(2) in self.writer:
+            self.writer[m.group(1)] = f"{self.writer[m.group(2)]}.{m.group(3)}"
+            return True
+        return False
+
+    def add(self, var: str, kernel: str, inputs: tuple, kind: str = "node") -> int:
+        node, part_of = self._claim(var) if kind == "node" else (None, None)
+        if node is not None:
+            info = NodeInfo(node=self._unique(node.name), op=op_name(node), kind=kind, source=node_source(node),
+                            inputs=inputs, extra={"buffer": var, "kernel": kernel})
+        elif part_of is not None:
+            info = NodeInfo(node=self._unique(part_of.name), op=op_name(part_of), kind=kind,
+                            source=node_source(part_of), inputs=inputs,
+                            extra={"buffer": var, "kernel": kernel, "holds": "partial", "of": part_of.name})
+        else:
+            name = self.display.get(var, var)
+            info = NodeInfo(node=self._unique(name), op=kernel, kind=kind,
+                            inputs=inputs, extra={"buffer": var, "kernel": kernel, "holds": "partial"}
+                            if kind == "node" else None)
+        self.writer[var] = info.node
+        self.infos.append(info)
+        if node is not None or part_of is not None:
+            self.fx_of[len(self.infos) - 1] = node if node is not None else part_of
+        return len(self.infos) - 1
+
+    def ancestors(self, n: fx.Node) -> set:
+        """Names of the FX nodes ``n`` depends on."""
+        if n.name not in self._ancestors:
+            seen: set = set()
+            stack = list(n.all_input_nodes)
+            while stack:
+                a = stack.pop()
+                if a.name not in seen:
+                    seen.add(a.name)
+                    stack.extend(a.all_input_nodes)
+            self._ancestors[n.name] = seen
+        return self._ancestors[n.name]
+
+    def link_siblings(self, indices: List[int]) -> None:
+        """One kernel launch that writes several buffers computes them in one body: a buffer whose node
+        depends on a sibling's node reads that sibling's value inside the kernel (a pooling fused after the
+        relu it pools), although it never appears among the launch's arguments."""
+        nodes = [(i, self.fx_of[i]) for i in indices if i in self.fx_of]
+        for i, n in nodes:
+            up = self.ancestors(n)
+            extra = tuple(self.infos[j].node for j, m in nodes if j != i and m.name in up)
+            if extra:
+                info = self.infos[i]
+                self.infos[i] = dataclasses.replace(
+                    info, inputs=tuple(info.inputs) + tuple(x for x in extra if x not in info.inputs))
+
+
+_COMMENT = re.compile(r"# Topologically Sorted Source Nodes: \[([^\]]*)\]")
+_ALIAS = re.compile(r"^(\w+) = (\w+)(?:; del \w+.*)?$")
+_REINTERPRET = re.compile(r"^(\w+) = reinterpret_tensor\((\w+),")
+_ITEM = re.compile(r"^(\w+) = (\w+)\[(\d+)\]$")
+_FRESH = re.compile(r"^(\w+) = (?:empty_strided\w*|torch\.empty\w*|alloc_from_pool)\(")
+
+
+class InstrumentedCall:
+    """The rewritten ``call`` plus the capture plan (NodeInfo per capture point)."""
+
+    def __init__(self, source: str, infos: List[NodeInfo], signature: str):
+        self.source, self.infos, self.signature = source, infos, signature
+
+
+def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Dict[str, str]) -> InstrumentedCall:
+    """Rewrite the wrapper's ``call`` so it captures inputs, every kernel output and the outputs."""
+    body, indent, sig = _call_body(src)
+    pl = _Planner(gm, origins, _kernel_outputs(src), display)
+    out: List[str] = [body[0][indent:]]
+    unpacked = False
+    for line in body[1:]:
+        text = line[indent:] if line.strip() else line
+        stripped = line.strip()
+        pad = line[: len(line) - len(line.lstrip())][indent:]
+        m = _COMMENT.search(stripped)
+        if m:
+            pl.pending_comment = [x.strip() for x in m.group(1).split(",") if x.strip()]
+        if not unpacked and re.match(r"^[\w, ]+ = args$", stripped):
+            unpacked = True
+            names = [n.strip() for n in stripped.split("=")[0].split(",") if n.strip()]
+            out.append(text)
+            out.append(f"{pad}_determ_begin()")
+            for n in names:
+                i = pl.add(n, "input", (), kind="param" if n in display else "input")
+                out.append(f"{pad}_determ_capture({i}, {n})")
+            continue
+        if stripped.startswith("return "):
+            expr = stripped[len("return "):]
+            elems = _split_args(expr.strip()[1:-1]) if expr.strip().startswith("(") else [expr]
+            out.append(f"{pad}_determ_out = {expr}")
+            for k, e in enumerate(elems):
+                b = _base_name(e)
+                if b and b != "None":
+                    i = pl.add(f"output.{k}", "output", pl.resolve([b]), kind="output")
+                    target = f"_determ_out[{k}]" if expr.strip().startswith("(") else "_determ_out"
+                    out.append(f"{pad}_determ_capture({i}, {target})")
+            out.append(f"{pad}return _determ_out")
+            continue
+        out.append(text)
+        if pl.track(stripped):
+            continue
+        writes = _kernel_writes(stripped, pl.kernels)
+        resolved = [pl.resolve(inputs) for _, _, inputs in writes]
+        added = []
+        for (var, kernel, _), ins in zip(writes, resolved):
+            i = pl.add(var, kernel, ins)
+            added.append(i)
+            out.append(f"{pad}_determ_capture({i}, {var})")
+        if len(added) > 1:
+            pl.link_siblings(added)
+        if writes:
+            pl.pending_comment = []
+    return InstrumentedCall("\n".join(out) + "\n", pl.infos, sig)
+
+
+def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]]) -> List[Tuple[str, str, List[str]]]:
+    """``[(variable written, kernel name, input variables)]`` for one statement of the call body."""
+    m = re.match(r"^(\w+)(?:\.run)?\((.*)\)$", stripped)
+    if m and m.group(1) in kernels:
+        args = [a for a in _split_args(m.group(2)) if not re.match(r"^\w+\s*=", a)]
+        writes, pure = kernels[m.group(1)]
+        names = [_base_name(a) for a in args]
+        ins = [n for k, n in enumerate(names) if n and k not in pure and not n.isdigit()]
+        return [(names[k], m.group(1), ins) for k in writes if k < len(names) and names[k]]
+    m = re.match(r"^extern_kernels\.(\w+)\((.*)\)$", stripped)
+    if m:
+        args = _split_args(m.group(2))
+        outs = [a.split("=", 1)[1].strip() for a in args if a.replace(" ", "").startswith("out=")]
+        ins = [n for n in (_base_name(a) for a in args if not re.match(r"^\w+\s*=", a)) if n]
+        return [(_base_name(o), f"extern_kernels.{m.group(1)}", ins) for o in outs if _base_name(o)]
+    m = re.match(r"^(buf\d+) = ([\w.]+)\((.*)\)$", stripped)
+    if m and not any(m.group(2).startswith(k) for k in _NOT_KERNEL):
+        ins = [n for n in (_base_name(a) for a in _split_args(m.group(3)) if not re.match(r"^\w+\s*=", a)) if n]
+        return [(m.group(1), m.group(2), ins)]
+    return []
+
+
+def instrument_compiled(compiled, gm: fx.GraphModule, recorder_factory, origins: Dict[str, Any],
+                        display: Dict[str, str]) -> Optional[Recorder]:
+    """Swap ``compiled``'s callable for an instrumented copy; returns its recorder (None if not possible)."""
+    src, key, current = _torch_compat.compiled_source(compiled)
+    func = getattr(current, "__func__", current)
+    if src is None or not hasattr(func, "__globals__") or getattr(func, "__name__", "") != "call":
+        log.warning("determ: inductor output has no instrumentable wrapper; only graph inputs/outputs are traced")
+        return None
+    try:
+        plan = plan_call(src, gm, origins, display)
+        ast.parse(plan.source)
+    except (ValueError, SyntaxError) as e:
+        log.warning("determ: could not instrument inductor wrapper (%s); only graph inputs/outputs are traced", e)
+        return None
+    recorder = recorder_factory(plan.infos)
+    glb = dict(func.__globals__)
+    glb.update(_determ_capture=recorder.capture, _determ_begin=recorder.begin_call)
+    ns: Dict[str, Any] = {}
+    exec(compile(plan.source, f"<determ instrumented {key or 'inductor'}>", "exec"), glb, ns)
+    new = ns["call"]
+    bound = types.MethodType(new, current.__self__) if hasattr(current, "__self__") else new
+    _torch_compat.set_compiled_callable(compiled, bound)
+    return recorder

@@ -1,0 +1,197 @@
+"""FX graph instrumentation: a copy of a graph that reports every node's value to
+a :class:`~determ_backend.backends.recorder.Recorder`.
+
+Recording calls are inserted as graph nodes (not an Interpreter), so the
+instrumented graph runs as generated Python code at close to the original speed
+and computes exactly the same values.  The inductor path, which instruments the
+generated wrapper code instead of the FX graph, lives in
+:mod:`determ_backend.backends.inductor_instrument`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from determ_backend.backends.recorder import NodeInfo, Recorder
+
+__all__ = ["node_source", "op_name", "param_names", "instrument_graph", "graph_node_infos"]
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def node_source(node: fx.Node) -> Optional[str]:
+    """``file:line (function)`` of the user code that produced ``node`` (innermost frame)."""
+    st = node.meta.get("stack_trace")
+    if not st:
+        return None
+    frames = _FRAME.findall(st)
+    if not frames:
+        return None
+    f, line, fn = frames[-1]
+    return f"{f}:{line} ({fn})"
+
+
+def op_name(node: fx.Node) -> str:
+    t = node.target
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "get_attr":
+        return "get_attr"
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if node.op == "call_module":
+        return f"module:{t}"
+    if isinstance(t, torch._ops.OpOverload):
+        return f"aten.{t._opname}.{t._overloadname}" if t.namespace == "aten" else str(t)
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return f"{t._qualified_op_name}".replace("::", ".")
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__name__", None) or str(t)
+    if mod.startswith("torch") or mod in ("_operator", "operator", "builtins"):
+        return f"{mod.replace('_operator', 'operator')}.{name}"
+    return f"{mod}.{name}" if mod else name
+
+
+_SRC_PART = re.compile(r"member='(_modules|_parameters|_buffers)'\), index='([^']*)'")
+
+
+def _source_path(src) -> Optional[str]:
+    """A dynamo Source of a parameter/buffer -> its module path (``layers.2.weight``)."""
+    parts = _SRC_PART.findall(repr(src))
+    if not parts or parts[-1][0] == "_modules":
+        return None
+    return ".".join(p for _, p in parts)
+
+
+def param_names(gm: fx.GraphModule) -> Dict[str, str]:
+    """Placeholder name -> module path (``layers.2.weight``) for placeholders that are parameters/buffers."""
+    out: Dict[str, str] = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        src = getattr(n.meta.get("grapharg"), "source", None)
+        path = _source_path(src) if src is not None else None
+        if path:
+            out[n.name] = path
+    return out
+
+
+_VIEW_METHODS = {"view", "view_as", "transpose", "permute", "unsqueeze", "squeeze", "expand", "expand_as", "t",
+                 "detach", "narrow", "unflatten", "swapaxes", "movedim", "unbind", "split", "chunk", "as_strided"}
+_VIEW_FUNCS = {"transpose", "permute", "unsqueeze", "squeeze", "t", "detach", "narrow", "swapaxes", "movedim",
+               "split", "chunk", "unbind"}
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` only re-views its input's data (its values follow from the input: not fingerprinted)."""
+    t = node.target
+    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+        return bool(t.is_view)
+    if node.op == "call_method":
+        return t in _VIEW_METHODS
+    if node.op == "call_function" and getattr(t, "__module__", "") in ("torch", "torch.functional"):
+        return getattr(t, "__name__", "") in _VIEW_FUNCS
+    return False
+
+
+def _is_sequence_valued(node: fx.Node) -> bool:
+    val = node.meta.get("val", node.meta.get("example_value"))
+    return isinstance(val, (tuple, list))
+
+
+def _tensor_args(node: fx.Node) -> List[str]:
+    names: List[str] = []
+    for a in node.all_input_nodes:
+        if a.name not in names:
+            names.append(a.name)
+    return names
+
+
+def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = None) -> Tuple[List[NodeInfo], Dict[str, int]]:
+    """A NodeInfo per placeholder/get_attr/compute node, and node name -> index."""
+    display = display or {}
+    infos: List[NodeInfo] = []
+    index: Dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        if n.op == "placeholder":
+            kind = "param" if n.name in display else "input"
+            info = NodeInfo(node=display.get(n.name, n.name), op="input", kind=kind,
+                            extra={"placeholder": n.name} if n.name in display else None)
+        elif n.op == "get_attr":
+            info = NodeInfo(node=n.name, op="get_attr", kind="param", extra={"attr": str(n.target)})
+        else:
+            ins = tuple(display.get(a, a) for a in _tensor_args(n))
+            kind = "view" if is_view(n) else ("multi" if _is_sequence_valued(n) else "node")
+            op = op_name(n)
+            src = n.args[0] if n.target is operator.getitem and n.args and isinstance(n.args[0], fx.Node) else None
+            if src is not None and src.name in index and infos[index[src.name]].kind in ("multi", "view"):
+                # an element of a multi-output op: judged against that op's own inputs
+                parent = infos[index[src.name]]
+                ins, op, kind = parent.inputs, f"{parent.op}[{n.args[1]}]", parent.kind if parent.kind == "view" else "node"
+            info = NodeInfo(node=n.name, op=op, kind=kind, source=node_source(n), inputs=ins,
+                            extra=_meta_extra(n) if kind != "node" else None)
+        index[n.name] = len(infos)
+        infos.append(info)
+    _mark_outputs(gm, infos, index)
+    return infos, index
+
+
+def _mark_outputs(gm: fx.GraphModule, infos: List[NodeInfo], index: Dict[str, int]) -> None:
+    """``extra["outputs"]``: the positions at which the graph returns a node (the causal rule's symptoms)."""
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if out is None or not out.args:
+        return
+    leaves: List[Any] = []
+    fx.node.map_aggregate(out.args[0], leaves.append)
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, fx.Node) and leaf.name in index:
+            info = infos[index[leaf.name]]
+            extra = dict(info.extra or {})
+            extra["outputs"] = list(extra.get("outputs", ())) + [k]
+            infos[index[leaf.name]] = dataclasses.replace(info, extra=extra)
+
+
+def _meta_extra(n: fx.Node) -> Optional[dict]:
+    val = n.meta.get("val", n.meta.get("example_value"))
+    if isinstance(val, torch.Tensor):
+        static = all(isinstance(s, int) for s in val.shape)  # a dynamic graph's sizes change from call to call
+        return {"dtype": str(val.dtype).replace("torch.", ""), "shape": [int(s) for s in val.shape] if static else None}
+    return None
+
+
+def instrument_graph(gm: fx.GraphModule, recorder: Recorder, index: Dict[str, int]) -> fx.GraphModule:
+    """A copy of ``gm`` that calls ``recorder.capture(i, value)`` after every node in ``index``."""
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    g = new.graph
+    capture = recorder.capture
+    nodes = list(g.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    if anchor is None:
+        with g.inserting_before(nodes[0]):
+            g.call_function(recorder.begin_call, ())
+    else:
+        with g.inserting_after(anchor):
+            last = g.call_function(recorder.begin_call, ())
+        for p in placeholders:
+            if p.name in index:
+                with g.inserting_after(last):
+                    last = g.call_function(capture, (index[p.name], p))
+    for n in nodes:
+        if n.op in ("output", "placeholder") or n.name not in index:
+            continue
+        if recorder.infos[index[n.name]].kind in ("view", "multi"):
+            continue  # views follow from their input; tuple values are captured by their getitem users
+        with g.inserting_after(n):
+            g.call_function(capture, (index[n.name], n))
+    new.recompile()
+    return new

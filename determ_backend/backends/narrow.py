@@ -1,0 +1,177 @@
+"""Narrowing an accuracy root cause inside a fused kernel.
+
+A compiled graph's trace holds one record per buffer a kernel writes, so the
+causal rule (:mod:`determ_backend.compare.roots`) can only name the buffer whose
+inputs agree while its value does not.  When inductor fused several FX nodes
+into the kernel that wrote it (an ``add -> relu -> mul`` chain of which only the
+``mul`` is stored, a relu whose buffer holds no node's value because a dropout
+fallback consumed it), the guilty node is one of those nodes.
+
+The **region** of such a root is its FX node plus every producer reached through
+nodes that no record judged, stopping at judged values (which agree, since the
+root's inputs do), graph inputs and constants.  Nodes a standalone compile could
+not reproduce (random ops, higher-order ops) are not compiled: their eager values
+enter the region as inputs, and the walk goes on through their producers.  The
+region is compiled alone by the same compiler, fed the eager values at its
+frontier, with **every node an output** so each one is stored; the first node in
+graph order whose compiled value fails the verdict while its inputs inside the
+region pass it is the culprit.  When none fails, the bug needs the whole kernel:
+the buffer stays the answer and the region is listed with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx as fx
+
+from determ_backend import _torch_compat
+from determ_backend.backends.instrument import node_source, op_name
+
+__all__ = ["region_of", "region_module", "narrow_root", "Narrowed", "CannotNarrow", "MAX_REGION"]
+
+log = logging.getLogger(__name__)
+
+MAX_REGION = 128
+"""Regions with more compute nodes are not narrowed (the compile would be the size of the graph)."""
+
+Judge = Callable[[Any, Any, Any], Optional[bool]]
+
+
+class CannotNarrow(Exception):
+    """The region cannot be compiled alone (a value at its frontier was not captured)."""
+
+
+def _standalone(n: fx.Node) -> bool:
+    """Whether ``n`` can be compiled alone with the value it computes in the graph: a deterministic aten
+    op (or an item of one's tuple), not a random op or a higher-order op."""
+    t = n.target
+    if t is operator.getitem:
+        src = n.args[0]
+        return not isinstance(src, fx.Node) or src.op != "call_function" or _standalone(src)
+    if not _torch_compat.is_op_overload(t):
+        return False
+    return torch.Tag.nondeterministic_seeded not in getattr(t, "tags", ())
+
+
+def region_of(gm: fx.GraphModule, node: str, judged: Set[str], limit: int = MAX_REGION) -> List[fx.Node]:
+    """The compute nodes behind ``node`` (module docstring), in graph order; [] when ``node`` is not a
+    standalone compute node or the region exceeds ``limit`` nodes."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    root = by_name.get(node)
+    if root is None or root.op != "call_function" or not _standalone(root):
+        return []
+    keep: Dict[str, fx.Node] = {root.name: root}
+    seen: Set[str] = {root.name}
+    stack = list(root.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a.name in seen:
+            continue
+        seen.add(a.name)
+        if a.op != "call_function" or a.name in judged:
+            continue
+        if _standalone(a):
+            keep[a.name] = a
+            if len(keep) > limit:
+                return []
+        stack.extend(a.all_input_nodes)
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(keep.values(), key=lambda n: order[n.name])
+
+
+def region_module(nodes: Sequence[fx.Node], values: Dict[str, Any]) -> Tuple[fx.GraphModule, List[Any], List[str]]:
+    """``(module, inputs, output names)``: ``nodes`` as a graph of their own returning every tensor they
+    compute; what they read from outside becomes an input holding its value in ``values`` (a tensor)
+    or a constant (a Python scalar, a symbolic size's value)."""
+    g = fx.Graph()
+    env: Dict[str, fx.Node] = {}
+    inputs: List[Any] = []
+
+    def outside(a: fx.Node) -> Any:
+        if a.name in env:
+            return env[a.name]
+        v = values.get(a.name)
+        if isinstance(v, torch.Tensor):
+            env[a.name] = g.placeholder(a.name)
+            inputs.append(v)
+            return env[a.name]
+        if isinstance(v, (bool, int, float)):
+            return v
+        raise CannotNarrow(f"no captured value for {a.name}, which the region reads")
+
+    names = [n.name for n in nodes]
+    for n in nodes:
+        new = g.node_copy(n, outside)
+        new.meta = {k: n.meta[k] for k in ("stack_trace",) if k in n.meta}
+        env[n.name] = new
+    outs = [x for x in names if isinstance(values.get(x), torch.Tensor)]
+    g.output(tuple(env[x] for x in outs))
+    return fx.GraphModule(torch.nn.Module(), g), inputs, outs
+
+
+def _in_fresh_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a thread of its own, under this thread's compiler config: the check runs inside the
+    compiled graph's call, whose thread-local dispatch state (AOT's runtime wrappers) a nested compile
+    must not inherit, while the config (per thread too) must be the user's."""
+    box: Dict[str, Any] = {}
+    config = _torch_compat.config_snapshot()
+
+    def target() -> None:
+        try:
+            with _torch_compat.config_applied(config):
+                box["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="determ-narrow")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class Narrowed:
+    """What narrowing found: the culprit node (None when no node of the region diverges alone), its
+    compiled value, and the region's node names."""
+
+    def __init__(self, node: Optional[fx.Node], value: Optional[torch.Tensor], region: List[str]):
+        self.node, self.value, self.region = node, value, region
+
+    def describe(self) -> Dict[str, Any]:
+        n, v = self.node, self.value
+        if n is None or v is None:
+            return {"node": None, "region": self.region}
+        return {"node": n.name, "op": op_name(n), "source": node_source(n), "region": self.region,
+                "dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
+
+
+def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, Any], ref64: Dict[str, Any],
+                compile_region: Callable[[fx.GraphModule, List[Any]], Callable], judge: Judge) -> Optional[Narrowed]:
+    """The first node of ``node``'s fused region (in graph order) whose compiled value fails ``judge``
+    when the region is compiled alone; a :class:`Narrowed` with no node when none does; None when there
+    is nothing to narrow (a region of one op).  :class:`CannotNarrow` and the compiler's own errors
+    propagate to the caller."""
+    region = region_of(gm, node, judged)
+    if sum(1 for n in region if n.target is not operator.getitem) < 2:
+        return None
+    mod, inputs, outs = region_module(region, ref)
+
+    def compile_and_run() -> Any:
+        fn = compile_region(mod, [x.clone() for x in inputs])
+        with torch.no_grad():
+            return fn(*[x.clone() for x in inputs])
+
+    got = _in_fresh_thread(compile_and_run)
+    got = dict(zip(outs, got if isinstance(got, (tuple, list)) else [got]))
+    names = [n.name for n in region]
+    for n in region:
+        if n.name in got and judge(ref[n.name], got[n.name], ref64.get(n.name)) is False:
+            return Narrowed(n, got[n.name], names)
+    log.info("determ accuracy: no node of %s's fused region diverges compiled alone", node)
+    return Narrowed(None, None, names)

@@ -1,0 +1,141 @@
+"""Where and how far a graph is compiled: ``DETERM_DEVICE`` and ``DETERM_BISECT_STAGE``.
+
+* :func:`on_device` runs a Dynamo graph on another device spec (``cuda:0``,
+  ``cpu:float64``, ...): the graph's inputs (parameters included: Dynamo lifts
+  them), constants and submodules are moved and cast before compiling and on
+  every call, and outputs return to the device and dtype the graph produced
+  originally, with autograd intact.  ``repro-tools xdevice`` runs a user script
+  once per device this way.  Input mutations land on the moved copies.  The
+  moved example inputs keep the shape symbols Dynamo gave the originals, so
+  AOTAutograd traces them as those inputs (not as unknown tensors with
+  dynamic sizes no guard can name).
+* :func:`stage_scope` and :func:`scoped_wrap`: under ``DETERM_BISECT_STAGE`` a
+  determ backend compiles through that stage of the stack (see
+  :data:`~determ_backend.config.STAGES`) and torch's ``CompilerBisector`` hooks
+  (passes, lowerings, decompositions, config changes) are scoped to it, so
+  ``repro-tools bisect`` can bisect inside the stage while determ's tracing and
+  checks stay in place.  The bisection itself lives in :mod:`repro_tools.bisect.core`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from determ_backend import _torch_compat, devices
+
+__all__ = ["on_device", "converter", "moved_graph", "stage_scope", "scoped_wrap"]
+
+
+def converter(spec: str) -> Callable[[Any], Any]:
+    """``value -> value`` moved to device spec ``spec`` (floating tensors cast to its dtype, if any).
+    Raises :class:`~determ_backend.errors.DeviceUnavailableError` when the device is absent."""
+    dev, dtype = devices.parse_device_spec(spec)
+    devices.require(dev)
+
+    def conv(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t.to(device=dev, dtype=want)
+
+    return conv
+
+
+def moved_graph(gm: fx.GraphModule, conv: Callable[[Any], Any]) -> fx.GraphModule:
+    """A copy of ``gm`` whose constants and submodules live on the target device/dtype."""
+    owned: Dict[str, Any] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            value = _torch_attr(gm, n.target)
+            owned[n.target] = conv(value.detach()) if isinstance(value, torch.Tensor) else value
+        elif n.op == "call_module":
+            owned[n.target] = _move_module(copy.deepcopy(gm.get_submodule(n.target)), conv)
+    new = fx.GraphModule(owned, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    new.meta.update(getattr(gm, "meta", {}))
+    return new
+
+
+def _torch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _move_module(mod: torch.nn.Module, conv: Callable[[Any], Any]) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in list(mod.parameters()) + list(mod.buffers()):
+            p.data = conv(p.data)
+    return mod
+
+
+def _output_targets(gm: fx.GraphModule) -> List[Optional[Tuple[torch.dtype, torch.device]]]:
+    """(dtype, device) of each graph output as Dynamo traced it (None where unknown)."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = out_node.args[0]
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    targets: List[Optional[Tuple[torch.dtype, torch.device]]] = []
+    for o in outs:
+        val = o.meta.get("example_value", o.meta.get("val")) if isinstance(o, fx.Node) else None
+        targets.append((val.dtype, val.device) if isinstance(val, torch.Tensor) else None)
+    return targets
+
+
+def _back(out: Any, targets: Sequence[Optional[Tuple[torch.dtype, torch.device]]]) -> Any:
+    """Outputs moved back to where the original graph produced them."""
+    if not isinstance(out, (list, tuple)):
+        return _back([out], targets)[0]
+    padded = list(targets) + [None] * (len(out) - len(targets))
+    moved = [o.to(device=t[1], dtype=t[0]) if t is not None and isinstance(o, torch.Tensor) else o
+             for o, t in zip(out, padded)]
+    return tuple(moved) if isinstance(out, tuple) else moved
+
+
+def on_device(spec: str, compile_fn: Callable, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """Compile ``gm`` with ``compile_fn(gm, inputs)`` on device spec ``spec``; the result takes and
+    returns values on the original devices and dtypes."""
+    conv = converter(spec)
+    targets = _output_targets(gm)
+    moved = [conv(x) for x in example_inputs]
+    for x, m in zip(example_inputs, moved):  # AOTAutograd must see the inputs' own shape symbols
+        if isinstance(x, torch.Tensor):
+            _torch_compat.share_symbolic_context(x, m)
+    compiled = compile_fn(moved_graph(gm, conv), moved)
+
+    def run(*args: Any) -> Any:
+        return _back(compiled(*[conv(a) for a in args]), targets)
+
+    return run
+
+
+@contextlib.contextmanager
+def stage_scope(stage: str) -> Iterator[None]:
+    """Torch's bisector hooks see ``stage`` as the backend under bisection; inductor config
+    changes the bisector asks for are applied."""
+    with _torch_compat.bisector_stage_scope(stage) as changes:
+        if changes and stage == "inductor":
+            with _torch_compat.inductor_config_patch(changes):
+                yield
+        else:
+            yield
+
+
+def scoped_wrap(stage: str, wrap: Optional[Callable] = None) -> Callable:
+    """A ``wrap_compiler`` for the backends: inner compilers (also a backward graph compiled
+    lazily, outside the outer compile) run inside :func:`stage_scope`."""
+
+    def wrap_compiler(compiler: Callable, name: str) -> Callable:
+        inner = wrap(compiler, name) if wrap is not None else compiler
+
+        def scoped(*args: Any, **kwargs: Any) -> Any:
+            with stage_scope(stage):
+                return inner(*args, **kwargs)
+
+        return scoped
+
+    return wrap_compiler

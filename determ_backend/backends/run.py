@@ -1,0 +1,286 @@
+"""A run: the output directory of one process's determ session, its trace
+writer, its findings, its ``report.json`` and the reference trace
+(``DETERM_REFERENCE``) it is compared against online.
+
+Runs are shared by every graph compiled with the same output settings in a
+process (a model with graph breaks writes one trace).  They are kept in a small
+registry owned by :class:`RunRegistry`; :func:`finish_all` (also registered with
+``atexit``) closes traces and writes the final reports.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from determ_backend.config import DetermConfig
+from determ_backend.errors import AccuracyError, ConfigError, TraceFormatError
+from determ_backend.trace.stream import (TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_text, read_trace_file)
+
+__all__ = ["Run", "ReferenceTrace", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
+
+log = logging.getLogger(__name__)
+_MAX_NOTES = 50  # masked-divergence notes kept in report.json
+
+
+def current_rank() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+_CLAIM = ".determ-run"
+"""Created exclusively in a run directory by the run that owns it."""
+
+
+def _claim_dir(root: Path, run_id: str, rank_part: str, given: str) -> Path:
+    """A directory no other run has: ``<root>/<run_id><rank_part>``, else ``<run_id>-2<rank_part>``,
+    ``-3``...  A run owns its directory by creating :data:`_CLAIM` in it exclusively, so a directory an
+    earlier run wrote (or another process claims at this very moment) is never shared, while one the
+    user created empty beforehand is used; every rank of a job picks the same suffix.  One line says
+    where the run went when it is not the directory asked for."""
+    for k in range(1, 10_000):
+        rid = run_id if k == 1 else f"{run_id}-{k}"
+        leaf = root / f"{rid}{rank_part}"
+        try:
+            leaf.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"DETERM_DIR={given!r}: cannot create {leaf} ({e.strerror or e}); "
+                              f"expected a writable directory") from None
+        if (leaf / TRACE_NAME).exists() or (leaf / "report.json").exists():
+            continue  # an earlier run's, from before runs claimed their directory
+        try:
+            os.close(os.open(leaf / _CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ConfigError(f"DETERM_DIR={given!r}: cannot write into {leaf} ({e.strerror}); "
+                              f"expected a writable directory") from None
+        if k > 1:
+            log.warning("determ: %s already exists (an earlier or concurrent run of the same id); this run "
+                        "writes to %s", root / f"{run_id}{rank_part}", leaf)
+        return leaf
+    raise ConfigError(f"DETERM_RUN_ID={run_id!r}: {root} holds 9999 runs of that id; expected a new id")
+
+
+def _default_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+
+
+class ReferenceTrace:
+    """A whole trace read (strictly) for online comparison, its records grouped by ``(graph, stage, call)``,
+    the device it was recorded on (trace header, when known) and its tensor store (when it has one)."""
+
+    def __init__(self, path: str):
+        self.name = path
+        try:
+            tf = read_trace_file(path)
+        except TraceFormatError as e:
+            raise TraceFormatError(f"DETERM_REFERENCE: {e}") from None
+        self.path = tf.path
+        self.device: Optional[str] = tf.header.get("device")
+        self.groups: Dict[tuple, List[Record]] = {}
+        for r in tf.records:
+            self.groups.setdefault((r.graph, r.stage, r.call), []).append(r)
+        store = self.path.parent / "tensors"
+        self.store = TensorStore(store) if store.is_dir() else None
+
+    def calls(self, graph: str, stage: str) -> int:
+        """How many calls of this graph and stage the reference recorded."""
+        return sum(1 for g, s, _ in self.groups if (g, s) == (graph, stage))
+
+    def graph_stages(self) -> List[str]:
+        return sorted({f"{g}/{s}" for g, s, _ in self.groups})
+
+
+class Run:
+    """One output directory: ``trace.jsonl``, ``report.json`` and any dumps."""
+
+    def __init__(self, config: DetermConfig):
+        self.config = config
+        self.id = config.run_id or _default_run_id()
+        self.rank = current_rank()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank_part = f"/rank{self.rank}" if self.rank != 0 or distributed else ""
+        # the reference is checked before anything is written: a bad one fails the compile
+        self.reference = ReferenceTrace(config.reference) if config.reference else None
+        self.dir = _claim_dir(Path(config.dir), self.id, rank_part, config.dir)
+        self.device: Optional[str] = None  # where the graphs compute (set by the first graph call)
+        self.tensors = TensorStore(self.dir / "tensors")  # DETERM_SAVE_TENSORS payloads
+        self._writer: Optional[TraceWriter] = None
+        self._lock = threading.Lock()
+        self._graphs = 0
+        self.findings: List[Dict[str, Any]] = []
+        self.checker_errors: List[str] = []
+        self.notes: List[Dict[str, Any]] = []
+        self._write_report()
+
+    @property
+    def trace_path(self) -> Path:
+        return self.dir / TRACE_NAME
+
+    def next_graph_id(self) -> str:
+        with self._lock:
+            gid = f"g{self._graphs}"
+            self._graphs += 1
+            return gid
+
+    def write(self, records: List[Record]) -> None:
+        if records:
+            _LISTENERS.notify(records)
+        if not self.config.trace or not records:
+            return
+        with self._lock:
+            if self._writer is None:
+                self._writer = TraceWriter(self.trace_path, run=self.id, meta={"rank": self.rank, "device": self.device})
+        self._writer.write(records)
+
+    def store_payloads(self, result) -> None:
+        """Save each captured tensor once under ``<run dir>/tensors/<fingerprint>.pt`` (DETERM_SAVE_TENSORS)."""
+        for rec in result.records:
+            value = result.values.get(rec.node)
+            if value is not None and rec.hash is not None:
+                rec.payload = self.tensors.put(rec.hash, value)
+
+    def add_finding(self, check: str, summary: Dict[str, Any]) -> None:
+        """Record a divergence found by ``check``; log one line; raise if configured to.
+
+        ``summary``: a :meth:`~determ_backend.compare.Comparison.summary`, or (a divergence found
+        without per-node records, e.g. by a repro flow) a dict with a one-line ``detail``."""
+        fd = summary.get("first_divergence") or {}
+        finding = {"check": check, **summary}
+        with self._lock:
+            self.findings.append(finding)
+        if fd:
+            m = fd.get("metrics") or {}
+            metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+            k = fd.get("kernel") or {}
+            inside = f" inside {k.get('name')} (its buffer {k.get('record')})" if k.get("record_metrics") else ""
+            log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s%s %s", check, fd.get("graph"),
+                        fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>", inside,
+                        metrics)
+        else:
+            log.warning("determ %s divergence: %s", check, summary.get("detail") or "(no details)")
+        self._write_report()
+        if self.config.raise_on_divergence:
+            where = (f"first divergence at node {fd.get('node')} ({fd.get('op')}) {fd.get('source') or ''}" if fd
+                     else str(summary.get("detail") or "divergence"))
+            raise AccuracyError(f"determ {check}: {where}; report: {self.dir / 'report.json'}")
+
+    def add_note(self, check: str, summary: Dict[str, Any]) -> None:
+        """Record divergences ``check`` found that reach no failing output (masked): no finding, no raise."""
+        notes = summary.get("masked") or []
+        with self._lock:
+            if len(self.notes) >= _MAX_NOTES:
+                return
+            self.notes.append({"check": check, "masked": notes})
+        for n in notes[:1]:
+            log.info("determ %s: masked divergence at node %s (%s) %s reaches no failing output", check,
+                     n.get("node"), n.get("op"), n.get("source") or "")
+        self._write_report()
+
+    def add_checker_error(self, check: str, message: str) -> None:
+        with self._lock:
+            self.checker_errors.append(f"{check}: {message}")
+        log.error("determ %s check could not run: %s", check, message)
+        self._write_report()
+
+    def report(self) -> Dict[str, Any]:
+        first = None
+        if self.findings:
+            fd = self.findings[0].get("first_divergence") or {}
+            first = {k: fd.get(k) for k in ("graph", "stage", "call", "node", "op", "source", "metrics")}
+            if fd.get("kernel"):
+                first["kernel"] = fd["kernel"]
+            first["check"] = self.findings[0]["check"]
+        return {"run": self.id, "rank": self.rank, "checks": list(self.config.check) + (["reference"] if self.config.reference else []),
+                "divergent": bool(self.findings), "first_divergence": first, "findings": self.findings,
+                "checker_errors": self.checker_errors, "notes": self.notes, "graphs": self._graphs,
+                "trace": str(self.trace_path) if self._writer is not None else None}
+
+    def _write_report(self) -> None:
+        atomic_write_text(self.dir / "report.json", json.dumps(self.report(), indent=2, default=str))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+        self._write_report()
+
+
+class RecordListeners:
+    """Callbacks that see every batch of records any run writes (e.g. the API dump, to show what
+    happened inside a compiled region).  Subscribe with :func:`subscribe`, always unsubscribe."""
+
+    def __init__(self) -> None:
+        self._fns: List[Callable[[List[Record]], None]] = []
+        self._lock = threading.Lock()
+
+    def subscribe(self, fn: Callable[[List[Record]], None]) -> Callable[[List[Record]], None]:
+        with self._lock:
+            self._fns.append(fn)
+        return fn
+
+    def unsubscribe(self, fn: Callable[[List[Record]], None]) -> None:
+        with self._lock:
+            if fn in self._fns:
+                self._fns.remove(fn)
+
+    def notify(self, records: List[Record]) -> None:
+        with self._lock:
+            fns = list(self._fns)
+        for fn in fns:
+            fn(records)
+
+
+_LISTENERS = RecordListeners()
+subscribe = _LISTENERS.subscribe
+unsubscribe = _LISTENERS.unsubscribe
+
+
+class RunRegistry:
+    """Runs of this process keyed by their output directory settings."""
+
+    def __init__(self) -> None:
+        self._runs: Dict[tuple, Run] = {}
+        self._lock = threading.Lock()
+
+    def get(self, config: DetermConfig) -> Run:
+        key = (os.path.abspath(config.dir), config.run_id, config.check, config.reference, config.trace)
+        with self._lock:
+            run = self._runs.get(key)
+            if run is None:
+                run = self._runs[key] = Run(config)
+            return run
+
+    def find(self, run_id: str, rank: Optional[int] = None) -> Optional[Run]:
+        """The open run with this id (and rank), if any."""
+        with self._lock:
+            for run in self._runs.values():
+                if run.id == run_id and (rank is None or run.rank == rank):
+                    return run
+        return None
+
+    def finish_all(self) -> List[Run]:
+        with self._lock:
+            runs = list(self._runs.values())
+            self._runs.clear()
+        for r in runs:
+            r.close()
+        return runs
+
+
+_REGISTRY = RunRegistry()
+get_run = _REGISTRY.get
+find_run = _REGISTRY.find
+finish_all = _REGISTRY.finish_all
+atexit.register(finish_all)

@@ -1,0 +1,185 @@
+"""Backward records: the gradients that flow through one recorded call.
+
+ptdbg's ``..._backward`` record of a call has as *inputs* the gradients with
+respect to the call's outputs and as *outputs* the gradients with respect to its
+inputs.  We get both without wrapping any tensor (wrapping would turn outputs
+into views and break later in-place ops): before the call we note the autograd
+edge of every input that requires grad; after it we walk the autograd nodes the
+call created, from its outputs back to those edges, and hook them --
+
+* a pre-hook on each output's ``grad_fn`` reads the gradient of that output;
+* a hook on every node with an edge into an input reads the gradient sent
+  along that edge (edges into the same input are summed).
+
+When every hooked node has fired the record is complete; records left
+incomplete (an output that did not reach the loss) are flushed when the
+backward pass ends.
+
+Forward recording lives in :mod:`.hooks`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from determ_backend import _torch_compat
+
+__all__ = ["InputEdges", "prepare", "attach", "BackwardFlusher", "sequence_probe"]
+
+_MAX_NODES = 4096
+
+InputEdges = Dict[Tuple[int, int], List[str]]
+
+
+def sequence_probe() -> int:
+    """A sequence number below that of every autograd node created from now on (in this thread)."""
+    with torch.enable_grad():
+        return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr()
+
+
+def prepare(items: Sequence[Tuple[str, Any]]) -> Tuple[InputEdges, set, List[Any]]:
+    """Before the call: ``({(id(node), output_nr): [input names]}, {id(node)}, keep-alive nodes)``."""
+    edges: InputEdges = {}
+    nodes: set = set()
+    alive: List[Any] = []
+    for name, v in items:
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            e = get_gradient_edge(v)
+            edges.setdefault((id(e.node), e.output_nr), []).append(name)
+            nodes.add(id(e.node))
+            alive.append(e.node)
+    return edges, nodes, alive
+
+
+def _walk(roots: List[Any], edges: InputEdges, in_nodes: set, min_seq: Optional[int]):
+    """Nodes created by the call and their edges into inputs: ``[(node, j, [input names])]``."""
+    seen: Dict[int, Any] = {}
+    into_inputs: List[Tuple[Any, int, List[str]]] = []
+    stack = [r for r in roots if id(r) not in in_nodes]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        if min_seq is not None and node._sequence_nr() < min_seq:
+            continue
+        seen[id(node)] = node
+        if len(seen) > _MAX_NODES:
+            return None
+        for j, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            hit = edges.get((id(nxt), nr))
+            if hit is not None:
+                into_inputs.append((node, j, hit))
+            elif id(nxt) not in in_nodes:
+                stack.append(nxt)
+    return into_inputs
+
+
+class _Pending:
+    """Gradients of one call, collected as its nodes fire."""
+
+    def __init__(self, name: str, expected: int, flusher: "BackwardFlusher", emit: Callable):
+        self.name, self.expected, self.flusher, self.emit = name, expected, flusher, emit
+        self.fired = 0
+        self.grad_out: Dict[str, torch.Tensor] = {}
+        self.grad_in: Dict[str, List[torch.Tensor]] = {}
+        self.done = False
+
+    def fire(self) -> None:
+        if self.fired == 0:
+            self.flusher.started(self)
+        self.fired += 1
+        if self.fired >= self.expected:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        ins = [(k, v) for k, v in self.grad_out.items()]
+        outs = []
+        for k, vs in self.grad_in.items():
+            outs.append((k, vs[0] if len(vs) == 1 else torch.stack(vs).sum(0)))
+        self.emit(self.name, ins, outs)
+
+
+class BackwardFlusher:
+    """Flushes incomplete backward records at the end of each backward pass."""
+
+    def __init__(self) -> None:
+        self._open: List[_Pending] = []
+        self._queued = False
+        self._lock = threading.Lock()
+
+    def started(self, p: _Pending) -> None:
+        with self._lock:
+            self._open.append(p)
+            queue = not self._queued
+            self._queued = True
+        if queue:
+            _torch_compat.queue_autograd_callback(self.flush)
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._open, self._queued = self._open, [], False
+        for p in pending:
+            p.finish()
+
+
+def _backward_name(fwd_name: str, prefix: str) -> str:
+    """Forward ``output.1`` -> backward ``input.1``; forward ``input.weight`` -> backward ``output.weight``."""
+    rest = fwd_name.split(".", 1)[1] if "." in fwd_name else "0"
+    return f"{prefix}.{rest}"
+
+
+def attach(name: str, edges: InputEdges, in_nodes: set, outputs: Sequence[Tuple[str, Any]],
+           flusher: BackwardFlusher, emit: Callable, guard: Callable, min_seq: Optional[int] = None) -> bool:
+    """After the call: hook the call's autograd nodes so ``emit(name, grad_ins, grad_outs)`` runs in backward."""
+    outs = [(n, t) for n, t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if not outs or not edges:
+        return False
+    roots = [t.grad_fn for _, t in outs]
+    into = _walk(roots, edges, in_nodes, min_seq)
+    if not into:
+        return False
+    by_root: Dict[int, Tuple[Any, List[Tuple[int, str]]]] = {}
+    for n, t in outs:
+        if id(t.grad_fn) in in_nodes:  # the output is (a view of) an input: no gradient of its own
+            continue
+        by_root.setdefault(id(t.grad_fn), (t.grad_fn, []))[1].append((t.output_nr, _backward_name(n, "input")))
+    by_node: Dict[int, Tuple[Any, List[Tuple[int, List[str]]]]] = {}
+    for node, j, names in into:
+        by_node.setdefault(id(node), (node, []))[1].append((j, [_backward_name(x, "output") for x in names]))
+    p = _Pending(name, len(by_root) + len(by_node), flusher, emit)
+
+    def make_pre(slots):
+        def pre(grad_outputs):
+            with guard():
+                for nr, bname in slots:
+                    g = grad_outputs[nr] if nr < len(grad_outputs) else None
+                    if g is not None:
+                        p.grad_out[bname] = g
+                p.fire()
+        return pre
+
+    def make_post(slots):
+        def post(grad_inputs, grad_outputs):
+            with guard():
+                for j, bnames in slots:
+                    g = grad_inputs[j]
+                    if g is not None:
+                        for b in bnames:
+                            p.grad_in.setdefault(b, []).append(g)
+                p.fire()
+        return post
+
+    for node, slots in by_root.values():
+        node.register_prehook(make_pre(slots))
+    for node, slots in by_node.values():
+        node.register_hook(make_post(slots))
+    return True

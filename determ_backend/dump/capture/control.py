@@ -1,0 +1,321 @@
+"""The ptdbg_ascend functional interface: ``set_dump_path``, ``register_hook``,
+``set_dump_switch``, ``set_overflow_check_switch``, ``module_dump``...
+
+The interface is process-global by design (existing scripts call these
+functions from anywhere), so its state lives in one :class:`_Controller`
+object.  Nothing happens at import: hooks are installed when a dump is switched
+on and removed when it is switched off; a dump still open at normal interpreter
+exit is closed then (an ``atexit`` handler registered at the first switch-on).
+Recording covers the thread that switched the dump on (and its autograd
+backward), as torch function modes are per thread.
+
+Output layout: ``<fpath>/<dump_tag>/rank<R>/<prefix>dump.pkl`` (JSON Lines index)
+and ``<prefix>dump/tensors.bin`` (payloads), ``<prefix>`` being ``api_stack_``,
+``list_``... for modes other than ``all`` and ``overflow_`` for the overflow check.
+A dump this process wrote may be started afresh (``set_dump_path`` to the same
+place again); one left by an earlier run is never overwritten: switching on
+into it raises a :class:`ConfigError` naming the directory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+
+from determ_backend import devices
+from determ_backend.errors import ConfigError, DeviceUnavailableError
+from determ_backend.seed import seed_all as _seed_all
+from determ_backend.trace.stream import dir_problem
+from determ_backend.dump.capture.hooks import Recorder
+from determ_backend.dump.capture.modules import Installation
+from determ_backend.dump.capture.overflow import OverflowCounter
+from determ_backend.dump.capture.session import DumpSession, data_dir_name, default_header, index_name
+from determ_backend.dump.capture.switch import DumpSettings
+from determ_backend.dump.capture.writer import PAYLOAD_FILE
+
+__all__ = ["acc_cmp_dump", "overflow_check", "seed_all", "set_dump_path", "register_hook", "set_dump_switch",
+           "set_overflow_check_switch", "module_dump", "module_dump_end", "remove_hooks", "dump_parameters",
+           "get_dump_dir", "records_written"]
+
+log = logging.getLogger(__name__)
+
+
+class _HookKind:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+acc_cmp_dump = _HookKind("acc_cmp_dump")
+"""``register_hook(model, acc_cmp_dump)``: dump API data for accuracy comparison."""
+
+overflow_check = _HookKind("overflow_check")
+"""``register_hook(model, overflow_check, overflow_nums=N)``: find APIs that overflow."""
+
+
+def _needs_npu(what: str) -> None:
+    msg = f"{what} needs an Ascend NPU: ACL-level dumps are a feature of the Ascend driver and torch_npu"
+    if not devices.is_available("npu"):
+        raise DeviceUnavailableError(msg + "; no NPU is available on this machine (use mode='all' or 'api_stack')")
+    raise ConfigError(msg + "; determ does not drive ACL dumps: use the API-level modes, or msprobe's ACL dump")
+
+
+def _current_rank() -> Tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _Controller:
+    """Process-wide dump state behind the functional interface."""
+
+    def __init__(self) -> None:
+        self.root: Optional[Path] = None
+        self.rank: Optional[int] = None
+        self.models: List[torch.nn.Module] = []
+        self.regions: List[Tuple[str, torch.nn.Module]] = []
+        self.overflow: Optional[OverflowCounter] = None
+        self.sessions: Dict[str, DumpSession] = {}
+        self.installation: Optional[Installation] = None
+        self.settings: Optional[DumpSettings] = None
+        self.ring_bytes: Optional[int] = None
+        self.written: Set[Path] = set()
+        """Index files this process created: only these may be started afresh (never another run's dump)."""
+
+    def rank_dir(self) -> Path:
+        if self.root is None:
+            raise ConfigError("no dump path: call set_dump_path(fpath) before switching a dump on")
+        rank = self.rank if self.rank is not None else _current_rank()[0]
+        return self.root / f"rank{rank}"
+
+    def session(self, prefix: str, task: str, mode: str) -> DumpSession:
+        s = self.sessions.get(prefix)
+        rank_dir = self.rank_dir()
+        if s is not None and s.rank_dir == rank_dir and s.tensors == (task in ("tensor", "overflow_check")):
+            s.reopen()
+            return s
+        if s is not None:
+            s.close()
+        self._refuse_earlier_dump(rank_dir, prefix)
+        rank, world = _current_rank()
+        header = default_header(self.rank if self.rank is not None else rank, world, mode, task)
+        header["device"] = _model_device(self.models)
+        s = DumpSession(rank_dir, prefix, header, tensors=task in ("tensor", "overflow_check"),
+                        ring_bytes=self.ring_bytes)
+        self.sessions[prefix] = s
+        self.written.add(s.index_path.resolve())
+        return s
+
+    def _refuse_earlier_dump(self, rank_dir: Path, prefix: str) -> None:
+        """A dump left by another process is never truncated: the user removes it or dumps elsewhere."""
+        index, payloads = rank_dir / index_name(prefix), rank_dir / data_dir_name(prefix) / PAYLOAD_FILE
+        if index.resolve() in self.written:
+            return
+        if index.exists() or (payloads.is_file() and payloads.stat().st_size):
+            raise ConfigError(f"dump: {rank_dir} already holds an earlier dump ({index.name}); remove "
+                              f"{index.name} and {payloads.parent.name}/ there, or choose another "
+                              f"set_dump_path(fpath, dump_tag) -- earlier dumps are never overwritten")
+
+    def switch_on(self, settings: DumpSettings) -> None:
+        self.switch_off()
+        _register_exit_hook()
+        session = self.session(settings.prefix, settings.task, settings.mode)
+        rec = Recorder(session, settings)
+        self.installation = Installation(rec, self.models, self.regions)
+        self.settings = settings
+
+    def overflow_on(self) -> None:
+        self.switch_off()
+        _register_exit_hook()
+        session = self.session("overflow_", "overflow_check", "overflow_check")
+        rec = Recorder(session, DumpSettings(), overflow=self.overflow)
+        self.installation = Installation(rec, self.models, ())
+
+    def switch_off(self) -> None:
+        inst, self.installation = self.installation, None
+        if inst is not None:
+            inst.remove()
+            inst.rec.flusher.flush()
+            inst.rec.active = False
+        self.close_sessions()
+
+    def close_sessions(self) -> None:
+        errors = []
+        for s in self.sessions.values():
+            try:
+                s.close()
+            except Exception as e:  # close every session, then report the first failure
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+_STATE = _Controller()
+
+
+def _model_device(models: Sequence[torch.nn.Module]) -> str:
+    for m in models:
+        for p in m.parameters():
+            return p.device.type
+    return "cpu"
+
+
+def _register_exit_hook() -> None:
+    """Close open dumps at normal interpreter exit (registered on first use, not at import)."""
+    if not getattr(_register_exit_hook, "done", False):
+        atexit.register(_close_at_exit)
+        _register_exit_hook.done = True
+
+
+def _close_at_exit() -> None:
+    try:
+        _STATE.switch_off()
+    except Exception as e:  # at exit there is no caller left to raise to
+        log.error("determ dump: could not finish the dump at exit: %s", e)
+
+
+
+
+def seed_all(seed: int = 1234, mode: bool = False) -> Dict[str, Any]:
+    """ptdbg's ``seed_all``: seed every RNG; ``mode=True`` also turns on deterministic algorithms."""
+    return _seed_all(seed, deterministic=bool(mode))
+
+
+def set_dump_path(fpath: Optional[Union[str, os.PathLike]] = None, dump_tag: str = "ptdbg_dump") -> Path:
+    """Dump under ``<fpath>/<dump_tag>/rank<R>/``; ``fpath`` defaults to ``$ASCEND_WORK_PATH/dump_data``."""
+    if fpath is None:
+        work = os.environ.get("ASCEND_WORK_PATH")
+        if not work:
+            raise ConfigError("set_dump_path: give fpath (or set ASCEND_WORK_PATH)")
+        fpath = Path(work) / "dump_data"
+    if not isinstance(fpath, (str, os.PathLike)):
+        raise ConfigError(f"set_dump_path: fpath must be a directory path (str or os.PathLike), got "
+                          f"{type(fpath).__name__} {fpath!r}")
+    if not isinstance(dump_tag, str) or not dump_tag or "/" in dump_tag or dump_tag in (".", ".."):
+        raise ConfigError(f"set_dump_path: dump_tag must be a plain directory name, got {dump_tag!r}")
+    p = Path(fpath)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"set_dump_path: {p} exists and is not a directory")
+    problem = dir_problem(p / dump_tag)
+    if problem:
+        raise ConfigError(f"set_dump_path: cannot use {p / dump_tag}: {problem}")
+    _STATE.switch_off()
+    _STATE.sessions.clear()
+    _STATE.root = p / dump_tag
+    return _STATE.root
+
+
+def get_dump_dir() -> Path:
+    """The directory this process dumps into (``<fpath>/<dump_tag>/rank<R>``)."""
+    return _STATE.rank_dir()
+
+
+def register_hook(model: torch.nn.Module, hook: _HookKind, overflow_nums: int = 1, dump_mode: str = "api",
+                  dump_config: Optional[str] = None, rank: Optional[int] = None) -> None:
+    """Attach the dump to ``model``: ``hook`` is ``acc_cmp_dump`` or ``overflow_check``.
+
+    The model is used for its parameters/gradients (recorded before each optimizer step) and its
+    compiled submodules (recorded as opaque regions); APIs are recorded process-wide.
+    ``overflow_check`` starts checking at once (``set_overflow_check_switch`` toggles it).
+    """
+    if hook not in (acc_cmp_dump, overflow_check):
+        raise ConfigError(f"register_hook: hook must be acc_cmp_dump or overflow_check, got {hook!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"register_hook: model must be a torch.nn.Module, got {type(model).__name__}")
+    if dump_mode == "acl":
+        _needs_npu("register_hook(dump_mode='acl')")
+    if dump_mode != "api":
+        raise ConfigError(f"register_hook: dump_mode={dump_mode!r}; expected 'api' (or 'acl' on an Ascend NPU)")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ConfigError(f"register_hook: rank must be a non-negative int, got {rank!r}")
+    _STATE.rank = rank
+    if model not in _STATE.models:
+        _STATE.models.append(model)
+    if hook is overflow_check:
+        _STATE.overflow = OverflowCounter(overflow_nums)
+        _STATE.overflow_on()
+
+
+def set_dump_switch(switch: str, mode: str = "all", scope: Optional[Sequence[str]] = None,
+                    api_list: Optional[Sequence[str]] = None, filter_switch: str = "ON",
+                    dump_mode: Union[None, str, Sequence[str]] = None, summary_only: bool = False) -> None:
+    """Start (``"ON"``) or stop (``"OFF"``) dumping; see :mod:`determ_backend.dump.capture.switch` for the modes.
+    Switching off flushes every payload and completes the index."""
+    if switch not in ("ON", "OFF"):
+        raise ConfigError(f"set_dump_switch: switch must be 'ON' or 'OFF', got {switch!r}")
+    if mode == "acl":
+        _needs_npu("set_dump_switch(mode='acl')")
+    if switch == "OFF":
+        _STATE.switch_off()
+        return
+    if not isinstance(summary_only, bool):
+        raise ConfigError(f"set_dump_switch: summary_only must be True or False, got {summary_only!r}")
+    settings = DumpSettings.build(mode, scope, api_list, filter_switch, dump_mode, summary_only)
+    _STATE.switch_on(settings)
+
+
+def set_overflow_check_switch(switch: str, filter_switch: str = "OFF") -> None:
+    """Turn the overflow check registered with ``register_hook(model, overflow_check)`` on or off."""
+    if switch not in ("ON", "OFF"):
+        raise ConfigError(f"set_overflow_check_switch: switch must be 'ON' or 'OFF', got {switch!r}")
+    if _STATE.overflow is None:
+        raise ConfigError("set_overflow_check_switch: call register_hook(model, overflow_check) first")
+    if switch == "ON":
+        _STATE.overflow.enabled = True
+        _STATE.overflow_on()
+    else:
+        _STATE.switch_off()
+
+
+def module_dump(module: torch.nn.Module, module_name: str) -> None:
+    """Record every call of ``module`` as one entry ``<module_name>_<n>_forward`` (its inner APIs are not
+    recorded separately); takes effect at the next ``set_dump_switch("ON")`` or at once if a dump is on."""
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"module_dump: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(module_name, str) or not module_name:
+        raise ConfigError(f"module_dump: module_name must be a non-empty string, got {module_name!r}")
+    _STATE.regions.append((module_name, module))
+    _reinstall()
+
+
+def module_dump_end() -> None:
+    """Stop recording modules given to :func:`module_dump` as whole entries."""
+    _STATE.regions.clear()
+    _reinstall()
+
+
+def _reinstall() -> None:
+    if _STATE.installation is not None and _STATE.settings is not None:
+        inst = _STATE.installation
+        inst.remove()
+        _STATE.installation = Installation(inst.rec, _STATE.models, _STATE.regions)
+
+
+def dump_parameters() -> None:
+    """Record the registered models' parameters and gradients now (also done before each optimizer step)."""
+    if _STATE.installation is None:
+        raise ConfigError("dump_parameters: no dump is on (call set_dump_switch('ON') first)")
+    _STATE.installation.snapshot_parameters()
+
+
+def records_written() -> int:
+    """How many records the dump that is on has written so far (0 when no dump is on)."""
+    inst = _STATE.installation
+    return inst.rec.session.seq if inst is not None else 0
+
+
+def remove_hooks() -> None:
+    """Switch everything off, close the dumps and forget registered models (a clean slate)."""
+    _STATE.switch_off()
+    _STATE.models.clear()
+    _STATE.regions.clear()
+    _STATE.overflow = None
+    _STATE.rank = None

@@ -1,0 +1,259 @@
+"""Recording torch API calls: the ``__torch_function__`` mode and the recorder.
+
+:class:`DumpMode` is a :class:`torch.overrides.TorchFunctionMode`: while a dump
+is on it sees every top-level call of a torch function, ``Tensor`` method or
+``torch.nn.functional`` function (calls made *inside* an API, e.g. the
+``Tensor.softmax`` inside ``F.softmax``, are not top-level and are not
+recorded, as in ptdbg).  Nothing is monkeypatched for these APIs; the mode is
+pushed when the dump switch goes on and popped when it goes off.
+
+:class:`Recorder` turns a call into a forward record (after the call; inputs of
+in-place calls are fingerprinted before it) and arranges its backward record
+(:mod:`.backward`).  In overflow-check mode it writes only the calls whose
+outputs become non-finite from finite inputs (:mod:`.overflow`).
+
+Region records (compiled modules and functions, ``module_dump``) live in
+:mod:`.regions`, the FX nodes of compiled graphs in :mod:`.compiled`;
+collectives and parameter snapshots in :mod:`.modules`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from determ_backend.dump.capture import backward as bw
+from determ_backend.dump.capture.apis import ApiInfo, api_table, is_inplace
+from determ_backend.dump.capture.entries import call_items, describe, output_items
+from determ_backend.dump.capture.overflow import OverflowCounter, nonfinite
+from determ_backend.dump.capture.session import DumpSession
+from determ_backend.dump.capture.switch import DumpSettings, Selector
+
+__all__ = ["DumpMode", "Recorder", "guard", "busy", "passthrough", "enter_opaque", "exit_opaque", "user_source",
+           "user_stack"]
+
+log = logging.getLogger(__name__)
+
+_tls = threading.local()
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_DETERM_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_SKIP_DIRS = (_TORCH_DIR, _DETERM_DIR)
+_NOT_INTERNAL = (os.path.join(_DETERM_DIR, "demo_model.py"),)
+
+
+def _from_determ_internals() -> bool:
+    """Whether the torch API being called was called by determ's own code (a backend's recorder hashing a
+    compiled graph's tensors, a check): such calls are never recorded."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+        f = f.f_back
+    return f is not None and f.f_code.co_filename.startswith(_DETERM_DIR) and f.f_code.co_filename not in _NOT_INTERNAL
+
+
+@contextlib.contextmanager
+def guard() -> Iterator[None]:
+    """Torch calls made by the dump machinery itself are not recorded."""
+    prev = getattr(_tls, "busy", False)
+    _tls.busy = True
+    try:
+        yield
+    finally:
+        _tls.busy = prev
+
+
+def busy() -> bool:
+    """True while the dump machinery itself runs (its torch calls are not recorded)."""
+    return getattr(_tls, "busy", False)
+
+
+def passthrough() -> bool:
+    """True inside the dump machinery or inside a region recorded as a whole (compiled module, module_dump)."""
+    return getattr(_tls, "busy", False) or getattr(_tls, "opaque", 0) > 0
+
+
+def enter_opaque() -> None:
+    _tls.opaque = getattr(_tls, "opaque", 0) + 1
+
+
+def exit_opaque() -> None:
+    _tls.opaque = max(0, getattr(_tls, "opaque", 0) - 1)
+
+
+def _user_frames() -> Iterator[Any]:
+    f = sys._getframe(2)
+    while f is not None:
+        if not f.f_code.co_filename.startswith(_SKIP_DIRS):
+            yield f
+        f = f.f_back
+
+
+def user_source() -> Optional[str]:
+    """``file:line`` of the innermost frame outside torch and determ."""
+    for f in _user_frames():
+        return f"{f.f_code.co_filename}:{f.f_lineno}"
+    return None
+
+
+def user_stack(limit: int = 30) -> List[str]:
+    """User frames, innermost first: ``File "x.py", line 3, in forward``."""
+    out = []
+    for f in _user_frames():
+        out.append(f'File "{f.f_code.co_filename}", line {f.f_lineno}, in {f.f_code.co_name}')
+        if len(out) >= limit:
+            break
+    return out
+
+
+class Recorder:
+    """Writes the records of one dump session."""
+
+    def __init__(self, session: DumpSession, settings: DumpSettings, overflow: Optional[OverflowCounter] = None):
+        self.session = session
+        self.settings = settings
+        self.selector = Selector(settings)
+        self.overflow = overflow
+        self.task = "overflow_check" if overflow is not None else settings.task
+        self.flusher = bw.BackwardFlusher()
+        self._keep_non_float = settings.filter_switch == "OFF"
+        self.active = True  # False once the dump is switched off: late backward hooks then record nothing
+
+    # ---- describing and writing ----------------------------------------------------------------
+    def describe(self, items: Sequence[Tuple[str, Any]], io: str) -> List[Dict[str, Any]]:
+        if self.overflow is None and io != "all" and not self.settings.keeps(io):
+            return []
+        return describe(items, self.session.cache, data=self.task != "stack", keep_non_float=self._keep_non_float,
+                        pipeline=self.session.pipeline)
+
+    def describe_io(self, ins: Sequence[Tuple[str, Any]], outs: Sequence[Tuple[str, Any]]):
+        """Inputs and outputs of one call in one fingerprint batch: ``(input entries, output entries)``."""
+        both = self.describe([x for x in ins if self.overflow is not None or self.settings.keeps("input")] +
+                             [x for x in outs if self.overflow is not None or self.settings.keeps("output")], "all")
+        return ([e for e in both if e["name"].startswith("input")],
+                [e for e in both if e["name"].startswith("output")])
+
+    def write(self, call: str, info: ApiInfo, direction: str, ins: List[Dict[str, Any]],
+              outs: List[Dict[str, Any]], source: Optional[str] = None, stack: Optional[List[str]] = None,
+              **extra: Any) -> None:
+        entry: Dict[str, Any] = {"name": f"{call}_{direction}", "op": info.op, "dir": direction}
+        if source:
+            entry["source"] = source
+        entry["inputs"] = ins
+        entry["outputs"] = outs
+        if stack is not None:
+            entry["stack"] = stack
+        entry.update(extra)
+        self.session.write(entry)
+
+    # ---- forward --------------------------------------------------------------------------------
+    def api_call(self, info: ApiInfo, func: Callable, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        call = f"{info.key}_{self.session.next_call(info.key)}"
+        if self.overflow is not None:
+            return self._overflow_call(call, info, func, args, kwargs)
+        fwd = self.selector.select(call, info, "forward")
+        bwd = self.selector.may_backward(call, info) and torch.is_grad_enabled()
+        if not (fwd or bwd):
+            return func(*args, **kwargs)
+        with guard():
+            items = call_items(args, kwargs)
+            inplace = is_inplace(info, kwargs)
+            pre = self.describe(items, "input") if fwd and inplace else None
+            edges = bw.prepare(items) if bwd else None
+            min_seq = bw.sequence_probe() if edges and edges[0] and inplace else None
+            source = user_source()
+            stack = user_stack() if self.settings.with_stack else None
+        out = func(*args, **kwargs)
+        with guard():
+            if inplace:
+                self.session.cache.forget(items)
+            outs = output_items(args[0] if inplace and out is None and args else out)  # __setitem__ returns None
+            if fwd:
+                if pre is not None:
+                    ins, out_entries = pre, self.describe(outs, "output")
+                else:
+                    ins, out_entries = self.describe_io(items, outs)
+                self.write(call, info, "forward", ins, out_entries, source, stack)
+            if edges and edges[0]:
+                self._attach(call, info, edges, outs, source, stack, min_seq)
+        return out
+
+    def _attach(self, call: str, info: ApiInfo, edges, outs, source, stack, min_seq,
+                extra: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
+        """Arrange the backward record of ``call``; ``extra()`` gives its additional fields when it is written."""
+        def emit(_name: str, grad_ins, grad_outs) -> None:
+            self.emit_backward(call, info, grad_ins, grad_outs, source, stack, **(extra() if extra else {}))
+
+        bw.attach(call, edges[0], edges[1], outs, self.flusher, emit, guard, min_seq)
+
+    def emit_backward(self, call: str, info: ApiInfo, grad_ins, grad_outs, source, stack, **extra: Any) -> None:
+        if not self.active or self.session.closed:
+            return
+        if self.overflow is not None:
+            self._check_overflow(call, info, "backward", grad_ins, grad_outs, None, source)
+            return
+        if not self.selector.select(call, info, "backward"):
+            return
+        ins, outs = self.describe_io(grad_ins, grad_outs)
+        self.write(call, info, "backward", ins, outs, source, stack, **extra)
+
+    # ---- overflow check -------------------------------------------------------------------------
+    def _overflow_call(self, call: str, info: ApiInfo, func: Callable, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        if not self.overflow.enabled:
+            return func(*args, **kwargs)
+        with guard():
+            items = call_items(args, kwargs)
+            inplace = is_inplace(info, kwargs)
+            before = None
+            if inplace:  # keep the pre-call values: the call overwrites them
+                before = [(n, v.detach().clone() if isinstance(v, torch.Tensor) else v) for n, v in items]
+            edges = bw.prepare(items) if torch.is_grad_enabled() else None
+            min_seq = bw.sequence_probe() if edges and edges[0] and inplace else None
+        out = func(*args, **kwargs)
+        with guard():
+            outs = output_items(args[0] if inplace and out is None and args else out)
+            source = user_source()
+            if edges and edges[0]:
+                self._attach(call, info, edges, outs, source, None, min_seq)
+            self._check_overflow(call, info, "forward", before if before is not None else items, outs, func, source)
+        return out
+
+    def _check_overflow(self, call: str, info: ApiInfo, direction: str, ins, outs, func, source) -> None:
+        if not self.overflow.enabled:
+            return
+        if not nonfinite([v for _, v in outs]) or nonfinite([v for _, v in ins]):
+            return
+        ins_e, outs_e = self.describe_io(ins, outs)
+        self.write(call, info, direction, ins_e, outs_e, source, None, overflow=self.overflow.count + 1)
+        name = f"{call}_{direction}"
+        log.warning("overflow: %s produced nan/inf from finite inputs (at %s)", name, source or "?")
+        if self.overflow.hit(name, source):
+            self.overflow.enabled = False
+            self.session.close()
+            raise self.overflow.stop_error(name, source, self.session.index_path)
+
+
+class DumpMode(TorchFunctionMode):
+    """Routes every top-level torch API call to a :class:`Recorder`."""
+
+    def __init__(self, recorder: Recorder):
+        super().__init__()
+        self.recorder = recorder
+        self.table = api_table()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling() or passthrough():
+            return func(*args, **kwargs)
+        try:
+            info = self.table.get(func)
+        except TypeError:
+            info = None
+        if info is None or _from_determ_internals():
+            return func(*args, **kwargs)
+        return self.recorder.api_call(info, func, args, kwargs)

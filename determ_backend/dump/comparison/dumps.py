@@ -1,0 +1,451 @@
+"""Comparing two dumps: ptdbg's ``compare`` / ``compare_distributed`` and the root cause.
+
+Calls of the two dumps are paired by sequence alignment of their signatures
+(API + direction + output shapes, not dtypes) with
+:func:`determ_backend.compare.align`, so an extra or missing op, or counters
+shifted by one, do not break the pairing (names with call counters are never
+used to pair).  Tensors of a pair are matched by argument name.
+
+Root cause (our column): the compare core's rule
+(:func:`determ_backend.compare.find_roots`) on calls that hold their own
+arguments: a call whose output diverges while all its inputs match --
+parameters excepted (a call that consumes a changed weight *is* where the
+divergence starts); for a backward record the inputs are the incoming
+gradients and the forward call's inputs.  "Match" is the core's verdict:
+bitwise when both dumps come from the same device type and ran the same dtypes
+(no paired tensor differs in dtype), otherwise :func:`~determ_backend.compare.judge`
+within :func:`~determ_backend.compare.dtype_tol` of the two dtypes (1e-3, or a
+few units in the last place of bf16/fp16; e.g. CPU vs NPU, bf16 vs fp32 -- also
+for the ops after a ``.float()``, whose inputs carry the other dtype's
+rounding), on the payloads or, in a statistics dump, on the statistics.
+ptdbg's ``Accuracy Reached or Not`` column is filled as ptdbg defines it.
+
+The FX-node entries of compiled regions are paired inside each pair of region
+entries and judged by the same rule (:mod:`.compiled_compare`): the culprit
+inside a ``torch.compile``d model is a node of its graph, not the region.
+
+Metrics live in :mod:`.metrics`; reading dumps in :mod:`.parse`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from determ_backend.compare import DEFAULT_TOL, Pair, align, dtype_tol, find_roots, judge, judge_records
+from determ_backend.errors import ConfigError, TraceFormatError
+from determ_backend.trace.stream import Record, atomic_write_text
+from determ_backend.dump.comparison import compiled as cc
+from determ_backend.dump.comparison.metrics import accuracy_reached, payload_metrics, stats_metrics
+from determ_backend.dump.comparison.parse import (Dump, check_path, check_rank, find_index, rank_dirs, read_dump, read_header)
+from determ_backend.dump.capture.writer import PAYLOAD_FILE
+
+__all__ = ["compare", "compare_dumps", "compare_distributed", "auto_analyze", "analyze", "DumpComparison", "CSV_COLUMNS"]
+
+log = logging.getLogger(__name__)
+
+CSV_COLUMNS = [
+    "NPU Name", "Bench Name", "NPU Tensor Dtype", "Bench Tensor Dtype", "NPU Tensor Shape", "Bench Tensor Shape",
+    "Cosine", "MaxAbsErr", "MaxRelativeErr", "One Thousandth Err Ratio", "Five Thousandths Err Ratio",
+    "Max diff", "Min diff", "Mean diff", "L2norm diff",
+    "NPU max", "NPU min", "NPU mean", "NPU l2norm", "Bench max", "Bench min", "Bench mean", "Bench l2norm",
+    "NPU Hash", "Bench Hash", "Bitwise Equal", "Accuracy Reached or Not", "Root Cause", "Err_message",
+]
+_STACK_COLUMN = "NPU_Stack_Info"
+
+
+@dataclass
+class ApiPair:
+    """Two aligned calls and the verdicts of their tensors."""
+
+    a: Optional[Dict[str, Any]]
+    b: Optional[Dict[str, Any]]
+    rows: List[Dict[str, Any]] = field(default_factory=list)
+    inputs_match: Optional[bool] = None
+    output_diverges: bool = False
+    root_cause: bool = False
+    nodes: List["ApiPair"] = field(default_factory=list)
+    """For a compiled region: the pairs of its FX-node entries (they precede it in ``DumpComparison.pairs``)."""
+
+    @property
+    def name(self) -> str:
+        return (self.a or self.b)["name"]
+
+
+@dataclass
+class DumpComparison:
+    pairs: List[ApiPair]
+    exact: bool
+    csv_path: Optional[Path] = None
+
+    @property
+    def rows(self) -> List[Dict[str, Any]]:
+        return [r for p in self.pairs for r in p.rows]
+
+    @property
+    def root_causes(self) -> List[ApiPair]:
+        return [p for p in self.pairs if p.root_cause]
+
+    @property
+    def first_divergence(self) -> Optional[ApiPair]:
+        return next((p for p in self.pairs if p.output_diverges), None)
+
+    @property
+    def divergent(self) -> bool:
+        return self.first_divergence is not None
+
+
+def _to_record(e: Dict[str, Any], side: str, i: int) -> Record:
+    shapes = [t.get("shape") for t in e.get("outputs", []) if "shape" in t]
+    return Record(graph=side, stage="api", node=e["name"], op=f"{e.get('op')}.{e.get('dir')}", kind=e.get("dir", "node"),
+                  shape=shapes, extra={"i": i})
+
+
+def _fmt(v: Any) -> Any:
+    return "N/A" if v is None else v
+
+
+def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, db: Dump, exact: bool):
+    """A CSV row, the metrics (None when a side is missing) and the verdict of one tensor pair: the core's
+    :func:`~determ_backend.compare.judge` (bitwise when ``exact``, else within the dtypes' tolerance) on
+    the payloads, or :func:`~determ_backend.compare.judge_records` on the statistics."""
+    row: Dict[str, Any] = {c: "N/A" for c in CSV_COLUMNS}
+    row.update({"NPU Name": name_a or "N/A", "Bench Name": name_b or "N/A", "Root Cause": "No", "Err_message": ""})
+    for side, t in (("NPU", ta), ("Bench", tb)):
+        if t is None or "dtype" not in t:
+            continue
+        row[f"{side} Tensor Dtype"], row[f"{side} Tensor Shape"] = t["dtype"], t["shape"]
+        st = t.get("stats") or {}
+        for k, col in (("max", "max"), ("min", "min"), ("mean", "mean"), ("l2", "l2norm")):
+            row[f"{side} {col}"] = _fmt(st.get(k))
+        row[f"{side} Hash"] = t.get("hash", "N/A")
+    if ta is None or tb is None:
+        row["Err_message"] = "no counterpart in the other dump (extra or missing op or argument)"
+        return row, None, None
+    if ta.get("unresolved") or tb.get("unresolved"):
+        row["Err_message"] = "input of a compiled node that the backend's trace does not attribute"
+        return row, None, None
+    if "dtype" not in ta or "dtype" not in tb:
+        same = ta.get("value") == tb.get("value") and ta.get("type") == tb.get("type")
+        row["Bitwise Equal"] = row["Accuracy Reached or Not"] = "Yes" if same else "No"
+        return row, {"bitwise": same, "same_dtype": True}, same
+    m: Dict[str, Any] = {"same_dtype": ta["dtype"] == tb["dtype"]}
+    if "hash" in ta and "hash" in tb:
+        m["bitwise"] = ta["hash"] == tb["hash"] and m["same_dtype"]
+    if ta.get("stats") and tb.get("stats"):
+        m.update(stats_metrics(ta["stats"], tb["stats"]))
+    tol = None if exact else dtype_tol(DEFAULT_TOL, ta["dtype"], tb["dtype"])
+    verdict: Optional[bool]
+    pair = _payloads(ta, tb, da, db)
+    if pair is not None:
+        va, vb = pair
+        m.update(payload_metrics(va, vb))
+        verdict = judge(vb, va, tol=tol or 0.0, strict=True, bitwise=exact)
+    else:
+        if "hash" in ta and "hash" in tb:
+            row["Err_message"] = "statistics only"
+        verdict = judge_records(_as_record(ta), _as_record(tb), tol)[0] if (ta.get("hash") or ta.get("stats")) else None
+    for key, col in (("cosine", "Cosine"), ("max_abs", "MaxAbsErr"), ("max_rel", "MaxRelativeErr"),
+                     ("one", "One Thousandth Err Ratio"), ("five", "Five Thousandths Err Ratio"),
+                     ("max_diff", "Max diff"), ("min_diff", "Min diff"), ("mean_diff", "Mean diff"),
+                     ("l2_diff", "L2norm diff")):
+        if key in m:
+            row[col] = m[key]
+    if "error" in m:
+        row["Err_message"] = m["error"]
+        verdict = False
+    if "bitwise" in m:
+        row["Bitwise Equal"] = "Yes" if m["bitwise"] else "No"
+    row["Accuracy Reached or Not"] = accuracy_reached(m)
+    return row, m, verdict
+
+
+def _payloads(ta: Dict[str, Any], tb: Dict[str, Any], da: Dump, db: Dump):
+    """Both stored tensors, or None: statistics only, or a payload past the end of a dump that was cut
+    (disk full) -- a damaged payload file of a complete dump is an error."""
+    if not ("payload" in ta and "payload" in tb and da.has_payloads and db.has_payloads):
+        return None
+    try:
+        return da.tensor(ta), db.tensor(tb)
+    except TraceFormatError:
+        if da.cut or db.cut:
+            return None
+        raise
+
+
+def _as_record(t: Dict[str, Any]) -> Record:
+    return Record(graph="", stage="", node=t.get("name", ""), op="", dtype=t.get("dtype"), shape=t.get("shape"),
+                  hash=t.get("hash"), stats=t.get("stats"))
+
+
+def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool) -> Dict[str, List[Optional[bool]]]:
+    """Fill ``pa.rows``; returns the match verdicts of the (non-parameter) ``inputs`` and the ``outputs``.
+
+    Bitwise verdicts only when ``exact`` and every paired tensor of the call has the same dtype on both sides:
+    a call fed a bf16 tensor on one side and fp32 on the other is judged by tolerance, outputs included."""
+    found = []
+    for io_ in ("inputs", "outputs"):
+        la = (pa.a or {}).get(io_, [])
+        lb = (pa.b or {}).get(io_, [])
+        by_a, by_b = {t.get("name"): t for t in la}, {t.get("name"): t for t in lb}
+        order = [t.get("name") for t in la] + [n for n in by_b if n not in by_a]
+        for n in order:
+            ta, tb = by_a.get(n), by_b.get(n)
+            found.append((io_, n, ta, tb, bool((ta or tb or {}).get("param"))))
+    api_exact = exact and all(ta is None or tb is None or ta.get("dtype") == tb.get("dtype")
+                              for _, _, ta, tb, _ in found)
+    verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "outputs": []}
+    for io_, n, ta, tb, param in found:
+        row, _, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
+                                f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, api_exact)
+        row["_io"], row["_match"] = io_, v
+        pa.rows.append(row)
+        if not (io_ == "inputs" and param):
+            verdicts[io_].append(v)
+    return verdicts
+
+
+def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: Optional[bool] = None) -> DumpComparison:
+    """Align two dumps (``a`` is the NPU/test side, ``b`` the benchmark) and judge every tensor.
+
+    ``exact`` (bitwise verdicts) defaults to True only when both dumps ran on the same device type in the same
+    dtypes; otherwise the verdicts are the core's within the dtypes' tolerance (module docstring)."""
+    da = a if isinstance(a, Dump) else read_dump(a)
+    db = b if isinstance(b, Dump) else read_dump(b)
+    for d in (da, db):
+        _warn_missing_payloads(d)
+    pairs = _aligned_pairs(da, db)
+    if exact is None:
+        exact = da.header.get("device") == db.header.get("device") and not _dtypes_differ(pairs)
+    fwd_inputs: Dict[str, Optional[bool]] = {}
+    diverged_before = False
+    judged: List[Pair] = []
+    api: Dict[int, ApiPair] = {}
+    for pa in pairs:
+        if pa.a is None or pa.b is None:
+            for side, e, d in (("NPU", pa.a, da), ("Bench", pa.b, db)):
+                if e is not None:
+                    _unmatched_rows(pa, e, side)
+            continue
+        v = _pair_tensors(pa, da, db, exact)
+        ins = all(x is True for x in v["inputs"])
+        if str(pa.a.get("op", "")).startswith("Parameter."):
+            ins = not diverged_before  # a parameter or gradient read-out depends on everything before it
+        elif pa.a.get("dir") == "backward":
+            fwd = pa.a["name"][: -len("backward")] + "forward"
+            ins = ins and fwd_inputs.get(fwd, True) is not False
+        else:
+            fwd_inputs[pa.a["name"]] = ins
+        pa.inputs_match = ins
+        pa.output_diverges = any(x is False for x in v["outputs"])
+        diverged_before = diverged_before or pa.output_diverges
+        # a compiled region whose own FX nodes diverge is explained by them: its inputs do not agree
+        p = Pair(_to_record(pa.a, "a", 0), _to_record(pa.b, "b", 0), equal=not pa.output_diverges,
+                 inputs_equal=ins and not cc.explained_by_nodes(pa.nodes))
+        judged.append(p)
+        api[id(p)] = pa
+    for p in find_roots(judged, "bitwise" if exact else "tolerance", strict=True).root_causes:
+        api[id(p)].root_cause = True
+    for pa in pairs:
+        if pa.a is not None and pa.b is not None:
+            _note(pa)
+        if pa.root_cause:
+            for r in pa.rows:
+                if r["_io"] == "outputs" and r["_match"] is False:
+                    r["Root Cause"] = "Yes"
+    return DumpComparison(pairs, exact)
+
+
+def _warn_missing_payloads(d: Dump) -> None:
+    """One line when the index names tensor payloads its data directory no longer holds."""
+    if d.has_payloads:
+        return
+    if any("payload" in t for e in d.entries for io_ in ("inputs", "outputs") for t in e.get(io_, [])):
+        where = (d.data_dir or d.path.parent / d.path.name[: -len(".pkl")]) / PAYLOAD_FILE
+        log.warning("compare: %s references tensor payloads, but %s is missing: comparing on statistics only",
+                    d.path, where)
+
+
+def _dtypes_differ(pairs: List[ApiPair]) -> bool:
+    """Did the two runs compute in different dtypes (some paired tensor has another dtype on each side)?
+
+    Then even the ops that see the same dtype on both sides (after a ``.float()``) are judged by tolerance:
+    their inputs carry the rounding of the other dtype, so bitwise equality means nothing there."""
+    for p in pairs:
+        if p.a is None or p.b is None:
+            continue
+        for io_ in ("inputs", "outputs"):
+            dtypes = {t.get("name"): t.get("dtype") for t in p.a.get(io_, []) if "dtype" in t}
+            if any(t.get("name") in dtypes and dtypes[t.get("name")] != t["dtype"]
+                   for t in p.b.get(io_, []) if "dtype" in t):
+                return True
+    return False
+
+
+def _aligned_pairs(da: Dump, db: Dump) -> List[ApiPair]:
+    """Calls paired by alignment; each compiled region pair preceded by the pairs of its FX-node entries."""
+    top_a, inner_a = cc.split_entries(da.entries)
+    top_b, inner_b = cc.split_entries(db.entries)
+    ra = [_to_record(da.entries[i], "a", i) for i in top_a]
+    rb = [_to_record(db.entries[i], "b", i) for i in top_b]
+    pairs: List[ApiPair] = []
+    for p in align(ra, rb):
+        ea = da.entries[p.a.extra["i"]] if p.a is not None else None
+        eb = db.entries[p.b.extra["i"]] if p.b is not None else None
+        ka, kb = cc.region_key(ea), cc.region_key(eb)
+        nodes = [ApiPair(da.entries[i] if i is not None else None, db.entries[j] if j is not None else None)
+                 for i, j in cc.pair_nodes(da.entries, db.entries, inner_a.get(ka), inner_b.get(kb))]
+        pairs.extend(nodes)
+        pairs.append(ApiPair(ea, eb, nodes=nodes))
+    return pairs
+
+
+def _note(pa: ApiPair) -> None:
+    """Say in the CSV what a compiled region's verdict means."""
+    note = None
+    if (pa.a or {}).get("opaque") or (pa.b or {}).get("opaque"):
+        note = cc.OPAQUE_HINT
+    elif cc.nodes_unpaired(pa.nodes):
+        note = cc.UNPAIRED_HINT
+    elif pa.nodes and pa.output_diverges and not pa.root_cause and pa.inputs_match:
+        note = "the divergence starts at one of its FX nodes (see the root cause above)"
+    if note:
+        for r in pa.rows:
+            r["Err_message"] = f"{r['Err_message']}; {note}" if r["Err_message"] else note
+
+
+def _unmatched_rows(pa: ApiPair, e: Dict[str, Any], side: str) -> None:
+    for io_ in ("inputs", "outputs"):
+        for t in e.get(io_, []):
+            n = f"{e['name']}_{t.get('name')}"
+            row, _, _ = _tensor_row(n if side == "NPU" else None, n if side == "Bench" else None,
+                                    t if side == "NPU" else None, t if side == "Bench" else None, None, None, False)
+            row["_io"], row["_match"] = io_, None
+            pa.rows.append(row)
+
+
+def write_csv(cmp: DumpComparison, path: Path, stack_mode: bool = False) -> Path:
+    buf = io.StringIO()
+    cols = CSV_COLUMNS + ([_STACK_COLUMN] if stack_mode else [])
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    for p in cmp.pairs:
+        stack = "\n".join((p.a or {}).get("stack") or []) if stack_mode else None
+        for i, r in enumerate(p.rows):
+            row = dict(r)
+            if stack_mode:
+                row[_STACK_COLUMN] = stack if i == 0 else ""
+            w.writerow(row)
+    atomic_write_text(path, buf.getvalue())
+    cmp.csv_path = path
+    return path
+
+
+def analyze(cmp: DumpComparison, out=None) -> str:
+    """Name the first root-cause API with its source and stack (printed, and returned)."""
+    roots = cmp.root_causes
+    if roots:
+        p = roots[0]
+        bad = [r for r in p.rows if r["Root Cause"] == "Yes"] or p.rows
+        r = bad[0]
+        lines = [f"root cause: {p.a['name']} (bench: {p.b['name']}): its inputs match but its output does not",
+                 f"  {r['NPU Name']}: Cosine={r['Cosine']} MaxAbsErr={r['MaxAbsErr']} "
+                 f"Bitwise Equal={r['Bitwise Equal']} Accuracy Reached or Not={r['Accuracy Reached or Not']}",
+                 f"  at {p.a.get('source') or '?'}"]
+        where = cc.node_note(p.a)
+        if where:
+            lines.insert(1, f"  {where}")
+        elif p.a.get("opaque"):
+            lines.append(f"  ({cc.OPAQUE_HINT})")
+        elif cc.nodes_unpaired(p.nodes):
+            lines.append(f"  ({cc.UNPAIRED_HINT})")
+        lines += [f"    {s}" for s in p.a.get("stack") or []]
+        if len(roots) > 1:
+            lines.append(f"  ({len(roots) - 1} more root-cause APIs in the CSV)")
+    elif cmp.first_divergence is not None:
+        p = cmp.first_divergence
+        lines = [f"first divergence: {p.name}, but its inputs already differ: no root cause among the paired APIs",
+                 f"  at {(p.a or {}).get('source') or '?'}"]
+        i = cmp.pairs.index(p)
+        extra = [q for q in cmp.pairs[max(0, i - 5): i] if q.a is None or q.b is None]
+        if extra:
+            lines.append("  unpaired calls just before it (present in one dump only; a likely culprit): " +
+                         ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'})" for q in extra))
+        else:
+            lines.append("  (the model inputs differ, or the culprit was not dumped)")
+    else:
+        unmatched = sum(1 for p in cmp.pairs if p.a is None or p.b is None)
+        lines = [f"no divergence: every paired API agrees ({unmatched} unpaired calls)"]
+    text = "\n".join(lines)
+    print(text, file=out)
+    return text
+
+
+auto_analyze = analyze
+
+
+def _timestamp() -> str:
+    return time.strftime("%Y%m%d%H%M%S")
+
+
+def _unique(path: Path) -> Path:
+    n, p = 1, path
+    while p.exists():
+        p = path.with_name(f"{path.stem}_{n}{path.suffix}")
+        n += 1
+    return p
+
+
+def compare(input_param: Dict[str, Any], output_path: Union[str, Path], stack_mode: bool = False,
+            auto_analyze: bool = True, suffix: str = "", fuzzy_match: bool = False,
+            exact: Optional[bool] = None) -> DumpComparison:
+    """ptdbg's ``compare``: writes ``compare_result{suffix}_{timestamp}.csv`` into ``output_path``.
+
+    ``input_param``: ``npu_pkl_path`` and ``bench_pkl_path`` (index files or rank directories);
+    ``npu_dump_data_dir``/``bench_dump_data_dir`` are accepted and checked but not needed.  Pairing is
+    always by alignment, so ``fuzzy_match`` has no effect."""
+    if not isinstance(input_param, dict):
+        raise ConfigError(f"compare: input_param must be a dict, got {type(input_param).__name__}")
+    for key in ("npu_pkl_path", "bench_pkl_path"):
+        if not input_param.get(key):
+            raise ConfigError(f"compare: input_param needs {key!r} (a dump.pkl index or rank directory)")
+        check_path(input_param[key], f"compare: input_param[{key!r}]")
+    for key in ("npu_dump_data_dir", "bench_dump_data_dir"):
+        if input_param.get(key) and not check_path(input_param[key], f"compare: input_param[{key!r}]").is_dir():
+            raise TraceFormatError(f"compare: {key} {input_param[key]}: no such directory")
+    out = check_path(output_path, "compare: output_path")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"compare: output_path {out} is not a directory")
+    cmp = compare_dumps(find_index(input_param["npu_pkl_path"]), find_index(input_param["bench_pkl_path"]), exact)
+    out.mkdir(parents=True, exist_ok=True)
+    ts = _timestamp()
+    write_csv(cmp, _unique(out / f"compare_result{suffix}_{ts}.csv"), stack_mode)
+    if auto_analyze:
+        text = analyze(cmp)
+        atomic_write_text(_unique(out / f"advisor{suffix}_{ts}.txt"), text + "\n")
+    log.info("compare: wrote %s", cmp.csv_path)
+    return cmp
+
+
+def compare_distributed(npu_dump_dir: Union[str, Path], bench_dump_dir: Union[str, Path],
+                        output_path: Union[str, Path], **kwargs: Any) -> List[DumpComparison]:
+    """Compare rank by rank: ``<npu>/rank<N>`` with ``<bench>/rank<N>``; both runs must have the same ranks."""
+    ra, rb = rank_dirs(npu_dump_dir), rank_dirs(bench_dump_dir)
+    if not ra:
+        raise TraceFormatError(f"{npu_dump_dir}: no rank<N> directories")
+    if sorted(ra) != sorted(rb):
+        raise TraceFormatError(f"compare_distributed: {npu_dump_dir} has ranks {sorted(ra)} but {bench_dump_dir} has "
+                               f"{sorted(rb)}; both runs must use the same number of ranks")
+    results = []
+    for rank in ra:
+        pa, pb = find_index(ra[rank]), find_index(rb[rank])
+        for index in (pa, pb):
+            check_rank(index, read_header(index), rank)
+        param = {"npu_pkl_path": str(pa), "bench_pkl_path": str(pb)}
+        results.append(compare(param, output_path, suffix=f"_rank{rank}-rank{rank}", **kwargs))
+    return results

@@ -1,0 +1,300 @@
+"""Per-op records for the eager dispatch modes (:mod:`determ_backend.modes.core`).
+
+:class:`OpRecorder` turns each aten op seen by a dispatch mode into trace
+records (one per tensor the op returns or writes), with:
+
+* ``node``: ``<op>@<file>:<function>+<line offset>#<k>`` -- the k-th call of that
+  op from that user line (backward ops: ``.../bw#k``, named after the forward line
+  that created their autograd node).  Names are stable when another line gains or
+  loses an op, or lines move in another function, so two runs pair by name; ``.j``
+  suffixes the outputs of multi-output ops; ``source`` keeps the absolute file:line;
+* ``inputs``: the records that produced the op's tensor inputs (tensor identity
+  and version counter, so in-place updates are followed); a tensor not produced
+  under the mode (parameter, user input, a value made elsewhere) gets an
+  ``input``/``param`` record of its own when first consumed;
+* ``in_hashes`` / ``hash``: fingerprints, batched by
+  :class:`~determ_backend.modes._hashing.PendingHashes` (device work at once, one
+  host sync per batch of a few hundred ops); views get a hash derived from their
+  base's instead of re-reading memory.
+
+The mode classes, the human-readable log and the comparisons live elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from determ_backend import _torch_compat as _compat
+from determ_backend.modes._hashing import PendingHashes, hashable
+from determ_backend.modes.ops import (COPIES, FrameFilter, iter_args, mem_key, returns_view, same_layout, schema_writes, uninitialized, uninitialized_hash, version, written_tensors)
+from determ_backend.trace.stream import Record
+
+__all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
+
+FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, name location) of its forward op
+_FLUSH_BYTES = 256 << 20  # also finish the fingerprint batch once this much data was captured
+class OpEvent:
+    """One op (or one first-seen input) as the log prints it."""
+
+    __slots__ = ("op", "source", "stack", "args", "outs", "devices", "in_recs", "backward", "compiled")
+
+    def __init__(self, op, source, stack, args, outs, devices, in_recs, backward=None, compiled=False):
+        self.op, self.source, self.stack, self.args = op, source, stack, args  # args: (path, Record|None, value, device)
+        self.outs, self.devices, self.in_recs = outs, devices, in_recs
+        self.backward, self.compiled = backward, compiled
+
+
+class OpRecorder:
+    """Fingerprint records of the ops a dispatch mode sees.  Thread-safe.
+
+    ``sink(events)`` is called with the finished :class:`OpEvent` batches in op order.
+    ``names`` maps tensors (parameters, buffers) to names for their ``param`` records.
+    """
+
+    def __init__(self, sink: Callable[[List[OpEvent]], None], run: Optional[str] = None, stats: bool = False,
+                 stack_depth: int = 1, names: Optional[Dict[int, Tuple[weakref.ref, str]]] = None,
+                 describe_args: bool = False, batch: int = 512, rank: int = 0):
+        self.sink, self.run, self.stats, self.stack_depth = sink, run, stats, max(1, stack_depth)
+        self.describe_args, self.batch, self.rank = describe_args, batch, rank
+        self.names = names or {}
+        self.seq = 0
+        self.compiled_ops = 0
+        self.lock = threading.RLock()
+        self._frames = FrameFilter()
+        self._producers: Dict[tuple, tuple] = {}  # memory key -> (StorageWeakRef, Record, version)
+        self._counts: Dict[tuple, int] = {}
+        self._writes: Dict[Any, tuple] = {}
+        self._hashes = PendingHashes(stats)
+        self._events: List[OpEvent] = []
+        self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
+        self._autograd_node = _compat.current_autograd_node_getter()
+        self._lines: Dict[tuple, tuple] = {}  # (code, line) -> (source, name location)
+
+    # -- source lines --------------------------------------------------------------------------
+    def _where(self, frame) -> Tuple[Optional[str], str, Optional[List[str]]]:
+        """``(source file:line, location for names, stack)`` of the first user frame.
+
+        The location is ``file:function+offset`` (line relative to the function's first
+        line), so names survive lines added or removed in other functions."""
+        frames = self._frames.user_frames(frame, self.stack_depth)
+        if not frames:
+            return None, "?", None
+        f = frames[0]
+        key = (f.f_code, f.f_lineno)
+        where = self._lines.get(key)
+        if where is None:
+            code = f.f_code
+            where = self._lines[key] = (f"{code.co_filename}:{f.f_lineno}", f"{os.path.basename(code.co_filename)}:"
+                                        f"{code.co_name}+{f.f_lineno - code.co_firstlineno}")
+        source, loc = where
+        if self.stack_depth == 1:
+            return source, loc, None
+        return source, loc, [f"{g.f_code.co_filename}:{g.f_lineno} in {g.f_code.co_name}" for g in frames]
+
+    def _name(self, op: str, loc: str, suffix: str = "") -> str:
+        base = f"{op}@{loc}{suffix}"
+        k = self._counts.get(base, 0)
+        self._counts[base] = k + 1
+        return f"{base}#{k}"
+
+    # -- producers ---------------------------------------------------------------------------
+    # Keyed by memory (address, dtype, shape, strides, device) rather than by Python object: a
+    # tensor made inside a C++ kernel (``weight.t()`` in ``linear``) reaches the next op as a new
+    # Python object.  An entry is valid while its storage is alive and its version is unchanged.
+    def producer(self, t: torch.Tensor) -> Optional[Record]:
+        if self._unsettled:
+            self._settle()
+        key = mem_key(t)
+        ent = self._producers.get(key) if key is not None else None
+        if ent is not None and ent[2] == version(t) and not ent[0].expired():
+            return ent[1]
+        return None
+
+    def set_producer(self, t: torch.Tensor, rec: Record, view: bool = False) -> None:
+        """``view``: ``t`` shares memory with an input, so an entry still valid for the same memory
+        keeps its original producer (``detach``/``t().t()`` make no new values)."""
+        key = mem_key(t)
+        if key is None:
+            return
+        v = version(t)
+        if view:
+            ent = self._producers.get(key)
+            if ent is not None and ent[2] == v and not ent[0].expired():
+                return
+        self._producers[key] = (StorageWeakRef(t.untyped_storage()), rec, v)
+
+    def _settle(self) -> None:
+        """Register the last op's outputs.  Deferred to the next op because autograd bumps the version
+        counter of in-place results, and gives views their base's counter, after the op returns."""
+        unsettled, self._unsettled = self._unsettled, []
+        for t, rec, view in unsettled:
+            self.set_producer(t, rec, view)
+
+    def _input_record(self, t: torch.Tensor, source: Optional[str], loc: str, events: list) -> Record:
+        named = self.names.get(id(t))
+        if named is not None and named[0]() is t:
+            k = self._counts.get(named[1], 0)
+            self._counts[named[1]] = k + 1
+            rec = self._record(named[1] if k == 0 else f"{named[1]}#{k}", "param", "param", source, t)
+        else:
+            rec = self._record(self._name("input", loc), "input", "input", source, t)
+        self._capture(rec, t)
+        self.set_producer(t, rec)
+        events.append(OpEvent(rec.op, source, None, [], [rec], [str(t.device)], []))
+        return rec
+
+    def _record(self, node: str, op: str, kind: str, source: Optional[str], t, inputs=(), extra=None) -> Record:
+        seq = self.seq
+        self.seq += 1
+        if isinstance(t, torch.Tensor):
+            dtype, shape = str(t.dtype).replace("torch.", ""), list(t.shape)
+        else:
+            dtype, shape = f"py_{type(t).__name__}", []
+        return Record(graph="eager", stage="eager", node=node, op=op, kind=kind, seq=seq, source=source,
+                      dtype=dtype, shape=shape, inputs=[r.node for r in inputs], rank=self.rank, run=self.run,
+                      extra=extra)
+
+    # -- the two halves of an op -----------------------------------------------------------------
+    def begin(self, func, args, kwargs, frame, compiled: bool) -> tuple:
+        """Before the op runs: resolve its inputs (hashing first-seen ones as they are now)."""
+        if self._unsettled:
+            self._settle()
+        node = self._autograd_node()
+        backward = fwd = None
+        if node is not None:
+            backward = node.name()
+            fwd = node.metadata.get(FORWARD_KEY)
+        source, loc, stack = self._where(frame)
+        if fwd is not None:  # name backward ops after the forward line that created their node
+            source, loc = fwd
+        found = iter_args(args, kwargs, [], self.describe_args)
+        in_recs, arg_desc, events = [], [], []
+        grad_on = node is None and torch.is_grad_enabled()
+        for path, t in found:
+            if not isinstance(t, torch.Tensor):
+                arg_desc.append((path, None, t, None))
+                continue
+            rec = self.producer(t)
+            if rec is None:
+                rec = self._input_record(t, source, loc, events)
+            elif grad_on and t.requires_grad:
+                self._tag_grad_fn(t, rec)
+            in_recs.append(rec)
+            if self.describe_args:
+                arg_desc.append((path, rec, None, str(t.device)))
+        return (func, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
+
+    @staticmethod
+    def _tag_grad_fn(t: torch.Tensor, rec: Record) -> None:
+        gf = t.grad_fn
+        if gf is not None:
+            md = gf.metadata
+            if FORWARD_KEY not in md and "@" in rec.node:
+                loc = rec.node.split("@", 1)[1].rsplit("#", 1)[0]
+                md[FORWARD_KEY] = (rec.source, loc[:-3] if loc.endswith("/bw") else loc)
+
+    def end(self, ctx: tuple, result, args, kwargs, nondeterministic: bool = False) -> List[Record]:
+        """After the op ran: one record per tensor (or Python scalar) it produced."""
+        func, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
+        info = self._writes.get(func)
+        if info is None:
+            info = self._writes[func] = (schema_writes(func), returns_view(func), uninitialized(func),
+                                         COPIES.get(getattr(func, "_schema", None) and func._schema.name), str(func))
+        writes, is_view, uninit, copy_arg, op = info
+        outs = written_tensors(result, writes, args, kwargs)
+        base = self._name(op, loc, "/bw" if backward else "")
+        extra = self._extra(stack, backward, compiled, nondeterministic)
+        recs = []
+        for j, t in enumerate(outs):
+            rec = self._record(base if len(outs) == 1 else f"{base}.{j}", op, "node", source, t, in_recs, extra)
+            if uninit:  # the memory holds garbage until written: hash what is defined, dtype and shape
+                rec.hash = uninitialized_hash(rec)
+            elif nondeterministic:  # values may have been substituted after the op: read them
+                self._capture(rec, t)
+            else:
+                self._hash_output(rec, t, is_view, copy_arg, args, in_recs)
+            if isinstance(t, torch.Tensor):
+                self._unsettled.append((t, rec, is_view))
+            recs.append(rec)
+        if compiled:
+            self.compiled_ops += 1
+        devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else []
+        events.append(OpEvent(op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled))
+        self._events.extend(events)
+        if len(self._hashes) >= self.batch or self._hashes.nbytes >= _FLUSH_BYTES:
+            self.flush()
+        return recs
+
+    @staticmethod
+    def _extra(stack, backward, compiled, nondeterministic) -> Optional[dict]:
+        extra = {}
+        if stack:
+            extra["stack"] = stack
+        if backward:
+            extra["backward"] = backward
+        if compiled:
+            extra["compiled_region"] = "eager"
+        if nondeterministic:
+            extra["non_deterministic"] = True
+        return extra or None
+
+    def add_external(self, node: str, op: str, kind: str, t: torch.Tensor, source: Optional[str],
+                     stack: Optional[List[str]] = None, extra: Optional[dict] = None,
+                     inputs: Sequence[Record] = ()) -> Record:
+        """A record made outside dispatch (``observe``), produced by nothing the mode saw."""
+        with self.lock:
+            ex = dict(extra or {})
+            if stack:
+                ex["stack"] = stack
+            rec = self._record(node, op, kind, source, t, inputs, ex or None)
+            self._capture(rec, t)
+            if isinstance(t, torch.Tensor):
+                self.set_producer(t, rec)
+            device = str(t.device) if isinstance(t, torch.Tensor) else "host"
+            self._events.append(OpEvent(op, source, stack, [], [rec], [device], list(inputs)))
+            return rec
+
+    # -- fingerprints ----------------------------------------------------------------------------
+    def _hash_output(self, rec: Record, t, is_view: bool, copy_arg: Optional[int], args, in_recs) -> None:
+        """Fingerprint ``t``, or take it from its source when the op only copies or re-views values."""
+        src_i = copy_arg if copy_arg is not None else (0 if is_view else None)
+        src = args[src_i] if src_i is not None and src_i < len(args) else None
+        if (isinstance(src, torch.Tensor) and isinstance(t, torch.Tensor) and len(in_recs) > src_i
+                and all(isinstance(a, torch.Tensor) for a in args[:src_i]) and hashable(t) is None):
+            if t.dtype == src.dtype and t.shape == src.shape and (not is_view or same_layout(t, src)):
+                self._hashes.add_same(rec, in_recs[src_i])  # same logical values: same fingerprint
+                return
+            if is_view:
+                self._hashes.add_view(rec, in_recs[src_i], t, src)
+                return
+        self._capture(rec, t)
+
+    def _capture(self, rec: Record, t) -> None:
+        why = hashable(t) if isinstance(t, torch.Tensor) else None
+        if why is not None:
+            rec.extra = dict(rec.extra or {}, unhashable=why)
+            return
+        self._hashes.add(rec, t)
+
+    def flush(self) -> None:
+        """Fingerprint everything pending (one host sync per device) and hand finished events to the sink."""
+        with self.lock:
+            events, self._events = self._events, []
+            self._hashes.resolve()
+            for ev in events:
+                hashes = [r.hash for r in ev.in_recs]
+                for r in ev.outs:
+                    r.in_hashes = list(hashes)
+            self._prune()
+        if events:
+            self.sink(events)
+
+    def _prune(self) -> None:
+        if len(self._producers) > 4096:
+            self._producers = {k: v for k, v in self._producers.items() if not v[0].expired()}

@@ -1,0 +1,337 @@
+"""Eager dispatch modes: ``HashMode``, ``HashDebugTrace`` and ``BitwiseEquivalenceMode``.
+
+* :class:`HashMode` records a fingerprint trace of every aten op (forward and
+  backward) in the shared trace format; cheap enough to leave on, with
+  :meth:`HashMode.enable` / :meth:`HashMode.disable` regions.
+* :class:`HashDebugTrace` is a ``HashMode`` that also writes a human-readable
+  log per run (``with HashDebugTrace(log_path="trace_first.log"): model(x)``) and
+  the JSON Lines trace next to it; :func:`read_hash_log` reads the log back.
+* :class:`BitwiseEquivalenceMode` (in :mod:`determ_backend.modes._bitwise`) runs
+  every op twice and reports the ones whose results differ bitwise.
+
+``torch.compile``: on torch 2.13 dynamo does not compile while a (non-infra)
+dispatch mode is active, so a compiled function called under these modes runs
+eagerly and its ops are traced as eager ops.  Such records carry
+``extra["compiled_region"] = "eager"`` and the mode logs a warning; to trace the
+compiled graphs themselves, use the ``determ_*`` compile backends instead.
+
+Per-op recording lives in :mod:`determ_backend.modes._record`, the log format in
+:mod:`determ_backend.modes.log`; comparing traces in :mod:`determ_backend.compare`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+import weakref
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+from determ_backend import _torch_compat as _compat
+from determ_backend.modes._bitwise import BitwiseEquivalenceMode
+from determ_backend.modes.log import LogWriter, read_hash_log, read_hash_log_file
+from determ_backend.modes._record import OpEvent, OpRecorder
+from determ_backend.errors import ConfigError
+from determ_backend.trace.stream import Record, TraceWriter
+
+__all__ = ["HashMode", "HashDebugTrace", "BitwiseEquivalenceMode", "read_hash_log", "read_hash_log_file"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _protect(code) -> None:
+    _compat.dynamo_skip_code(code)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _check_bool(**flags) -> None:
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise ConfigError(f"{name}={v!r}: expected True or False")
+
+
+def _check_count(name: str, v, minimum: int, optional: bool = False) -> None:
+    if optional and v is None:
+        return
+    if type(v) is not int or v < minimum:
+        expected = "a positive integer" if minimum > 0 else "a non-negative integer"
+        raise ConfigError(f"{name}={v!r}: expected {expected}{' or None' if optional else ''}")
+
+
+def _check_path(name: str, v, optional: bool = False) -> Optional[Path]:
+    if optional and v is None:
+        return None
+    if not isinstance(v, (str, os.PathLike)) or not str(v):
+        raise ConfigError(f"{name}={v!r}: expected a file name (str or path)")
+    p = Path(v)
+    if p.is_dir():
+        raise ConfigError(f"{name}={str(v)!r}: is a directory; expected a file name")
+    return p
+
+
+def _tensor_names(module: Optional[torch.nn.Module]) -> Dict[int, Tuple[weakref.ref, str]]:
+    if module is None:
+        return {}
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return {id(t): (weakref.ref(t), name) for name, t in named if t is not None}
+
+
+class HashMode(TorchDispatchMode):
+    """Fingerprint trace of every aten op run while active.
+
+    Args:
+        trace_path: stream the records to this JSON Lines trace (``repro-tools diff`` reads it).
+        run: run name stored in each record.
+        stats: also record min/max/mean/L2/NaN/Inf counts (enables ``--tol`` verdicts; slower).
+        module: name this module's parameters and buffers in their ``param`` records.
+        stack_depth: user frames kept per record (1 = the source line only).
+        keep_records: keep the records in :attr:`records` (turn off for long streaming runs).
+        batch: ops between fingerprint batches (one host sync each).
+
+    Use as a context manager, or :meth:`enable` / :meth:`disable` around regions and
+    :meth:`close` at the end.  :attr:`records` is complete after :meth:`flush`.
+    """
+
+    def __init__(self, trace_path: Union[str, Path, None] = None, run: Optional[str] = None, stats: bool = False,
+                 module: Optional[torch.nn.Module] = None, stack_depth: int = 1, keep_records: bool = True,
+                 batch: int = 512, _describe_args: bool = False):
+        super().__init__()
+        _check_count("batch", batch, 1)
+        _check_count("stack_depth", stack_depth, 0)
+        _check_bool(stats=stats, keep_records=keep_records)
+        if run is not None and not isinstance(run, str):
+            raise ConfigError(f"run={run!r}: expected a string or None")
+        trace_path = _check_path("trace_path", trace_path, optional=True)
+        _protect(type(self).__torch_dispatch__.__code__)
+        self.trace_path = trace_path
+        self.run = run
+        self.keep_records = keep_records
+        self.records: List[Record] = []
+        self.output_hook: Optional[Callable] = None  # (func, result, recorder ctx) -> (result, non_deterministic)
+        self._recorder = OpRecorder(self._sink, run=run, stats=stats, stack_depth=stack_depth,
+                                    names=_tensor_names(module), describe_args=_describe_args, batch=batch)
+        self._set_eval_frame = _compat.eval_frame_setter()
+        self._writer: Optional[TraceWriter] = None
+        self._active = True
+        self._on_stack = False
+        self._via_enable = False
+        self._closed = False
+        self._warned_compiled = False
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # The default wrapper (torch._dynamo.disable per call) costs ~200 us per op; we instead
+        # mark __torch_dispatch__'s code as skipped once and switch the eval-frame callback off inside.
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        prior = self._set_eval_frame(None)
+        try:
+            kwargs = kwargs or {}
+            if not self._active:
+                return func(*args, **kwargs)
+            rec = self._recorder
+            with rec.lock:
+                ctx = rec.begin(func, args, kwargs, sys._getframe(1), prior is not None and prior is not False)
+            out = func(*args, **kwargs)
+            nondet = False
+            if self.output_hook is not None:
+                out, nondet = self.output_hook(func, out, args, kwargs)
+            with rec.lock:
+                rec.end(ctx, out, args, kwargs, nondet)
+            return out
+        finally:
+            self._set_eval_frame(prior)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self):
+        if self._closed:
+            raise ConfigError(f"{type(self).__name__} was closed; create a new one for another run")
+        self._recorder.rank = _rank()
+        self._open()
+        self._on_stack = True
+        self._active = True
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        try:
+            super().__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            self._on_stack = False
+            if self._via_enable:
+                self.flush()
+            else:
+                self.close()
+
+    def enable(self) -> "HashMode":
+        """Start (or resume) recording."""
+        if self._on_stack:
+            self._active = True
+            return self
+        self._via_enable = True
+        self.__enter__()
+        return self
+
+    def disable(self) -> None:
+        """Stop recording.  Pops the mode when it is the innermost one, else pauses it in place."""
+        if not self._on_stack:
+            return
+        if _get_current_dispatch_mode() is self:
+            self.__exit__(None, None, None)
+        else:
+            self.flush()
+            self._active = False
+
+    @property
+    def is_recording(self) -> bool:
+        return self._on_stack and self._active
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run inside are not recorded (the mode stays where it is on the dispatch stack)."""
+        prev = self._active
+        self._active = False
+        try:
+            yield
+        finally:
+            self._active = prev
+
+    def flush(self) -> None:
+        """Fingerprint pending outputs; afterwards :attr:`records` (and the trace file) are complete."""
+        self._recorder.flush()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def is_active(self) -> bool:
+        """True while the mode is entered and recording."""
+        return self.is_recording
+
+    def close(self) -> None:
+        """Flush, finish the trace file and warn about compiled regions that ran eagerly."""
+        if self._closed:
+            return
+        if self._on_stack:
+            self.disable()
+            if self._on_stack:
+                logger.warning("%s.close(): another dispatch mode entered later is still active, so this mode "
+                               "stays on the stack (paused) until that one exits", type(self).__name__)
+        self.flush()
+        self._closed = True
+        self._finish()
+
+    @property
+    def compiled_ops(self) -> int:
+        """Ops of ``torch.compile``'d regions that ran eagerly under this mode."""
+        return self._recorder.compiled_ops
+
+    # -- sinks -------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        if self.trace_path is not None and self._writer is None:
+            self._writer = TraceWriter(self.trace_path, run=self.run, meta={"producer": type(self).__name__})
+
+    def _sink(self, events: List[OpEvent]) -> None:
+        recs = [r for ev in events for r in ev.outs]
+        if self.keep_records:
+            self.records.extend(recs)
+        if self._writer is not None:
+            self._writer.write(recs)
+        self._warn_compiled()
+
+    def _warn_compiled(self) -> None:
+        if self.compiled_ops and not self._warned_compiled:
+            self._warned_compiled = True
+            logger.warning("%s: a torch.compile'd region ran eagerly (dynamo does not compile while a dispatch "
+                           "mode is active); its ops are traced as eager ops, marked compiled_region=eager. To "
+                           "trace compiled graphs use torch.compile(backend='determ_aot_eager' or "
+                           "'determ_inductor') without this mode.", type(self).__name__)
+
+    def _finish(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def summary(self) -> List[str]:
+        return [f"records: {self._recorder.seq}"] + self._notes()
+
+    def _notes(self) -> List[str]:
+        if self.compiled_ops:
+            return [f"{self.compiled_ops} ops of torch.compile'd regions ran eagerly (compiled_region=eager)"]
+        return []
+
+
+class HashDebugTrace(HashMode):
+    """A per-run, human-readable log of every aten op with its inputs and outputs, plus the trace.
+
+    ``with HashDebugTrace(log_path="trace_first.log"): model(x)`` writes ``trace_first.log``
+    (see :mod:`determ_backend.modes.log` for the format) and ``trace_first.jsonl``;
+    ``repro-tools diff trace_first.log trace_second.log`` names the first op whose
+    inputs agree and outputs differ.
+
+    Args:
+        log_path: the text log.  A name ending in ``.jsonl`` names the JSONL trace instead, and the
+            text log goes next to it with suffix ``.log`` (``out.jsonl`` -> ``out.log``).
+        verbose: also echo the log to stdout.
+        max_ops_logged: stop the text log after this many ops (a non-negative integer; None: no
+            limit).  The JSONL trace stays complete; ``repro-tools diff`` of limited logs compares
+            the logged ops only and never reports them identical.
+        jsonl_path: the trace (default: ``log_path`` with suffix ``.jsonl``).
+        stats, module, stack_depth: as for :class:`HashMode` (stats on, two frames by default).
+        auto_flush: flush the text log after every batch of ops (default on).
+        track_gradients, include_timestamp, show_exec_time: accepted for compatibility with the
+            original ``HashDebugTrace``; backward ops are always traced, and the log holds no
+            timestamps or timings (they would differ between the two runs being compared).
+    """
+
+    def __init__(self, log_path: Union[str, Path] = "tensor_hash_trace.log", verbose: bool = False,
+                 max_ops_logged: Optional[int] = None, jsonl_path: Union[str, Path, None] = None,
+                 run: Optional[str] = None, stats: bool = True, module: Optional[torch.nn.Module] = None,
+                 stack_depth: int = 2, batch: int = 512, auto_flush: bool = True, track_gradients: bool = True,
+                 include_timestamp: bool = False, show_exec_time: bool = False):
+        log_path = _check_path("log_path", log_path)
+        jsonl_path = _check_path("jsonl_path", jsonl_path, optional=True)
+        _check_count("max_ops_logged", max_ops_logged, 0, optional=True)
+        _check_bool(verbose=verbose, auto_flush=auto_flush, track_gradients=track_gradients,
+                    include_timestamp=include_timestamp, show_exec_time=show_exec_time)
+        if jsonl_path is None:
+            if log_path.suffix == ".jsonl":  # the name of the trace: the text log goes next to it
+                log_path, jsonl_path = log_path.with_suffix(".log"), log_path
+            else:
+                jsonl_path = log_path.with_suffix(".jsonl")
+        if jsonl_path.resolve() == log_path.resolve():
+            raise ConfigError(f"jsonl_path: must differ from log_path ({log_path})")
+        super().__init__(trace_path=jsonl_path, run=run or log_path.stem, stats=stats, module=module,
+                         stack_depth=stack_depth, keep_records=False, batch=batch, _describe_args=True)
+        self.log_path = log_path
+        self.jsonl_path = jsonl_path
+        self.verbose, self.max_ops_logged, self.auto_flush = verbose, max_ops_logged, auto_flush
+        self._log: Optional[LogWriter] = None
+
+    def _open(self) -> None:
+        super()._open()
+        if self._log is None:
+            self._log = LogWriter(self.log_path, self.run, torch.__version__, echo=self.verbose,
+                                  max_ops=self.max_ops_logged)
+
+    def _sink(self, events: List[OpEvent]) -> None:
+        super()._sink(events)
+        if self._log is not None:
+            self._log.write(events, flush=self.auto_flush)
+
+    def _finish(self) -> None:
+        super()._finish()
+        if self._log is not None:
+            self._log.close(self._recorder.seq, self._notes())
+            self._log = None

@@ -1,0 +1,69 @@
+"""Observer run files: ``<dump_dir>/<name>.jsonl`` (the trace) and ``<name>.safetensors``
+(tensors marked non-deterministic).  Both are written atomically and read without
+unpickling anything; the observer logic lives in :mod:`determ_backend.observer.core`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from determ_backend.errors import ConfigError, TraceFormatError
+from determ_backend.trace.stream import Record, TraceWriter, atomic_path, read_trace
+
+__all__ = ["write_run", "load_reference", "tensors_path_for"]
+
+_FORMAT = "determ-observer-tensors"
+
+
+def tensors_path_for(trace_path: Path) -> Path:
+    return trace_path.with_suffix(".safetensors")
+
+
+def _safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        raise ConfigError("non-deterministic tensors are stored as safetensors: install the 'safetensors' "
+                          "package (pip install safetensors)") from None
+    return st
+
+
+def write_run(trace_path: Path, records: Sequence[Record], tensors: Dict[str, torch.Tensor], run: str) -> None:
+    """Write the run's trace and (when there are any) its non-deterministic tensors, atomically."""
+    with atomic_path(trace_path) as tmp, TraceWriter(tmp, run=run, meta={"producer": "ObserverContext"}) as w:
+        w.write(records)
+    tpath = tensors_path_for(trace_path)
+    if not tensors:
+        if tpath.exists():
+            tpath.unlink()  # a stale file from an earlier run of the same name would mislead
+        return
+    st = _safetensors()
+    with atomic_path(tpath) as tmp:
+        st.save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, tmp,
+                     metadata={"format": _FORMAT, "run": run})
+
+
+def load_reference(path) -> Tuple[List[Record], Optional[Dict[str, torch.Tensor]], Path]:
+    """``(records, tensors or None, tensors path)`` of a reference run written by ``ObserverContext``."""
+    p = Path(path)
+    if not p.is_file():
+        what = "not a file" if p.exists() else "no such file"
+        raise TraceFormatError(f"reference_hash_file: {path}: {what} (expected the .jsonl trace an "
+                               f"ObserverContext wrote)")
+    try:
+        records = read_trace(p)
+    except TraceFormatError as e:
+        raise TraceFormatError(f"reference_hash_file: {e} (expected the .jsonl trace an ObserverContext wrote; "
+                               f"pickle files are never read)") from None
+    tpath = tensors_path_for(p)
+    if not tpath.is_file():
+        return records, None, tpath
+    st = _safetensors()
+    try:
+        tensors = st.load_file(str(tpath))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise TraceFormatError(f"{tpath}: corrupt safetensors file ({type(e).__name__}: {e})") from None
+    return records, tensors, tpath

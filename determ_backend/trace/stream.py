@@ -1,0 +1,355 @@
+"""Traces: the record schema, a streaming JSON Lines writer/reader, and the
+content-addressed tensor payload store.
+
+A trace file is JSON Lines: a header line ``{"format": "determ-trace", ...}``,
+one line per record, and a footer ``{"end": true, "count": N}`` written by
+:meth:`TraceWriter.close`.  A missing footer means the producer died; the reader
+then reports the file as truncated (or tolerates it with ``allow_partial=True``,
+which also drops a cut last line; a corrupt line elsewhere is always an error).
+The reader checks the type of every field and refuses a header ``version`` newer
+than it knows.
+
+Record fields (see :class:`Record`): ``graph`` (graph id, e.g. ``g0``), ``stage``
+(``dynamo``, ``aot_forward``, ``aot_backward``, ``inductor_forward``,
+``inductor_backward``, ``eager``, ``api``...), ``call`` (invocation count of that
+graph/stage), ``seq`` (order within the call), ``node`` (unique id within a
+call), ``op``, ``kind`` (``input``, ``param``, ``node``, ``output``), ``source``
+(user file:line), ``dtype``, ``shape``, ``hash`` (16 hex digits), ``stats``,
+``inputs`` (ids of the records this one consumed), ``in_hashes`` (fingerprints of
+the tensor inputs, in order), ``rank``, ``run``, ``payload`` (store key or null).
+
+Comparison of traces lives in :mod:`determ_backend.compare`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import tempfile
+import threading
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
+
+import torch
+
+from determ_backend.errors import TraceFormatError
+
+__all__ = ["Record", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path", "TensorStore",
+           "atomic_write_text", "atomic_path", "format_hash", "TRACE_NAME"]
+
+FORMAT = "determ-trace"
+VERSION = 1
+TRACE_NAME = "trace.jsonl"
+
+
+def format_hash(h: int) -> str:
+    return f"{h & ((1 << 64) - 1):016x}"
+
+
+@dataclass
+class Record:
+    graph: str
+    stage: str
+    node: str
+    op: str
+    kind: str = "node"
+    call: int = 0
+    seq: int = 0
+    source: Optional[str] = None
+    dtype: Optional[str] = None
+    shape: Optional[List[int]] = None
+    hash: Optional[str] = None
+    stats: Optional[Dict[str, Any]] = None
+    inputs: List[str] = field(default_factory=list)
+    in_hashes: List[str] = field(default_factory=list)
+    rank: int = 0
+    run: Optional[str] = None
+    payload: Optional[str] = None
+    extra: Optional[Dict[str, Any]] = None
+
+    @property
+    def key(self) -> tuple:
+        """Identity used to pair records of two runs by name."""
+        return (self.graph, self.stage, self.call, self.node)
+
+    @property
+    def signature(self) -> str:
+        """Identity used to pair records by sequence alignment when names do not line up."""
+        return f"{self.kind}|{self.op}|{self.dtype}|{self.shape}"
+
+    def to_json(self) -> str:
+        d = {}
+        for k in _FIELDS:  # not dataclasses.asdict: it deep-copies and dominated tracing time
+            v = getattr(self, k)
+            if v is None or (not v and isinstance(v, (list, dict)) and k != "shape"):
+                continue
+            d[k] = v
+        return json.dumps(d, separators=(",", ":"), allow_nan=True)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Record":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+_FIELDS = tuple(Record.__dataclass_fields__)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Union[str, Path]) -> Iterator[str]:
+    """Yield a temp file name next to ``path``; on success it replaces ``path`` atomically, on any
+    failure it is removed and ``path`` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: Union[str, Path], text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same directory and ``os.replace``."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def dir_problem(target: Union[str, Path]) -> Optional[str]:
+    """Why directory ``target`` cannot be used (None when it can): it is a file, or its nearest existing
+    ancestor is a file or a directory this process may not write into."""
+    target = Path(target)
+    anc = target
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        return f"{anc} is a file, not a directory"
+    if anc == target:
+        return None if os.access(anc, os.W_OK | os.X_OK) else f"{anc} is read-only or not ours to write"
+    if not os.access(anc, os.W_OK | os.X_OK):
+        return f"cannot create it in {anc} (read-only or no permission)"
+    return None
+
+
+class TraceWriter:
+    """Streams records to a JSONL file (thread-safe).  Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, path: Union[str, Path], run: Optional[str] = None, meta: Optional[Dict[str, Any]] = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: Optional[io.TextIOBase] = open(self.path, "w", encoding="utf-8")
+        self._lock = threading.Lock()
+        self.count = 0
+        self.run = run
+        header = {"format": FORMAT, "version": VERSION, "run": run, "torch": torch.__version__}
+        header.update(meta or {})
+        self._f.write(json.dumps(header) + "\n")
+
+    def write(self, records: Iterable[Record]) -> None:
+        lines = [r.to_json() for r in records]
+        if not lines:
+            return
+        with self._lock:
+            if self._f is None:
+                raise TraceFormatError(f"{self.path}: trace writer already closed")
+            self._f.write("\n".join(lines) + "\n")
+            self.count += len(lines)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._f is not None:
+                self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._f is None:
+                return
+            self._f.write(json.dumps({"end": True, "count": self.count}) + "\n")
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def resolve_trace_path(path: Union[str, Path]) -> Path:
+    """A trace file, or a run directory holding ``trace.jsonl``."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / TRACE_NAME
+    if not p.is_file():
+        raise TraceFormatError(f"{path}: no such trace file (expected a {TRACE_NAME} file or a run directory holding one)")
+    return p
+
+
+@dataclass
+class TraceFile:
+    """A trace as read from disk: its records and how complete the file is.
+
+    ``complete`` is False when the producer died (no end line; read with ``allow_partial``).
+    ``limited`` says why the file holds only part of the run's records on purpose (e.g. a
+    ``HashDebugTrace`` text log cut at ``max_ops_logged``), else None.  ``header``: the trace's
+    header line (run, torch version, rank, device, ...), when the format has one.
+    """
+
+    path: Path
+    records: List[Record]
+    complete: bool = True
+    limited: Optional[str] = None
+    header: Dict[str, Any] = field(default_factory=dict)
+
+
+def read_trace(path: Union[str, Path], allow_partial: bool = False) -> List[Record]:
+    """Records of a trace file (or run dir).  Raises :class:`TraceFormatError` naming the file and line."""
+    return read_trace_file(path, allow_partial).records
+
+
+def read_trace_file(path: Union[str, Path], allow_partial: bool = False) -> TraceFile:
+    """:func:`read_trace` plus completeness.  ``allow_partial`` accepts a trace whose producer died:
+    no end line, and a corrupt (cut) last line, which is dropped.  A corrupt line anywhere else is an error."""
+    p = resolve_trace_path(path)
+    records: List[Record] = []
+    ended = False
+    cut: Optional[int] = None  # line number of a corrupt line, tolerated only if nothing follows it
+    with open(p, encoding="utf-8") as f:
+        try:
+            header = json.loads(f.readline())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            header = None
+        _check_header(p, header)
+        try:
+            for lineno, line in enumerate(f, start=2):
+                if not line.strip():
+                    continue
+                if cut is not None:
+                    raise TraceFormatError(f"{p}:{cut}: corrupt JSON line in the middle of the trace (only a "
+                                           f"truncated last line is accepted, with allow_partial/--allow-partial)")
+                if ended:
+                    raise TraceFormatError(f"{p}:{lineno}: data after the end-of-trace line")
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError:
+                    if not allow_partial:
+                        raise TraceFormatError(f"{p}:{lineno}: corrupt or truncated JSON line") from None
+                    cut = lineno
+                    continue
+                if not isinstance(d, dict):
+                    raise TraceFormatError(f"{p}:{lineno}: expected a JSON object, got {type(d).__name__}")
+                if d.get("end") is True:
+                    ended = True
+                    if d.get("count") != len(records):
+                        raise TraceFormatError(f"{p}: footer says {d.get('count')} records, found {len(records)}")
+                    continue
+                records.append(_parse_record(p, lineno, d))
+        except UnicodeDecodeError:
+            raise TraceFormatError(f"{p}: not a text file (invalid UTF-8)") from None
+    if not ended and not allow_partial:
+        raise TraceFormatError(f"{p}: truncated trace (no end-of-trace line; the producing process may have died)")
+    return TraceFile(p, records, complete=ended, header=header)
+
+
+def _check_header(p: Path, header: Any) -> None:
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TraceFormatError(f"{p}: not a determ trace (line 1 has no determ-trace header)")
+    v = header.get("version")
+    if type(v) is not int or v < 1:
+        raise TraceFormatError(f"{p}:1: bad trace format version {v!r} (expected an integer from 1 to {VERSION})")
+    if v > VERSION:
+        raise TraceFormatError(f"{p}:1: trace format version {v} is newer than this determ reads (up to {VERSION}); "
+                               f"read it with the determ release that wrote it")
+
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_NUMBER_TYPES = frozenset({int, float, type(None)})
+
+
+def _is_hash(v: Any) -> bool:
+    return type(v) is str and len(v) == 16 and _HEX16.fullmatch(v) is not None
+
+
+def _only(types_: frozenset, values) -> bool:
+    return set(map(type, values)) <= types_  # C-level loops: reading stays fast on big traces
+
+
+_STR = (lambda v: type(v) is str, "a string")
+_OPT_STR = (lambda v: v is None or type(v) is str, "a string or null")
+_INT = (lambda v: type(v) is int, "an integer")
+_CHECKS = types.MappingProxyType({  # field -> (check, what it must be)
+    "graph": _STR, "stage": _STR, "node": _STR, "op": _STR, "kind": _STR,
+    "call": _INT, "seq": _INT, "rank": _INT,
+    "source": _OPT_STR, "dtype": _OPT_STR, "run": _OPT_STR, "payload": _OPT_STR,
+    "shape": (lambda v: v is None or (type(v) is list and _only(frozenset({int}), v) and min(v, default=0) >= 0),
+              "a list of non-negative integers or null"),
+    "hash": (lambda v: v is None or _is_hash(v), "16 lowercase hex digits or null"),
+    "stats": (lambda v: v is None or (type(v) is dict and _only(_NUMBER_TYPES, v.values())),
+              "an object of numbers or null"),
+    "inputs": (lambda v: type(v) is list and _only(frozenset({str}), v), "a list of strings"),
+    "in_hashes": (lambda v: type(v) is list and all(x is None or _is_hash(x) for x in v),
+                  "a list of hashes (16 hex digits) or nulls"),
+    "extra": (lambda v: v is None or type(v) is dict, "an object or null"),
+})
+_REQUIRED = ("graph", "stage", "node", "op")
+
+
+def _parse_record(p: Path, lineno: int, d: Dict[str, Any]) -> Record:
+    """A :class:`Record` from one decoded line, every field of the expected type."""
+    for k in _REQUIRED:
+        if k not in d:
+            raise TraceFormatError(f"{p}:{lineno}: bad record (missing field {k!r})")
+    for k, v in d.items():
+        check = _CHECKS.get(k)
+        if check is not None and not check[0](v):
+            raise TraceFormatError(f"{p}:{lineno}: bad record (field {k!r} must be {check[1]}, got {_short(v)})")
+    return Record.from_dict(d)
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+class TensorStore:
+    """Content-addressed tensor payloads: ``<root>/<hash>.pt``, each distinct tensor stored once.
+
+    Files are written atomically with ``torch.save`` and read with ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self, root: Union[str, Path]):
+        self.root = Path(root)
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.pt"
+
+    def put(self, key: str, t: torch.Tensor) -> str:
+        p = self.path(key)
+        if p.exists():
+            return key
+        with atomic_path(p) as tmp:
+            torch.save(t.detach().cpu().contiguous().clone(), tmp)
+        return key
+
+    def get(self, key: str, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+        p = self.path(key)
+        if not p.is_file():
+            raise TraceFormatError(f"{p}: tensor payload missing from the store")
+        try:
+            t = torch.load(p, map_location=device, weights_only=True)
+        except Exception as e:  # torch raises many types for corrupt files
+            raise TraceFormatError(f"{p}: corrupt tensor payload ({type(e).__name__})") from None
+        if not isinstance(t, torch.Tensor):
+            raise TraceFormatError(f"{p}: payload is not a tensor")
+        return t
+
+    def __contains__(self, key: str) -> bool:
+        return self.path(key).is_file()

@@ -1,0 +1,142 @@
+"""``repro-tools diff A B``: align two traces, print a table and the root-cause divergence.
+
+Exit 0 only when the two runs are shown to be the same: every record pairs and no pair
+differs, and neither file is a text log cut at ``max_ops_logged``.  Exit 1 when a pair
+differs or the comparison cannot show the runs are the same (records that did not pair,
+a limited log); a line says which.  Exit 2 for bad input, a trace without records included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any, Dict, List, Optional
+
+from determ_backend.compare import Comparison, compare_traces
+from determ_backend.errors import ConfigError, TraceFormatError
+from determ_backend.trace.stream import TensorStore, TraceFile, resolve_trace_path
+
+__all__ = ["register", "run_diff", "format_table"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("diff", help="compare two traces and name the first divergent node",
+                       description="Align two traces (trace.jsonl files or run directories), print the pairs that "
+                                   "differ and the root cause: the first record whose inputs agree and output does "
+                                   "not.  Exit 0: identical; 1: divergent, or not shown identical (records that "
+                                   "did not pair, a limited text log); 2: bad input.")
+    p.add_argument("a", help="first trace: a trace.jsonl file, a run directory, or a HashDebugTrace log")
+    p.add_argument("b", help="second trace, same kinds as A")
+    p.add_argument("--tol", type=float, default=None,
+                   help="tolerance verdicts (max abs or rel error <= TOL, TOL >= 0) instead of bitwise equality")
+    p.add_argument("--json", action="store_true", help="print the comparison summary as JSON on stdout")
+    p.add_argument("--limit", type=int, default=20, help="rows of divergent pairs to print (default 20)")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="accept traces whose producer died (no end line; a cut last line is dropped)")
+    p.set_defaults(func=run_diff)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.tol is not None and not (math.isfinite(args.tol) and args.tol >= 0):
+        raise ConfigError(f"--tol {args.tol}: expected a finite number >= 0")
+    if args.limit < 0:
+        raise ConfigError(f"--limit {args.limit}: expected a number of rows >= 0")
+
+
+def _load(path: str, allow_partial: bool) -> TraceFile:
+    from repro_tools.cli import trace_formats
+
+    tf = trace_formats.load_file(path, allow_partial=allow_partial)
+    if not tf.records:
+        why = f" ({tf.limited})" if tf.limited else "" if tf.complete else " (partial trace: the producer died early)"
+        raise TraceFormatError(f"{path}: the trace holds no records, nothing to compare{why}")
+    return tf
+
+
+def _store_for(path: str):
+    try:
+        p = resolve_trace_path(path)
+    except TraceFormatError:
+        return None
+    root = p.parent / "tensors"
+    return TensorStore(root) if root.is_dir() else None
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    _check_args(args)
+    a = _load(args.a, args.allow_partial)
+    b = _load(args.b, args.allow_partial)
+    cmp = compare_traces(a.records, b.records, tol=args.tol, store_a=_store_for(args.a), store_b=_store_for(args.b))
+    summary = diff_summary(cmp, {"a": (args.a, a), "b": (args.b, b)})
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print(format_table(cmp, args.limit, summary))
+    return 0 if summary["identical"] else 1
+
+
+def diff_summary(cmp: Comparison, files: Dict[str, tuple]) -> Dict[str, Any]:
+    """``cmp.summary()`` plus what the two files are, ``notes`` on why the runs are not shown identical,
+    and ``identical`` true only when they are (the exit code is 0 exactly then)."""
+    s = cmp.summary()
+    s["unjudged"] = sum(1 for p in cmp.pairs if p.a is not None and p.b is not None and p.equal is None)
+    s["inputs"] = {side: {"path": str(path), "records": len(tf.records), "complete": tf.complete,
+                          "limited": tf.limited} for side, (path, tf) in files.items()}
+    notes: List[str] = []
+    if s["unmatched_a"] or s["unmatched_b"]:
+        why = "" if not all(tf.complete for _, tf in files.values()) else (
+            " (records pair by graph, stage, call and node name, else by op signature; traces of different "
+            "backends or stages do not pair)")
+        notes.append(f"not paired: {s['unmatched_a']} records of A and {s['unmatched_b']} of B have no counterpart, "
+                     f"so the runs are not shown identical{why}")
+    if s["unjudged"]:
+        notes.append(f"not judged: {s['unjudged']} paired records carry no fingerprint and no judged input")
+    for side, (path, tf) in files.items():
+        if tf.limited:
+            notes.append(f"{side.upper()} ({path}): {tf.limited}; only those are compared, so the runs are not "
+                         f"shown identical (diff the .jsonl traces for the whole run)")
+        if not tf.complete:
+            notes.append(f"{side.upper()} ({path}): partial trace (the producer died); compared as far as it goes")
+    s["identical"] = bool(s["identical"] and not any(tf.limited for _, tf in files.values()))
+    s["notes"] = notes
+    return s
+
+
+def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None) -> str:
+    s = summary if summary is not None else cmp.summary()
+    lines = [f"pairs: {s['pairs']}  divergent: {s['divergent_pairs']}  unmatched: {s['unmatched_a']}/{s['unmatched_b']}  mode: {s['mode']}"]
+    bad = [p for p in cmp.pairs if p.equal is False]
+    if bad:
+        lines.append(f"{'':2}{'graph':6} {'stage':18} {'node':28} {'op':32} metrics")
+        for p in bad[:limit]:
+            r = p.rec
+            mark = "* " if p.root_cause else "m " if p.metrics.get("masked") else "  "
+            m = ", ".join(f"{k}={_fmt(v)}" for k, v in p.metrics.items() if k != "bitwise")
+            lines.append(f"{mark}{r.graph:6} {r.stage:18} {r.node[:28]:28} {r.op[:32]:32} {m}")
+        if len(bad) > limit:
+            lines.append(f"  ... {len(bad) - limit} more")
+    lines.extend(s.get("notes", []))
+    fd = s["first_divergence"]
+    masked = s.get("masked") or []
+    if fd is None and masked:
+        m0 = masked[0]
+        lines.append(f"no output differs; {len(masked)} masked divergence(s) (marked m) reach no output, first: "
+                     f"graph={m0['graph']} stage={m0['stage']} node={m0['node']} op={m0['op']} "
+                     f"source={m0['source'] or '?'}")
+    elif fd is None:
+        if s["identical"]:
+            lines.append("identical")
+        elif s.get("notes"):
+            lines.append(f"no divergence among the {s['pairs']} paired records, but the runs are not shown identical")
+        else:
+            lines.append("no divergence among paired records")
+    else:
+        kind = "root cause" if fd["root_cause"] else "first divergence (inputs also differ; no root cause found)"
+        lines.append(f"{kind}: graph={fd['graph']} stage={fd['stage']} node={fd['node']} op={fd['op']} "
+                     f"source={fd['source'] or '?'}")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,140 @@
+"""The after-AOT repro flows (``REPRO_AFTER=aot``, ``REPRO_LEVEL=1..4``) for inductor and aot_eager-style compilers.
+
+:func:`wrap_compiler` wraps the compiler AOTAutograd hands each forward and
+backward graph to (inductor's ``compile_fx_inner`` via
+``compile_fx(gm, inputs, inner_compile=...)``, or the ``fw_compiler`` /
+``bw_compiler`` of ``aot_autograd``).  Graphs here are decomposed aten graphs
+with parameters lifted to inputs; compile-time inputs are fake tensors, so
+compile-time dumps regenerate their inputs from shape/stride/dtype (fixed seed)
+while runtime dumps save the real values.  Per level:
+
+1. on a compile or runtime error writes ``repro.py``;
+2. on an error writes ``minifier_launcher.py``;
+3. writes the launcher *before* compiling, so a compile that kills the process
+   still leaves it; on an error minifies in an isolated process;
+4. on the first call checks the compiled graph against the eager graph with an
+   fp64 reference (any compiler, not only inductor); on a divergence writes the
+   launcher, minifies (unless ``DETERM_MINIFY=0``) and raises
+   :class:`~determ_backend.errors.AccuracyError`.  Checker errors are reported.
+
+The flows keep a :func:`~repro_tools.flows.failure.graph_snapshot` of each graph
+(never a deep copy: AOT's fake tensor mode is active while its compiler runs,
+and real tensor constants cannot be copied under it).  A failure of the flows'
+own machinery is a checker error in ``report.json`` and one line on stderr; the
+graph then compiles and runs as the wrapped compiler would.
+
+:func:`inductor_backend` and :func:`aot_backend` build ready-to-use dynamo
+backends.  Dumps and minification live in :mod:`repro_tools.flows.failure`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch.fx as fx
+
+from determ_backend import _torch_compat as tc
+from determ_backend.config import DetermConfig, load_config
+
+from repro_tools.minify.accuracy import call_maybe_boxed, same_two_models
+from repro_tools.flows.failure import GraphDump, act_on_accuracy, graph_snapshot, report_flow_error
+from repro_tools.repro.script import compiler_ref
+
+__all__ = ["wrap_compiler", "inductor_backend", "aot_backend"]
+
+log = logging.getLogger(__name__)
+
+_SCRIPT_COMPILERS = {"inductor": "inductor_inner", "aot_eager": "eager", "eager": "eager"}
+"""How a repro script recompiles an aten graph for the usual compiler names."""
+
+
+def _label(inner_compile: Callable, compiler_name: Optional[str]) -> tuple:
+    if compiler_name in _SCRIPT_COMPILERS:
+        return _SCRIPT_COMPILERS[compiler_name], []
+    try:
+        return compiler_ref(inner_compile)
+    except Exception as e:  # a closure: name it anyway, the script will say it cannot resolve it
+        log.warning("compiler %r has no importable name (%s); repro scripts will need it edited in", inner_compile, e)
+        return compiler_name or getattr(inner_compile, "__name__", repr(inner_compile)), []
+
+
+def wrap_compiler(inner_compile: Callable, config: Optional[DetermConfig] = None,
+                  compiler_name: Optional[str] = None) -> Callable:
+    """``inner_compile(gm, example_inputs, **kwargs)`` under the after-AOT repro flows (boxed result).
+
+    ``compiler_name``: ``"inductor"`` (repros recompile with ``compile_fx_inner``), ``"aot_eager"``
+    (repros run the graph as is), or any label; default: ``inner_compile``'s ``module:function``.
+    """
+    label, sys_path = _label(inner_compile, compiler_name)
+
+    def repro_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        cfg = config if config is not None else load_config()
+        stage = "backward" if kwargs.get("is_backward") else "forward"
+        inputs = list(example_inputs)
+        try:  # AOT's fake mode is active here: the snapshot shares the graph's real constants, copies none
+            dump = GraphDump(cfg, "aot", label, graph_snapshot(gm), {"sys_path": sys_path, "only_fwd": True,
+                                                                     "stage": stage})
+        except Exception as e:
+            report_flow_error(cfg, "aot", f"copying the {stage} graph", e)
+            return inner_compile(gm, example_inputs, **kwargs)  # this graph goes on without the flows
+        launcher = dump.launcher_before_compile(inputs) if cfg.repro_level == 3 else None
+        try:
+            compiled = inner_compile(gm, example_inputs, **kwargs)
+        except Exception as e:
+            dump.on_failure("compile_error", inputs, e, launcher)
+            raise
+        return _runtime(compiled, cfg, dump, launcher)
+
+    repro_compiler.__name__ = f"repro_{getattr(inner_compile, '__name__', 'compiler')}"
+    return repro_compiler
+
+
+def _runtime(compiled: Callable, cfg: DetermConfig, dump: GraphDump, launcher) -> Callable:
+    checked: List[bool] = []
+
+    def run(args: List[Any]) -> Any:
+        saved = list(args)
+        if cfg.repro_level == 4 and not checked:
+            checked.append(True)
+            _check_accuracy(compiled, saved, cfg, dump)
+        try:
+            return call_maybe_boxed(compiled, args)
+        except Exception as e:
+            dump.on_failure("runtime_error", saved, e, launcher)
+            raise
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _check_accuracy(compiled: Callable, inputs: List[Any], cfg: DetermConfig, dump: GraphDump) -> None:
+    try:
+        reference = copy.deepcopy(dump.gm)  # the reference runs get constants of their own, not the shared ones
+    except Exception as e:
+        report_flow_error(cfg, "aot", f"copying the {dump.extra_meta.get('stage')} graph for the accuracy check", e)
+        return
+    result = same_two_models(reference, compiled, inputs, only_fwd=True, tol=cfg.tol,
+                             multiplier=cfg.fp64_multiplier, strict=cfg.strict)
+    act_on_accuracy(result, cfg, dump, inputs, "repro accuracy (after aot)",
+                    f"compiled {dump.extra_meta.get('stage')} graph ({dump.compiler})")
+
+
+def inductor_backend(config: Optional[DetermConfig] = None) -> Callable:
+    """A dynamo backend: inductor with the after-AOT repro flows around ``compile_fx_inner``.
+
+    Call it: ``torch.compile(m, backend=inductor_backend())``."""
+
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        inner = wrap_compiler(tc.compile_fx_inner, config, "inductor")
+        return tc.compile_fx(gm, list(example_inputs), inner_compile=inner)
+
+    return backend
+
+
+def aot_backend(fw_compiler: Callable, bw_compiler: Optional[Callable] = None,
+                config: Optional[DetermConfig] = None, compiler_name: Optional[str] = None) -> Callable:
+    """A dynamo backend: ``aot_autograd`` with the after-AOT repro flows around its forward/backward compilers."""
+    return tc.aot_autograd(fw_compiler=wrap_compiler(fw_compiler, config, compiler_name),
+                           bw_compiler=wrap_compiler(bw_compiler or fw_compiler, config, compiler_name))

@@ -1,0 +1,178 @@
+"""Is a compiled graph as accurate as eager?  ``same()`` over pytrees and ``same_two_models``.
+
+The criterion is the one behind PyTorch's ``same(..., fp64_ref)``, the compare
+core's :func:`determ_backend.compare.judge`: compiled may differ from eager when its
+RMSE against an fp64 run stays within ``multiplier`` times eager's own RMSE.
+Non-floating outputs are ignored unless ``strict`` (then compared exactly; with
+``strict`` and ``tol == 0`` every output is compared bitwise).
+
+:func:`same_two_models` never swallows an exception: a failure of the eager or
+fp64 reference, or of the comparison itself, is a ``checker_error``; a failure of
+the compiled function is a ``compiled_error``; both are distinct from a
+divergence.  The flows that act on the verdict live in :mod:`repro_tools.flows.after_dynamo`
+and :mod:`repro_tools.flows.after_aot`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from determ_backend.backends.checks import clone_inputs, graph_in_dtype, run_eager
+from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
+
+__all__ = ["same", "first_mismatch", "same_two_models", "AccuracyResult", "run_fwd_maybe_bwd", "cast_to_fp64",
+           "cast_to", "clone_inputs", "call_maybe_boxed", "flatten"]
+
+log = logging.getLogger(__name__)
+
+
+def flatten(tree: Any) -> List[Any]:
+    """Leaves of nested lists, tuples and dicts (dicts in key order), in order."""
+    if isinstance(tree, (list, tuple)):
+        return [leaf for v in tree for leaf in flatten(v)]
+    if isinstance(tree, dict):
+        return [leaf for k in sorted(tree, key=str) for leaf in flatten(tree[k])]
+    return [tree]
+
+
+def first_mismatch(ref: Any, res: Any, fp64_ref: Any = None, tol: float = DEFAULT_TOL,
+                   multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False) -> Optional[Tuple[int, str]]:
+    """``(leaf index, description)`` of the first leaf where ``res`` is not as accurate as ``ref``, or None."""
+    a, b = flatten(ref), flatten(res)
+    if len(a) != len(b):
+        return -1, f"different output structure: {len(a)} leaves vs {len(b)}"
+    c = flatten(fp64_ref) if fp64_ref is not None else [None] * len(a)
+    if len(c) != len(a):
+        c = [None] * len(a)
+    for i, (x, y, z) in enumerate(zip(a, b, c)):
+        if judge(x, y, z, tol=tol, fp64_multiplier=multiplier, strict=strict) is False:
+            return i, _describe(x, y, z)
+    return None
+
+
+def _describe(x: Any, y: Any, z: Any) -> str:
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return f"{type(x).__name__} {x!r:.60} vs {type(y).__name__} {y!r:.60}"
+    m = tensor_metrics(x.detach(), y.detach(), z if isinstance(z, torch.Tensor) and z.shape == x.shape else None)
+    keys = ("max_abs", "max_rel", "cosine", "err_a_vs_fp64", "err_b_vs_fp64", "shape_mismatch")
+    names = {"err_a_vs_fp64": "eager_rmse_vs_fp64", "err_b_vs_fp64": "compiled_rmse_vs_fp64"}
+    parts = [f"{names.get(k, k)}={m[k]:.3g}" if isinstance(m[k], float) else f"{names.get(k, k)}={m[k]}"
+             for k in keys if k in m]
+    return f"{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}: " + " ".join(parts)
+
+
+def same(ref: Any, res: Any, fp64_ref: Any = None, tol: float = DEFAULT_TOL,
+         multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False) -> bool:
+    """Whether ``res`` is as accurate as ``ref`` (pytrees of tensors and Python values), judged against ``fp64_ref``."""
+    return first_mismatch(ref, res, fp64_ref, tol, multiplier, strict) is None
+
+
+def cast_to(dtype: torch.dtype, model: Any, inputs: Sequence[Any]) -> Tuple[Any, List[Any]]:
+    """A deep copy of ``model`` (when it is a module) and of ``inputs`` with floating tensors in ``dtype``;
+    a graph's own floating dtypes (factory ops, conversions) are ``dtype`` too."""
+    if isinstance(model, torch.nn.Module):
+        model = copy.deepcopy(model).to(dtype)
+        if isinstance(model, fx.GraphModule):
+            model = graph_in_dtype(model, dtype)
+    cast = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            cast.append(x.detach().to(dtype).requires_grad_(x.requires_grad))
+        else:
+            cast.append(x)
+    return model, cast
+
+
+def cast_to_fp64(model: Any, inputs: Sequence[Any]) -> Tuple[Any, List[Any]]:
+    return cast_to(torch.float64, model, inputs)
+
+
+def call_maybe_boxed(fn: Callable, args: Sequence[Any]) -> Any:
+    """Call a compiled graph honouring the boxed calling convention (``_boxed_call``: one list argument)."""
+    if getattr(fn, "_boxed_call", False):
+        return fn(list(args))
+    return fn(*args)
+
+
+def _fwd_bwd(fn: Callable, args: Sequence[Any], only_fwd: bool,
+             params: Optional[Sequence[torch.Tensor]]) -> Tuple[List[Any], List[Any]]:
+    args = clone_inputs(args)
+    if params is None:
+        params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not only_fwd):  # as the graph was called
+        eager = isinstance(fn, fx.GraphModule) and not getattr(fn, "_boxed_call", False)
+        outs = flatten(run_eager(fn, args) if eager else call_maybe_boxed(fn, args))
+    diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(params)
+    result = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
+    if only_fwd or not diff or not leaves:
+        return result, []
+    loss = sum(o.float().mean() if o.numel() else o.float().sum() for o in diff)
+    return result, list(torch.autograd.grad(loss, leaves, allow_unused=True))
+
+
+def run_fwd_maybe_bwd(fn: Callable, args: Sequence[Any], only_fwd: bool = False,
+                      params: Optional[Sequence[torch.Tensor]] = None) -> List[Any]:
+    """Outputs of ``fn(*clones of args)``, then (unless ``only_fwd``) the gradients of a scalar loss
+    with respect to the inputs that require grad and ``params`` (default: ``fn``'s parameters)."""
+    outs, grads = _fwd_bwd(fn, args, only_fwd, params)
+    return outs + grads
+
+
+@dataclass
+class AccuracyResult:
+    """The verdict of :func:`same_two_models`; truthy only when ``status == "same"``."""
+
+    status: str
+    """``same``, ``diverged``, ``compiled_error`` (the compiled function raised) or ``checker_error``."""
+    detail: str = ""
+    leaf: Optional[int] = None
+    error: Optional[BaseException] = field(default=None, repr=False)
+    fp64: bool = True
+    """Whether an fp64 reference took part in the verdict."""
+
+    def __bool__(self) -> bool:
+        return self.status == "same"
+
+
+def _fp64_reference(gm: Callable, inputs: Sequence[Any], only_fwd: bool, require_fp64: bool) -> Optional[List[Any]]:
+    try:
+        m64, in64 = cast_to_fp64(gm, inputs)
+        return run_fwd_maybe_bwd(m64, in64, only_fwd)
+    except Exception as e:  # some ops have no fp64 kernel: say so, and judge with tolerance alone
+        if require_fp64:
+            raise
+        log.warning("accuracy check: no fp64 reference (%s: %s); judging with tolerance only", type(e).__name__, e)
+        return None
+
+
+def same_two_models(gm: Callable, compiled_fn: Callable, example_inputs: Sequence[Any], only_fwd: bool = False, *,
+                    tol: float = DEFAULT_TOL, multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False,
+                    require_fp64: bool = False) -> AccuracyResult:
+    """Compare ``compiled_fn`` with eager ``gm`` on clones of ``example_inputs`` (forward, and backward
+    unless ``only_fwd``), against an fp64 run of ``gm``.  Parameters of ``gm`` are shared with ``compiled_fn``."""
+    params = list(gm.parameters()) if isinstance(gm, torch.nn.Module) else []
+    try:
+        ref, ref_grads = _fwd_bwd(gm, example_inputs, only_fwd, params)
+        ref64 = _fp64_reference(gm, example_inputs, only_fwd, require_fp64)
+    except Exception as e:
+        return AccuracyResult("checker_error", f"the eager/fp64 reference raised {type(e).__name__}: {e}", error=e)
+    try:
+        res = run_fwd_maybe_bwd(compiled_fn, example_inputs, only_fwd, params)
+    except Exception as e:
+        return AccuracyResult("compiled_error", f"{type(e).__name__}: {e}", error=e)
+    try:
+        bad = first_mismatch(ref + ref_grads, res, ref64, tol, multiplier, strict)
+    except Exception as e:
+        return AccuracyResult("checker_error", f"comparing outputs raised {type(e).__name__}: {e}", error=e)
+    if bad is None:
+        return AccuracyResult("same", fp64=ref64 is not None)
+    i, what = bad
+    label = "outputs" if i < 0 else f"output {i}" if i < len(ref) else f"gradient {i - len(ref)}"
+    return AccuracyResult("diverged", f"{label}: {what}", leaf=i, fp64=ref64 is not None)

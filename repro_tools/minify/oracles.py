@@ -1,0 +1,377 @@
+"""Oracles: "does this candidate graph, with these inputs, still fail the same way?"
+
+An :class:`OracleSpec` (plain data, JSON round-trip, so it can be sent to the
+isolated worker) names the kind of failure and the compiler under test:
+
+* ``compile_error`` / ``runtime_error`` / ``error`` (either stage): the compiler,
+  or the compiled graph, raises; once the input graph's failure is known
+  (``expected``), a candidate only counts when it fails at the same stage with
+  the same exception type and a similar message, so the search cannot drift to
+  another bug;
+* ``crash`` (the process dies by a signal, e.g. a segfault or ``abort``) and
+  ``hang`` (no answer within ``timeout`` seconds): judged by the isolated worker
+  in :mod:`repro_tools.minify.isolate`, never in-process;
+* ``accuracy``: compiled vs eager with an fp64 reference, the ``same()`` criterion
+  of :func:`determ_backend.compare.judge` (``strict``: non-float outputs count too);
+* ``nondeterminism``: two executions of one compiled graph differ bitwise;
+* ``cross_device``: the graph on ``devices[0]`` vs ``devices[1]`` (specs such as
+  ``cuda``, ``cpu:float64``; the graph's parameters, buffers and constants move
+  with its inputs) differs beyond ``tol``.
+
+The compiler always gets a copy of the graph: the original stays the eager reference.
+
+:func:`check` judges in this process; :func:`observe` returns the raw outputs
+the localizer needs; :func:`check_observed` also returns, for inductor accuracy, the
+compiled values of the nodes inductor materialized, from the same compile.  Running
+them in a worker lives in :mod:`repro_tools.minify.isolate`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge
+from determ_backend.devices import parse_device_spec
+from determ_backend.errors import ConfigError
+from determ_backend.fingerprint.core import hash_tensors
+from determ_backend.backends.retarget import converter, moved_graph
+
+from repro_tools.minify.compilers import (Compiler, call_compiled, compile_graph, compiler_name, config_patch, flat_tensors, resolve_compiler)
+from repro_tools.minify.inductor_values import SUPPORTED, BufferValues
+
+__all__ = ["KINDS", "OracleSpec", "Signature", "Verdict", "check", "check_observed", "observe", "similar",
+           "InProcessRunner", "leaf_differs", "reference_outputs"]
+
+KINDS = ("compile_error", "runtime_error", "error", "crash", "hang", "accuracy", "nondeterminism", "cross_device")
+ISOLATED_ONLY = ("crash", "hang")
+_SEED = 1234
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a failure looked like: ``stage`` (compile, runtime, crash, hang, accuracy, ...), exception type, message."""
+
+    stage: str
+    type: str = ""
+    message: str = ""
+
+    def short(self) -> str:
+        first = self.message.strip().splitlines()[0][:200] if self.message.strip() else ""
+        return ": ".join(part for part in (self.stage, self.type, first) if part)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The answer to one query."""
+
+    fails: bool
+    signature: Optional[Signature] = None
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class OracleSpec:
+    kind: str = "accuracy"
+    """One of :data:`KINDS`."""
+    compiler: Compiler = "inductor"
+    """Backend name, ``module:function``, or a callable (in-process only)."""
+    config: Tuple[Tuple[str, Any], ...] = ()
+    """Inductor config entries applied while compiling, e.g. ``(("cpp.inject_relu_bug_TESTING_ONLY", "accuracy"),)``."""
+    tol: float = DEFAULT_TOL
+    """Accuracy / cross-device tolerance."""
+    multiplier: float = DEFAULT_FP64_MULTIPLIER
+    """Accuracy: compiled error vs fp64 may be this multiple of eager's."""
+    strict: bool = False
+    """Accuracy / cross-device: non-float outputs count too (with ``tol == 0``: everything bitwise)."""
+    devices: Tuple[str, ...] = ("cpu", "cpu:float64")
+    """Cross-device: the two device specs compared."""
+    runs: int = 2
+    """Nondeterminism: executions compared."""
+    timeout: float = 300.0
+    """Isolated queries: seconds before a candidate counts as hanging."""
+    similarity: float = 0.5
+    """Errors: minimum message similarity (0..1) to count as the same failure."""
+    expected: Optional[Signature] = None
+    """Errors / crashes: the input graph's failure, which candidates must match."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"oracle kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+        if self.kind == "cross_device":
+            if len(self.devices) != 2:
+                raise ConfigError(f"cross_device oracle needs two device specs, got {list(self.devices)}")
+            for d in self.devices:
+                parse_device_spec(d)
+        if self.runs < 2:
+            raise ConfigError(f"oracle runs must be >= 2, got {self.runs}")
+        if not 0.0 <= self.similarity <= 1.0:
+            raise ConfigError(f"oracle similarity must be within [0, 1], got {self.similarity}")
+        if isinstance(self.config, dict):
+            object.__setattr__(self, "config", tuple(sorted(self.config.items())))
+
+    def replace(self, **changes) -> "OracleSpec":
+        return dataclasses.replace(self, **changes)
+
+    def compiler_label(self) -> str:
+        """The compiler's importable name, or just its name for an in-process callable."""
+        try:
+            return compiler_name(self.compiler)
+        except ConfigError:
+            return getattr(self.compiler, "__name__", repr(self.compiler))
+
+    def to_json(self, portable: bool = True) -> Dict[str, Any]:
+        """Plain data; ``portable=False`` labels an unimportable callable compiler instead of failing."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["compiler"] = compiler_name(self.compiler) if portable else self.compiler_label()
+        d["config"] = [list(kv) for kv in self.config]
+        d["devices"] = list(self.devices)
+        d["expected"] = dataclasses.asdict(self.expected) if self.expected else None
+        return d
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "OracleSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["config"] = tuple(tuple(kv) for kv in kw.get("config", ()))
+        kw["devices"] = tuple(kw.get("devices", ("cpu", "cpu:float64")))
+        if kw.get("expected"):
+            kw["expected"] = Signature(**kw["expected"])
+        return cls(**kw)
+
+
+# ---------------------------------------------------------------- error matching
+
+_PATH = re.compile(r"(/[\w.+-]+)+")
+_HEX = re.compile(r"0x[0-9a-fA-F]+")
+_NUM = re.compile(r"\d+")
+
+
+def _key_tokens(message: str) -> List[str]:
+    """Normalized tokens of the informative part of a message (error lines when present)."""
+    lines = message.splitlines()
+    errs = [ln for ln in lines if "error" in ln.lower()]
+    text = "\n".join((errs or lines)[:40])[:4000]
+    text = _NUM.sub("N", _HEX.sub("0x", _PATH.sub("<path>", text)))
+    return text.split()
+
+
+def similar(a: Signature, b: Signature, threshold: float) -> bool:
+    """Same stage and exception type, and messages at least ``threshold`` alike."""
+    if a.stage != b.stage or a.type != b.type:
+        return False
+    ta, tb = _key_tokens(a.message), _key_tokens(b.message)
+    if not ta and not tb:
+        return True
+    return difflib.SequenceMatcher(None, ta, tb, autojunk=False).ratio() >= threshold
+
+
+def _error_signature(stage: str, e: BaseException) -> Signature:
+    cause = e.__cause__ or getattr(e, "inner_exception", None)
+    typ = type(e).__name__ + (f"/{type(cause).__name__}" if isinstance(cause, BaseException) else "")
+    return Signature(stage, typ, str(e))
+
+
+# ---------------------------------------------------------------- running
+
+def _clone(inputs: Sequence[Any]) -> List[Any]:
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def _to64(inputs: Sequence[Any]) -> List[Any]:
+    return [x.detach().to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in _clone(inputs)]
+
+
+def _config(spec: OracleSpec) -> Dict[str, Any]:
+    cfg = dict(spec.config)
+    if spec.kind == "accuracy" and isinstance(spec.compiler, str) and spec.compiler.startswith("inductor"):
+        cfg.setdefault("fallback_random", True)
+    return cfg
+
+
+def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy for the compiler: some compilers rewrite the graph they are given in place (PyTorch's
+    ``relu_accuracy_error_TESTING_ONLY`` does), and ``gm`` is also the eager reference."""
+    return copy.deepcopy(gm)
+
+
+def _compile_run(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any], runs: int = 1,
+                 compile_fn: Callable = compile_graph) -> List[List[Any]]:
+    """Compile (a copy of ``gm``) once, run ``runs`` times (same seed each time); flat outputs per run."""
+    with config_patch(_config(spec)):
+        fn = compile_fn(spec.compiler, _fresh(gm), _clone(inputs))
+        outs = []
+        for _ in range(runs):
+            torch.manual_seed(_SEED)
+            outs.append([x.detach() if isinstance(x, torch.Tensor) else x
+                         for x in flat_tensors(call_compiled(fn, _clone(inputs)))])
+    return outs
+
+
+def reference_outputs(gm: fx.GraphModule, inputs: Sequence[Any]) -> Tuple[List[Any], Optional[List[Any]]]:
+    """Eager outputs and fp64 outputs (None when the graph cannot run in fp64), without autograd: only
+    values are compared, and some ops refuse inputs that require grad (an attention mask built from
+    a parameter, in a graph that ran under ``no_grad``)."""
+    with torch.no_grad():
+        torch.manual_seed(_SEED)
+        eager = flat_tensors(gm(*_clone(inputs)))
+        try:
+            torch.manual_seed(_SEED)
+            ref64 = flat_tensors(gm(*_to64(inputs)))
+        except Exception:  # some ops have no fp64 kernel: judge without the fp64 reference
+            ref64 = None
+    return eager, ref64
+
+
+def _on_device(gm: fx.GraphModule, inputs: Sequence[Any], spec: str) -> Tuple[fx.GraphModule, List[Any]]:
+    """``gm`` and ``inputs`` on device spec ``spec``: the graph's own parameters, buffers and tensor
+    constants are moved (and cast, for a dtype spec) along with the inputs."""
+    conv = converter(spec)
+    return moved_graph(gm, conv), [conv(x.detach()) if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:
+    """Raw outputs the localizer compares: accuracy -> [compiled]; nondeterminism -> one list per run;
+    cross_device -> [device A, device B] (on CPU).  Errors propagate."""
+    with torch.random.fork_rng(devices=[]):
+        return _observe(spec, gm, inputs)
+
+
+def _observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:
+    if spec.kind == "accuracy":
+        return _compile_run(spec, gm, inputs)
+    if spec.kind == "nondeterminism":
+        return _compile_run(spec, gm, inputs, runs=spec.runs)
+    if spec.kind == "cross_device":
+        sides = []
+        for d in spec.devices:
+            out = _compile_run(spec, *_on_device(gm, inputs, d))[0]
+            sides.append([x.cpu() if isinstance(x, torch.Tensor) else x for x in out])
+        return sides
+    raise ConfigError(f"oracle kind {spec.kind!r} has nothing to observe")
+
+
+def _oracle_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
+                    compile_fn: Callable = compile_graph) -> Verdict:
+    try:
+        res = _compile_run(spec, gm, inputs, compile_fn=compile_fn)[0]
+    except Exception as e:  # a candidate that errors is a different failure, not this one
+        return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
+    eager, ref64 = reference_outputs(gm, inputs)
+    if len(eager) != len(res):
+        return Verdict(True, Signature("accuracy", "", f"{len(res)} outputs vs eager {len(eager)}"))
+    for i, (e, r) in enumerate(zip(eager, res)):
+        if not isinstance(e, torch.Tensor) or not isinstance(r, torch.Tensor):
+            continue
+        if leaf_differs(e, r, ref64[i] if ref64 else None, spec):
+            return Verdict(True, Signature("accuracy", "", f"output {i} differs from eager beyond tolerance"))
+    return Verdict(False, None, "outputs match eager")
+
+
+def leaf_differs(expected: Any, actual: Any, ref64: Any, spec: OracleSpec) -> bool:
+    """The compare core's verdict on one value under ``spec`` (accuracy: fp64 criterion; cross-device:
+    within ``tol``, two dtypes in the wider one); values it does not compare (non-float without ``strict``)
+    do not differ."""
+    return judge(expected, actual, ref64, tol=spec.tol, fp64_multiplier=spec.multiplier, strict=spec.strict) is False
+
+
+def _judge_outputs(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
+    try:
+        sides = observe(spec, gm, inputs)
+    except Exception as e:  # a different failure
+        return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
+    if spec.kind == "nondeterminism":
+        first = hash_tensors([x for x in sides[0] if isinstance(x, torch.Tensor)])
+        for r, other in enumerate(sides[1:], 1):
+            if hash_tensors([x for x in other if isinstance(x, torch.Tensor)]) != first:
+                return Verdict(True, Signature("nondeterminism", "", f"run {r} differs bitwise from run 0"))
+        return Verdict(False, None, "runs identical")
+    for i, (a, b) in enumerate(zip(*sides)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and leaf_differs(a, b, None, spec):
+            return Verdict(True, Signature("cross_device", "", f"output {i} differs between {' and '.join(spec.devices)}"))
+    return Verdict(False, None, "devices agree")
+
+
+def _judge_error(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
+    sig = None
+    with config_patch(_config(spec)):
+        try:
+            fn = compile_graph(spec.compiler, _fresh(gm), _clone(inputs))
+        except Exception as e:  # the failure under study
+            sig = _error_signature("compile", e)
+        else:
+            try:
+                call_compiled(fn, _clone(inputs))
+            except Exception as e:  # the failure under study
+                sig = _error_signature("runtime", e)
+    if sig is None:
+        return Verdict(False, None, "no error")
+    if spec.kind == "compile_error" and sig.stage != "compile" or spec.kind == "runtime_error" and sig.stage != "runtime":
+        return Verdict(False, sig, f"fails at {sig.stage}, not the stage asked for")
+    if spec.expected is not None and not similar(sig, spec.expected, spec.similarity):
+        return Verdict(False, sig, "a different error than the original")
+    return Verdict(True, sig, sig.short())
+
+
+def check(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
+    """Judge one candidate in this process (``crash``/``hang`` need :mod:`repro_tools.minify.isolate`)."""
+    if spec.kind in ISOLATED_ONLY:
+        raise ConfigError(f"oracle kind {spec.kind!r} needs an isolated worker (repro_tools.minify.isolate)")
+    resolve_compiler(spec.compiler)  # a compiler that does not resolve is bad input, never the failure judged
+    if spec.kind == "accuracy":
+        return _timed(_oracle_accuracy, spec, gm, inputs)
+    if spec.kind in ("nondeterminism", "cross_device"):
+        return _timed(_judge_outputs, spec, gm, inputs)
+    return _timed(_judge_error, spec, gm, inputs)
+
+
+def _timed(judge: Callable[..., Verdict], *args: Any, **kwargs: Any) -> Verdict:
+    t0 = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):  # the oracle seeds; the caller's RNG state is left alone
+        v = judge(*args, **kwargs)
+    return dataclasses.replace(v, seconds=time.perf_counter() - t0)
+
+
+def check_observed(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
+                   ref: Dict[str, Any]) -> Tuple[Verdict, Optional[Dict[str, Any]]]:
+    """:func:`check`, plus, when the graph fails an accuracy oracle of an inductor compiler, the compiled
+    value of every node inductor materialized a buffer for (``{node name: value}``, from the same compile
+    and run; see :mod:`repro_tools.minify.inductor_values`); otherwise None.  ``ref``: eager values by node name."""
+    if spec.kind != "accuracy" or spec.compiler not in SUPPORTED:
+        return check(spec, gm, inputs), None
+    capture = BufferValues()
+    v = _timed(_oracle_accuracy, spec, gm, inputs, compile_fn=capture.compile)
+    return v, (capture.values(ref) if v.fails else None)
+
+
+@dataclass
+class InProcessRunner:
+    """Runs queries in this process (fast; no protection against crashes or hangs)."""
+
+    calls: int = 0
+
+    def check(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
+        self.calls += 1
+        return check(spec, gm, inputs)
+
+    def check_observed(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
+                       ref: Dict[str, Any]) -> Tuple[Verdict, Optional[Dict[str, Any]]]:
+        self.calls += 1
+        return check_observed(spec, gm, inputs, ref)
+
+    def observe(self, spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:
+        self.calls += 1
+        return observe(spec, gm, inputs)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,380 @@
+"""Runtime of a generated ``repro.py``, part 2: compiling, checking, the subcommands.
+
+Copied into every script after :mod:`repro_tools.repro._inputs` (see there).
+Only the standard library and torch may be imported here; determ is imported
+lazily, by the ``minify`` and ``analyze`` subcommands only.
+"""
+
+import argparse
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+import traceback
+
+import torch
+
+# --- placeholders: replaced by the generated script's own definitions (not copied) ---
+from repro_tools.repro._inputs import META, INPUTS, ReproInputError, _device, _dtype, load_args  # noqa: F401
+Repro = torch.nn.Module
+
+
+def compile_config():
+    return []
+# --- end placeholders ---
+
+
+def _clone(args):
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            c = a.detach().clone()
+            out.append(c.requires_grad_(a.requires_grad) if c.is_floating_point() or c.is_complex() else c)
+        else:
+            out.append(a)
+    return out
+
+
+def resolve_compiler(name):
+    """The compiler ``f(gm, example_inputs)`` named in ``META["compiler"]``."""
+    if name == "eager":
+        return lambda gm, example_inputs: gm
+    if name == "inductor_inner":
+        from torch._inductor.compile_fx import compile_fx_inner
+        return compile_fx_inner
+    if ":" in name:
+        import importlib
+        sys.path.extend(p for p in META.get("sys_path", []) if p not in sys.path)
+        mod, _, attr = name.partition(":")
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+    from torch._dynamo import lookup_backend
+    return lookup_backend(name)
+
+
+class _EveryOpTraced(torch.overrides.TorchFunctionMode):
+    """While tracing ``Repro``: every operator call becomes a node -- also a factory op called on no traced
+    value, and one whose traced values sit inside a list (``full([2, s0], ...)`` with a symbolic size),
+    which the operator's own argument parser would refuse."""
+
+    def __init__(self, tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.OpOverload):
+            return self.tracer.create_proxy("call_function", func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+def trace_repro(mod):
+    """``Repro`` as a GraphModule."""
+    tracer = torch.fx.Tracer()
+    with _EveryOpTraced(tracer):
+        graph = tracer.trace(mod)
+    return torch.fx.GraphModule(tracer.root, graph)
+
+
+def compile_repro(mod, args, compiler=None):
+    """Compile ``Repro`` the way the original graph was compiled; returns ``f(list_of_args)``."""
+    gm = trace_repro(mod)
+    fn = (compiler or resolve_compiler(META.get("compiler", "eager")))(gm, _clone(args))
+    # only AOT-level compilers use the boxed convention; dynamo calls a backend's result with positional
+    # args (inductor's compile_fx result carries a misleading _boxed_call)
+    if getattr(fn, "_boxed_call", False) and META.get("after") == "aot":
+        return lambda a: fn(list(a))
+    return lambda a: fn(*a)
+
+
+def _flat(x):
+    if isinstance(x, (list, tuple)):
+        return [y for v in x for y in _flat(v)]
+    if isinstance(x, dict):
+        return [y for k in sorted(x, key=str) for y in _flat(x[k])]
+    return [x]
+
+
+def run_fwd_maybe_bwd(fn, args, params=()):
+    """Outputs, then the gradients of float leaves (inputs requiring grad, parameters) when any output needs one."""
+    args = _clone(args)
+    with torch.set_grad_enabled(not META.get("only_fwd", True)):  # a forward-only graph ran without grad
+        outs = [o for o in _flat(fn(args)) if isinstance(o, torch.Tensor)]
+    diff = [o for o in outs if o.requires_grad]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(params)
+    if META.get("only_fwd", True) or not diff or not leaves:
+        return [o.detach() for o in outs]
+    loss = sum(o.float().sum() for o in diff)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [o.detach() for o in outs] + [g for g in grads if g is not None]
+
+
+def _rmse(x, y):
+    d = x.detach().double().cpu() - y.detach().double().cpu()
+    return float(torch.sqrt(torch.mean(d * d))) if d.numel() else 0.0
+
+
+def same_leaf(e, c, r, tol, mult, strict):
+    """determ's verdict, kept torch-only for standalone repro scripts (tested equal to
+    ``determ_backend.compare.judge``); None when ``e`` is not compared."""
+    if e.shape != c.shape:
+        return False
+    if strict and tol == 0:
+        return e.dtype == c.dtype and torch.equal(e.cpu(), c.cpu())
+    if not (e.is_floating_point() or e.is_complex()):
+        return torch.equal(e.cpu(), c.cpu()) if strict else None
+    e, c = e.detach().cpu(), c.detach().cpu().to(e.dtype)
+    if torch.allclose(e, c, atol=tol, rtol=tol, equal_nan=True):
+        return True
+    if r is None or (torch.isnan(c).any() and not torch.isnan(e).any()):
+        return False
+    return _rmse(r, c) <= mult * _rmse(r, e) + tol / 10.0
+
+
+def check_accuracy(mod, fn, args, tol, strict):
+    """``None`` when compiled agrees with eager (fp64 reference), else a message naming the first bad output."""
+    params = list(mod.parameters())
+    eager = run_fwd_maybe_bwd(lambda a: mod(*a), args, params)
+    comp = run_fwd_maybe_bwd(fn, args, params)
+    try:
+        m64 = copy.deepcopy(mod).double()
+        a64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in _clone(args)]
+        ref = run_fwd_maybe_bwd(lambda a: m64(*a), a64, list(m64.parameters()))
+    except Exception as err:  # an op without fp64 support: judged without a reference, and said so
+        print(f"warning: no fp64 reference ({type(err).__name__}: {err}); comparing with tolerance only", file=sys.stderr)
+        ref = [None] * len(eager)
+    if len(eager) != len(comp):
+        return f"compiled returned {len(comp)} tensors, eager {len(eager)}"
+    mult = float(META.get("multiplier", 2.0))
+    for i, (e, c, r) in enumerate(zip(eager, comp, ref)):
+        if same_leaf(e, c, r, tol, mult, strict) is False:
+            err = (e.double() - c.double()).abs().max().item() if e.shape == c.shape else float("nan")
+            extra = f", rmse vs fp64: compiled {_rmse(r, c):.3g} eager {_rmse(r, e):.3g}" if r is not None else ""
+            return f"output {i} {tuple(e.shape)} {e.dtype}: max abs error {err:.3g}{extra}"
+    return None
+
+
+def _bits(x):
+    return x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _bitwise_equal(a, b):
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(_bits(x), _bits(y))
+                                    for x, y in zip(a, b))
+
+
+def _report(stage, err):
+    traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    kind = META.get("kind", "any")
+    note = "" if kind in ("any", "crash", stage) else f"  (recorded failure: {kind})"
+    print(f"reproduced {stage}: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}{note}")
+    return 1
+
+
+def _setup(ns):
+    try:
+        mod, args = Repro(), load_args(ns.device)
+        if ns.device:
+            mod.to(ns.device)
+        return mod, args, resolve_compiler(META.get("compiler", "eager"))
+    except ReproInputError:
+        raise
+    except Exception as err:
+        raise ReproInputError(f"{__file__}: cannot set up the repro ({type(err).__name__}: {err})") from err
+
+
+def _on(spec, mod, args):
+    """``mod`` and ``args`` moved to a device spec such as ``cuda`` or ``cpu:float64``."""
+    dev, _, dt = spec.partition(":")
+    dtype = _dtype(dt) if dt and not dt.isdigit() else None
+    dev = _device({"device": dev if not dt.isdigit() else spec, "name": spec}, None)
+    m = copy.deepcopy(mod).to(dev)
+    moved = [a.detach().to(dev) if isinstance(a, torch.Tensor) else a for a in args]
+    if dtype is not None:
+        m = m.to(dtype)
+        moved = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in moved]
+    return m, moved
+
+
+def _cross_device(mod, compiler, args, tol):
+    runs = []
+    for spec in META.get("devices", ["cpu", "cpu:float64"]):
+        m, a = _on(spec, mod, args)
+        runs.append([o.detach().double().cpu() for o in _flat(compile_repro(m, a, compiler)(a))
+                     if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())])
+    bad = [i for i, (x, y) in enumerate(zip(*runs)) if not torch.allclose(x, y, atol=tol, rtol=tol, equal_nan=True)]
+    return f"outputs {bad} differ beyond tol={tol:g} between {' and '.join(META.get('devices', []))}" if bad else None
+
+
+def _check(kind, mod, fn, compiler, args, ns):
+    """A message when ``kind`` reproduces (errors propagate), else None."""
+    if kind == "accuracy":
+        msg = check_accuracy(mod, fn, args, ns.tol, ns.strict)
+        return msg and f"AccuracyError: {msg}"
+    if kind == "nondeterminism":
+        outs = []
+        for _ in range(int(META.get("runs", 2))):
+            torch.manual_seed(int(META.get("seed", 1234)))
+            outs.append(run_fwd_maybe_bwd(fn, args))
+        same = all(_bitwise_equal(outs[0], o) for o in outs[1:])
+        return None if same else "runs of the compiled graph on identical inputs differ bitwise"
+    if kind == "cross_device":
+        return _cross_device(mod, compiler, args, ns.tol)
+    fn(_clone(args))
+    return None
+
+
+def _run_checks(ns):
+    kind = ns.kind or META.get("kind", "any")
+    mod, args, compiler = _setup(ns)
+    try:
+        fn = compile_repro(mod, args, compiler)
+    except Exception as err:
+        return _report("compile_error", err)
+    try:
+        msg = _check(kind, mod, fn, compiler, args, ns)
+    except Exception as err:
+        return _report("runtime_error", err)
+    if msg:
+        print(f"reproduced {kind}: {msg}")
+        return 1
+    print(f"not reproduced: the compiled graph ran and passed the {kind} check")
+    return 0
+
+
+def _run_isolated(ns, kind):
+    """Crash and hang checks: the same command in a child process, judged by how it ends."""
+    cmd = [sys.executable, os.path.abspath(__file__), "run", "--in-process"] + _forward_flags(ns)
+    timeout = float(META.get("timeout", 300)) if kind == "hang" else None
+    try:
+        proc = subprocess.run(cmd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"reproduced hang: no answer within {timeout:g} s")
+        return 1
+    if proc.returncode < 0:
+        import signal
+        print(f"reproduced crash: the compiled graph killed the process with {signal.Signals(-proc.returncode).name}")
+        return 1
+    return proc.returncode
+
+
+def _run(ns):
+    kind = ns.kind or META.get("kind", "any")
+    if kind in ("crash", "hang", "any") and not ns.in_process:
+        return _run_isolated(ns, kind)
+    with config_applied():
+        return _run_checks(ns)
+
+
+def _forward_flags(ns):
+    out = ["--tol", str(ns.tol)] + (["--strict"] if ns.strict else [])
+    out += (["--device", ns.device] if ns.device else []) + (["--kind", ns.kind] if ns.kind else [])
+    return out
+
+
+@contextlib.contextmanager
+def config_applied():
+    """The compile-time config (``compile_config()``) for the duration of the block, restored afterwards."""
+    with contextlib.ExitStack() as stack:
+        for module, entries in compile_config():
+            stack.enter_context(module.patch(entries))
+        yield
+
+
+def _get_args(ns):
+    if ns.out:
+        _check_out(ns.out)
+        if os.path.exists(ns.out) and not ns.force:
+            raise ReproInputError(f"--out {ns.out}: the file exists; pass --force to replace it")
+    args = load_args(ns.device)
+    for i, (spec, a) in enumerate(zip(INPUTS, args)):
+        if isinstance(a, torch.Tensor):
+            src = "stored" if spec.get("storage") else "regenerated"
+            print(f"{i}\t{spec.get('name', '')}\t{a.dtype}\t{tuple(a.shape)}\tstride={tuple(a.stride())}\t{a.device}\t{src}")
+        else:
+            print(f"{i}\t{spec.get('name', '')}\t{type(a).__name__}\t{a!r}")
+    if ns.out:
+        _save_args(args, ns.out)
+        print(f"saved to {ns.out} (load with torch.load(path, weights_only=True))", file=sys.stderr)
+    return 0
+
+
+def _check_out(out):
+    """The directory ``out`` goes into; a ReproInputError when it cannot be a new or replaced file there."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ReproInputError(f"--out {out}: directory {parent} does not exist")
+    if os.path.isdir(out):
+        raise ReproInputError(f"--out {out}: is a directory; expected a file path")
+    return parent
+
+
+def _save_args(args, out):
+    """``torch.save`` of the inputs to ``out``, atomically (a temporary file next to it, then renamed)."""
+    parent = _check_out(out)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.{os.getpid()}.tmp")
+    try:
+        torch.save([a.detach() if isinstance(a, torch.Tensor) else a for a in args], tmp)
+        os.replace(tmp, out)
+    except (OSError, RuntimeError) as err:  # torch.save reports unwritable paths as RuntimeError
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ReproInputError(f"--out {out}: cannot write it ({str(err).strip().splitlines()[0]})") from None
+
+
+def _determ(command, rest):
+    try:
+        from repro_tools.cli import main as determ_main
+        from repro_tools.flows.failure import minify_script
+    except ImportError:
+        print(f"{os.path.basename(__file__)} {command}: needs determ (pip install determ); "
+              "'run' and 'get-args' work with torch alone", file=sys.stderr)
+        return 2
+    from determ_backend.errors import DetermError
+    try:
+        if command == "minify":
+            return minify_script(os.path.abspath(__file__), rest)
+        return determ_main([command, os.path.abspath(__file__)] + rest)
+    except DetermError as err:
+        print(f"{os.path.basename(__file__)} {command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _version_warning():
+    have, want = torch.__version__, META.get("torch_version")
+    if want and want != have:
+        print(f"warning: {os.path.basename(__file__)} was written with torch {want}, running torch {have}; "
+              "the failure may not reproduce, or differently", file=sys.stderr)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = ("run", "minify", "analyze", "get-args")
+    default = "minify" if META.get("launcher") else "run"
+    command = argv.pop(0) if argv and argv[0] in commands else default
+    _version_warning()
+    if command in ("minify", "analyze"):
+        return _determ(command, argv)
+    p = argparse.ArgumentParser(prog=f"{os.path.basename(__file__)} {command}",
+                                description=f"subcommands: run, minify, analyze, get-args (default: {default}); "
+                                            "run exits 1 when the failure reproduces, 0 when not, 2 on bad input")
+    p.add_argument("--device", help="run on this device instead of the recorded one (e.g. cpu)")
+    if command == "get-args":
+        p.add_argument("--out", help="also save the inputs to this file (torch.save)")
+        p.add_argument("--force", action="store_true", help="replace --out when it exists")
+    else:
+        p.add_argument("--kind", choices=("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash",
+                                          "hang", "cross_device", "any"),
+                       help=f"failure to check for (default: the recorded one, {META.get('kind', 'any')})")
+        p.add_argument("--tol", type=float, default=float(META.get("tol", 1e-3)), help="accuracy tolerance")
+        p.add_argument("--strict", action="store_true", default=bool(META.get("strict")),
+                       help="accuracy: also compare non-float outputs (bitwise with --tol 0)")
+        p.add_argument("--in-process", action="store_true", help="do not isolate a crash check in a subprocess")
+    ns = p.parse_args(argv)
+    try:
+        return _get_args(ns) if command == "get-args" else _run(ns)
+    except ReproInputError as err:
+        print(f"{os.path.basename(__file__)}: error: {err}", file=sys.stderr)
+        return 2

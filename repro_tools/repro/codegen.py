@@ -1,0 +1,211 @@
+"""Source text of a repro script: ``class Repro`` from a GraphModule, the config function, the runtime.
+
+:class:`CodeWriter` turns a GraphModule (and nested GraphModules of higher-order
+ops, and torch.nn leaf modules of ``call_module`` nodes) into classes whose
+``forward`` is the graph's code with the user's source lines as comments, and
+collects the imports and the tensor attributes (parameters, buffers, constants)
+to load from the content store.  :func:`script_text` assembles the whole file.
+Writing/reading the file lives in :mod:`repro_tools.repro.script`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import math
+import pprint
+import types
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.fx as fx
+
+from determ_backend import _torch_compat as tc
+from determ_backend.errors import ReproError
+
+from repro_tools.repro.store import StoreWriter
+
+__all__ = ["CodeWriter", "script_text"]
+
+log = logging.getLogger(__name__)
+
+_BUILTIN_NAMESPACES = {"aten", "prims", "quantized", "higher_order", "_c10d_functional", "c10d_functional",
+                       "_dtensor", "inductor", "profiler", "debugprims", "rngprims", "_quantized", "quantized_decomposed"}
+_CALL_OPS = ("call_function", "call_method", "call_module")
+_RUNTIME = [Path(__file__).with_name("_inputs.py"), Path(__file__).with_name("_harness.py")]
+
+
+def _import_line(name: str, value: Any) -> Optional[str]:
+    if getattr(builtins, name, None) is value or name in ("torch", "device"):
+        return None
+    if isinstance(value, types.ModuleType):
+        return f"import {value.__name__} as {name}" if value.__name__ != name else f"import {name}"
+    if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
+        return f"{name} = float({str(value)!r})"
+    if value is type(None):
+        return f"{name} = type(None)"
+    mod, qual = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if mod and qual and "<" not in qual and mod != "__main__":
+        top, _, rest = qual.partition(".")
+        return f"from {mod} import {top} as {name}" if not rest else f"import {mod}\n{name} = {mod}.{qual}"
+    raise ReproError(f"graph uses the global {name!r} = {value!r}, which has no importable name; cannot write it as code")
+
+
+def _fetch(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _leaf_module_expr(mod: torch.nn.Module, target: str) -> str:
+    cls = type(mod)
+    if not cls.__module__.startswith("torch.nn.modules") or any(True for _ in mod.children()):
+        raise ReproError(f"graph calls submodule {target!r} ({cls.__name__}); only torch.nn leaf modules "
+                         "and GraphModules can be written to a repro")
+    return f"torch.nn.{repr(mod)}"
+
+
+def _last_frame(stack_trace: str) -> str:
+    """The innermost ``File ..., line N, in f`` line of a node's stack trace, with its code line."""
+    lines = stack_trace.rstrip().splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.strip().startswith("File ")]
+    return "\n".join(lines[starts[-1]:starts[-1] + 2]) if starts else stack_trace[-300:]
+
+
+class CodeWriter:
+    """Emits one class per (sub)graph; collects imports, custom-op modules and tensor attributes."""
+
+    def __init__(self, store: StoreWriter):
+        self.store = store
+        self.imports: Dict[str, str] = {}
+        self.op_modules: List[str] = []
+        self.attrs: List[Dict[str, Any]] = []
+        self.classes: List[str] = []
+        self.nodes: List[List[Any]] = []
+
+    def module_class(self, gm: fx.GraphModule, cls_name: str, prefix: str = "") -> str:
+        code = gm.graph.python_code(root_module="self", verbose=True)
+        for k, v in sorted(code.globals.items()):
+            line = _import_line(k, v)
+            if line:
+                self.imports.setdefault(k, line)
+        self._scan_custom_ops(gm)
+        if not prefix:
+            self.nodes = [[n.name, _last_frame(n.meta["stack_trace"]) if n.meta.get("stack_trace") else None]
+                          for n in gm.graph.nodes if n.op in _CALL_OPS]
+        init = self._init_lines(gm, prefix)
+        body = "\n".join("    " + ln if ln.strip() else "" for ln in code.src.strip("\n").splitlines())
+        src = f"class {cls_name}(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        src += "".join(f"        {ln}\n" for ln in init)
+        if not prefix:
+            src += "        install_attrs(self)  # parameters, buffers and constants (ATTRS)\n"
+        self.classes.append(src + "\n" + body.rstrip() + "\n")
+        return cls_name
+
+    def _init_lines(self, gm: fx.GraphModule, prefix: str) -> List[str]:
+        lines, seen = [], set()
+        for n in gm.graph.nodes:
+            if n.op not in ("get_attr", "call_module") or n.target in seen:
+                continue
+            seen.add(n.target)
+            value = _fetch(gm, n.target)
+            full = prefix + n.target
+            if isinstance(value, fx.GraphModule):
+                sub = self.module_class(value, "Repro_" + full.replace(".", "_"), prefix=full + ".")
+                lines.append(f"self.{n.target} = {sub}()")
+            elif isinstance(value, torch.nn.Module):
+                lines.append(f"self.{n.target} = {_leaf_module_expr(value, n.target)}")
+                for pname, p in list(value.named_parameters()) + list(value.named_buffers()):
+                    self._attr(f"{full}.{pname}", p)
+            elif isinstance(value, torch.Tensor):
+                self._attr(full, value)
+            else:
+                raise ReproError(f"graph attribute {n.target!r} is a {type(value).__name__}; only tensors and "
+                                 "modules can be written to a repro")
+        return lines
+
+    def _attr(self, name: str, t: torch.Tensor) -> None:
+        spec = self.store.describe(t, name)
+        spec["attr_kind"] = "parameter" if isinstance(t, torch.nn.Parameter) else "buffer"
+        self.attrs.append(spec)
+
+    def _scan_custom_ops(self, gm: fx.GraphModule) -> None:
+        for n in gm.graph.nodes:
+            ns = getattr(n.target, "namespace", None)
+            if n.op == "call_function" and ns and ns not in _BUILTIN_NAMESPACES:
+                qual = n.target._schema.name
+                mod = tc.custom_op_module(qual)
+                if mod and mod != "__main__" and mod not in self.op_modules:
+                    self.op_modules.append(mod)
+                elif not mod or mod == "__main__":
+                    log.warning("custom op %s: its defining module is not importable; pass meta={'imports': [...]}", qual)
+
+
+def _runtime_source() -> str:
+    """The scripts' runtime: the two runtime modules without docstrings and placeholder blocks."""
+    parts = []
+    for path in _RUNTIME:
+        src = path.read_text(encoding="utf-8")
+        start, end = src.index("# --- placeholders"), src.index("# --- end placeholders ---")
+        body = src[:start] + src[end + len("# --- end placeholders ---\n"):]
+        parts.append(body[body.index('"""', 3) + 3:].strip("\n") + "\n")
+    return "\n\n".join(parts)
+
+
+def _config_function(config: Dict[str, Dict[str, Any]]) -> str:
+    lines = ["def compile_config():",
+             '    """Compile-time config that differed from the defaults when the graph was compiled.\n\n'
+             '    ``(config module, {name: value})`` pairs, applied with ``module.patch(...)`` while compiling."""']
+    items = []
+    for module, entries in sorted(config.items()):
+        if not entries:
+            continue
+        lines.append(f"    import torch._{module}.config")
+        literal = {k: v for k, v in sorted(entries.items()) if not k.startswith("<")}
+        lines.extend(f"    # not restored (not a literal): torch._{module}.config.{k[1:-1]} = {v}"
+                     for k, v in sorted(entries.items()) if k.startswith("<"))
+        if literal:
+            items.append(f"        (torch._{module}.config, {literal!r}),")
+    lines.append("    return [\n" + "\n".join(items) + "\n    ]" if items else "    return []")
+    return "\n".join(lines) + "\n"
+
+
+def _docstring(meta: Dict[str, Any]) -> str:
+    err = (meta.get("error") or "").strip()
+    err = "\n".join("    " + ln for ln in err.splitlines()[-12:]).replace('"""', "'''").replace("\\", "\\\\")
+    what = "Minifier launcher" if meta.get("launcher") else "Repro"
+    s = (f'"""{what}: {meta.get("kind")} with compiler {meta.get("compiler")!r} (intercepted after '
+         f'{meta.get("after")}), torch {meta.get("torch_version")}, device {meta.get("device")}.\n\n')
+    if err:
+        s += f"Original failure:\n{err}\n\n"
+    default = "minify" if meta.get("launcher") else "run"
+    s += (f"Usage: python {meta.get('script_name', 'repro.py')} [run|minify|analyze|get-args] [--help]   (default: {default})\n"
+          "  run       exit 1 and print the failure when it reproduces, exit 0 when it does not (torch alone)\n"
+          "  minify    shrink the graph to a minimal repro (needs determ)\n"
+          "  analyze   per-node compiled vs eager vs fp64 and determinism report (needs determ)\n"
+          "  get-args  describe (or --out FILE: save) the inputs\n"
+          'Inputs: the content store "repro_store/" next to this file, or regenerated with a fixed seed.\n"""\n')
+    return s
+
+
+def script_text(m: Dict[str, Any], specs: List[Dict[str, Any]], writer: CodeWriter) -> str:
+    env = {k: v for k, v in m.get("env", {}).items() if not k.endswith("CACHE_DIR") and not k.startswith(("DETERM_", "REPRO_"))}
+    parts = ["#!/usr/bin/env python3\n" + _docstring(m),
+             "import os\nimport sys\n",
+             f"if __name__ == '__main__':  # env vars set when the graph was compiled (before torch is imported)\n"
+             f"    for _k, _v in {env!r}.items():\n        os.environ.setdefault(_k, _v)\n",
+             "import torch\nimport torch.fx\nfrom torch import device\n" + "".join(f"import {mod}\n" for mod in m.get("imports", []))
+             + "\n".join(sorted(writer.imports.values())) + "\n",
+             "META = " + pprint.pformat(m, width=110, sort_dicts=True) + "\n",
+             "INPUTS = " + pprint.pformat(specs, width=110) + "\n",
+             "ATTRS = " + pprint.pformat(writer.attrs, width=110) + "\n",
+             "NODES = " + pprint.pformat(writer.nodes, width=110) + "  # [node name, user source line], in order\n",
+             _config_function({"inductor": m.get("config", {}), **m.get("config_other", {})}),
+             *writer.classes,
+             "\n# ---- runtime (written by determ's repro_tools; needs only torch) ----\n" + _runtime_source(),
+             "\nif __name__ == '__main__':\n    sys.exit(main())\n"]
+    return "\n\n".join(p.rstrip("\n") + "\n" for p in parts)
+
+

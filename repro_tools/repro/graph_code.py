@@ -1,0 +1,120 @@
+"""A GraphModule as Python source, and back; tensors saved for ``torch.load(weights_only=True)``.
+
+This is the minimal, pickle-free exchange format the minifier uses between its
+own processes (the isolated oracle worker) and, until a repro script is
+available, for its checkpoints: ``graph.py`` holds ``class Repro(torch.nn.Module)``
+whose ``forward`` is the graph's code, ``inputs.pt`` the input values.  Loading
+executes the generated source (written by us, never by a third party) and
+re-traces it with :func:`torch.fx.symbolic_trace`.
+
+Standalone, user-facing repro scripts live in :mod:`repro_tools.repro.script`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple, Union
+
+import torch
+import torch.fx as fx
+
+from determ_backend.errors import ReproError
+from determ_backend.trace.stream import atomic_path, atomic_write_text
+
+__all__ = ["graph_source", "graph_from_source", "save_tensors", "load_tensors", "write_graph_dir", "read_graph_dir"]
+
+_HEADER = "import torch\nimport torch.fx\nfrom torch import device\nfrom math import inf, nan\n"
+
+
+def _import_line(name: str, value: Any) -> str:
+    """One import statement binding ``name`` to ``value`` in the generated module."""
+    if isinstance(value, types.ModuleType):
+        return f"import {value.__name__} as {name}"
+    if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
+        return f"{name} = float({str(value)!r})"
+    if value is type(None):
+        return f"{name} = type(None)"
+    mod, qual = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if mod and qual and "<" not in qual:
+        top, _, rest = qual.partition(".")
+        line = f"from {mod} import {top} as {name}" if not rest else f"import {mod} as _m_{name}\n{name} = _m_{name}.{qual}"
+        return line
+    raise ReproError(f"graph uses global {name!r} = {value!r}, which has no importable name; cannot write it as code")
+
+
+def graph_source(gm: fx.GraphModule) -> str:
+    """Source of a module ``class Repro(torch.nn.Module)`` whose forward is ``gm``'s graph.
+
+    Only graphs of ``placeholder``/``call_function``/``call_method``/``output`` nodes
+    (plus ``get_attr`` of plain tensors, inlined as buffers) can be written.
+    """
+    bad = [n.format_node() for n in gm.graph.nodes if n.op == "call_module"]
+    if bad:
+        raise ReproError(f"graph has call_module nodes ({bad[0]}); flatten it (make_fx / aot) before writing it as code")
+    code = gm.graph.python_code("self")
+    imports = [_import_line(k, v) for k, v in sorted(code.globals.items()) if k not in ("torch", "device", "inf", "nan")]
+    body = "\n".join("    " + line for line in code.src.strip("\n").splitlines())
+    return _HEADER + "\n".join(imports) + "\n\n\nclass Repro(torch.nn.Module):\n" + body + "\n"
+
+
+def graph_from_source(src: str, filename: str = "<graph>") -> fx.GraphModule:
+    """Execute ``src`` (as written by :func:`graph_source`) and trace ``Repro`` back into a GraphModule."""
+    ns: Dict[str, Any] = {"__name__": "determ_graph"}
+    try:
+        exec(compile(src, filename, "exec"), ns)  # our own generated code
+    except SyntaxError as e:
+        raise ReproError(f"{filename}: not a valid graph module: {e}") from e
+    if "Repro" not in ns:
+        raise ReproError(f"{filename}: expected a class Repro(torch.nn.Module)")
+    return fx.symbolic_trace(ns["Repro"]())
+
+
+def save_tensors(values: Sequence[Any], path: Union[str, Path]) -> None:
+    """Atomically save a list of tensors / python scalars for ``torch.load(weights_only=True)``."""
+    with atomic_path(path) as tmp:
+        torch.save([v.detach().clone() if isinstance(v, torch.Tensor) else v for v in values], tmp)
+
+
+def load_tensors(path: Union[str, Path]) -> List[Any]:
+    """The list written by :func:`save_tensors`; a clear :class:`ReproError` when missing or corrupt."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReproError(f"{path}: input file missing")
+    try:
+        out = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # torch raises several unrelated types for a corrupt file
+        raise ReproError(f"{path}: cannot load tensors ({type(e).__name__}: {e})") from e
+    if not isinstance(out, list):
+        raise ReproError(f"{path}: expected a list of inputs, got {type(out).__name__}")
+    return out
+
+
+def write_graph_dir(gm: fx.GraphModule, inputs: Sequence[Any], directory: Union[str, Path],
+                    meta: Dict[str, Any] = None) -> Path:
+    """Write ``graph.py``, ``inputs.pt`` and ``meta.json`` into ``directory``; returns the ``graph.py`` path."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_tensors(inputs, d / "inputs.pt")
+    atomic_write_text(d / "meta.json", json.dumps(meta or {}, indent=1, sort_keys=True, default=str))
+    atomic_write_text(d / "graph.py", graph_source(gm))
+    return d / "graph.py"
+
+
+def read_graph_dir(path: Union[str, Path]) -> Tuple[fx.GraphModule, List[Any], Dict[str, Any]]:
+    """Inverse of :func:`write_graph_dir`; ``path`` is the directory or its ``graph.py``."""
+    p = Path(path)
+    d = p if p.is_dir() else p.parent
+    src_path = d / "graph.py"
+    if not src_path.is_file():
+        raise ReproError(f"{p}: expected a graph directory holding graph.py")
+    meta: Dict[str, Any] = {}
+    if (d / "meta.json").is_file():
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+        except ValueError as e:
+            raise ReproError(f"{d / 'meta.json'}: not JSON ({e})") from e
+    gm = graph_from_source(src_path.read_text(), str(src_path))
+    return gm, load_tensors(d / "inputs.pt"), meta

@@ -1,0 +1,263 @@
+"""``repro-tools xdevice TARGET --devices A,B``: on which device does a graph go wrong, and where?
+
+TARGET is one of
+
+* a ``repro.py`` written by determ (or a minifier graph directory): the graph runs
+  in this process on both device specs with the same inputs, every node traced
+  (:mod:`repro_tools.xdevice.trace`); ``--minify`` then shrinks it with the
+  minifier's cross-device oracle and writes the minimal ``repro.py``;
+* a pair of traces recorded elsewhere (``A.jsonl,B.jsonl``, or two trace files or
+  run directories, e.g. one per machine): aligned and compared within ``--tol``;
+* a user script whose model is compiled with a determ backend: it runs once per
+  device in a subprocess with ``DETERM_DEVICE=<spec>`` (the backends move each graph
+  there, see :mod:`determ_backend.backends.retarget`), and the two traces are compared.
+  ``--backend determ_aot_eager`` forces a determ backend on a script compiled with
+  a plain one (through torch's ``TORCH_BISECT_BACKEND`` backend override).
+
+Exit 0: the devices agree within tolerance; 1: they diverge (root cause reported);
+2: bad input, or a device that is not present here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from tqdm import tqdm
+
+from determ_backend.compare import Comparison, compare_traces
+from determ_backend.devices import parse_device_spec, require
+from determ_backend.errors import ConfigError, ReproError, TraceFormatError
+from determ_backend.trace.stream import TensorStore, resolve_trace_path
+
+from repro_tools.cli.diff import format_table
+
+__all__ = ["register", "run", "compare_repro", "compare_trace_pair", "compare_script"]
+
+log = logging.getLogger(__name__)
+_BACKENDS = ("determ_eager", "determ_aot_eager", "determ_inductor")
+
+
+# ---------------------------------------------------------------------- targets
+
+def _kind(targets: List[str]) -> str:
+    if len(targets) == 2:
+        return "traces"
+    t = targets[0]
+    if "," in t and not Path(t).exists():
+        return "traces"
+    p = Path(t)
+    if p.is_dir():
+        return "repro" if (p / "graph.py").is_file() else "traces"
+    if p.suffix == ".py":
+        from repro_tools.repro.script import read_meta
+
+        try:
+            read_meta(p)
+            return "repro"
+        except ReproError:
+            return "script"
+    if p.suffix in (".jsonl", ".log"):
+        raise ConfigError(f"{t}: a single trace; expected two (A.jsonl,B.jsonl or two paths)")
+    raise ConfigError(f"{t}: expected a repro.py, a user script (.py), or two traces (A.jsonl,B.jsonl)")
+
+
+def _devices(text: Optional[str], needed: bool) -> Tuple[str, ...]:
+    if not text:
+        if needed:
+            raise ConfigError("--devices: expected two device specs, e.g. --devices cpu,cpu:float64 or cuda,cpu")
+        return ()
+    specs = tuple(s.strip() for s in text.split(",") if s.strip())
+    if len(specs) != 2:
+        raise ConfigError(f"--devices {text!r}: expected exactly two device specs separated by a comma")
+    for s in specs:
+        dev, dtype = parse_device_spec(s)
+        if dtype is not None and not dtype.is_floating_point:
+            raise ConfigError(f"--devices {text!r}: {s}: expected a floating-point dtype (e.g. float32, float64, "
+                              f"bfloat16), got {str(dtype).replace('torch.', '')}")
+        require(dev)
+    return specs
+
+
+# ---------------------------------------------------------------------- modes
+
+def compare_repro(path: str, specs: Tuple[str, ...], tol: float) -> Tuple[Comparison, Any, List[Any]]:
+    """``(comparison, gm, inputs)`` for a repro script or graph directory run on both devices."""
+    from repro_tools.minify.repro_files import load_repro_any
+    from repro_tools.repro.script import load_repro
+    from repro_tools.xdevice.trace import compare_devices, reference_spec, trace_on_device
+
+    # a repro recorded on an accelerator loads on the CPU here; each side moves it where it runs
+    gm, inputs, _ = load_repro(path, device="cpu") if Path(path).is_file() else load_repro_any(path)
+    ref = reference_spec(specs)
+    sides = []
+    for s in tqdm(list(specs) + ([ref] if ref else []), desc="xdevice", unit="device", file=sys.stderr,
+                  disable=len(gm.graph.nodes) < 200):
+        sides.append(trace_on_device(gm, inputs, s))
+    return compare_devices(sides[0], sides[1], tol, sides[2] if ref else None), gm, inputs
+
+
+def _store_for(path: str) -> Optional[TensorStore]:
+    try:
+        root = resolve_trace_path(path).parent / "tensors"
+    except TraceFormatError:
+        return None
+    return TensorStore(root) if root.is_dir() else None
+
+
+def compare_trace_pair(a: str, b: str, tol: float) -> Comparison:
+    from repro_tools.cli.trace_formats import load_any
+
+    return compare_traces(load_any(a), load_any(b), tol=tol, store_a=_store_for(a), store_b=_store_for(b))
+
+
+def _label(i: int, spec: str) -> str:
+    return f"side{i}_" + re.sub(r"[^A-Za-z0-9_.-]", "_", spec)
+
+
+def _run_script(script: str, script_args: List[str], spec: str, out: Path, backend: Optional[str]) -> Path:
+    """Run the script with ``DETERM_DEVICE=spec``; returns its run directory (trace + report)."""
+    env = dict(os.environ, DETERM_DEVICE=spec, DETERM_DIR=str(out.parent), DETERM_RUN_ID=out.name)
+    env.setdefault("DETERM_SAVE_TENSORS", "1")  # exact per-node metrics instead of statistics
+    env.pop("DETERM_BISECT_STAGE", None)
+    if backend:
+        env["TORCH_BISECT_BACKEND"] = backend
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("trace.jsonl", "report.json"):  # an earlier run's, which this run may not rewrite
+        (out / stale).unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    with open(out / "stdout.txt", "wb") as so, open(out / "stderr.txt", "wb") as se:
+        code = subprocess.run([sys.executable, script, *script_args], env=env, stdout=so, stderr=se,
+                              stdin=subprocess.DEVNULL).returncode
+    log.info("%s on %s: exit %d (%.1f s)", script, spec, code, time.perf_counter() - t0)
+    if code != 0:
+        tail = "; ".join((out / "stderr.txt").read_text(errors="replace").strip().splitlines()[-1:])
+        raise ReproError(f"{script} exited with status {code} on {spec} ({tail}); log: {out / 'stderr.txt'}")
+    if not (out / "trace.jsonl").is_file():
+        raise ReproError(f"{script} wrote no determ trace on {spec}: compile the model with one of "
+                         f"{', '.join(_BACKENDS)}, or pass --backend determ_aot_eager")
+    return out
+
+
+def compare_script(script: str, script_args: List[str], specs: Tuple[str, ...], tol: float, out: Path,
+                   backend: Optional[str]) -> Comparison:
+    """Run a user script once per device and compare the two traces."""
+    if not Path(script).is_file():
+        raise ConfigError(f"{script}: no such script")
+    dirs = [_run_script(script, script_args, s, out / _label(i, s), backend)
+            for i, s in enumerate(tqdm(specs, desc="xdevice", unit="device", file=sys.stderr))]
+    return compare_trace_pair(str(dirs[0]), str(dirs[1]), tol)
+
+
+# ---------------------------------------------------------------------- CLI
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "xdevice", help="run one graph on two devices and name the first node that diverges",
+        description="Compare a graph across two device specs (cpu, cuda[:N], npu[:N], xpu[:N], each with an "
+                    "optional :DTYPE such as cpu:float64) and report the root-cause node: the first whose inputs "
+                    "agree while its output differs beyond --tol.  Exit 0: devices agree; 1: divergence; "
+                    "2: bad input or a device that is not present.",
+        epilog="examples:  repro-tools xdevice repro.py --devices cpu,cpu:float64 --minify\n"
+               "           repro-tools xdevice train.py --devices cuda,cpu\n"
+               "           repro-tools xdevice runs/cuda/trace.jsonl,runs/npu/trace.jsonl",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("targets", nargs="+", metavar="TARGET",
+                   help="repro.py, a user script, A.jsonl,B.jsonl, or two trace files / run directories")
+    p.add_argument("--devices", help="two device specs, e.g. cpu,cpu:float64 (required except for traces)")
+    p.add_argument("--tol", type=float, default=1e-3,
+                   help="a node agrees when its max abs error or its max rel error is <= TOL (default 1e-3)")
+    p.add_argument("--json", action="store_true", help="print the comparison summary as JSON")
+    p.add_argument("--minify", action="store_true",
+                   help="repro targets: shrink to the smallest subgraph that still diverges and write repro.py")
+    p.add_argument("--out", help="output directory: user scripts' runs (default ./determ_xdevice, reused), or "
+                                 "--minify's checkpoints and minimal repro (default: a new xdevice, xdevice-2, ... "
+                                 "next to REPRO)")
+    p.add_argument("--script-args", default="", help="arguments for a user script, as one shell-quoted string")
+    p.add_argument("--backend", choices=_BACKENDS,
+                   help="user scripts: compile with this determ backend whatever the script asks for")
+    p.add_argument("--limit", type=int, default=20, help="rows of divergent nodes to print (default 20)")
+    p.set_defaults(func=run)
+
+
+def _script_args(text: str) -> List[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"--script-args {text!r}: {e}; expected the script's arguments as one shell-quoted "
+                          "string, e.g. --script-args '--steps 1'") from None
+
+
+def _minify(gm, inputs, specs: Tuple[str, ...], tol: float, out: Path) -> Dict[str, Any]:
+    from repro_tools.minify.minifier import minify
+    from repro_tools.minify.oracles import OracleSpec
+
+    # the graph runs eagerly on each side (as traced above); the oracle moves its parameters with its inputs
+    spec = OracleSpec(kind="cross_device", compiler="eager", devices=specs, tol=tol)
+    return dict(minify(gm, inputs, spec, out_dir=out).summary)
+
+
+def _print(cmp: Comparison, specs: Tuple[str, ...], limit: int) -> None:
+    if specs:
+        print(f"devices: a={specs[0]}  b={specs[1]}")
+    print(format_table(cmp, limit))
+    fd = cmp.first_divergence
+    if fd is not None and fd.metrics:
+        m = fd.metrics
+        print("metrics: " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
+        if "err_a_vs_fp64" in m and specs:
+            worse = specs[0] if m["err_a_vs_fp64"] > m["err_b_vs_fp64"] else specs[1]
+            print(f"farther from the float64 reference: {worse}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from repro_tools.cli.minify import out_dir_for
+
+    kind = _kind(args.targets)
+    if args.tol < 0:
+        raise ConfigError(f"--tol must be >= 0, got {args.tol}")
+    if args.limit < 0:
+        raise ConfigError(f"--limit must be >= 0 (rows to print), got {args.limit}")
+    if args.minify and kind != "repro":
+        raise ConfigError("--minify needs a repro.py (or graph directory) target: traces and scripts carry no graph")
+    script_args = _script_args(args.script_args)
+    specs = _devices(args.devices, needed=kind != "traces")
+    src = Path(args.targets[0])
+    min_out = out_dir_for(src, args.out, name="xdevice") if args.minify else None
+    summary: Dict[str, Any] = {"target": kind, "devices": list(specs)}
+    if kind == "traces":
+        pair = args.targets if len(args.targets) == 2 else args.targets[0].split(",")
+        if len(pair) != 2:
+            raise ConfigError(f"{args.targets[0]}: expected two traces separated by one comma")
+        cmp = compare_trace_pair(pair[0], pair[1], args.tol)
+    elif kind == "repro":
+        cmp, gm, inputs = compare_repro(args.targets[0], specs, args.tol)
+    else:
+        out = Path(args.out or "determ_xdevice")
+        cmp = compare_script(args.targets[0], script_args, specs, args.tol, out, args.backend)
+        summary["runs"] = str(out)
+    summary.update(cmp.summary(["xdevice"]))
+    if not summary["pairs"]:  # nothing was compared: never "the devices agree"
+        raise ConfigError(f"{args.targets[0]}: no record of one side pairs with the other "
+                              f"({summary['unmatched_a']} vs {summary['unmatched_b']} records); expected runs of "
+                              "the same model with the same determ backend")
+    if args.minify and cmp.divergent:
+        summary["minify"] = _minify(gm, inputs, specs, args.tol, min_out)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        _print(cmp, specs, args.limit)
+        if "minify" in summary:
+            s = summary["minify"]
+            print(f"minified: {s['nodes_before']} -> {s['nodes_after']} nodes, {s['queries']} queries, "
+                  f"{s['seconds']:.1f} s; repro: {s['repro_path']}")
+    return 1 if cmp.divergent else 0

@@ -1,0 +1,234 @@
+"""The determ compile backends: registration, traces, bit-identity, checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from backend_helpers import MLP, BreakModel, NondetModel, compile_run, load
+from determ_backend.config import load_config
+from determ_backend.errors import ConfigError
+from repro_tools.cli import main as cli
+
+
+def _plain(model, x, backend, backward=False):
+    torch._dynamo.reset()
+    y = torch.compile(model, backend=backend)(x)
+    if backward:
+        y.sum().backward()
+    return y
+
+
+@pytest.mark.parametrize("determ,plain", [("determ_eager", "eager"), ("determ_aot_eager", "aot_eager")])
+def test_tracing_on_and_off_are_bit_identical_to_wrapped_backend(tmp_path, determ, plain):
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(5, 8)
+    ref = _plain(m, x, plain, backward=True)
+    ref_grads = [p.grad.clone() for p in m.parameters()]
+    for trace in (True, False):
+        m.zero_grad(set_to_none=True)
+        y, _ = compile_run(m, (x,), determ, tmp_path, f"r{trace}", backward=True, trace=trace)
+        assert torch.equal(y, ref)
+        assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), ref_grads))
+
+
+def test_trace_has_every_node_with_param_names_and_backward(tmp_path):
+    torch.manual_seed(0)
+    seen = {}
+
+    def spy(gm, inputs):
+        seen["n"] = sum(1 for n in gm.graph.nodes if n.op != "output")
+        return gm.forward
+
+    m, x = MLP(), torch.randn(5, 8)
+    torch._dynamo.reset()
+    torch.compile(m, backend=spy)(x)
+    _, run_dir = compile_run(m, (x,), "determ_eager", tmp_path, "eager")
+    recs, report = load(run_dir)
+    assert len(recs) == seen["n"]
+    assert {"layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias"} <= {r.node for r in recs if r.kind == "param"}
+    assert all(r.source and "backend_helpers.py" in r.source for r in recs if r.kind == "node")
+    assert report["divergent"] is False and report["first_divergence"] is None
+    _, run_dir = compile_run(m, (x,), "determ_aot_eager", tmp_path, "aot", backward=True)
+    recs, _ = load(run_dir)
+    stages = {r.stage for r in recs}
+    assert stages == {"aot_forward", "aot_backward"}
+    assert "layers.2.weight" in {r.node for r in recs if r.stage == "aot_backward"}
+
+
+def test_graph_breaks_give_several_graphs(tmp_path):
+    torch.manual_seed(0)
+    _, run_dir = compile_run(BreakModel(), (torch.randn(2, 8),), "determ_aot_eager", tmp_path, "brk")
+    recs, _ = load(run_dir)
+    assert {r.graph for r in recs} == {"g0", "g1"}
+
+
+def test_determinism_check_names_the_nondeterministic_op_only(tmp_path):
+    torch.manual_seed(0)
+    _, run_dir = compile_run(NondetModel(), (torch.randn(16, 64),), "determ_aot_eager", tmp_path, "nd",
+                             check="determinism")
+    _, report = load(run_dir)
+    assert report["divergent"] is True
+    finding = report["findings"][0]
+    assert finding["check"] == "determinism"
+    roots = finding["root_causes"]
+    assert [r["op"] for r in roots] == ["determ_test.nd_rowsum.default"]
+    assert report["first_divergence"]["op"] == "determ_test.nd_rowsum.default"
+    assert finding["divergent_pairs"] > 1  # consumers diverge too, but are not root causes
+
+
+def test_determinism_check_is_clean_on_deterministic_model(tmp_path):
+    torch.manual_seed(0)
+    _, run_dir = compile_run(MLP(), (torch.randn(4, 8),), "determ_eager", tmp_path, "clean", check="determinism")
+    assert load(run_dir)[1]["divergent"] is False
+
+
+def test_cross_run_diff_localizes_one_ulp_weight_change(tmp_path, capsys):
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 8)
+    compile_run(m, (x,), "determ_aot_eager", tmp_path, "a")
+    with torch.no_grad():
+        w = m.layers[2].weight
+        w[1, 3] = torch.nextafter(w[1, 3], torch.tensor(float("inf")))
+    compile_run(m, (x,), "determ_aot_eager", tmp_path, "b")
+    assert cli(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["first_divergence"]["node"] == "layers.2.weight"
+    assert [r["node"] for r in out["root_causes"]] == ["layers.2.weight"]
+    assert cli(["diff", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+
+
+def test_online_reference_reports_divergence(tmp_path):
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 8)
+    compile_run(m, (x,), "determ_eager", tmp_path, "ref")
+    x2 = x.clone()
+    x2[0, 0] += 1e-3
+    _, run_dir = compile_run(m, (x2,), "determ_eager", tmp_path, "new", reference=str(tmp_path / "ref"))
+    report = load(run_dir)[1]
+    assert report["divergent"] and report["first_divergence"]["check"] == "reference"
+    assert report["first_divergence"]["node"] == "l_x_"
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("", "not a determ trace"),
+    ('{"format": "determ-trace", "version": 1}\n{"graph": "g0", "stage"', "corrupt or truncated"),
+    ('{"format": "determ-trace", "version": 1}\n', "truncated trace"),
+    ("garbage\n", "not a determ trace"),
+])
+def test_diff_bad_trace_files_exit_2_with_one_line(tmp_path, capsys, content, needle):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    assert cli(["diff", str(bad), str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and str(bad) in err and len(err.splitlines()) == 1
+
+
+def test_diff_missing_file(tmp_path, capsys):
+    assert cli(["diff", str(tmp_path / "nope"), str(tmp_path / "nope2")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_config_errors_are_one_line():
+    with pytest.raises(ConfigError, match="DETERM_CHECK"):
+        load_config({"check": "speed"}, env={})
+    with pytest.raises(ConfigError, match="REPRO_LEVEL"):
+        load_config(env={"REPRO_LEVEL": "7"})
+    with pytest.raises(ConfigError, match="unknown determ option"):
+        load_config({"bogus": 1}, env={})
+
+
+def test_entry_point_works_in_a_fresh_process_without_import(tmp_path):
+    code = textwrap.dedent(f"""
+        import torch
+        m = torch.nn.Linear(3, 2)
+        y = torch.compile(m, backend="determ_aot_eager", options={{"dir": {str(tmp_path)!r}, "run_id": "ep"}})(torch.randn(2, 3))
+        print("ok", y.shape)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "ep" / "trace.jsonl").is_file()
+    recs, _ = load(tmp_path / "ep")
+    assert {"weight", "bias"} <= {r.node for r in recs if r.kind == "param"}
+
+
+class _Extra(torch.nn.Module):
+    """MLP with optional extra ops in the middle; optionally a perturbed last layer."""
+
+    def __init__(self, extra: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.l3 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.extra = extra
+
+    def forward(self, x):
+        h = self.l1(x).relu()
+        if self.extra:
+            h = (h * 1.0).abs()
+        h = self.l2(h).relu()
+        return self.l3(h).relu().sin()
+
+
+def test_one_extra_op_does_not_misalign_and_root_is_found(tmp_path, capsys):
+    x = torch.randn(4, 8)
+    compile_run(_Extra(False), (x,), "determ_eager", tmp_path, "base")
+    m = _Extra(True)
+    with torch.no_grad():
+        m.l3.bias[0] += 0.5
+    compile_run(m, (x,), "determ_eager", tmp_path, "extra")
+    assert cli(["diff", str(tmp_path / "base"), str(tmp_path / "extra"), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert [r["node"] for r in out["root_causes"]] == ["l3.bias"]
+    assert out["unmatched_b"] == 2  # the two extra ops, nothing else
+
+
+def test_saved_tensors_give_exact_metrics_in_tolerance_diff(tmp_path, capsys):
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 8)
+    compile_run(m, (x,), "determ_eager", tmp_path, "a", save_tensors=True)
+    x2 = x.clone()
+    x2[0, 0] += 1e-6
+    compile_run(m, (x2,), "determ_eager", tmp_path, "b", save_tensors=True)
+    stored = list((tmp_path / "a" / "tensors").glob("*.pt"))
+    assert stored and len(stored) == len({r.hash for r in load(tmp_path / "a")[0] if r.hash})
+    assert cli(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    bitwise = json.loads(capsys.readouterr().out)
+    assert bitwise["first_divergence"]["node"] == "l_x_"
+    assert "max_abs" in bitwise["first_divergence"]["metrics"]
+    assert cli(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--tol", "1e-4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["divergent"] is False
+
+
+def test_options_mix_determ_settings_and_inductor_config():
+    from determ_backend.backends.core import split_options
+
+    determ, ind = split_options({"check": "accuracy", "DETERM_DIR": "x", "max_autotune": False,
+                                 "cpp.simdlen": 0}, "inductor")
+    assert determ == {"check": "accuracy", "DETERM_DIR": "x"}
+    assert ind == {"max_autotune": False, "cpp.simdlen": 0}
+    with pytest.raises(ConfigError, match="neither determ settings nor inductor config"):
+        split_options({"bogus_knob": 1}, "inductor")
+    with pytest.raises(ConfigError, match="determ_aot_eager"):
+        split_options({"max_autotune": True}, "aot_eager")
+
+
+def test_recompiles_with_dynamic_shapes_are_traced(tmp_path):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    m = MLP()
+    f = torch.compile(m, backend="determ_aot_eager", options={"dir": str(tmp_path), "run_id": "dyn"})
+    for n in (3, 5, 7):
+        f(torch.randn(n, 8))
+    from determ_backend.backends import run as run_mod
+
+    run_mod.finish_all()
+    recs, _ = load(tmp_path / "dyn")
+    assert len({r.graph for r in recs}) == 2  # static first compile, then a dynamic-shape recompile
+    batch_shapes = {tuple(r.shape) for r in recs if r.kind == "input" and len(r.shape) == 2 and r.shape[1] == 8}
+    assert batch_shapes == {(3, 8), (5, 8), (7, 8)}

@@ -1,0 +1,69 @@
+"""The capture plan of determ_inductor (determ_backend.backends.inductor_instrument) on hand-written wrappers,
+shaped as inductor's C++ backend writes them: which record each buffer is, and what it read."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from determ_backend.backends.inductor_instrument import plan_call
+
+aten = torch.ops.aten
+
+_WRAPPER = """
+cpp_fused_relu_pool_0 = async_compile.cpp_pybinding(['const float*', 'float*', 'float*'], r'''
+extern "C"  void kernel(const float* in_ptr0,
+                       float* out_ptr0,
+                       float* out_ptr1)
+{
+}
+''')
+
+
+def call(args):
+    arg0_1, = args
+    args.clear()
+    buf0 = empty_strided_cpu((4, 8), (8, 1), torch.float32)
+    buf1 = empty_strided_cpu((4, 4), (4, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [relu, pool, neg], Original ATen: [aten.relu]
+    cpp_fused_relu_pool_0(arg0_1, buf0, buf1)
+    del arg0_1
+    return (buf1, buf0, )
+"""
+
+
+def _gm() -> fx.GraphModule:
+    g = fx.Graph()
+    x = g.placeholder("arg0_1")
+    relu = g.call_function(aten.relu.default, (x,))
+    relu.name = "relu"
+    pool = g.call_function(aten.narrow.default, (relu, 1, 0, 4))  # stands for a pooling of the relu
+    pool.name = "pool"
+    g.output((pool, relu))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_buffer_computed_from_a_sibling_in_the_same_kernel_depends_on_it():
+    """The kernel writes the relu and the pooling of it; the pooling's launch arguments name only the
+    kernel input, yet its value is computed from the relu inside the kernel: a wrong relu must reach it."""
+    origins = {"buf0": {"origin": "relu", "origins": ["relu"]}, "buf1": {"origin": "pool", "origins": ["pool", "relu"]}}
+    plan = plan_call(_WRAPPER, _gm(), origins, display={})
+    by_node = {i.node: i for i in plan.infos}
+    assert by_node["relu"].inputs == ("arg0_1",)
+    assert by_node["pool"].inputs == ("arg0_1", "relu")
+    assert [i.node for i in plan.infos if i.kind == "output"] == ["output.0", "output.1"]
+    assert by_node["output.0"].inputs == ("pool",)
+
+
+def test_siblings_that_do_not_depend_on_each_other_stay_apart():
+    origins = {"buf0": {"origin": "relu", "origins": ["relu"]}, "buf1": {"origin": "neg", "origins": ["neg"]}}
+    g = fx.Graph()
+    x = g.placeholder("arg0_1")
+    relu = g.call_function(aten.relu.default, (x,))
+    relu.name = "relu"
+    neg = g.call_function(aten.neg.default, (x,))
+    neg.name = "neg"
+    g.output((neg, relu))
+    plan = plan_call(_WRAPPER, fx.GraphModule(torch.nn.Module(), g), origins, display={})
+    by_node = {i.node: i for i in plan.infos}
+    assert by_node["relu"].inputs == ("arg0_1",) and by_node["neg"].inputs == ("arg0_1",)

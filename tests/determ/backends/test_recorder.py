@@ -1,0 +1,64 @@
+"""The recorder: hashes equal the public fingerprint, statistics for small and large tensors, nan/inf."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from determ_backend.fingerprint import _native
+from determ_backend.fingerprint.core import hash_tensors
+from determ_backend.backends.recorder import NodeInfo, Recorder
+
+
+def _record(tensors):
+    r = Recorder("g0", "test", [NodeInfo(f"n{i}", "op") for i in range(len(tensors))])
+    r.begin_call()
+    for i, t in enumerate(tensors):
+        r.capture(i, t)
+    return r.end_call().records
+
+
+@pytest.mark.parametrize("n", [7, 100_000])  # batched small path and per-tensor large path
+def test_hashes_and_stats_match_the_public_functions(n):
+    ts = [torch.randn(n), torch.arange(n), torch.randn(n).bfloat16(), torch.randn(n, dtype=torch.float64)]
+    recs = _record(ts)
+    assert [int(r.hash, 16) for r in recs] == hash_tensors(ts)
+    for r, t in zip(recs, ts):
+        x = t.double()
+        assert r.stats["min"] == pytest.approx(x.min().item())
+        assert r.stats["max"] == pytest.approx(x.max().item())
+        assert r.stats["mean"] == pytest.approx(x.mean().item(), abs=1e-4 * max(1.0, abs(x).max().item()))
+        assert r.stats["l2"] == pytest.approx(x.norm().item(), rel=1e-3)
+        assert r.stats["nan"] == 0 and r.stats["inf"] == 0
+
+
+def test_buffer_mutated_after_capture_keeps_its_captured_hash():
+    t = torch.randn(100_000)
+    expected = hash_tensors([t])[0]
+    r = Recorder("g0", "test", [NodeInfo("a", "op")])
+    r.begin_call()
+    r.capture(0, t)
+    t.add_(1.0)  # inductor reuses buffers in place after the kernel that wrote them
+    assert int(r.end_call().records[0].hash, 16) == expected
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-path"])
+@pytest.mark.parametrize("n", [5, 100_000])
+def test_nan_and_inf_are_reported(n, native, monkeypatch):
+    if native and not _native.available():
+        pytest.skip("no C compiler: the native kernel is not built")
+    if not native:
+        monkeypatch.setattr(_native, "_lib", lambda: None)
+    base = torch.randn(n)
+    with_nan, with_inf = base.clone(), base.clone()
+    with_nan[1] = math.nan
+    with_inf[2] = math.inf
+    nan_rec, inf_rec, clean = _record([with_nan, with_inf, base])
+    assert clean.stats["nan"] == 0 and clean.stats["inf"] == 0
+    if native or n < 1000:  # the native kernel and the batched small-tensor path: exact counts
+        assert (nan_rec.stats["nan"], inf_rec.stats["inf"], inf_rec.stats["nan"]) == (1, 1, 0)
+    else:  # large tensors: presence is known, the count is not (None)
+        assert nan_rec.stats["nan"] is None and inf_rec.stats["inf"] is None and inf_rec.stats["nan"] == 0
+        assert math.isinf(inf_rec.stats["max"])

@@ -1,0 +1,184 @@
+"""The compare core: one verdict (judge) and the causal root-cause rule, on hand-built values and records."""
+
+import math
+
+import pytest
+import torch
+
+from determ_backend.compare import Pair, find_roots, judge
+from determ_backend.trace.stream import Record
+from repro_tools.repro import _harness as _repro_harness
+
+
+# ---------------------------------------------------------------- judge
+
+def test_floats_within_tolerance_agree_and_beyond_differ():
+    x = torch.randn(64, dtype=torch.float64).float()
+    assert judge(x, x + 1e-5) is True
+    assert judge(x, x + 1.0) is False
+
+
+def test_fp64_reference_forgives_error_no_worse_than_eagers():
+    ref = torch.randn(256, dtype=torch.float64)
+    eager = (ref + 0.01 * torch.randn(256, dtype=torch.float64)).float()
+    close = (ref + 0.011 * torch.randn(256, dtype=torch.float64)).float()
+    far = (ref + 0.5 * torch.randn(256, dtype=torch.float64)).float()
+    assert judge(eager, close) is False and judge(eager, close, ref) is True
+    assert judge(eager, far, ref) is False
+    better = ref.float()  # compiled more accurate than eager: fine one-sided, not symmetric
+    assert judge(eager, better, ref) is True
+    assert judge(eager, better, ref, symmetric=True) is False
+
+
+def test_new_nan_always_differs():
+    ref = torch.randn(8, dtype=torch.float64)
+    e = ref.float()
+    c = e.clone()
+    c[3] = math.nan
+    assert judge(e, c, ref) is False
+    assert judge(c, c.clone()) is True  # NaN in both at the same place
+
+
+def test_non_float_values_count_only_when_strict():
+    a = torch.tensor([True, False])
+    b = torch.tensor([True, True])
+    assert judge(a, b) is None and judge(a, b, strict=True) is False and judge(a, a.clone(), strict=True) is True
+    assert judge(3, 4) is None and judge(3, 4, strict=True) is False
+
+
+def test_bitwise_and_strict_zero_tolerance():
+    x = torch.randn(100)
+    y = torch.flip(torch.flip(x, [0]) + 0.0, [0])
+    z = x.clone()
+    z[0] = torch.nextafter(z[0], torch.tensor(math.inf))
+    assert judge(x, y, bitwise=True) is True
+    assert judge(x, z) is True and judge(x, z, bitwise=True) is False and judge(x, z, strict=True, tol=0.0) is False
+    assert judge(x, x.double(), bitwise=True) is False  # another dtype is another value bitwise
+
+
+def test_shape_mismatch_and_tensor_vs_value_differ():
+    assert judge(torch.zeros(2), torch.zeros(3)) is False
+    assert judge(torch.zeros(2), 0.0) is False
+
+
+def test_two_dtypes_are_judged_in_the_wider_one():
+    x = torch.randn(64) * 100
+    assert judge(x.bfloat16(), x) is False  # not rounded down to bf16 before comparing
+    assert judge(x, x.double()) is True
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_standalone_harness_verdict_matches_the_core(case):
+    g = torch.Generator().manual_seed(case)
+    ref = torch.randn(128, dtype=torch.float64, generator=g)
+    e = (ref + 1e-3 * torch.randn(128, dtype=torch.float64, generator=g)).float()
+    c = (ref + [1e-4, 1e-3, 3e-3, 1e-2, 0.1, 1.0][case] * torch.randn(128, dtype=torch.float64, generator=g)).float()
+    for tol, strict in ((1e-3, False), (1e-2, False), (0.0, True)):
+        assert _repro_harness.same_leaf(e, c, ref, tol, 2.0, strict) == judge(e, c, ref, tol=tol, strict=strict)
+
+
+# ---------------------------------------------------------------- roots
+
+def _rec(node, inputs=(), kind="node", dtype="float32", outputs=None):
+    extra = {"outputs": outputs} if outputs is not None else None
+    return Record(graph="g0", stage="s", node=node, op=f"aten.{node}", kind=kind, dtype=dtype, shape=[4],
+                  inputs=list(inputs), extra=extra)
+
+
+def _pairs(spec):
+    """spec: list of (node, inputs, verdict, kind, dtype, outputs)."""
+    out = []
+    for node, inputs, eq, *rest in spec:
+        kind = rest[0] if rest else "node"
+        dtype = rest[1] if len(rest) > 1 else "float32"
+        outputs = rest[2] if len(rest) > 2 else None
+        r = _rec(node, inputs, kind, dtype, outputs)
+        out.append(Pair(r, r, equal=eq))
+    return out
+
+
+def _names(ps):
+    return [p.rec.node for p in ps]
+
+
+def test_root_is_first_live_divergence_with_agreeing_inputs():
+    pairs = _pairs([("x", (), True, "input"), ("a", ("x",), True), ("b", ("a",), False), ("c", ("b",), False),
+                    ("out", ("c",), False, "output")])
+    cmp = find_roots(pairs, "t")
+    assert cmp.divergent and _names(cmp.root_causes) == ["b"] and not cmp.masked
+
+
+def test_divergence_that_reaches_no_failing_output_is_masked():
+    # log1p -> gt -> where(gt, relu, relu): the mask differs, the output only through relu
+    pairs = _pairs([("x", (), True, "input"), ("log1p", ("x",), False), ("gt", ("log1p",), False, "node", "bool"),
+                    ("relu", ("x",), True), ("where", ("gt", "relu"), True, "node", "float32", [0])])
+    cmp = find_roots(pairs, "t")
+    assert not cmp.divergent and not cmp.root_causes and _names(cmp.masked) == ["log1p"]
+
+
+def test_confirm_masks_a_candidate_whose_substitution_leaves_outputs_alone():
+    pairs = _pairs([("x", (), True, "input"), ("log1p", ("x",), False), ("gt", ("log1p",), False, "node", "bool"),
+                    ("relu", ("x",), False), ("where", ("gt", "relu"), False, "node", "float32", [0])])
+    assert _names(find_roots(pairs, "t").root_causes) == ["log1p", "relu"]
+    for p in pairs:
+        p.root_cause = False
+    cmp = find_roots(pairs, "t", confirm=lambda cands: [c.rec.node == "relu" for c in cands])
+    assert _names(cmp.root_causes) == ["relu"] and _names(cmp.masked) == ["log1p"]
+
+
+def test_when_no_candidate_explains_alone_all_stay_joint():
+    pairs = _pairs([("x", (), True, "input"), ("a", ("x",), False), ("b", ("x",), False),
+                    ("out", ("a", "b"), False, "output")])
+    cmp = find_roots(pairs, "t", confirm=lambda cands: [False] * len(cands))
+    assert _names(cmp.root_causes) == ["a", "b"] and all(p.metrics.get("joint") for p in cmp.root_causes)
+
+
+def test_non_float_output_is_a_symptom_only_when_strict():
+    pairs = _pairs([("x", (), True, "input"), ("log1p", ("x",), False),
+                    ("gt", ("log1p",), False, "node", "bool", [0])])
+    assert not find_roots(pairs, "t").divergent
+    cmp = find_roots(pairs, "t", strict=True)
+    assert cmp.divergent and _names(cmp.root_causes) == ["log1p"]
+
+
+def test_unjudged_records_are_transparent():
+    # a partial buffer (not judged) between two judged values: the consumer's inputs are looked through it
+    pairs = _pairs([("x", (), True, "input"), ("buf0", ("x",), None), ("mul", ("buf0", "x"), False),
+                    ("out", ("mul",), False, "output")])
+    assert _names(find_roots(pairs, "t").root_causes) == ["mul"]
+    pairs = _pairs([("x", (), True, "input"), ("a", ("x",), False), ("buf0", ("a",), None),
+                    ("mul", ("buf0",), False), ("out", ("mul",), False, "output")])
+    assert _names(find_roots(pairs, "t").root_causes) == ["a"]
+
+
+def test_without_dependency_information_every_divergence_counts():
+    pairs = _pairs([("a", (), True), ("b", (), False), ("c", (), False)])
+    for p in pairs:
+        p.a.in_hashes = p.b.in_hashes = ["1"]
+    cmp = find_roots(pairs, "t")
+    assert cmp.divergent and _names(cmp.root_causes) == ["b", "c"]
+
+
+def test_sinks_stand_for_outputs_when_none_are_marked():
+    pairs = _pairs([("x", (), True, "input"), ("a", ("x",), False), ("b", ("a",), True), ("c", ("x",), True)])
+    cmp = find_roots(pairs, "t")
+    assert not cmp.divergent and _names(cmp.masked) == ["a"]
+
+
+def test_inputs_judged_by_the_caller_decide_over_missing_links():
+    # an API dump: no dependency links, but each call's arguments were dumped and judged
+    pairs = _pairs([("linear_0", (), False), ("relu_0", (), False), ("linear_1", (), False)])
+    for p, ins in zip(pairs, (True, False, False)):
+        p.inputs_equal = ins
+    assert _names(find_roots(pairs, "t").root_causes) == ["linear_0"]
+
+
+def test_dtype_tolerance_widens_to_a_few_ulps_of_the_narrowest_float():
+    from determ_backend.compare import DEFAULT_TOL, dtype_tol
+
+    assert dtype_tol(DEFAULT_TOL, "float32", torch.float32) == DEFAULT_TOL
+    assert dtype_tol(DEFAULT_TOL, "bfloat16", "float32") == 4 * torch.finfo(torch.bfloat16).eps
+    assert dtype_tol(DEFAULT_TOL, torch.float16, "int64") == 4 * torch.finfo(torch.float16).eps
+    x = torch.randn(1024)
+    assert judge(x, x.bfloat16(), tol=dtype_tol(DEFAULT_TOL, "bfloat16", "float32")) is True
+    assert judge(x, x.bfloat16()) is False  # fp32's tolerance: bf16 rounding is a difference

@@ -1,0 +1,448 @@
+"""API dump + compare: root cause, alignment, dtypes, statistics mode, overflow, compiled regions."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from determ_backend import dump
+from determ_backend.dump.capture import hooks as dump_hooks
+from determ_backend.errors import ConfigError, DetermError, DeviceUnavailableError, TraceFormatError
+from dump_helpers import batch, compare_two, dump_run, make_net, names, train_step
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    dump.remove_hooks()
+
+
+def _root_causes(cmp):
+    return [p.a["name"] for p in cmp.root_causes]
+
+
+def test_star_import_gives_the_ptdbg_names():
+    ns = {}
+    exec("from determ_backend.dump import *", ns)
+    for name in ("seed_all", "set_dump_path", "register_hook", "set_dump_switch", "set_overflow_check_switch",
+                 "compare", "compare_distributed", "parse", "acc_cmp_dump", "overflow_check"):
+        assert name in ns
+
+
+def test_records_forward_and_backward_with_ptdbg_names(tmp_path):
+    idx = dump_run(tmp_path, "a", make_net())
+    got = names(idx)
+    for n in ("Functional_conv2d_0_forward", "Functional_relu_0_forward", "Tensor_flatten_0_forward",
+              "Functional_linear_0_forward", "Torch_relu_0_forward", "Functional_linear_1_forward",
+              "Functional_cross_entropy_0_forward", "Functional_linear_0_backward", "Functional_conv2d_0_backward"):
+        assert n in got
+    d = dump.read_dump(idx)
+    conv_b = d.by_name("Functional_conv2d_0_backward")
+    # backward inputs: grad of the output; outputs: grads of weight and bias (x does not require grad)
+    assert [t["shape"] for t in conv_b["inputs"]] == [[4, 4, 6, 6]]
+    assert sorted(t["name"] for t in conv_b["outputs"]) == ["output.1", "output.2"]
+    lin = d.by_name("Functional_linear_0_forward")
+    assert [t.get("param", False) for t in lin["inputs"]] == [False, True, True]
+
+
+def test_backward_gradients_are_the_real_gradients(tmp_path):
+    net = make_net()
+    idx = dump_run(tmp_path, "a", net)
+    d = dump.read_dump(idx)
+    e = d.by_name("Functional_linear_1_backward")
+    grad_w = next(t for t in e["outputs"] if t["name"] == "output.1")
+    assert torch.equal(d.tensor(grad_w), net.fc2.weight.grad)
+
+
+def test_perturbed_layer_is_the_root_cause_not_its_backward_or_consumers(tmp_path):
+    a = dump_run(tmp_path, "a", make_net())
+    b = dump_run(tmp_path, "b", make_net(perturb="fc1.weight"))
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Functional_linear_0_forward"]
+    rows = list(csv.DictReader(open(cmp.csv_path)))
+    yes = [r["NPU Name"] for r in rows if r["Root Cause"] == "Yes"]
+    assert yes == ["Functional_linear_0_forward_output"]
+    before = [r for r in rows if r["NPU Name"].startswith("Functional_conv2d_0_forward")]
+    assert all(r["Bitwise Equal"] == "Yes" for r in before)
+
+
+def test_extra_identity_op_does_not_break_the_pairing(tmp_path):
+    a = dump_run(tmp_path, "a", make_net())
+    b = dump_run(tmp_path, "b", make_net(extra=True, perturb="fc2.weight"))
+    cmp = compare_two(b, a, tmp_path / "out")
+    unpaired = [(p.a or p.b)["name"] for p in cmp.pairs if p.a is None or p.b is None]
+    assert unpaired == ["Torch_relu_0_forward", "Torch_relu_0_backward"]
+    shifted = next(p for p in cmp.pairs if p.a and p.a["name"] == "Torch_relu_1_forward")
+    assert shifted.b["name"] == "Torch_relu_0_forward" and not shifted.output_diverges
+    assert _root_causes(cmp) == ["Functional_linear_1_forward"]
+
+
+def test_no_divergence_between_identical_runs(tmp_path, capsys):
+    a = dump_run(tmp_path, "a", make_net())
+    b = dump_run(tmp_path, "b", make_net())
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert not cmp.divergent and not cmp.root_causes
+    assert "no divergence" in capsys.readouterr().out
+
+
+def test_bf16_against_fp32(tmp_path):
+    a = dump_run(tmp_path, "fp32", make_net())
+    b = dump_run(tmp_path, "bf16", make_net(dtype=torch.bfloat16), step=lambda n: train_step(n, torch.bfloat16))
+    cmp = compare_two(b, a, tmp_path / "out")
+    unpaired = [(p.a or p.b)["name"] for p in cmp.pairs if p.a is None or p.b is None]
+    assert unpaired == ["Tensor_float_0_backward"]  # .float() of a float32 tensor returns it: no backward there
+    rows = list(csv.DictReader(open(cmp.csv_path)))
+    conv = next(r for r in rows if r["NPU Name"] == "Functional_conv2d_0_forward_output")
+    assert (conv["NPU Tensor Dtype"], conv["Bench Tensor Dtype"]) == ("torch.bfloat16", "torch.float32")
+    assert float(conv["Cosine"]) > 0.99 and conv["Accuracy Reached or Not"] == "Yes"
+    assert not cmp.root_causes
+    # runs in two dtypes are judged by tolerance everywhere, also after .float() where both sides are fp32
+    assert not cmp.exact and not cmp.divergent
+    assert dump.compare_dumps(b, a, exact=True).divergent  # bitwise there would claim a divergence
+    c = dump_run(tmp_path, "bf16bad", make_net(dtype=torch.bfloat16, perturb="fc1.weight", scale=0.5),
+                 step=lambda n: train_step(n, torch.bfloat16))
+    assert _root_causes(compare_two(c, a, tmp_path / "out2"))[:1] == ["Functional_linear_0_forward"]
+
+
+def test_statistics_only_dumps_compare(tmp_path):
+    a = dump_run(tmp_path, "a", make_net(), summary_only=True)
+    b = dump_run(tmp_path, "b", make_net(perturb="fc1.weight"), summary_only=True)
+    assert not (a.parent / "dump" / "tensors.bin").exists()
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Functional_linear_0_forward"]
+    row = next(r for r in cmp.rows if r["NPU Name"] == "Functional_linear_0_forward_output")
+    assert row["Cosine"] == "N/A" and row["Err_message"] == "statistics only" and row["Max diff"] != "N/A"
+
+
+@pytest.mark.parametrize("switch, expect, absent", [
+    (dict(mode="all"), ["Functional_conv2d_0_forward", "Functional_conv2d_0_backward"], []),
+    (dict(mode="list", scope=["Functional_linear_1_forward", "Torch_relu_0_backward"]),
+     ["Functional_linear_1_forward", "Torch_relu_0_backward"], ["Functional_linear_1_backward", "Torch_relu_0_forward"]),
+    (dict(mode="range", scope=["Tensor_flatten_0_forward", "Torch_relu_0_forward"]),
+     ["Tensor_flatten_0_forward", "Functional_linear_0_forward", "Torch_relu_0_forward"],
+     ["Functional_relu_0_forward", "Functional_linear_1_forward"]),
+    (dict(mode="api_list", api_list=["relu"]), ["Functional_relu_0_forward", "Torch_relu_0_backward"],
+     ["Functional_linear_0_forward"]),
+    (dict(mode="all", dump_mode=["backward"]), ["Functional_linear_0_backward"], ["Functional_linear_0_forward"]),
+])
+def test_dump_switch_selects_calls(tmp_path, switch, expect, absent):
+    got = names(dump_run(tmp_path, "a", make_net(), **switch))
+    assert all(n in got for n in expect) and not any(n in got for n in absent)
+
+
+@pytest.mark.parametrize("mode", ["api_stack", "stack"])
+def test_stack_modes_record_call_stacks(tmp_path, mode):
+    d = dump.read_dump(dump_run(tmp_path, "a", make_net(), mode=mode))
+    e = d.by_name("Functional_linear_0_forward")
+    assert any("dump_helpers.py" in s and "forward" in s for s in e["stack"])
+    has_data = "hash" in e["outputs"][0]
+    assert has_data == (mode == "api_stack")
+    assert dump.parse(d.path, "Functional_linear_0_forward")[0].startswith("Functional_linear_0_forward")
+
+
+def test_dump_mode_input_keeps_only_inputs_and_filter_off_keeps_scalars(tmp_path):
+    d = dump.read_dump(dump_run(tmp_path, "a", make_net(), dump_mode=["forward", "input"], filter_switch="OFF"))
+    e = d.by_name("Tensor_flatten_0_forward")
+    assert e["outputs"] == [] and {"name": "input.1", "type": "int", "value": 1} in e["inputs"]
+
+
+def test_acl_modes_need_an_ascend_npu(tmp_path):
+    dump.set_dump_path(tmp_path)
+    with pytest.raises(DeviceUnavailableError, match="needs an Ascend NPU"):
+        dump.set_dump_switch("ON", mode="acl", scope=["Tensor_permute_1_forward"])
+    with pytest.raises(DeviceUnavailableError, match="needs an Ascend NPU"):
+        dump.register_hook(make_net(), dump.acc_cmp_dump, dump_mode="acl", dump_config="./dump.json")
+
+
+def _overflowing_step(net):
+    x, _ = batch()
+    y = net(x)
+    z = torch.exp(y * 1e4)  # first overflow: exp of large finite values
+    (z * 2).sum()          # inputs already inf: not counted
+    torch.exp(y * 2e4)      # second overflow
+
+
+def test_overflow_check_error_names_the_first_overflow_and_how_many(tmp_path):
+    dump.set_dump_path(tmp_path, dump_tag="ovf")
+    dump.register_hook(make_net(), dump.overflow_check, overflow_nums=2)
+    with pytest.raises(dump.DumpOverflowError) as err:
+        _overflowing_step(make_net())
+    msg = str(err.value)
+    assert msg.startswith("[overflow 2 times]: first overflowing API Torch_exp_0_forward at ")
+    assert "overflow_nums=2 reached at Torch_exp_1_forward" in msg
+
+
+@pytest.mark.parametrize("nums, stops", [(1, True), (-1, False)])
+def test_overflow_check_finds_first_overflowing_api(tmp_path, nums, stops):
+    dump.set_dump_path(tmp_path, dump_tag="ovf")
+    dump.register_hook(make_net(), dump.overflow_check, overflow_nums=nums)
+    if stops:
+        with pytest.raises(dump.DumpOverflowError, match=r"overflow 1 times.*Torch_exp_0_forward"):
+            _overflowing_step(make_net())
+    else:
+        _overflowing_step(make_net())
+        dump.set_overflow_check_switch("OFF")
+    d = dump.read_dump(tmp_path / "ovf" / "rank0" / "overflow_dump.pkl")
+    expect = ["Torch_exp_0_forward"] if stops else ["Torch_exp_0_forward", "Torch_exp_1_forward"]
+    assert [e["name"] for e in d.entries] == expect
+    out = d.tensor(d.entries[0]["outputs"][0])
+    assert torch.isinf(out).any() and torch.isfinite(d.tensor(d.entries[0]["inputs"][0])).all()
+
+
+def test_compiled_model_is_an_opaque_entry_not_missing(tmp_path):
+    torch._dynamo.reset()
+    net = make_net()
+    compiled = torch.compile(net, backend="aot_eager")
+    x, t = batch()
+    expected = compiled(x)
+    idx = dump_run(tmp_path, "c", compiled, step=lambda n: F.cross_entropy(n(x), t).backward())
+    d = dump.read_dump(idx)
+    got = [e["name"] for e in d.entries]
+    assert got[0] == "Compiled_Net_0_forward" and "Compiled_Net_0_backward" in got
+    assert not any(n.startswith(("Functional_linear", "Functional_conv2d")) for n in got)
+    region = d.entries[0]
+    assert region["opaque"] is True and "determ backend" in region["note"]
+    assert torch.equal(d.tensor(region["outputs"][0]), expected)
+    assert not dump_hooks.passthrough()
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path):
+    a = dump_run(tmp_path, "a", make_net())
+    with pytest.raises(TraceFormatError, match="no such dump"):
+        compare_two(tmp_path / "missing", a, tmp_path / "out")
+    lines = a.read_text().splitlines()
+    cut = tmp_path / "cut" / "dump.pkl"
+    cut.parent.mkdir()
+    cut.write_text("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(TraceFormatError, match="truncated dump index"):
+        compare_two(cut, a, tmp_path / "out")
+    with pytest.raises(ConfigError, match="bench_pkl_path"):
+        dump.compare({"npu_pkl_path": str(a)}, tmp_path / "out")
+    data = a.parent / "dump" / "tensors.bin"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(TraceFormatError, match="truncated payload file"):
+        compare_two(a, a, tmp_path / "out")
+    with pytest.raises(DetermError, match="mode='range' needs scope"):
+        dump.set_dump_switch("ON", mode="range", scope=["x"])
+
+
+def test_backward_after_switching_off_records_nothing_and_does_not_fail(tmp_path):
+    net = make_net()
+    x, t = batch()
+    dump.set_dump_path(tmp_path, dump_tag="t")
+    dump.set_dump_switch("ON")
+    loss = F.cross_entropy(net(x), t)
+    dump.set_dump_switch("OFF")
+    loss.backward()
+    got = names(tmp_path / "t" / "rank0" / "dump.pkl")
+    assert "Functional_linear_1_forward" in got and not any(n.endswith("_backward") for n in got)
+
+
+def test_module_dump_records_a_module_as_one_entry(tmp_path):
+    net = make_net()
+    dump.module_dump(net.fc1, "MyFc1")
+    got = names(dump_run(tmp_path, "m", net))
+    assert "MyFc1_0_forward" in got and "MyFc1_0_backward" in got
+    assert "Functional_linear_0_forward" in got  # fc2: Functional_linear_0 now that fc1 is one entry
+    assert "Functional_linear_1_forward" not in got
+
+
+def test_unpaired_culprit_is_named_when_no_root_cause_can_be(tmp_path, capsys):
+    def step(bug):
+        def run(net):
+            x, t = batch()
+            h = torch.relu(net.fc1(F.relu(net.conv(x)).flatten(1)))
+            h = h * 1.0
+            if bug:
+                h[0, 0] += 1e-3  # an extra in-place op present in one run only
+            F.cross_entropy(net.fc2(h), t).backward()
+        return run
+
+    a = dump_run(tmp_path, "a", make_net(), step=step(False))
+    b = dump_run(tmp_path, "b", make_net(), step=step(True))
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert not cmp.root_causes  # every paired call that diverges already has a diverging input
+    out = capsys.readouterr().out
+    assert "first divergence: Functional_linear_1_forward" in out and "Tensor_add__0_forward (NPU)" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_against_cpu(tmp_path):
+    a = dump_run(tmp_path, "cpu", make_net())
+    b = dump_run(tmp_path, "cuda", make_net().cuda(), step=lambda n: F.cross_entropy(
+        n(batch()[0].cuda()), batch()[1].cuda()).backward())
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert not cmp.exact and not cmp.root_causes
+    assert all(p.a is not None and p.b is not None for p in cmp.pairs if p.a and p.a["dir"] == "forward")
+
+
+def test_nothing_is_recorded_in_a_process_that_only_imports(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import atexit, torch; from determ_backend.dump import *; "
+            "print(torch.overrides._get_current_function_mode() is None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-1000:]
+
+
+def test_random_factory_with_another_seed_is_the_root_cause(tmp_path):
+    def step(seed):
+        def run(net):
+            x, t = batch()
+            torch.manual_seed(seed)
+            noise = torch.randn(x.shape)
+            x = x.clone()
+            x[:, 0] = 0.0  # __setitem__: recorded with the modified tensor as its output
+            F.cross_entropy(net(x + 0.01 * noise), t).backward()
+        return run
+
+    a = dump_run(tmp_path, "a", make_net(), step=step(0))
+    b = dump_run(tmp_path, "b", make_net(), step=step(1))
+    # Torch_randn_0 is the seeded batch (same in both runs); Torch_randn_1 is the noise
+    assert _root_causes(compare_two(b, a, tmp_path / "out"))[:1] == ["Torch_randn_1_forward"]
+    setitem = dump.read_dump(a).by_name("Tensor___setitem___0_forward")
+    out = dump.read_dump(a).tensor(setitem["outputs"][0])
+    assert out.shape == (4, 3, 8, 8) and torch.all(out[:, 0] == 0)
+
+
+def test_msprobe_style_precision_debugger_dumps_selected_steps(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"task": "tensor", "dump_path": "%s", "step": [1], "level": "L1", '
+                   '"tensor": {"scope": [], "list": ["linear"]}}' % (tmp_path / "out"))
+    dbg = dump.PrecisionDebugger(config_path=str(cfg))
+    net = make_net()
+    for _ in range(3):
+        dbg.start(net)
+        train_step(net)
+        dbg.stop()
+        dbg.step()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["step1"]
+    got = names(tmp_path / "out" / "step1" / "rank0" / "api_list_dump.pkl")
+    assert "Functional_linear_0_forward" in got and not any("conv2d" in n for n in got)
+    with pytest.raises(ConfigError, match="only 'L1'"):
+        dump.PrecisionDebugger(dump_path=str(tmp_path), level="L0")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p: dump.set_dump_switch("ON", summary_only="no"), "summary_only must be True or False, got 'no'"),
+    (lambda p: dump.set_dump_path(3), "set_dump_path: fpath must be a directory path"),
+    (lambda p: dump.parse(p, 3), "parse: name_prefix must be a string"),
+    (lambda p: dump.parse(3, "Functional"), "parse: pkl_file must be a path"),
+    (lambda p: dump.compare({"npu_pkl_path": 3, "bench_pkl_path": str(p)}, p.parent / "out"),
+     r"compare: input_param\['npu_pkl_path'\] must be a path \(str or os.PathLike\), got int 3"),
+    (lambda p: dump.compare({"npu_pkl_path": str(p), "bench_pkl_path": str(p)}, 3), "compare: output_path must be"),
+])
+def test_arguments_of_the_wrong_type_give_one_line_errors(tmp_path, call, match):
+    idx = dump_run(tmp_path, "a", make_net(), summary_only=True)
+    dump.set_dump_path(tmp_path, dump_tag="b")
+    with pytest.raises(ConfigError, match=match):
+        call(idx)
+
+
+def test_an_earlier_runs_dump_is_never_overwritten(tmp_path):
+    import shutil
+
+    idx = dump_run(tmp_path, "a", make_net())
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # as left by an earlier process
+    before = {p.name: p.read_bytes() for p in (tmp_path / "b" / "rank0").rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=r"rank0 already holds an earlier dump \(dump.pkl\); remove dump.pkl"):
+        dump_run(tmp_path, "b", make_net())
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b" / "rank0").rglob("*") if p.is_file()} == before
+    # the same process may dump into its own path again, as before (a new dump replaces its own)
+    assert dump_run(tmp_path, "a", make_net(perturb="fc1.weight")) == idx
+    assert dump.read_dump(idx).entries
+
+
+def _precision_debugger_names(tmp_path, config: str):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(config.replace("OUT", str(tmp_path / "out")))
+    dbg = dump.PrecisionDebugger(config_path=str(cfg))
+    net = make_net()
+    for _ in range(2):
+        dbg.start(net)
+        train_step(net)
+        dbg.stop()
+        dbg.step()
+    steps = sorted(p.name for p in (tmp_path / "out").iterdir())
+    return steps, {s: names(next((tmp_path / "out" / s / "rank0").glob("*dump.pkl"))) for s in steps}
+
+
+@pytest.mark.parametrize("config, steps, expect, absent", [
+    ('{"task": "statistics", "dump_path": "OUT", "step": 1, "statistics": {"list": "linear"}}',
+     ["step1"], ["Functional_linear_0_forward"], ["Functional_conv2d_0_forward", "Torch_relu_0_forward"]),
+    ('{"task": "tensor", "dump_path": "OUT", "step": [0], "tensor": {"list": ["Functional.linear.1.forward", '
+     '"Torch_relu_0_backward"]}}', ["step0"], ["Functional_linear_1_forward", "Torch_relu_0_backward"],
+     ["Functional_linear_0_forward", "Functional_linear_1_backward", "Torch_relu_0_forward"]),
+    ('{"task": "statistics", "dump_path": "OUT", "step": [0], "statistics": {"scope": ["Tensor.flatten.0.forward", '
+     '"Torch.relu.0.forward"], "data_mode": ["forward"]}}', ["step0"],
+     ["Tensor_flatten_0_forward", "Functional_linear_0_forward", "Torch_relu_0_forward"],
+     ["Functional_relu_0_forward", "Functional_linear_1_forward"]),
+])
+def test_precision_debugger_reads_msprobe_config_forms(tmp_path, config, steps, expect, absent):
+    got_steps, got = _precision_debugger_names(tmp_path, config)
+    assert got_steps == steps
+    got = got[steps[0]]
+    assert all(n in got for n in expect) and not any(n in got for n in absent)
+
+
+def test_precision_debugger_warns_once_when_its_list_selects_nothing(tmp_path, caplog):
+    config = '{"task": "statistics", "dump_path": "OUT", "statistics": {"list": ["Functional.linear.9.forward"]}}'
+    with caplog.at_level("WARNING", logger="determ_backend.dump.capture.debugger"):
+        _precision_debugger_names(tmp_path, config)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "determ_backend.dump.capture.debugger"]
+    assert len(warnings) == 1 and "statistics.list=['Functional.linear.9.forward'] selected no API call" in warnings[0]
+
+
+@pytest.mark.parametrize("config, match", [
+    ('{"dump_path": "OUT", "step": "1"}', "step must be an int or a list of ints, got '1'"),
+    ('{"dump_path": "OUT", "statistics": {"list": [3]}}', r"statistics.list must be a string or a list of strings"),
+    ('{"dump_path": "OUT", "statistics": {"data_mode": ["fwd"]}}', r"statistics.data_mode=\['fwd'\]"),
+])
+def test_precision_debugger_config_errors(tmp_path, config, match):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(config.replace("OUT", str(tmp_path / "out")))
+    with pytest.raises(ConfigError, match=match):
+        dump.PrecisionDebugger(config_path=str(cfg))
+
+
+def test_precision_debugger_refuses_a_list_mixing_names_and_fragments(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"dump_path": "%s", "statistics": {"list": ["relu", "Functional.linear.0.forward"]}}' % tmp_path)
+    with pytest.raises(ConfigError, match="mixes call names"):
+        dump.PrecisionDebugger(config_path=str(cfg))
+
+
+def test_missing_payload_file_is_one_warning_and_statistics_still_compare(tmp_path, caplog):
+    a = dump_run(tmp_path, "a", make_net())
+    b = dump_run(tmp_path, "b", make_net(perturb="fc1.weight"))
+    (b.parent / "dump" / "tensors.bin").unlink()
+    with caplog.at_level("WARNING"):
+        cmp = compare_two(b, a, tmp_path / "out")
+    lines = [r.getMessage() for r in caplog.records if "references tensor payloads" in r.getMessage()]
+    assert len(lines) == 1 and "tensors.bin is missing" in lines[0] and str(b) in lines[0]
+    assert _root_causes(cmp) == ["Functional_linear_0_forward"]  # judged on the statistics
+
+
+def test_a_dump_path_that_cannot_be_written_is_refused_when_set(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"cannot use .*afile/sub/t: .*afile is a file"):
+        dump.set_dump_path(tmp_path / "afile" / "sub", dump_tag="t")
+
+
+def test_a_read_only_dump_path_is_refused_when_set(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("this user may write into read-only directories (root without a read-only mount)")
+        with pytest.raises(ConfigError, match="read-only or no permission|read-only or not ours"):
+            dump.set_dump_path(ro / "d")
+    finally:
+        ro.chmod(0o755)

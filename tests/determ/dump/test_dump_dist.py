@@ -1,0 +1,160 @@
+"""Multi-rank dumps with a real 2-process gloo group: per-rank directories, replica check, compare_distributed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from determ_backend import dump
+from determ_backend.errors import TraceFormatError
+from repro_tools.cli import main as cli_main
+from paths import TESTS
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    sys.path.insert(0, str(TESTS))
+    from dump_helpers import make_net
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for tag, perturb in (("agree", False), ("perturbed", True)):
+            net = torch.nn.parallel.DistributedDataParallel(make_net(seed=rank))  # DDP broadcasts rank 0's weights
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            dump.set_dump_path(root, dump_tag=tag)
+            dump.register_hook(net, dump.acc_cmp_dump)
+            dump.set_dump_switch("ON", mode="api_stack", summary_only=True)
+            g = torch.Generator().manual_seed(100 + rank)  # data parallel: each rank its own batch
+            for _ in range(2):
+                x = torch.randn(4, 3, 8, 8, generator=g)
+                F.cross_entropy(net(x), torch.tensor([0, 1, 2, 3])).backward()
+                if perturb and rank == 1:
+                    net.module.fc2.weight.grad[0, 0] += 1e-3  # a faulty gradient on one replica
+                # a manual all-reduce of a statistic, recorded as Distributed_all_reduce
+                loss_sum = torch.tensor([float(x.sum())])
+                dist.all_reduce(loss_sum)
+                opt.step()
+                opt.zero_grad()
+            dump.set_dump_switch("OFF")
+            dump.remove_hooks()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_dumps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(_free_port(), str(root)), nprocs=WORLD, join=True)
+    return root
+
+
+@pytest.mark.slow
+def test_each_rank_dumps_to_its_own_directory(ddp_dumps):
+    for rank in range(WORLD):
+        d = dump.read_dump(ddp_dumps / "agree" / f"rank{rank}" / "api_stack_dump.pkl")
+        assert d.header["rank"] == rank and d.header["world_size"] == WORLD
+        got = {e["name"] for e in d.entries}
+        assert {"Functional_linear_1_backward", "Distributed_all_reduce_0_forward",
+                "Parameter_module.fc2.weight_1_backward"} <= got
+
+
+@pytest.mark.slow
+def test_ranks_command_passes_when_replicas_agree(ddp_dumps, capsys):
+    assert cli_main(["ranks", str(ddp_dumps / "agree")]) == 0
+    assert "all replicas agree" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_ranks_command_names_first_rank_and_api_that_disagree(ddp_dumps, capsys):
+    assert cli_main(["ranks", str(ddp_dumps / "perturbed")]) == 1
+    out = capsys.readouterr().out
+    assert "first disagreement: rank 1 at Parameter_module.fc2.weight_0_backward" in out
+    report = dump.check_replicas(ddp_dumps / "perturbed")
+    assert report.first.rank == 1 and report.first.reference_rank == 0
+
+
+@pytest.mark.slow
+def test_compare_distributed_pairs_ranks(ddp_dumps, tmp_path):
+    results = dump.compare_distributed(ddp_dumps / "perturbed", ddp_dumps / "agree", tmp_path)
+    assert len(results) == WORLD
+    for r in range(WORLD):
+        assert len(list(tmp_path.glob(f"compare_result_rank{r}-rank{r}_*.csv"))) == 1
+    rank0, rank1 = results
+    assert not rank0.divergent  # rank 0's own gradients were not touched, only averaged ones differ later
+    assert rank1.root_causes[0].a["name"] == "Parameter_module.fc2.weight_0_backward"
+
+
+def test_bad_rank_layouts_give_clear_errors(tmp_path, capsys):
+    (tmp_path / "a" / "rank0").mkdir(parents=True)
+    (tmp_path / "a" / "rank1").mkdir()
+    (tmp_path / "b" / "rank0").mkdir(parents=True)
+    with pytest.raises(TraceFormatError, match=r"has ranks \[0, 1\] but .* has \[0\]"):
+        dump.compare_distributed(tmp_path / "a", tmp_path / "b", tmp_path / "out")
+    assert cli_main(["ranks", str(tmp_path / "missing")]) == 2
+    assert cli_main(["ranks", str(tmp_path / "b")]) == 2
+    assert cli_main(["ranks", str(tmp_path / "a")]) == 2  # rank dirs without an index
+    err = capsys.readouterr().err
+    assert "no such dump directory" in err and "needs at least two" in err and "no *dump.pkl index" in err
+    (tmp_path / "mk.py").write_text("")
+    assert cli_main(["ranks", str(tmp_path / "mk.py")]) == 2
+    assert "mk.py: not a directory" in capsys.readouterr().err
+
+
+def _replicas_in_one_process(root, bad_rank: int) -> None:
+    """Three replicas dumped one after the other with register_hook(rank=...); ``bad_rank`` has a perturbed bias."""
+    for rank in range(3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        if rank == bad_rank:
+            with torch.no_grad():
+                model[0].bias[0] += 1e-6
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dump.set_dump_path(root)
+        dump.register_hook(model, dump.acc_cmp_dump, rank=rank)
+        dump.set_dump_switch("ON", summary_only=True)
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+        dump.set_dump_switch("OFF")
+        dump.remove_hooks()
+
+
+@pytest.mark.parametrize("limit, code, expect, absent", [
+    ("-1", 2, "argument --limit: expected a non-negative int, got -1", "more"),
+    ("0", 1, "... 2 more", "disagrees with rank 0"),
+    ("1", 1, "... 1 more", "... 2 more"),
+])
+def test_ranks_limit(tmp_path, capsys, limit, code, expect, absent):
+    _replicas_in_one_process(tmp_path, bad_rank=2)
+    assert cli_main(["ranks", str(tmp_path / "ptdbg_dump"), "--limit", limit]) == code
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert expect in out and absent not in out
+
+
+@pytest.mark.slow
+def test_a_rank_dump_copied_into_another_ranks_folder_is_refused(ddp_dumps, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(ddp_dumps / "agree" / "rank0", tmp_path / "copied" / "rank0")
+    shutil.copytree(ddp_dumps / "agree" / "rank0", tmp_path / "copied" / "rank1")
+    assert cli_main(["ranks", str(tmp_path / "copied")]) == 2
+    err = capsys.readouterr().err
+    assert "header says rank 0, but it is in folder rank1" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(TraceFormatError, match="header says rank 0, but it is in folder rank1"):
+        dump.compare_distributed(tmp_path / "copied", ddp_dumps / "agree", tmp_path / "out")

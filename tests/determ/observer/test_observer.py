@@ -1,0 +1,187 @@
+"""ObserverContext: observations, op traces, non-deterministic marking, safe reference files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+
+import pytest
+import torch
+
+import determ_backend as db
+from determ_backend.errors import ConfigError, NondeterminismError, TraceFormatError
+from determ_backend.trace.stream import read_trace
+from eager_helpers import eager_nd_rowsum, make
+
+ND_OP = "determ_test.eager_nd_rowsum.default"
+
+
+def observed_run(dump_dir, name, reference=None, marking=None, extra=False, trace_ops=True, **kwargs):
+    """One training step of a fresh model under an ObserverContext.
+
+    ``marking``: None, "region" (marking_non_deterministic), "value" (observe_non_deterministic on
+    the op's output) or "call" (observe_non_deterministic with a callable)."""
+    model, x = make(nondet=False)
+    x.requires_grad_(True)
+    ref = None if reference is None else os.path.join(dump_dir, f"{reference}.jsonl")
+    with db.ObserverContext(dump_dir, name, reference_hash_file=ref, **kwargs) as obs:
+        db.observe("input", x)
+        if trace_ops:
+            db.enable_mode()
+        h = model.a(x).relu()
+        h = h * 1.0 if extra else h  # one more op, same values
+        if marking == "region":
+            with db.marking_non_deterministic("rowsum"):
+                h = eager_nd_rowsum(h)
+        elif marking == "value":
+            h = db.observe_non_deterministic("rowsum", eager_nd_rowsum(h))
+        elif marking == "call":
+            h = db.observe_non_deterministic("rowsum", eager_nd_rowsum, h)
+        else:
+            h = eager_nd_rowsum(h)
+        out = model.b(h)
+        out.pow(2).mean().backward()
+        db.disable_mode()
+        db.observe("out", {"y": out, "n": 3})
+        db.observe("grad", x.grad)
+    return obs
+
+
+def names(obs, root=None):
+    return [m["name"] for m in obs.mismatches if root is None or m["root_cause"] == root]
+
+
+def test_reference_run_then_mismatch_root_is_the_nondeterministic_op(tmp_path):
+    observed_run(tmp_path, "ref")
+    obs = observed_run(tmp_path, "run2", reference="ref")
+    roots = [m for m in obs.mismatches if m["root_cause"]]
+    assert [m["op"] for m in roots] == [ND_OP]
+    assert {"out#0.0", "grad#0"} <= set(names(obs, root=False))  # downstream, not root causes
+    for m in obs.mismatches:
+        assert m["current_stack"] and m["reference_stack"] and m["current"] != m["reference"]
+    assert any(m.get("metrics") for m in roots)
+
+
+@pytest.mark.parametrize("marking", ["region", "value", "call"])
+def test_marking_non_deterministic_makes_downstream_clean(tmp_path, marking):
+    observed_run(tmp_path, "ref", marking=marking)
+    obs = observed_run(tmp_path, "run2", reference="ref", marking=marking)
+    assert obs.mismatches == []
+    recs = read_trace(obs.trace_path)
+    assert any((r.extra or {}).get("non_deterministic") for r in recs)
+    assert any((r.extra or {}).get("backward") for r in recs)  # gradients flowed through the substitution
+
+
+def test_without_ops_traced_observations_still_compare(tmp_path):
+    observed_run(tmp_path, "ref", trace_ops=False, marking="value")
+    obs = observed_run(tmp_path, "run2", reference="ref", trace_ops=False, marking="value")
+    assert obs.mismatches == []
+    obs = observed_run(tmp_path, "run3", reference="ref", trace_ops=False)
+    assert "out#0.0" in names(obs)
+
+
+def test_extra_op_does_not_misalign(tmp_path):
+    observed_run(tmp_path, "ref", marking="region")
+    obs = observed_run(tmp_path, "run2", reference="ref", marking="region", extra=True)
+    assert obs.mismatches == [], names(obs)
+    assert obs.unmatched["reference_only"] == []
+    assert obs.unmatched["current_only"] and all("aten.mul.Tensor" in n for n in obs.unmatched["current_only"])
+
+
+def test_raise_on_mismatch_raises_at_the_observation(tmp_path):
+    observed_run(tmp_path, "ref")
+    with pytest.raises(NondeterminismError, match="out#0.0"):
+        observed_run(tmp_path, "run2", reference="ref", raise_on_mismatch=True)
+    assert (tmp_path / "run2.jsonl").is_file()  # the run is still written
+
+
+def test_reference_files_are_json_lines_and_safetensors(tmp_path):
+    obs = observed_run(tmp_path, "ref", marking="region")
+    lines = obs.trace_path.read_text().splitlines()
+    assert json.loads(lines[0])["format"] == "determ-trace" and all(json.loads(ln) for ln in lines)
+    raw = (tmp_path / "ref.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    assert header["__metadata__"]["format"] == "determ-observer-tensors" and len(header) > 1
+    assert not raw.startswith(b"\x80")  # not a pickle (protocol 2+ starts with 0x80)
+    assert sorted(os.listdir(tmp_path)) == ["ref.jsonl", "ref.safetensors"]
+
+
+def test_pickle_reference_is_refused_without_unpickling(tmp_path):
+    marker = tmp_path / "unpickled"
+
+    class Trap:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    bad = tmp_path / "ref.pkl"
+    bad.write_bytes(pickle.dumps(Trap()))
+    with pytest.raises(TraceFormatError, match="ref.pkl.*pickle files are never read"):
+        db.ObserverContext(tmp_path, "run2", reference_hash_file=bad)
+    assert not marker.exists()
+
+
+def test_missing_saved_tensor_is_a_clear_error(tmp_path):
+    observed_run(tmp_path, "ref")  # nothing marked, so nothing saved
+    with pytest.raises(TraceFormatError, match="no saved tensor 'rowsum#0.0'"):
+        observed_run(tmp_path, "run2", reference="ref", marking="value")
+
+
+def test_module_functions_without_an_observer_are_pass_through():
+    x = torch.ones(3)
+    db.observe("x", x)
+    assert db.observe_non_deterministic("x", x) is x
+    assert torch.equal(db.observe_non_deterministic("f", torch.add, x, 1), x + 1)
+    with db.marking_non_deterministic():
+        pass
+
+
+def test_observe_grad_and_bad_arguments(tmp_path):
+    w = torch.ones(3, requires_grad=True)
+    with db.ObserverContext(tmp_path, "g") as obs:
+        db.observe_grad("w", w)
+        (w * 2).sum().backward()
+        with pytest.raises(ConfigError, match="does not require grad"):
+            obs.observe_grad("x", torch.ones(2))
+    assert [r.node for r in read_trace(obs.trace_path)] == ["w.grad#0"]
+    with pytest.raises(ConfigError, match="name"):
+        db.ObserverContext(tmp_path, "a/b")
+
+
+def test_run_with_the_reference_name_is_refused_before_writing(tmp_path):
+    observed_run(tmp_path, "ref", marking="region")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ConfigError, match="reference_hash_file=.*ref.jsonl.*overwrite the reference"):
+        observed_run(tmp_path, "ref", reference="ref", marking="region")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_missing_tensors_file_is_named(tmp_path):
+    observed_run(tmp_path, "ref", marking="region")
+    (tmp_path / "ref.safetensors").unlink()
+    with pytest.raises(TraceFormatError, match=r"ref\.safetensors: no such file, so no saved tensor 'rowsum#0/"):
+        observed_run(tmp_path, "run2", reference="ref", marking="region")
+
+
+@pytest.mark.parametrize("ref,needle", [("missing.jsonl", "no such file"), (".", "not a file")])
+def test_missing_reference_is_one_line_with_one_expectation(tmp_path, ref, needle):
+    with pytest.raises(TraceFormatError) as e:
+        db.ObserverContext(tmp_path, "run2", reference_hash_file=tmp_path / ref)
+    msg = str(e.value)
+    assert needle in msg and msg.count("(expected") == 1 and len(msg.splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["text", None, object(), {"a": "b"}])
+def test_observing_nothing_observable_is_an_error(tmp_path, value):
+    with db.ObserverContext(tmp_path, "o") as obs:
+        with pytest.raises(ConfigError, match=r"observe\('v'\): nothing to observe"):
+            db.observe("v", value)
+        db.observe("v", {"t": torch.ones(2), "label": "kept out", "none": None})
+    assert [r.node for r in read_trace(obs.trace_path)] == ["v#0"]  # the failed calls did not count
+
+
+def test_dump_dir_must_be_a_path():
+    with pytest.raises(ConfigError, match="dump_dir"):
+        db.ObserverContext(None, "r")

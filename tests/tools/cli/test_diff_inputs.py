@@ -1,0 +1,217 @@
+"""``repro-tools diff`` on the inputs it is given: exit codes when records do not pair, empty,
+partial, corrupt and wrongly typed traces, limited text logs, and bad options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from determ_backend.errors import TraceFormatError
+from determ_backend.modes.core import HashDebugTrace, HashMode
+from determ_backend.trace.stream import TraceWriter, read_trace
+from repro_tools.cli import main as cli
+
+
+def _program(x: torch.Tensor, extra: bool = False, scale: float = 1.0) -> torch.Tensor:
+    h = (x @ x.T).relu() * scale
+    h = h.sin()
+    if extra:
+        h.cos()  # one more op whose result is unused: nothing else changes
+    return h.sum()
+
+
+def traced(path: Path, **kwargs) -> Path:
+    """A real HashMode trace of a small program."""
+    x = torch.linspace(-1, 1, 24).reshape(4, 6)
+    with HashMode(trace_path=path, stats=True):
+        _program(x, **kwargs)
+    return path
+
+
+def diff(capsys, *argv: str):
+    """(exit code, stdout, stderr lines) of ``repro-tools diff ARGV``."""
+    rc = cli(["diff", *map(str, argv)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err.strip().splitlines()
+
+
+def one_error(err, *needles: str) -> None:
+    assert len(err) == 1, err
+    assert all(n in err[0] for n in needles), err[0]
+
+
+def _lines(path: Path):
+    return path.read_text().splitlines(keepends=True)
+
+
+# -- exit codes: 0 only when every record pairs and none differs --------------------------------------
+
+def test_identical_traces_exit_0_and_json_agrees(tmp_path, capsys):
+    a, b = traced(tmp_path / "a.jsonl"), traced(tmp_path / "b.jsonl")
+    rc, out, _ = diff(capsys, a, b)
+    assert rc == 0 and out.strip().endswith("identical")
+    rc, out, _ = diff(capsys, a, b, "--json")
+    s = json.loads(out)
+    assert rc == 0 and s["identical"] is True and s["notes"] == []
+
+
+def test_unpaired_records_exit_1_with_a_line_saying_so(tmp_path, capsys):
+    a, b = traced(tmp_path / "a.jsonl"), traced(tmp_path / "b.jsonl", extra=True)
+    rc, out, _ = diff(capsys, a, b)
+    assert rc == 1, out
+    note = [ln for ln in out.splitlines() if ln.startswith("not paired:")]
+    assert len(note) == 1 and "0 records of A and 1 of B" in note[0] and "pair by" in note[0]
+    assert "not shown identical" in out.splitlines()[-1]
+    rc, out, _ = diff(capsys, a, b, "--json")
+    s = json.loads(out)
+    assert rc == 1 and s["identical"] is False and s["divergent"] is False and s["unmatched_b"] == 1
+
+
+def test_divergent_traces_still_name_the_root_cause(tmp_path, capsys):
+    a, b = traced(tmp_path / "a.jsonl"), traced(tmp_path / "b.jsonl", scale=1.0001)
+    rc, out, _ = diff(capsys, a, b)
+    assert rc == 1 and "root cause:" in out and "aten.mul.Tensor" in out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("side", [0, 1])
+def test_a_trace_without_records_is_an_input_error_naming_it(tmp_path, capsys, side):
+    full = traced(tmp_path / "full.jsonl")
+    empty = tmp_path / "empty.jsonl"
+    TraceWriter(empty, run="e").close()
+    args = [empty, full] if side == 0 else [full, empty]
+    rc, out, err = diff(capsys, *args)
+    assert rc == 2 and not out
+    one_error(err, str(empty), "no records")
+
+
+# -- partial traces: only a cut last line is tolerated ------------------------------------------------
+
+def test_allow_partial_rejects_a_corrupt_middle_line(tmp_path, capsys):
+    a = traced(tmp_path / "a.jsonl")
+    lines = _lines(a)
+    bad = tmp_path / "mid.jsonl"
+    bad.write_text("".join(lines[:3] + ["{garbage\n"] + lines[3:]))
+    for extra in ([], ["--allow-partial"]):
+        rc, out, err = diff(capsys, a, bad, *extra)
+        assert rc == 2 and not out
+        one_error(err, f"{bad}:4")
+
+
+def test_allow_partial_accepts_a_cut_last_line(tmp_path, capsys):
+    a = traced(tmp_path / "a.jsonl")
+    lines = _lines(a)[:-1]  # no end line: the writer died ...
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # ... in the middle of a line
+    rc, _, err = diff(capsys, a, cut)
+    assert rc == 2 and "cut.jsonl" in err[0]
+    rc, out, _ = diff(capsys, a, cut, "--allow-partial")
+    assert rc == 1 and "partial trace" in out and "not paired: 1 records of A" in out
+
+
+# -- malformed lines: one line naming file and line, exit 2 -------------------------------------------
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda d: [d], "expected a JSON object"),
+    (lambda d: 7, "expected a JSON object"),
+    (lambda d: {**d, "shape": "abc"}, "'shape'"),
+    (lambda d: {**d, "hash": 12}, "'hash'"),
+    (lambda d: {**d, "stats": "x"}, "'stats'"),
+    (lambda d: {**d, "inputs": "x"}, "'inputs'"),
+    (lambda d: {**d, "call": "0"}, "'call'"),
+    (lambda d: {k: v for k, v in d.items() if k != "node"}, "'node'"),
+])
+def test_badly_typed_records_are_one_line_errors(tmp_path, capsys, mutate, needle):
+    a = traced(tmp_path / "a.jsonl")
+    lines = _lines(a)
+    bad = tmp_path / "bad.jsonl"
+    lines[2] = json.dumps(mutate(json.loads(lines[2]))) + "\n"
+    bad.write_text("".join(lines))
+    rc, out, err = diff(capsys, a, bad)
+    assert rc == 2 and not out
+    one_error(err, f"{bad}:3", needle)
+    with pytest.raises(TraceFormatError, match="bad.jsonl:3"):
+        read_trace(bad)
+
+
+@pytest.mark.parametrize("version,needle", [(99, "newer than this determ reads"), ("1", "bad trace format version"),
+                                            (None, "bad trace format version")])
+def test_unknown_header_versions_are_refused(tmp_path, capsys, version, needle):
+    a = traced(tmp_path / "a.jsonl")
+    lines = _lines(a)
+    header = json.loads(lines[0])
+    header["version"] = version
+    bad = tmp_path / "v.jsonl"
+    bad.write_text("".join([json.dumps(header) + "\n"] + lines[1:]))
+    rc, _, err = diff(capsys, a, bad)
+    assert rc == 2
+    one_error(err, f"{bad}:1", needle)
+
+
+# -- HashDebugTrace text logs cut at max_ops_logged ---------------------------------------------------
+
+def _logged(path: Path, scale: float, limit) -> Path:
+    x = torch.linspace(-1, 1, 24).reshape(4, 6)
+    with HashDebugTrace(log_path=path, max_ops_logged=limit):
+        _program(x, scale=scale)
+    return path
+
+
+def test_limited_logs_are_never_reported_identical(tmp_path, capsys):
+    # the runs differ only after the first 3 logged ops
+    a, b = _logged(tmp_path / "a.log", 1.0, 3), _logged(tmp_path / "b.log", 1.0001, 3)
+    rc, out, _ = diff(capsys, a, b)
+    assert rc == 1 and "identical" != out.splitlines()[-1]
+    assert "max_ops_logged=3" in out and "not shown identical" in out
+    rc, out, _ = diff(capsys, a, a, "--json")  # even a limited log against itself
+    s = json.loads(out)
+    assert rc == 1 and s["identical"] is False and s["inputs"]["a"]["limited"]
+    rc, _, _ = diff(capsys, a.with_suffix(".jsonl"), b.with_suffix(".jsonl"))
+    assert rc == 1  # the JSONL traces are complete and show the divergence
+
+
+def test_unlimited_logs_diff_identical(tmp_path, capsys):
+    a, b = _logged(tmp_path / "a.log", 1.0, None), _logged(tmp_path / "b.log", 1.0, 10_000)
+    rc, out, _ = diff(capsys, a, b)
+    assert rc == 0 and out.strip().endswith("identical")
+
+
+def test_a_log_limited_to_nothing_is_an_input_error(tmp_path, capsys):
+    a = _logged(tmp_path / "a.log", 1.0, 0)
+    rc, _, err = diff(capsys, a, a)
+    assert rc == 2
+    one_error(err, str(a), "no records", "max_ops_logged=0")
+
+
+def test_logs_under_any_name_and_cut_logs(tmp_path, capsys):
+    a = _logged(tmp_path / "a.log", 1.0, None)
+    txt = tmp_path / "a_copy.txt"  # recognized by its first line, not its name
+    txt.write_text(a.read_text())
+    rc, out, _ = diff(capsys, a, txt)
+    assert rc == 0, out
+    text = a.read_text()
+    cut = tmp_path / "cut.log"
+    cut.write_text(text[: text.rindex(" hash=") + 10])  # the run died while writing an output line
+    rc, _, err = diff(capsys, a, cut)
+    assert rc == 2 and "cut.log" in err[0]
+    rc, out, _ = diff(capsys, a, cut, "--allow-partial")
+    assert rc == 1 and "partial trace" in out and "not paired" in out
+
+
+# -- options ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,needle", [(["--tol", "-1"], "--tol"), (["--tol", "nan"], "--tol"),
+                                         (["--tol", "inf"], "--tol"), (["--limit", "-2"], "--limit")])
+def test_bad_options_are_one_line_usage_errors(tmp_path, capsys, argv, needle):
+    a = traced(tmp_path / "a.jsonl")
+    rc, out, err = diff(capsys, a, a, *argv)
+    assert rc == 2 and not out
+    one_error(err, needle, ">= 0")
+
+
+def test_tolerance_zero_is_accepted(tmp_path, capsys):
+    a = traced(tmp_path / "a.jsonl")
+    rc, _, _ = diff(capsys, a, a, "--tol", "0")
+    assert rc == 0

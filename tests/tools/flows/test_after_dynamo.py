@@ -1,0 +1,158 @@
+"""After-dynamo repro flows (wrap_backend, REPRO_LEVEL 1-4) on PyTorch's own *_TESTING_ONLY backends."""
+
+from __future__ import annotations
+
+import pytest
+import json
+
+import torch
+
+import determ_backend
+from determ_backend.errors import AccuracyError
+from repro_tools.flows.failure import GraphDump
+from repro_tools.repro.script import read_meta
+
+from repro_helpers import (assert_reproduces, compile_and_fail, forward_source, last_stderr_line, model, model_inputs,
+                           repro_config, run_code, run_script)
+
+ERRORS = [("compile_error", "relu_compile_error_TESTING_ONLY"), ("runtime_error", "relu_runtime_error_TESTING_ONLY")]
+
+
+def _graph_dir(tmp_path, n=0):
+    return tmp_path / "out" / "r" / "repro" / f"dynamo-{n}"
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize("kind, backend", ERRORS)
+def test_level1_writes_a_repro_and_reraises(tmp_path, capsys, kind, backend):
+    err = compile_and_fail(determ_backend.wrap_backend(backend, repro_config(tmp_path, 1)))
+    assert "Relu" in str(err)
+    assert last_stderr_line(capsys.readouterr().err) == str(tmp_path / "repro.py")
+    assert (_graph_dir(tmp_path) / "repro.py").is_file()
+    assert read_meta(tmp_path / "repro.py")["kind"] == kind
+    assert_reproduces(tmp_path / "repro.py", kind, "torch.relu(")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, backend", ERRORS[1:])
+def test_level2_writes_a_launcher_that_minifies(tmp_path, capsys, kind, backend):
+    compile_and_fail(determ_backend.wrap_backend(backend, repro_config(tmp_path, 2)))
+    launcher = _graph_dir(tmp_path) / "minifier_launcher.py"
+    assert last_stderr_line(capsys.readouterr().err) == str(launcher)
+    assert not (tmp_path / "repro.py").exists()
+    proc = run_script(launcher, cwd=tmp_path)
+    assert proc.returncode == 1 and last_stderr_line(proc.stderr) == str(tmp_path / "repro.py"), proc.stderr[-3000:]
+    assert (_graph_dir(tmp_path) / "minify-0" / "minimal" / "repro.py").is_file()
+    assert_reproduces(tmp_path / "repro.py", kind, "torch.relu(")
+    assert " @ " not in forward_source(tmp_path / "repro.py")  # minimal: the relu alone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, backend", ERRORS[:1])
+def test_level3_launcher_first_then_isolated_minify(tmp_path, capfd, kind, backend):
+    compile_and_fail(determ_backend.wrap_backend(backend, repro_config(tmp_path, 3)))
+    assert (_graph_dir(tmp_path) / "minifier_launcher.py").is_file()
+    assert last_stderr_line(capfd.readouterr().err) == str(tmp_path / "repro.py")
+    assert_reproduces(tmp_path / "repro.py", kind, "torch.relu(")
+
+
+_CRASH = """
+import torch
+from determ_backend import wrap_backend
+from repro_helpers import model, model_inputs, relu_abort_backend, repro_config
+from pathlib import Path
+torch.compile(model, backend=wrap_backend(relu_abort_backend, repro_config(Path('.'), 3)))(*model_inputs())
+"""
+
+
+@pytest.mark.slow
+def test_level3_leaves_a_launcher_when_the_compiler_kills_the_process(tmp_path):
+    proc = run_code(_CRASH, tmp_path)
+    assert proc.returncode < 0, proc.stderr[-2000:]  # SIGABRT: nothing after the crash ran
+    launcher = _graph_dir(tmp_path) / "minifier_launcher.py"
+    assert launcher.is_file() and not (tmp_path / "repro.py").exists()
+    minify = run_script(launcher, cwd=tmp_path)
+    assert minify.returncode == 1, minify.stderr[-3000:]
+    proc = assert_reproduces(tmp_path / "repro.py", "crash", "torch.relu(")
+    assert "SIGABRT" in proc.stdout
+
+
+@pytest.mark.slow
+def test_level4_accuracy_failure_is_dumped_minified_and_raised(tmp_path, capsys):
+    err = compile_and_fail(determ_backend.wrap_backend("relu_accuracy_error_TESTING_ONLY", repro_config(tmp_path, 4)),
+                           model_inputs(requires_grad=True))
+    assert isinstance(err.__cause__ or err, AccuracyError) or "AccuracyError" in str(err)
+    stderr = capsys.readouterr().err
+    assert last_stderr_line(stderr) == str(tmp_path / "repro.py")
+    assert (_graph_dir(tmp_path) / "minifier_launcher.py").is_file()
+    # the backend rewrites the graph it is handed: the minifier's oracle must still see eager's relu
+    assert "NOT minified" not in stderr and (_graph_dir(tmp_path) / "minify-0" / "minimal" / "repro.py").is_file()
+    assert_reproduces(tmp_path / "repro.py", "accuracy", "torch.relu(")
+    assert " @ " not in forward_source(tmp_path / "repro.py")  # minimal: the relu alone
+
+
+def test_level4_without_minify_leaves_the_launcher(tmp_path, capsys):
+    cfg = repro_config(tmp_path, 4, minify=False)
+    err = compile_and_fail(determ_backend.wrap_backend("relu_accuracy_error_TESTING_ONLY", cfg))
+    assert "less accurate than eager" in str(err)
+    launcher = _graph_dir(tmp_path) / "minifier_launcher.py"
+    assert last_stderr_line(capsys.readouterr().err) == str(launcher) and not (tmp_path / "repro.py").exists()
+    meta = read_meta(launcher)
+    assert meta["kind"] == "accuracy" and meta["launcher"] is True and "AccuracyError" not in meta.get("error", "")
+
+
+def test_level4_accuracy_error_reaches_the_caller_unwrapped_once_dumped(tmp_path, capsys):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=determ_backend.wrap_backend("relu_accuracy_error_TESTING_ONLY",
+                                                                         repro_config(tmp_path, 4, minify=False)))
+    for _ in range(2):  # the graph stays compiled and keeps failing; it is dumped once
+        with pytest.raises(AccuracyError, match="less accurate than eager"):
+            compiled(*model_inputs())
+    assert sorted(p.name for p in (tmp_path / "out" / "r" / "repro").iterdir()) == ["dynamo-0"]
+    report = json.loads((tmp_path / "out" / "r" / "report.json").read_text())
+    assert report["divergent"] and report["findings"][0]["detail"]
+    assert report["findings"][0]["repro"].endswith("dynamo-0")
+
+
+def test_level4_passes_a_correct_backend_unchanged(tmp_path):
+    torch._dynamo.reset()
+    x, w = model_inputs(requires_grad=True)
+    out = torch.compile(model, backend=determ_backend.wrap_backend("eager", repro_config(tmp_path, 4)))(x, w)
+    assert torch.equal(out, model(x, w))
+    assert not (tmp_path / "out" / "r" / "repro").exists()
+
+
+def test_dumps_are_never_overwritten(tmp_path):
+    backend = determ_backend.wrap_backend("relu_compile_error_TESTING_ONLY", repro_config(tmp_path, 1))
+    compile_and_fail(backend)
+    compile_and_fail(backend)
+    assert (_graph_dir(tmp_path, 0) / "repro.py").is_file() and (_graph_dir(tmp_path, 1) / "repro.py").is_file()
+
+
+def test_config_is_captured_at_compile_time_not_at_dump_time(tmp_path):
+    import torch._inductor.config as icfg
+
+    gm = torch.fx.symbolic_trace(lambda x: (torch.relu(x),))
+    with icfg.patch({"fallback_random": True}):
+        dump = GraphDump(repro_config(tmp_path, 1), "dynamo", "eager", gm)
+    path = dump.write("repro.py", [torch.randn(3)], "runtime_error")
+    assert read_meta(path)["config"]["fallback_random"] is True
+
+
+@pytest.mark.slow
+def test_level4_catches_a_real_inductor_accuracy_bug_behind_plain_inductor(tmp_path, capsys):
+    """PyTorch's own after-dynamo level 4 lets this one pass (its checker error is swallowed)."""
+    import torch._inductor.config as icfg
+
+    cfg = repro_config(tmp_path, 4, minify=False)
+    with icfg.patch({"cpp.inject_relu_bug_TESTING_ONLY": "accuracy", "force_disable_caches": True}):
+        err = compile_and_fail(determ_backend.wrap_backend("inductor", cfg))
+    assert "less accurate than eager" in str(err)
+    launcher = _graph_dir(tmp_path) / "minifier_launcher.py"
+    assert last_stderr_line(capsys.readouterr().err) == str(launcher)
+    assert read_meta(launcher)["config"]["cpp.inject_relu_bug_TESTING_ONLY"] == "accuracy"
+    assert_reproduces(launcher, "accuracy", "torch.relu(", "run")

@@ -1,0 +1,238 @@
+"""repro_script: GraphModule + inputs -> standalone repro.py -> (gm, inputs, meta); bad inputs."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+import torch.fx as fx
+
+from determ_backend.errors import ReproError
+from repro_tools.repro.script import copy_repro, load_repro, read_meta, write_repro
+
+from repro_helpers import (TESTS, assert_reproduces, capture_graph, forward_source, last_stderr_line, model,
+                           model_inputs, run_main, run_without_determ)
+
+
+class WithParams(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("shift", torch.arange(4.0))
+
+    def forward(self, x):
+        return (torch.relu(self.lin(x) + self.shift),)
+
+
+@pytest.fixture
+def dynamo_graph():
+    return capture_graph(model, *model_inputs(requires_grad=True))
+
+
+def test_round_trip_keeps_graph_inputs_strides_params_and_meta(tmp_path):
+    gm = fx.symbolic_trace(WithParams())
+    base = torch.randn(3, 8)
+    x = base[:, ::2]
+    path = write_repro(gm, [x], tmp_path / "repro.py", meta={"kind": "accuracy", "note": {"a": [1, 2]}})
+    gm2, inputs, meta = load_repro(path)
+    assert torch.equal(inputs[0], x) and inputs[0].stride() == x.stride()
+    assert meta["note"] == {"a": [1, 2]} and meta["kind"] == "accuracy"
+    assert meta["torch_version"] == torch.__version__ and meta["device"] == "cpu"
+    assert torch.equal(gm2(*inputs)[0], gm(x)[0])
+    assert read_meta(path)["note"] == {"a": [1, 2]}
+
+
+def test_each_distinct_storage_is_stored_once(tmp_path):
+    gm = fx.symbolic_trace(lambda a, b, c: (a + b + c,))
+    base = torch.randn(16)
+    a, b, c = base[:4], base[4:8], torch.randn(4)
+    write_repro(gm, [a, b, c], tmp_path / "repro.py")
+    assert len(list((tmp_path / "repro_store").glob("*.safetensors"))) == 2
+    _, inputs, _ = load_repro(tmp_path / "repro.py")
+    assert inputs[0].untyped_storage().data_ptr() == inputs[1].untyped_storage().data_ptr()
+
+
+def test_forward_is_readable_torch_code_with_source_lines(dynamo_graph, tmp_path):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py")
+    src = forward_source(path)
+    assert "torch.relu(" in src and "test_repro_script" not in src
+    assert "# File: " + str(TESTS / "repro_helpers.py") in path.read_text()  # the user's source line, as a comment
+    gm, _, _ = load_repro(path)
+    relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
+    assert relu.name == "relu" and "repro_helpers.py" in relu.meta["stack_trace"]
+
+
+@pytest.mark.parametrize("kind, compiler, rc", [
+    ("compile_error", "relu_compile_error_TESTING_ONLY", 1),
+    ("runtime_error", "relu_runtime_error_TESTING_ONLY", 1),
+    ("accuracy", "relu_accuracy_error_TESTING_ONLY", 1),
+    ("accuracy", "eager", 0),
+    ("nondeterminism", "repro_helpers:noisy_backend", 1),
+    ("nondeterminism", "eager", 0),
+])
+def test_run_reports_by_exit_code(dynamo_graph, tmp_path, capsys, kind, compiler, rc):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py", meta={"kind": kind, "compiler": compiler, "only_fwd": False})
+    assert run_main(path, "run") == rc
+    assert ("reproduced " + kind if rc else "not reproduced") in capsys.readouterr().out
+
+
+def test_script_runs_in_a_fresh_process_with_torch_alone(dynamo_graph, tmp_path):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py", meta={"kind": "compile_error",
+                                                                   "compiler": "relu_compile_error_TESTING_ONLY"})
+    proc = run_without_determ(path, "run", "get-args", "minify")
+    assert "exit run 1" in proc.stdout and "reproduced compile_error: ReluCompileError" in proc.stdout, proc.stderr
+    assert "exit get-args 0" in proc.stdout and "stored" in proc.stdout
+    assert "exit minify 2" in proc.stdout and "needs determ" in proc.stderr
+
+
+def test_crash_is_checked_in_a_child_process(dynamo_graph, tmp_path):
+    path = write_repro(*dynamo_graph, tmp_path / "crash.py", meta={"kind": "any", "compiler": "repro_helpers:relu_abort_backend"})
+    proc = assert_reproduces(path, "crash", "torch.relu(")
+    assert "SIGABRT" in proc.stdout
+
+
+def test_fake_or_unsaved_inputs_are_regenerated_with_a_fixed_seed(dynamo_graph, tmp_path, capsys):
+    gm, inputs = dynamo_graph
+    path = write_repro(gm, inputs, tmp_path / "repro.py", save_data=False)
+    assert not (tmp_path / "repro_store").exists()
+    _, a, _ = load_repro(path)
+    _, b, _ = load_repro(path)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and a[1].requires_grad
+    assert run_main(path, "get-args") == 0
+    assert capsys.readouterr().out.count("regenerated") == 2
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(x) for x in inputs]
+    write_repro(gm, fakes, tmp_path / "fake.py")
+    assert read_meta(tmp_path / "fake.py")["regenerated_inputs"] == 2
+
+
+def test_compile_time_config_is_recorded_and_applied(dynamo_graph, tmp_path):
+    import torch._inductor.config as icfg
+
+    with icfg.patch({"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"}):
+        path = write_repro(*dynamo_graph, tmp_path / "repro.py")
+    assert read_meta(path)["config"]["cpp.inject_relu_bug_TESTING_ONLY"] == "accuracy"
+    assert "'cpp.inject_relu_bug_TESTING_ONLY': 'accuracy'" in path.read_text()
+    assert icfg.cpp.inject_relu_bug_TESTING_ONLY is None
+
+
+def test_copy_repro_takes_its_store_along(dynamo_graph, tmp_path):
+    src = write_repro(*dynamo_graph, tmp_path / "a" / "repro.py", meta={"kind": "compile_error",
+                                                                        "compiler": "relu_compile_error_TESTING_ONLY"})
+    dst = copy_repro(src, tmp_path / "b" / "repro.py", {"copied": True})
+    (tmp_path / "a" / "repro_store").rename(tmp_path / "gone")
+    _, inputs, meta = load_repro(dst)
+    assert meta["copied"] and len(inputs) == 2
+
+
+def _corrupt(store, how):
+    f = sorted(store.glob("*.safetensors"))[0]
+    if how == "missing":
+        f.unlink()
+    else:
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, message", [("missing", "missing input file"), ("corrupt", "corrupt content store file")])
+def test_bad_content_store_is_one_clear_error(dynamo_graph, tmp_path, capsys, how, message):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py", meta={"kind": "compile_error"})
+    _corrupt(tmp_path / "repro_store", how)
+    with pytest.raises(ReproError, match=message):
+        load_repro(path)
+    assert run_main(path, "run") == 2
+    err = capsys.readouterr().err
+    assert message in err and "repro_store" in err and "Traceback" not in err
+
+
+def test_repro_from_another_torch_version_warns_and_still_runs(dynamo_graph, tmp_path, caplog, capsys):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py", meta={"kind": "compile_error",
+                                                                   "compiler": "relu_compile_error_TESTING_ONLY"})
+    path.write_text(re.sub(r"'torch_version': '[^']*'", "'torch_version': '1.13.0'", path.read_text()))
+    with caplog.at_level(logging.WARNING):
+        load_repro(path)
+    assert "written with torch 1.13.0" in caplog.text
+    assert run_main(path, "run") == 1
+    assert f"written with torch 1.13.0, running torch {torch.__version__}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [("x = 1\n", "not a determ repro script"), ("def (:\n", "not a readable")])
+def test_not_a_repro_script(tmp_path, content, message):
+    (tmp_path / "r.py").write_text(content)
+    with pytest.raises(ReproError, match=message):
+        load_repro(tmp_path / "r.py")
+    with pytest.raises(ReproError, match="no such repro script"):
+        load_repro(tmp_path / "missing.py")
+
+
+@pytest.mark.parametrize("out, message", [("nodir/args.pt", "does not exist"), (".", "is a directory")])
+def test_get_args_to_a_bad_out_path_is_one_line_exit_2(dynamo_graph, tmp_path, capsys, out, message):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py")
+    assert run_main(path, "get-args", "--out", str(tmp_path / out)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "--out" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert run_main(path, "get-args", "--out", str(tmp_path / "args.pt")) == 0
+    assert len(torch.load(tmp_path / "args.pt", weights_only=True)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["args.pt", "repro.py", "repro_store"]  # no temp file left
+
+
+def test_copy_repro_keeps_a_different_file_at_the_destination_and_refuses_its_source(dynamo_graph, tmp_path, caplog):
+    src = write_repro(*dynamo_graph, tmp_path / "a" / "repro.py", meta={"kind": "compile_error"})
+    (tmp_path / "repro.py").write_text("# the user's own edits\n")
+    with caplog.at_level(logging.WARNING):
+        copy_repro(src, tmp_path / "repro.py")
+    assert (tmp_path / "repro.prev-1.py").read_text() == "# the user's own edits\n" and "repro.prev-1.py" in caplog.text
+    copy_repro(src, tmp_path / "repro.py")  # the same content again: nothing to keep
+    assert not (tmp_path / "repro.prev-2.py").exists()
+    with pytest.raises(ReproError, match="refusing to overwrite"):
+        copy_repro(src, src)
+
+
+@pytest.mark.slow
+def test_minifying_the_working_directorys_repro_keeps_it(dynamo_graph, tmp_path, monkeypatch, capsys):
+    from repro_tools.flows.failure import minify_script
+
+    monkeypatch.chdir(tmp_path)
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py",
+                       meta={"kind": "compile_error", "compiler": "repro_helpers:aot_relu_compile_error"})
+    original = path.read_text()
+    assert minify_script(path, ["--in-process", "--no-progress"]) == 1
+    assert path.read_text() == original
+    assert last_stderr_line(capsys.readouterr().err) == str(tmp_path / "repro.min.py")
+    assert " @ " in forward_source(path) and " @ " not in forward_source(tmp_path / "repro.min.py")
+    assert_reproduces(tmp_path / "repro.min.py", "compile_error", "torch.relu(")
+
+
+def test_minifying_a_repro_that_does_not_fail_exits_0_and_leaves_nothing(dynamo_graph, tmp_path, capsys):
+    from repro_tools.flows.failure import minify_script
+
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py", meta={"kind": "accuracy", "compiler": "eager"})
+    assert minify_script(path) == 0
+    assert "does not fail here" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repro.py", "repro_store"]
+
+
+@pytest.mark.parametrize("key", ["", "../../etc/passwd", "/tmp/x", "ABCDEF0123456789", "0123"])
+def test_a_storage_key_that_is_not_a_checksum_is_refused_by_name(dynamo_graph, tmp_path, capsys, key):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py")
+    text = path.read_text()
+    stored = re.search(r"'storage': '([0-9a-f]+)'", text).group(1)
+    path.write_text(text.replace(f"'storage': '{stored}'", f"'storage': {key!r}", 1))
+    for cmd in (["get-args"], ["run", "--in-process"]):
+        assert run_main(path, *cmd) == 2
+        err = capsys.readouterr().err
+        assert f"storage key {key!r} is not a content checksum" in err and len(err.strip().splitlines()) == 1
+
+
+def test_get_args_does_not_replace_a_file_without_force(dynamo_graph, tmp_path, capsys):
+    path = write_repro(*dynamo_graph, tmp_path / "repro.py")
+    (tmp_path / "args.pt").write_text("mine")
+    assert run_main(path, "get-args", "--out", str(tmp_path / "args.pt")) == 2
+    assert "exists; pass --force" in capsys.readouterr().err and (tmp_path / "args.pt").read_text() == "mine"
+    assert run_main(path, "get-args", "--out", str(tmp_path / "args.pt"), "--force") == 0
+    assert len(torch.load(tmp_path / "args.pt", weights_only=True)) == 2

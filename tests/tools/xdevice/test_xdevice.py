@@ -1,0 +1,337 @@
+"""repro-tools xdevice: one graph on two device specs, root cause, minify; DETERM_DEVICE in the backends.
+
+On this CPU-only machine the second "device" is the CPU computing in float64.  The
+graph holds a catastrophic cancellation, ``(h + 1e8) - 1e8``: exact in float64,
+all information lost in float32, so the subtraction is the root cause and the
+nodes after it only inherit the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+
+import real_models
+
+from determ_backend.backends import run as run_mod
+from determ_backend.config import load_config
+from determ_backend.devices import is_available
+from determ_backend.errors import ConfigError
+from repro_tools.minify import oracles
+from repro_tools.cli import main
+from repro_tools.minify.repro_files import load_repro_any
+from repro_tools.repro.script import import_script, write_repro
+from paths import TESTS
+
+DEVICES = "cpu,cpu:float64"
+
+
+class Cancel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.lin(x)) * 3.0
+        big = h + 1e8
+        back = big - 1e8
+        return (back * y).sum(-1)
+
+
+SCRIPT = textwrap.dedent("""
+    import torch
+
+    def f(x, y):
+        h = torch.tanh(x) * 3.0
+        back = (h + 1e8) - 1e8
+        return (back * y).sum(-1)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    out = torch.compile(f, backend="determ_aot_eager")(x, y)
+    assert out.dtype == torch.float32
+""")
+
+
+def xdevice(capsys, *argv: str):
+    """Run ``repro-tools xdevice ARGV --json``; returns (exit code, parsed summary or stderr text)."""
+    code = main(["xdevice", *argv, "--json"])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if out.strip() else err)
+
+
+@pytest.fixture(scope="module")
+def repro(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 16), torch.randn(4, 16)]
+    path = tmp_path_factory.mktemp("xdev") / "repro.py"
+    torch.manual_seed(0)
+    return write_repro(fx.symbolic_trace(Cancel()), inputs, path, meta={"kind": "cross_device", "compiler": "eager"})
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory):
+    """The user script run once per device (two subprocesses); returns (exit code, summary, out dir)."""
+    d = tmp_path_factory.mktemp("xdev_script")
+    (d / "train.py").write_text(SCRIPT)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["xdevice", str(d / "train.py"), "--devices", DEVICES, "--out", str(d / "out"), "--json"])
+    return code, json.loads(buf.getvalue()), d / "out"
+
+
+def _root(summary) -> str:
+    return summary["first_divergence"]["node"]
+
+
+def test_repro_localizes_the_cancellation(repro, capsys):
+    code, s = xdevice(capsys, str(repro), "--devices", DEVICES)
+    assert code == 1 and s["divergent"]
+    fd = s["first_divergence"]
+    assert fd["node"] == "sub" and fd["root_cause"] and [r["node"] for r in s["root_causes"]] == ["sub"]
+    assert fd["metrics"]["max_abs"] > 1.0 and fd["metrics"]["max_rel"] > 0.5
+    assert s["divergent_pairs"] == 3  # sub and the two consumers that inherit its error
+
+
+def test_repro_agrees_within_a_loose_tolerance(repro, capsys):
+    code, s = xdevice(capsys, str(repro), "--devices", DEVICES, "--tol", "100")
+    assert code == 0 and not s["divergent"] and s["first_divergence"] is None
+
+
+def test_repro_text_names_the_root_cause(repro, capsys):
+    assert main(["xdevice", str(repro), "--devices", "cpu:float32,cpu"]) == 0  # same numerics: agree
+    assert main(["xdevice", str(repro), "--devices", "cpu:bfloat16,cpu:float64"]) == 1
+    out = capsys.readouterr().out
+    assert "root cause:" in out
+
+
+def test_divergence_both_devices_cancel_is_masked(repro, capsys):
+    # bf16 and fp32 both lose every digit in `h + 1e8 - 1e8`: `add` differs, the outputs are the same
+    assert main(["xdevice", str(repro), "--devices", "cpu:bfloat16,cpu"]) == 0
+    assert "masked divergence(s)" in capsys.readouterr().out
+    code, s = xdevice(capsys, str(repro), "--devices", "cpu:bfloat16,cpu")
+    assert code == 0 and not s["divergent"] and s["divergent_pairs"] > 0 and s["masked"]
+
+
+def test_minify_writes_a_repro_that_still_diverges(repro, capsys, tmp_path):
+    code, s = xdevice(capsys, str(repro), "--devices", DEVICES, "--minify", "--out", str(tmp_path))
+    assert code == 1
+    m = s["minify"]
+    assert m["culprit"]["node"] == "sub" and m["ops_after"] < m["ops_before"]
+    gm, inputs, meta = load_repro_any(m["repro_path"])
+    assert "sub" in [n.name for n in gm.graph.nodes] and meta["compiler"] == "eager"  # runs with torch alone
+    assert meta["devices"] == ["cpu", "cpu:float64"] and "follow_inputs" not in Path(m["repro_path"]).read_text()
+    spec = oracles.OracleSpec(kind="cross_device", compiler="eager", devices=("cpu", "cpu:float64"))
+    assert oracles.check(spec, gm, inputs).fails
+    assert import_script(m["repro_path"]).main(["run"]) == 1 and "reproduced cross_device" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_user_script_localizes_the_cancellation(script_runs):
+    code, s, out = script_runs
+    assert code == 1 and _root(s) == "sub" and s["first_divergence"]["root_cause"]
+    assert s["first_divergence"]["metrics"]["max_abs"] > 1.0  # exact metrics from the saved tensors
+    assert s["first_divergence"]["source"].endswith("(f)")  # the user's line, through the backend's trace
+    report = json.loads((out / "side1_cpu_float64" / "report.json").read_text())
+    assert report["divergent"] is False  # no check ran; the comparison is xdevice's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["comma", "two"])
+def test_trace_pair_localizes_the_cancellation(script_runs, capsys, form):
+    _, _, out = script_runs
+    a, b = str(out / "side0_cpu"), str(out / "side1_cpu_float64")
+    code, s = xdevice(capsys, *([f"{a},{b}"] if form == "comma" else [a, b]))
+    assert code == 1 and _root(s) == "sub" and s["first_divergence"]["stage"] == "aot_forward"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--devices", "cpu,cuda"], "device 'cuda' is not available"),
+    (["--devices", "cpu,npu:1"], "device 'npu:1' is not available"),
+    (["--devices", "cpu,cpu:notadtype"], "bad dtype 'notadtype'"),
+    (["--devices", "cpu"], "expected exactly two device specs"),
+    (["--devices", "cpu,cpu:int8"], "cpu:int8: expected a floating-point dtype"),
+    (["--devices", "cpu:bool,cpu"], "cpu:bool: expected a floating-point dtype"),
+    (["--devices", DEVICES, "--limit", "-1"], "--limit must be >= 0"),
+    ([], "--devices: expected two device specs"),
+])
+def test_bad_devices_exit_2_with_one_line(repro, capsys, argv, needle):
+    if "cuda" in " ".join(argv) and is_available("cuda"):
+        pytest.skip("this machine has CUDA")
+    assert main(["xdevice", str(repro), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and err.startswith("repro-tools xdevice: error:")
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: d / "missing.py", "no such script"),
+    (lambda d: d / "one.jsonl", "a single trace"),
+])
+def test_bad_targets_exit_2(tmp_path, capsys, make, needle):
+    target = make(tmp_path)
+    if target.suffix == ".jsonl":
+        target.write_text("{}\n")
+    assert main(["xdevice", str(target), "--devices", DEVICES]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_minify_needs_a_graph(tmp_path, capsys):
+    assert main(["xdevice", "a.jsonl,b.jsonl", "--minify"]) == 2
+    assert "--minify needs a repro.py" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not is_available("cuda"), reason="no CUDA device")
+def test_cpu_vs_cuda(repro, capsys):
+    code, s = xdevice(capsys, str(repro), "--devices", "cuda,cpu:float64")
+    assert code == 1 and _root(s) == "sub"
+
+
+# ------------------------------------------------------------------ DETERM_DEVICE inside the backends
+
+def test_backend_on_another_dtype_returns_original_dtype_and_gradients(tmp_path):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    opts = {"dir": str(tmp_path), "run_id": "r", "device": "cpu:float64"}
+    out = torch.compile(m, backend="determ_aot_eager", options=opts)(x)
+    out.sum().backward()
+    run_mod.finish_all()
+    assert out.dtype == torch.float32 and m.weight.grad is not None and m.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-6)
+    dtypes = {json.loads(line).get("dtype") for line in (tmp_path / "r" / "trace.jsonl").read_text().splitlines()[1:-1]}
+    assert "float64" in dtypes and "float32" not in dtypes
+
+
+class Heads(torch.nn.Module):
+    """Splits a projection into heads with ``view(..., -1, 16)``: a guard on the weight's size."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.lin(x).view(*x.shape[:-1], -1, 16).transpose(1, 2).sum(-1)
+
+
+def test_backend_on_another_dtype_guards_on_the_inputs_own_shapes(tmp_path):
+    """The cast copies of the graph inputs are traced by AOTAutograd as those inputs, so a shape guard
+    on a cast parameter names the parameter (it broke Dynamo's guard creation on Llama-style models)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m, x = Heads(), torch.randn(2, 8, 64)
+    opts = {"dir": str(tmp_path), "run_id": "r", "device": "cpu:float64"}
+    out = torch.compile(m, backend="determ_aot_eager", options=opts)(x)
+    out.sum().backward()
+    run_mod.finish_all()
+    assert out.dtype == torch.float32 and m.lin.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_runs_with_a_second_sequence_length_are_compared(tmp_path, capsys):
+    """The recompile for a second length has symbolic sizes: its view records are traced without a
+    fixed shape (one that a trace could not hold), and the two runs still pair and agree."""
+    def f(x):
+        return torch.tanh(x).transpose(0, 1).sum(0)
+
+    for spec in ("cpu", "cpu:float64"):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="determ_aot_eager",
+                                 options={"dir": str(tmp_path), "run_id": spec.replace(":", "_"), "device": spec})
+        for n in (4, 6):
+            compiled(torch.randn(n, 8, generator=torch.Generator().manual_seed(n)))
+        run_mod.finish_all()
+    code, s = xdevice(capsys, f"{tmp_path / 'cpu'},{tmp_path / 'cpu_float64'}")
+    assert code == 0 and not s["divergent"] and s["pairs"] > 0 and s["unmatched_a"] == s["unmatched_b"] == 0, s
+
+
+REAL_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    import real_models
+
+    model, inputs = real_models.build("llama", 8)
+    out = torch.compile(model, backend="determ_aot_eager")(**inputs)
+    real_models.loss_of(out).backward()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not real_models.available(), reason="transformers is not installed")
+def test_user_script_with_a_real_llama_agrees_on_cpu_and_float64(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(REAL_SCRIPT.format(tests=str(TESTS)))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["xdevice", str(script), "--devices", DEVICES, "--out", str(tmp_path / "out"), "--json"])
+    s = json.loads(buf.getvalue())
+    assert code == 0 and not s["divergent"] and s["pairs"] > 100, s
+    stages = {json.loads(line).get("stage") for line in
+              (tmp_path / "out" / "side1_cpu_float64" / "trace.jsonl").read_text().splitlines()[1:-1]}
+    assert stages == {"aot_forward", "aot_backward"}
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"DETERM_DEVICE": "gpu"}, "DETERM_DEVICE='gpu'"),
+    ({"DETERM_BISECT_STAGE": "dynamo"}, "DETERM_BISECT_STAGE='dynamo'"),
+])
+def test_bad_settings_are_one_clear_line(env, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(env=env)
+
+
+def test_unbalanced_script_args_exit_2_with_one_line(tmp_path, capsys):
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    assert main(["xdevice", str(tmp_path / "train.py"), "--devices", DEVICES, "--script-args", '"unclosed']) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--script-args" in err and "No closing quotation" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_script_without_a_trace_is_not_judged_on_an_earlier_runs_trace(tmp_path, capsys, script_runs):
+    _, _, runs = script_runs
+    out = tmp_path / "out"
+    shutil.copytree(runs, out)  # an earlier run's traces in the same --out
+    (tmp_path / "plain.py").write_text("print('no torch.compile here')\n")
+    assert main(["xdevice", str(tmp_path / "plain.py"), "--devices", DEVICES, "--out", str(out)]) == 2
+    assert "wrote no determ trace" in capsys.readouterr().err
+
+
+def test_minify_picks_a_new_directory_per_run(tmp_path, capsys):
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 16), torch.randn(4, 16)]
+    src = write_repro(fx.symbolic_trace(Cancel()), inputs, tmp_path / "repro.py",
+                      meta={"kind": "cross_device", "compiler": "eager"})
+    paths = []
+    for _ in range(2):
+        code, s = xdevice(capsys, str(src), "--devices", DEVICES, "--minify")
+        assert code == 1
+        paths.append(Path(s["minify"]["repro_path"]))
+    assert [p.relative_to(tmp_path).parts[0] for p in paths] == ["xdevice", "xdevice-2"]
+    assert all(p.is_file() for p in paths)
+    assert main(["xdevice", str(src), "--devices", DEVICES, "--minify", "--out", str(tmp_path / "xdevice")]) == 2
+    assert "holds an earlier minification" in capsys.readouterr().err
+
+
+def test_traces_with_nothing_paired_are_not_said_to_agree(tmp_path, capsys):
+    from backend_helpers import compile_run
+
+    torch.manual_seed(0)
+    _, run = compile_run(torch.nn.Linear(4, 4), (torch.randn(2, 4),), "determ_eager", tmp_path, "a")
+    trace = run / "trace.jsonl"
+    empty = tmp_path / "empty.jsonl"
+    lines = trace.read_text().splitlines()
+    empty.write_text(lines[0] + '\n{"end": true, "count": 0}\n')  # a complete run that traced nothing
+    assert main(["xdevice", f"{trace},{empty}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no record of one side pairs with the other" in err and len(err.splitlines()) == 1
