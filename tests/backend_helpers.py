@@ -11,6 +11,7 @@ import torch
 
 from determ_backend.backends import run as run_mod
 from determ_backend.trace.stream import Record, read_trace
+from conftest import shuffled_rowsum
 
 _GEN = torch.Generator().manual_seed(12345)  # never reseeded: the order changes from call to call
 
@@ -18,11 +19,7 @@ _GEN = torch.Generator().manual_seed(12345)  # never reseeded: the order changes
 @torch.library.custom_op("determ_test::nd_rowsum", mutates_args=())
 def nd_rowsum(x: torch.Tensor) -> torch.Tensor:
     """Row sums accumulated sequentially in a random column order (float rounding differs per call)."""
-    perm = torch.randperm(x.shape[-1], generator=_GEN).tolist()
-    acc = x[..., perm[0]].clone()
-    for j in perm[1:]:  # float32 accumulation, order-dependent rounding
-        acc = acc + x[..., j]
-    return acc.unsqueeze(-1)
+    return shuffled_rowsum(x, _GEN)
 
 
 @nd_rowsum.register_fake

@@ -12,6 +12,7 @@ import torch
 
 from determ_backend.compare import Comparison, compare_traces
 from determ_backend.modes.core import HashDebugTrace, read_hash_log
+from conftest import shuffled_rowsum
 
 _GEN = torch.Generator().manual_seed(4321)  # never reseeded: the order changes from call to call
 _CALLS = [0]  # call counter of the flip ops
@@ -20,11 +21,7 @@ _CALLS = [0]  # call counter of the flip ops
 @torch.library.custom_op("determ_test::eager_nd_rowsum", mutates_args=())
 def eager_nd_rowsum(x: torch.Tensor) -> torch.Tensor:
     """``x`` plus its row sums accumulated in float32 in a random column order (rounding differs per call)."""
-    perm = torch.randperm(x.shape[-1], generator=_GEN).tolist()
-    acc = x[..., perm[0]].clone()
-    for j in perm[1:]:
-        acc = acc + x[..., j]
-    return x + acc.unsqueeze(-1)
+    return x + shuffled_rowsum(x, _GEN)
 
 
 @eager_nd_rowsum.register_fake

@@ -6,7 +6,6 @@ Compilers here live at module level so generated scripts can import them by name
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import subprocess
@@ -17,6 +16,7 @@ from typing import Any, List, Tuple
 import torch
 
 from determ_backend.config import load_config
+from conftest import relu_as_plus_one
 
 TESTS = Path(__file__).resolve().parent
 _BLOCK_DETERM = ("import runpy, sys\n"
@@ -130,21 +130,12 @@ def aot_relu_runtime_error(gm, example_inputs):
 
 def aot_relu_accuracy_error(gm, example_inputs):
     """relu(x) computed as x + 1 (on a copy: the graph handed in stays intact)."""
-    gm = copy.deepcopy(gm)
-    for n in gm.graph.nodes:
-        if n.target is torch.ops.aten.relu.default:
-            n.target, n.args = torch.ops.aten.add.Tensor, (n.args[0], 1)
-    gm.recompile()
-    return gm
+    return relu_as_plus_one(gm)
 
 
 def relu_plus_one_in_place(gm, example_inputs):
     """relu(x) computed as x + 1 by rewriting the graph it is handed (as PyTorch's relu_accuracy_error does)."""
-    for n in gm.graph.nodes:
-        if n.target in (torch.relu, torch.ops.aten.relu.default):
-            n.target, n.args = torch.ops.aten.add.Tensor, (n.args[0], 1)
-    gm.recompile()
-    return gm
+    return relu_as_plus_one(gm, in_place=True)
 
 
 def noisy_backend(gm, example_inputs):

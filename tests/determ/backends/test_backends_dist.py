@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,11 +13,6 @@ from backend_helpers import MLP, load
 
 pytestmark = pytest.mark.slow
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -39,8 +33,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_each_rank_writes_its_own_trace_with_its_rank(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_each_rank_writes_its_own_trace_with_its_rank(tmp_path, free_port):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         recs, report = load(tmp_path / "ddp" / f"rank{rank}")
         assert recs and {r.rank for r in recs} == {rank}

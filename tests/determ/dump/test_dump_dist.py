@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
@@ -19,11 +18,6 @@ from paths import TESTS
 
 WORLD = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, root: str) -> None:
@@ -58,9 +52,9 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp_dumps(tmp_path_factory):
+def ddp_dumps(tmp_path_factory, free_port):
     root = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(_free_port(), str(root)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(root)), nprocs=WORLD, join=True)
     return root
 
 
