@@ -3,9 +3,12 @@
 
 One program per row reads the row's ``ROW_WORDS`` int32 words exactly once,
 widens them to int64, multiplies by the column weights and sums with wrapping
-int64 arithmetic, so the result is bit-identical to
-``fingerprint._row_sums_torch`` whatever the reduction order.  The rest of the
-fingerprint (row mixing, dtype/shape key) stays in :mod:`determ_backend.fingerprint.core`.
+int64 arithmetic, so the result is bit-identical to the torch row sums of
+:mod:`determ_backend.fingerprint.core` whatever the reduction order.  The rest of
+the fingerprint (row mixing, dtype/shape key, word layout) is defined in
+:mod:`determ_backend.fingerprint._words`, which both modules import; ``core``
+imports this module only when it hashes a CUDA tensor, and this module never
+imports ``core``.
 
 Under ``TRITON_INTERPRET=1`` Triton runs kernels on CPU tensors; tests use that
 to check the kernel against the torch path without a GPU
@@ -21,6 +24,7 @@ import os
 import torch
 
 from determ_backend.errors import DeviceUnavailableError, UnsupportedDtypeError
+from determ_backend.fingerprint._words import MASK64, ROW_WORDS, finish, key, row_weights, words
 
 try:
     import triton
@@ -109,16 +113,14 @@ def hash_tensor_via_kernel(t: torch.Tensor) -> int:
     An independent route to the same value (the last row is zero-padded to a full
     row, which adds nothing to its sum); tests compare it with the torch path.
     """
-    from determ_backend.fingerprint import core as fp
-
-    words = fp._words(t)
-    n = words.numel()
-    n_rows = -(-n // fp.ROW_WORDS)
-    padded = torch.zeros(n_rows * fp.ROW_WORDS, dtype=torch.int32, device=words.device)
-    padded[:n] = words
-    sums = torch.empty(n_rows, dtype=torch.int64, device=words.device)
-    row_sums(padded.view(n_rows, fp.ROW_WORDS), fp.row_weights(str(words.device)), sums)
-    pos = torch.arange(n_rows, device=words.device)
-    owner = torch.zeros(n_rows, dtype=torch.int64, device=words.device)
-    value = fp._finish(sums, pos, owner, [fp._key(t.dtype, tuple(t.shape))], words.device)
-    return int(value[0].item()) & fp._MASK64
+    w = words(t)
+    n = w.numel()
+    n_rows = -(-n // ROW_WORDS)
+    padded = torch.zeros(n_rows * ROW_WORDS, dtype=torch.int32, device=w.device)
+    padded[:n] = w
+    sums = torch.empty(n_rows, dtype=torch.int64, device=w.device)
+    row_sums(padded.view(n_rows, ROW_WORDS), row_weights(str(w.device)), sums)
+    pos = torch.arange(n_rows, device=w.device)
+    owner = torch.zeros(n_rows, dtype=torch.int64, device=w.device)
+    value = finish(sums, pos, owner, [key(t.dtype, tuple(t.shape))], w.device)
+    return int(value[0].item()) & MASK64

@@ -23,81 +23,33 @@ backend -- torch CPU, torch on an accelerator, the Triton kernel in
    (scheme, scale(s), zero point(s)), which is part of its value.
 
 The dtype/shape key is hashed on the host (it is metadata, not data).
+
+This module owns the hash API, the row sums (step 2), the batchers and the
+statistics: :class:`HashBatch` streams one device's tensors into one finish, and
+:class:`FingerprintBatch` -- the one batcher of hashes *and* statistics, used by
+the compile backends' recorder, the eager modes, the API dump and
+:func:`fingerprint_tensors` -- resolves many tensors on any devices with one host
+transfer per device.  The numbers that define the hash (word layout, row weights,
+mixing, key) live in :mod:`determ_backend.fingerprint._words`, shared with the
+Triton row-sum kernel (:mod:`determ_backend.fingerprint._triton`); the one-pass
+CPU kernel is :mod:`determ_backend.fingerprint._native`.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from determ_backend.fingerprint import _native
-from determ_backend.errors import UnsupportedDtypeError
+from determ_backend.fingerprint._words import (GOLDEN, MASK64, ROW_WORDS, check_tensor, finish, key, py_fmix,
+                                               row_weights, same_size_int, signed, words)
 
-__all__ = ["hash_tensor", "hash_tensors", "tensor_stats", "fingerprint_tensors", "fingerprint_now", "ROW_WORDS"]
-
-ROW_WORDS = 4096
-"""Words (int32) per row; part of the definition of the hash, never change it."""
+__all__ = ["hash_tensor", "hash_tensors", "tensor_stats", "fingerprint_tensors", "fingerprint_now", "HashBatch",
+           "FingerprintBatch", "STATS_KINDS", "row_weights", "ROW_WORDS"]
 
 _BLOCK_ROWS = 64  # rows reduced per kernel call on the torch path (cache-sized)
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1 = 0xFF51AFD7ED558CCD
-_M2 = 0xC4CEB9FE1A85EC53
-
-
-def _signed(v: int) -> int:
-    v &= _MASK64
-    return v - (1 << 64) if v >= (1 << 63) else v
-
-
-def _py_fmix(v: int) -> int:
-    v &= _MASK64
-    v ^= v >> 33
-    v = (v * _M1) & _MASK64
-    v ^= v >> 33
-    v = (v * _M2) & _MASK64
-    v ^= v >> 33
-    return v
-
-
-def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of an int64 tensor (torch's ``>>`` is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _fmix(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ _lsr(x, 33)
-    x = x * _signed(_M1)
-    x = x ^ _lsr(x, 33)
-    x = x * _signed(_M2)
-    return x ^ _lsr(x, 33)
-
-
-@functools.lru_cache(maxsize=None)
-def _host_weights() -> torch.Tensor:
-    low_mask = (1 << 33) - 1
-    vals = []
-    for c in range(ROW_WORDS):
-        high = _py_fmix(c + _GOLDEN) & ~low_mask
-        low = ((2 * c + 1) * (_M1 | 1)) & low_mask  # odd, distinct mod 2**33
-        vals.append(_signed(high | low))
-    return torch.tensor(vals, dtype=torch.int64)
-
-
-@functools.lru_cache(maxsize=16)
-def row_weights(device: str) -> torch.Tensor:
-    """The ``K`` vector of step 2 on ``device`` (cached per device)."""
-    return _host_weights().to(device)
-
-
-@functools.lru_cache(maxsize=4096)
-def _key(dtype: torch.dtype, shape: tuple, extra: str = "") -> int:
-    digest = hashlib.blake2b(f"{dtype}|{shape}{extra}".encode(), digest_size=8).digest()
-    return _signed(int.from_bytes(digest, "little"))
 
 
 def _quantizer(t: torch.Tensor) -> str:
@@ -113,65 +65,7 @@ def _quantizer(t: torch.Tensor) -> str:
 
 def _tensor_key(t: torch.Tensor) -> int:
     """Step 4's key: dtype and shape (and the quantizer of a quantized tensor)."""
-    return _key(t.dtype, tuple(t.shape), _quantizer(t))
-
-
-def _check_tensor(t, what: str = "hash_tensor") -> None:
-    if not isinstance(t, torch.Tensor):
-        raise UnsupportedDtypeError(f"{what} expects a torch.Tensor, got {type(t).__name__}")
-    if t.device.type == "meta":
-        raise UnsupportedDtypeError(f"{what}: a tensor on the 'meta' device has no data to fingerprint "
-                                    f"(dtype {t.dtype}, shape {tuple(t.shape)})")
-
-
-def _same_size_int(t: torch.Tensor) -> torch.Tensor:
-    """``t`` reinterpreted as the integer dtype of its element size (any strides), or ``t`` if none."""
-    size = t.element_size()
-    for d in (torch.uint8, torch.int16, torch.int32, torch.int64):
-        if d.itemsize == size:
-            return t if t.dtype == d else t.view(d)
-    return t
-
-
-def _logical_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's logical elements as a flat contiguous uint8 tensor."""
-    if t.layout != torch.strided:
-        raise UnsupportedDtypeError(f"cannot fingerprint a tensor with layout {t.layout}; expected torch.strided")
-    t = t.detach()
-    if t.is_quantized:
-        t = t.int_repr()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if not t.is_contiguous():
-        t = _same_size_int(t)  # copying ints works for every dtype, storage-only ones included
-    flat = t.contiguous().reshape(-1)
-    try:
-        return flat.view(torch.uint8)
-    except RuntimeError:
-        try:
-            return flat.clone().view(torch.uint8)
-        except RuntimeError as e:
-            raise UnsupportedDtypeError(f"cannot fingerprint dtype {t.dtype}: {e}") from None
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The logical bytes as a flat int32 tensor; a partial last word is zero-padded."""
-    if (t.layout == torch.strided and t.element_size() in (4, 8, 16) and t.is_contiguous()
-            and not (t.is_quantized or t.is_conj() or t.is_neg())):
-        return t.detach().reshape(-1).view(torch.int32)  # common case: already whole aligned words
-    b = _logical_bytes(t)
-    n = b.numel()
-    if b.storage_offset() % 4:
-        b = b.clone()
-    n4, tail = divmod(n, 4)
-    words = b[: n4 * 4].view(torch.int32)
-    if tail:
-        pad = torch.zeros(4, dtype=torch.uint8, device=b.device)
-        pad[:tail] = b[n4 * 4:]
-        words = torch.cat([words, pad.view(torch.int32)])
-    return words
+    return key(t.dtype, tuple(t.shape), _quantizer(t))
 
 
 def _row_sums_torch(rows: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
@@ -191,7 +85,7 @@ def _row_sums_torch(rows: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> N
 def _row_sums(rows: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
     """``out[r] = sum_c rows[r, c] * k[c]`` (wrapping int64) for an (R, ROW_WORDS) int32 tensor."""
     if rows.device.type == "cuda" and rows.shape[0] > _BLOCK_ROWS:
-        from determ_backend.fingerprint import _triton as _fingerprint_triton
+        from determ_backend.fingerprint import _triton as _fingerprint_triton  # imports triton: only when needed
 
         if _fingerprint_triton.available():
             _fingerprint_triton.row_sums(rows, k, out)
@@ -199,25 +93,16 @@ def _row_sums(rows: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
     _row_sums_torch(rows, k, out)
 
 
-def _segment_sums(words: List[torch.Tensor], k: torch.Tensor) -> torch.Tensor:
+def _segment_sums(word_lists: List[torch.Tensor], k: torch.Tensor) -> torch.Tensor:
     """Row sum of each short (<= ROW_WORDS) word vector, batched into a constant number of ops."""
     dev = k.device
-    lengths = torch.tensor([w.numel() for w in words], device=dev)
-    flat = torch.cat(words)
+    lengths = torch.tensor([w.numel() for w in word_lists], device=dev)
+    flat = torch.cat(word_lists)
     starts = torch.cumsum(lengths, 0) - lengths
-    seg = torch.repeat_interleave(torch.arange(len(words), device=dev), lengths)
+    seg = torch.repeat_interleave(torch.arange(len(word_lists), device=dev), lengths)
     pos = torch.arange(flat.numel(), device=dev) - starts[seg]
-    out = torch.zeros(len(words), dtype=torch.int64, device=dev)
+    out = torch.zeros(len(word_lists), dtype=torch.int64, device=dev)
     return out.index_add_(0, seg, flat * k[pos])
-
-
-def _finish(sums: torch.Tensor, rowpos: torch.Tensor, seg: torch.Tensor, keys: List[int], device) -> torch.Tensor:
-    """Combine row sums into one int64 fingerprint per tensor (device-side, no sync)."""
-    acc = torch.zeros(len(keys), dtype=torch.int64, device=device)
-    if sums.numel():
-        mixed = _fmix(sums ^ _fmix((rowpos + 1) * _signed(_GOLDEN)))
-        acc.index_add_(0, seg, mixed)
-    return _fmix(acc ^ torch.tensor(keys, dtype=torch.int64, device=device))
 
 
 def fingerprint_now(t: torch.Tensor, stats: bool = False) -> Optional[Tuple[int, Optional[List[float]]]]:
@@ -232,7 +117,7 @@ def fingerprint_now(t: torch.Tensor, stats: bool = False) -> Optional[Tuple[int,
         return None
     x = t.detach()
     if not x.is_contiguous():  # statistics need the dtype; the hash only the bytes (any dtype copies as ints)
-        x = x.contiguous() if stats else _same_size_int(x).contiguous()
+        x = x.contiguous() if stats else same_size_int(x).contiguous()
     res = _native.fingerprint(x, row_weights("cpu"), _tensor_key(t), stats)
     if res is None or not stats:
         return res
@@ -243,84 +128,111 @@ def fingerprint_now(t: torch.Tensor, stats: bool = False) -> Optional[Tuple[int,
     return h, [mn, mx, total / n, math.nan if nan else math.sqrt(sq), nan, inf, float(n)]
 
 
-def _hash_one_device(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
-    k = row_weights(str(device))
-    small_words, small_ix = [], []
-    parts_s, parts_p, parts_g = [], [], []
-    native: Dict[int, int] = {}
-    for i, t in enumerate(tensors):
-        nat = fingerprint_now(t) if device.type == "cpu" else None
-        if nat is not None:
-            native[i] = nat[0]
-            continue
-        w = _words(t)
+def _cat(xs: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(xs) if len(xs) > 1 else xs[0]
+
+
+class HashBatch:
+    """Fingerprints of one device's tensors, streamed in one at a time and finished together.
+
+    :meth:`add` does the per-tensor work right away (so a buffer may be reused or
+    mutated afterwards): small tensors are copied as words, large ones reduced to
+    their row sums.  :meth:`finish` then combines everything with a constant
+    number of device ops for the whole batch, and returns one int64 device value
+    per added tensor (no host sync).  Values equal :func:`hash_tensor`.
+    """
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self._k = row_weights(str(self.device))
+        self._keys: List[int] = []
+        self._small: List[torch.Tensor] = []
+        self._small_ix: List[int] = []
+        self._sums: List[torch.Tensor] = []
+        self._sums_ix: List[int] = []
+        self._native: Dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, t: torch.Tensor, known: Optional[int] = None, copy: bool = True) -> int:
+        """Queue ``t``; returns its index in :meth:`finish`'s result.  ``known``: its fingerprint,
+        already computed (by :func:`fingerprint_now`).  ``copy=False``: ``t`` stays unchanged until
+        :meth:`finish` (a small tensor's words are then not copied)."""
+        check_tensor(t)
+        i = len(self._keys)
+        self._keys.append(_tensor_key(t))
+        if known is None and self.device.type == "cpu":
+            nat = fingerprint_now(t)
+            known = None if nat is None else nat[0]
+        if known is not None:
+            self._native[i] = known
+            return i
+        w = words(t)
         n = w.numel()
         if n == 0:
-            continue
+            return i
         if n <= ROW_WORDS:
-            small_words.append(w)
-            small_ix.append(i)
-            continue
+            self._small.append(w.clone() if copy and w.data_ptr() == t.data_ptr() else w)
+            self._small_ix.append(i)
+            return i
         full_rows = n // ROW_WORDS
         rem = n - full_rows * ROW_WORDS
-        sums = torch.empty(full_rows + (rem > 0), dtype=torch.int64, device=device)
-        _row_sums(w[: full_rows * ROW_WORDS].view(full_rows, ROW_WORDS), k, sums[:full_rows])
+        sums = torch.empty(full_rows + (rem > 0), dtype=torch.int64, device=self.device)
+        _row_sums(w[: full_rows * ROW_WORDS].view(full_rows, ROW_WORDS), self._k, sums[:full_rows])
         if rem:
-            torch.sum(w[full_rows * ROW_WORDS:] * k[:rem], 0, out=sums[full_rows])
-        parts_s.append(sums)
-        parts_p.append(torch.arange(sums.numel(), device=device))
-        parts_g.append(torch.full((sums.numel(),), i, dtype=torch.int64, device=device))
-    if small_words:
-        parts_s.append(_segment_sums(small_words, k))
-        parts_p.append(torch.zeros(len(small_ix), dtype=torch.int64, device=device))
-        parts_g.append(torch.tensor(small_ix, dtype=torch.int64, device=device))
-    if len(native) == len(tensors):  # all done in native passes: nothing left to combine
-        return torch.tensor([_signed(v) for v in native.values()], dtype=torch.int64)
-    keys = [_tensor_key(t) for t in tensors]
-    if not parts_s:
-        empty = torch.empty(0, dtype=torch.int64, device=device)
-        return _with_native(_finish(empty, empty, empty, keys, device), native)
-    cat = (lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0])
-    return _with_native(_finish(cat(parts_s), cat(parts_p), cat(parts_g), keys, device), native)
+            torch.sum(w[full_rows * ROW_WORDS:].to(torch.int64) * self._k[:rem], 0, out=sums[full_rows])
+        self._sums.append(sums)
+        self._sums_ix.append(i)
+        return i
 
+    def finish(self) -> torch.Tensor:
+        if self._native and len(self._native) == len(self._keys):  # all done in native passes
+            return torch.tensor([signed(v) for v in self._native.values()], dtype=torch.int64)
+        dev = self.device
+        s_parts, p_parts, g_parts = [], [], []
+        if self._small:
+            s_parts.append(_segment_sums(self._small, self._k))
+            p_parts.append(torch.zeros(len(self._small_ix), dtype=torch.int64, device=dev))
+            g_parts.append(torch.tensor(self._small_ix, dtype=torch.int64, device=dev))
+        if self._sums:
+            lengths = torch.tensor([s.numel() for s in self._sums], device=dev)
+            starts = torch.cumsum(lengths, 0) - lengths
+            s_parts.append(_cat(self._sums))
+            seg_local = torch.repeat_interleave(torch.arange(len(self._sums), device=dev), lengths)
+            p_parts.append(torch.arange(s_parts[-1].numel(), device=dev) - starts[seg_local])
+            g_parts.append(torch.tensor(self._sums_ix, dtype=torch.int64, device=dev)[seg_local])
+        if not s_parts:
+            empty = torch.empty(0, dtype=torch.int64, device=dev)
+            return self._with_native(finish(empty, empty, empty, self._keys, dev))
+        return self._with_native(finish(_cat(s_parts), _cat(p_parts), _cat(g_parts), self._keys, dev))
 
-def _with_native(res: torch.Tensor, native: Dict[int, int]) -> torch.Tensor:
-    """``res`` with the fingerprints the native kernel already computed written in."""
-    if native:
-        res[torch.tensor(list(native), dtype=torch.int64)] = torch.tensor([_signed(v) for v in native.values()],
-                                                                          dtype=torch.int64)
-    return res
-
-
-def _hash_groups(tensors: Sequence[torch.Tensor]) -> List[Tuple[List[int], torch.Tensor]]:
-    """``[(indices, int64 device vector of their fingerprints)]``, one entry per device (no host sync)."""
-    by_dev: Dict[torch.device, List[int]] = {}
-    for i, t in enumerate(tensors):
-        _check_tensor(t)
-        by_dev.setdefault(t.device, []).append(i)
-    return [(idx, _hash_one_device([tensors[i] for i in idx], dev)) for dev, idx in by_dev.items()]
-
-
-def _hash_device_values(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """One int64 device scalar per tensor (no host sync)."""
-    result: List[Optional[torch.Tensor]] = [None] * len(tensors)
-    for idx, vals in _hash_groups(tensors):
-        for j, i in enumerate(idx):
-            result[i] = vals[j]
-    return result  # type: ignore[return-value]
+    def _with_native(self, res: torch.Tensor) -> torch.Tensor:
+        """``res`` with the fingerprints the native kernel already computed written in."""
+        if self._native:
+            res[torch.tensor(list(self._native), dtype=torch.int64)] = torch.tensor(
+                [signed(v) for v in self._native.values()], dtype=torch.int64)
+        return res
 
 
 def hash_tensors(tensors: Iterable[torch.Tensor]) -> List[int]:
     """Fingerprints of many tensors, with one host sync per device at the end."""
     tensors = list(tensors)
+    by_dev: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(tensors):
+        check_tensor(t)
+        by_dev.setdefault(t.device, []).append(i)
     out = [0] * len(tensors)
-    for idx, vals in _hash_groups(tensors):
-        for i, v in zip(idx, vals.cpu().tolist()):
-            out[i] = v & _MASK64
+    for dev, idx in by_dev.items():
+        batch = HashBatch(dev)
+        for i in idx:
+            batch.add(tensors[i], copy=False)
+        for i, v in zip(idx, batch.finish().cpu().tolist()):
+            out[i] = v & MASK64
     return out
 
 
-_ROW0 = _py_fmix(_GOLDEN)  # step 3's position term of row 0: fmix((0 + 1) * GOLDEN)
+_ROW0 = py_fmix(GOLDEN)  # step 3's position term of row 0: fmix((0 + 1) * GOLDEN)
 
 
 def hash_tensor(t: torch.Tensor) -> int:
@@ -329,20 +241,22 @@ def hash_tensor(t: torch.Tensor) -> int:
     Equal to ``hash_tensors([t])[0]``.  A tensor on the ``meta`` device (no data)
     raises :class:`UnsupportedDtypeError`.
     """
-    _check_tensor(t)
+    check_tensor(t)
     nat = fingerprint_now(t)
     if nat is not None:
         return nat[0]
     if t.numel() * t.element_size() > 4 * ROW_WORDS:
         return hash_tensors([t])[0]
-    words = _words(t)
-    n = words.numel()
-    # One row at most: the same arithmetic as _hash_one_device/_finish, with steps 3-4 on the host.
+    w = words(t)
+    n = w.numel()
+    # One row at most: the same arithmetic as HashBatch/finish, with steps 3-4 on the host.
     acc = 0
     if n:
-        acc = _py_fmix(int((words * row_weights(str(words.device))[:n]).sum().item()) ^ _ROW0)
-    return _py_fmix(acc ^ _tensor_key(t))
+        acc = py_fmix(int((w * row_weights(str(w.device))[:n]).sum().item()) ^ _ROW0)
+    return py_fmix(acc ^ _tensor_key(t))
 
+
+# ---------------------------------------------------------------- statistics
 
 _STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
 _NO_ARITHMETIC = frozenset(getattr(torch, name) for name in (
@@ -351,10 +265,27 @@ _NO_ARITHMETIC = frozenset(getattr(torch, name) for name in (
 ) if isinstance(getattr(torch, name, None), torch.dtype))
 """Storage-only dtypes (bit containers, packed fp4, sub-byte int shells): hashable, but no statistics."""
 
+_HALF = (torch.float16, torch.bfloat16)
+_TRACE_SMALL = 1 << 16  # bytes: under "trace" statistics, tensors up to this size are reduced per batch
+
+STATS_KINDS = ("exact", "fast", "trace")
+"""The statistics a :class:`FingerprintBatch` computes (all report ``{min, max, mean, l2, nan, inf}``):
+
+- ``"exact"``: float64 accumulation, NaN/inf counted (:func:`tensor_stats`); the eager modes;
+- ``"fast"``: accumulation in float32 for 16-bit floats, in the tensor's own dtype otherwise (float64
+  for integers); NaN/inf counted, in a second pass over the batch, only in tensors where min, max, mean
+  or l2 is not finite; complex tensors by magnitude.  The tensors are read again at
+  :meth:`FingerprintBatch.resolve` and not copied, so they must stay unchanged until then; the API dump;
+- ``"trace"``: tensors up to 64 KiB as ``"exact"`` (reduced together per batch, from a copy); larger ones
+  as ``"fast"`` in three passes (float32 accumulation below float64) with NaN/inf not counted: 0 when the
+  L2 norm proves there are none, else None (unknown; min/max/l2 show which kind is present); complex and
+  quantized tensors as ``"exact"``; the compile backends' recorder.
+"""
+
 
 def _stats_vector(t: torch.Tensor) -> torch.Tensor:
-    """Float64 device vector [min, max, mean, l2, nan, inf, numel]."""
-    _check_tensor(t, "tensor_stats")
+    """Float64 device vector [min, max, mean, l2, nan, inf, numel] ("exact" statistics)."""
+    check_tensor(t, "tensor_stats")
     t = t.detach()
     if t.is_quantized:
         t = t.dequantize()
@@ -382,7 +313,45 @@ def _stats_vector(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([p.to(torch.float64) for p in parts] + [torch.tensor(float(n), dtype=torch.float64, device=dev)])
 
 
-def _stats_dict(v: List[float]) -> dict:
+def _fast_vector(t: torch.Tensor) -> torch.Tensor:
+    """Float64 device vector [min, max, mean, l2] of a non-empty tensor with arithmetic ("fast" statistics)."""
+    if t.is_quantized:
+        t = t.dequantize()
+    if t.is_complex():
+        t = t.abs()
+    if not t.is_floating_point():
+        t = t.to(torch.float64)
+    elif t.element_size() == 1:  # float8 types have few kernels
+        t = t.float()
+    flat = t.reshape(-1)
+    acc = torch.float32 if flat.dtype in _HALF else None
+    mn, mx = torch.aminmax(flat)
+    total = flat.sum(dtype=acc)
+    l2 = torch.linalg.vector_norm(flat, dtype=acc)
+    return torch.stack([mn.double(), mx.double(), total.double() / flat.numel(), l2.double()])
+
+
+def _segment_vectors(tensors: List[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """(m, 7) float64 [min, max, mean, l2, nan, inf, numel] of small tensors, in a constant number of ops."""
+    lengths = torch.tensor([t.numel() for t in tensors], device=dev)
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    m = len(tensors)
+    seg = torch.repeat_interleave(torch.arange(m, device=dev), lengths)
+    f64 = dict(dtype=torch.float64, device=dev)
+    mn = torch.full((m,), math.inf, **f64).scatter_reduce_(0, seg, flat, "amin")
+    mx = torch.full((m,), -math.inf, **f64).scatter_reduce_(0, seg, flat, "amax")
+    total = torch.zeros(m, **f64).index_add_(0, seg, flat)
+    l2 = torch.zeros(m, **f64).index_add_(0, seg, flat * flat).sqrt()
+    nan = torch.zeros(m, **f64).index_add_(0, seg, torch.isnan(flat).to(torch.float64))
+    inf = torch.zeros(m, **f64).index_add_(0, seg, torch.isinf(flat).to(torch.float64))
+    n = lengths.to(torch.float64)
+    empty = n == 0
+    mn, mx = mn.masked_fill(empty, math.nan), mx.masked_fill(empty, math.nan)
+    return torch.stack([mn, mx, total / n.clamp(min=1), l2, nan, inf, n], 1)
+
+
+def _stats_dict(v: Sequence[float]) -> dict:
+    """The statistics of a ``[min, max, mean, l2, nan, inf, numel]`` vector (numel 0: empty, -1: no arithmetic)."""
     d = dict(zip(_STAT_KEYS, v[:6]))
     d["nan"] = int(d["nan"])
     d["inf"] = int(d["inf"])
@@ -393,47 +362,143 @@ def _stats_dict(v: List[float]) -> dict:
     return d
 
 
+def _fast_dict(v: Sequence[float], nan: Optional[int], inf: Optional[int]) -> dict:
+    return {"min": v[0], "max": v[1], "mean": v[2], "l2": v[3], "nan": nan, "inf": inf}
+
+
+def _derived_counts(v: Sequence[float]) -> Tuple[Optional[int], Optional[int]]:
+    """NaN/inf counts a ``[min, max, mean, l2]`` vector proves: 0 when it shows there are none, else None."""
+    mn, mx, _, l2 = v
+    has_inf = math.isinf(mn) or math.isinf(mx)
+    return (None if math.isnan(l2) else 0), (None if math.isnan(l2) or (math.isinf(l2) and has_inf) else 0)
+
+
+# How an added tensor's statistics wait for the host transfer (second element of a pending entry):
+_NONE, _VECTOR, _SEGMENT, _FAST, _FAST_COUNT, _DERIVED = range(6)
+
+
+class FingerprintBatch:
+    """Fingerprints and statistics of many tensors, on any devices, with one host transfer per device.
+
+    The one batcher of the package: the compile backends' recorder, the eager modes, the API dump and
+    :func:`fingerprint_tensors` use it.  :meth:`add` does each tensor's device work right away -- the
+    native one-pass kernel for a plain CPU tensor, else a :class:`HashBatch` entry and the statistics
+    reductions (``stats``: one of :data:`STATS_KINDS`, or None for fingerprints only) -- so the tensor
+    may be reused or mutated afterwards (except under ``"fast"`` statistics, see :data:`STATS_KINDS`).
+    :meth:`resolve` finishes every device's batch with a constant number of ops, moves hashes and
+    statistics to the host in one transfer per device, and returns ``(hash, stats dict or None)`` per
+    added tensor, in order (hashes in ``[0, 2**64)``).  Hashes equal :func:`hash_tensor`.
+    """
+
+    def __init__(self, stats: Optional[str] = None) -> None:
+        if stats is not None and stats not in STATS_KINDS:
+            raise ValueError(f"FingerprintBatch: stats must be None or one of {STATS_KINDS}, got {stats!r}")
+        self.stats = stats
+        self._reset()
+
+    def _reset(self) -> None:
+        self._hashes: Dict[torch.device, HashBatch] = {}
+        # per added tensor: (hash, stats) when known at add time, else (device, how, device vector | copy, tensor)
+        self._items: List[tuple] = []
+        self._known: Dict[int, Tuple[int, Optional[dict]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, t: torch.Tensor) -> int:
+        """Capture ``t``; returns its position in :meth:`resolve`'s result."""
+        check_tensor(t)
+        t = t.detach()
+        i = len(self._items)
+        want = self.stats is not None
+        nat = fingerprint_now(t, want) if t.device.type == "cpu" else None
+        if nat is not None:  # CPU: hash and statistics in one pass, right now
+            self._known[i] = (nat[0], _stats_dict(nat[1]) if want else None)
+            self._items.append(())
+            return i
+        batch = self._hashes.get(t.device)
+        if batch is None:
+            batch = self._hashes[t.device] = HashBatch(t.device)
+        batch.add(t, copy=self.stats != "fast")
+        self._items.append((t.device, *self._capture_stats(t)))
+        return i
+
+    def _capture_stats(self, t: torch.Tensor) -> tuple:
+        kind = self.stats
+        if kind is None:
+            return _NONE, None, None
+        n = t.numel()
+        if kind == "exact" or n == 0 or t.dtype in _NO_ARITHMETIC:
+            return _VECTOR, _stats_vector(t), None
+        if kind == "fast":
+            counted = t.is_floating_point() or t.is_complex()
+            return (_FAST_COUNT, _fast_vector(t), t) if counted else (_FAST, _fast_vector(t), None)
+        if t.is_complex() or t.is_quantized:  # "trace"
+            return _VECTOR, _stats_vector(t), None
+        if n * t.element_size() <= _TRACE_SMALL:
+            return _SEGMENT, t.clone(), None
+        return _DERIVED, _fast_vector(t), t.numel()
+
+    def resolve(self) -> List[Tuple[int, Optional[dict]]]:
+        """``[(hash, stats dict or None)]`` of every added tensor, in order; the batch is then empty."""
+        items, known, hashes = self._items, self._known, self._hashes
+        self._reset()
+        out: List[Tuple[int, Optional[dict]]] = [known.get(i) for i in range(len(items))]  # type: ignore[misc]
+        recount: Dict[torch.device, List[int]] = {}
+        for dev, batch in hashes.items():
+            idx = [i for i, it in enumerate(items) if it and it[0] == dev]
+            self._resolve_device(dev, batch, [items[i] for i in idx], idx, out, recount)
+        for dev, idx in recount.items():  # "fast": count NaN/inf where a statistic is not finite
+            counts = torch.stack([torch.stack([torch.isnan(items[i][3]).sum(), torch.isinf(items[i][3]).sum()])
+                                  for i in idx]).cpu().tolist()
+            for i, (nan, inf) in zip(idx, counts):
+                out[i][1]["nan"], out[i][1]["inf"] = nan, inf
+        return out
+
+    @staticmethod
+    def _resolve_device(dev: torch.device, batch: HashBatch, items: List[tuple], idx: List[int],
+                        out: list, recount: Dict[torch.device, List[int]]) -> None:
+        """Hashes and statistics of one device's entries in one transfer: int64 hashes viewed as float64,
+        then the statistics vectors, concatenated."""
+        parts = [batch.finish().view(torch.float64)]
+        small = [it[2] for it in items if it[1] == _SEGMENT]
+        if small:
+            parts.append(_segment_vectors(small, dev).reshape(-1))
+        parts.extend(it[2] for it in items if it[1] in (_VECTOR, _FAST, _FAST_COUNT, _DERIVED))
+        host = _cat(parts).cpu()
+        m = len(items)
+        hs = host[:m].view(torch.int64).tolist()
+        vals = host[m:].tolist()
+        seg_pos, pos = 0, 7 * len(small)
+        for j, (i, it) in enumerate(zip(idx, items)):
+            how = it[1]
+            if how == _NONE:
+                st = None
+            elif how == _SEGMENT:
+                st = _stats_dict(vals[seg_pos: seg_pos + 7])
+                seg_pos += 7
+            elif how == _VECTOR:
+                st = _stats_dict(vals[pos: pos + 7])
+                pos += 7
+            else:
+                v = vals[pos: pos + 4]
+                pos += 4
+                if how == _DERIVED:
+                    st = _fast_dict(v, *_derived_counts(v))
+                else:
+                    st = _fast_dict(v, 0, 0)
+                    if how == _FAST_COUNT and not all(math.isfinite(x) for x in v):
+                        recount.setdefault(dev, []).append(i)
+            out[i] = (hs[j] & MASK64, st)
+
+
 def fingerprint_tensors(tensors: Iterable[torch.Tensor], stats: bool = True) -> List[dict]:
-    """``[{"hash": int, **stats}]`` for each tensor; one host sync per device."""
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    out: List[dict] = [{} for _ in tensors]
-    rest = []
-    for i, t in enumerate(tensors):
-        _check_tensor(t, "fingerprint_tensors")
-        nat = fingerprint_now(t, stats)
-        if nat is None:
-            rest.append(i)
-            continue
-        out[i] = {"hash": nat[0], **(_stats_dict(nat[1]) if stats else {})}
-    if rest:
-        for i, rec in zip(rest, _fingerprint_torch([tensors[i] for i in rest], stats)):
-            out[i] = rec
-    return out
-
-
-def _fingerprint_torch(tensors: List[torch.Tensor], stats: bool) -> List[dict]:
-    hashes = _hash_device_values(tensors)
-    rows: List[torch.Tensor] = []
-    for t, h in zip(tensors, hashes):
-        parts = [h.to(torch.float64)]  # placeholder slot: the hash travels separately below
-        if stats:
-            parts.append(_stats_vector(t))
-        rows.append(torch.cat([p.reshape(-1) for p in parts]))
-    by_dev: Dict[torch.device, List[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dev.setdefault(t.device, []).append(i)
-    out: List[dict] = [{} for _ in tensors]
-    for idx in by_dev.values():
-        host_h = torch.stack([hashes[i] for i in idx]).cpu().tolist()
-        host_s = torch.stack([rows[i] for i in idx]).cpu().tolist() if stats else None
-        for j, i in enumerate(idx):
-            rec = {"hash": host_h[j] & _MASK64}
-            if stats:
-                rec.update(_stats_dict(host_s[j][1:]))
-            out[i] = rec
-    return out
+    """``[{"hash": int, **stats}]`` for each tensor ("exact" statistics); one host sync per device."""
+    batch = FingerprintBatch("exact" if stats else None)
+    for t in tensors:
+        check_tensor(t, "fingerprint_tensors")
+        batch.add(t)
+    return [{"hash": h, **(st or {})} for h, st in batch.resolve()]
 
 
 def tensor_stats(t: torch.Tensor) -> dict:
@@ -445,80 +510,6 @@ def tensor_stats(t: torch.Tensor) -> dict:
     ``float4_e2m1fn_x2``, ``uint4``, ...) has ``None`` for min/max/mean/l2.
     A tensor on the ``meta`` device raises :class:`UnsupportedDtypeError`.
     """
-    _check_tensor(t, "tensor_stats")
+    check_tensor(t, "tensor_stats")
     nat = fingerprint_now(t, stats=True)
     return _stats_dict(nat[1] if nat is not None else _stats_vector(t).cpu().tolist())
-
-
-class HashBatch:
-    """Fingerprints streamed in one at a time and finished together, for tracers.
-
-    :meth:`add` does the per-tensor work right away (so a buffer may be reused or
-    mutated afterwards): small tensors are copied as words, large ones reduced to
-    their row sums.  :meth:`finish` then combines everything with a constant
-    number of device ops for the whole batch, and returns one int64 device value
-    per added tensor (no host sync).  Values equal :func:`hash_tensors`.
-    """
-
-    def __init__(self, device) -> None:
-        self.device = torch.device(device)
-        self._k = row_weights(str(self.device))
-        self._keys: List[int] = []
-        self._small: List[torch.Tensor] = []
-        self._small_ix: List[int] = []
-        self._sums: List[torch.Tensor] = []
-        self._sums_ix: List[int] = []
-        self._native: Dict[int, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def add(self, t: torch.Tensor, known: Optional[int] = None) -> int:
-        """Queue ``t``; returns its index in :meth:`finish`'s result.  ``known``: its fingerprint,
-        already computed (by :func:`fingerprint_now`)."""
-        _check_tensor(t)
-        i = len(self._keys)
-        self._keys.append(_tensor_key(t))
-        if known is None and self.device.type == "cpu":
-            nat = fingerprint_now(t)
-            known = None if nat is None else nat[0]
-        if known is not None:
-            self._native[i] = known
-            return i
-        w = _words(t)
-        n = w.numel()
-        if n == 0:
-            return i
-        if n <= ROW_WORDS:
-            self._small.append(w.clone() if w.data_ptr() == t.data_ptr() else w)
-            self._small_ix.append(i)
-            return i
-        full_rows = n // ROW_WORDS
-        rem = n - full_rows * ROW_WORDS
-        sums = torch.empty(full_rows + (rem > 0), dtype=torch.int64, device=self.device)
-        _row_sums(w[: full_rows * ROW_WORDS].view(full_rows, ROW_WORDS), self._k, sums[:full_rows])
-        if rem:
-            torch.sum(w[full_rows * ROW_WORDS:].to(torch.int64) * self._k[:rem], 0, out=sums[full_rows])
-        self._sums.append(sums)
-        self._sums_ix.append(i)
-        return i
-
-    def finish(self) -> torch.Tensor:
-        dev = self.device
-        s_parts, p_parts, g_parts = [], [], []
-        if self._small:
-            s_parts.append(_segment_sums(self._small, self._k))
-            p_parts.append(torch.zeros(len(self._small_ix), dtype=torch.int64, device=dev))
-            g_parts.append(torch.tensor(self._small_ix, dtype=torch.int64, device=dev))
-        if self._sums:
-            lengths = torch.tensor([s.numel() for s in self._sums], device=dev)
-            starts = torch.cumsum(lengths, 0) - lengths
-            s_parts.append(torch.cat(self._sums) if len(self._sums) > 1 else self._sums[0])
-            seg_local = torch.repeat_interleave(torch.arange(len(self._sums), device=dev), lengths)
-            p_parts.append(torch.arange(s_parts[-1].numel(), device=dev) - starts[seg_local])
-            g_parts.append(torch.tensor(self._sums_ix, dtype=torch.int64, device=dev)[seg_local])
-        if not s_parts:
-            empty = torch.empty(0, dtype=torch.int64, device=dev)
-            return _with_native(_finish(empty, empty, empty, self._keys, dev), self._native)
-        cat = (lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0])
-        return _with_native(_finish(cat(s_parts), cat(p_parts), cat(g_parts), self._keys, dev), self._native)
