@@ -1,6 +1,15 @@
 """Every access to private torch APIs (``torch._dynamo``, ``torch._inductor``,
-``torch._functorch``, ...) goes through this module, so a torch upgrade touches
-one file.  Imports are lazy: importing determ does not import inductor.
+``torch._functorch``, ``torch.utils._python_dispatch``, ``torch.utils._pytree``,
+``torch._ops``, private attributes such as ``_schema``, ``_version`` or
+``_boxed_call``) in ``determ_backend`` and ``repro_tools`` goes through this module,
+so a torch upgrade touches one file.  Each accessor is small, named after what it
+gives, and tolerant of the supported torch versions (>= 2.5); the sections below
+say which part of the project uses them.  Imports of heavy private modules are
+lazy: importing determ does not import inductor or dynamo.
+
+Not here: helpers only the benchmarks use (PyTorch's ``DebugMode``, its FX
+minifier, fresh inductor caches) live in ``scripts/_bench_common.py``; the repro
+scripts' standalone runtime (``repro_tools/repro/_harness.py``) imports only torch.
 """
 
 from __future__ import annotations
@@ -9,24 +18,40 @@ import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch.utils import _python_dispatch as _dispatch  # both imported by torch itself: no import cost
+from torch.utils import _pytree
 
-__all__ = ["torch_version", "set_fallback_random"]
+__all__ = [
+    # configs and compilers
+    "inductor_config", "set_fallback_random", "inductor_config_patch", "config_snapshot", "config_applied",
+    "lookup_backend", "aot_autograd", "compile_fx", "compile_fx_inner", "dynamo_reset",
+    # operators, tensors, calling conventions
+    "op_schema", "op_schema_name", "is_op_overload", "is_op_overload_packet", "op_overload_name",
+    "op_packet_name", "tensor_version", "is_boxed", "set_boxed",
+    # dispatch modes and pytrees
+    "TorchDispatchMode", "current_dispatch_mode", "dispatch_mode_depth", "dispatch_modes_disabled",
+    "tree_map", "tree_flatten", "tree_unflatten",
+    # inductor instrumentation
+    "boxed_nop", "aot_eager", "inductor_cache_dir", "compiled_source", "set_compiled_callable",
+    "capture_buffer_origins", "autograd_cache_disabled",
+    # eager dispatch modes
+    "eval_frame_setter", "dynamo_skip_code", "current_autograd_node_getter",
+    # repro scripts and flows
+    "config_diffs", "custom_op_module", "is_fake_tensor", "real_tensors", "symint_hint",
+    # API dump
+    "queue_autograd_callback", "is_compiled_module", "observe_compiled_calls", "suspend_function_mode",
+    "resume_function_mode", "compiled_original",
+    # stages and bisection
+    "share_symbolic_context", "aot_eager_decomp_partition", "bisector_stage_scope", "bisector_subsystems",
+    "bisector_write_state", "bisector_read_bounds", "bisector_debug_info", "is_inductor_config",
+    "inductor_config_problem",
+]
 
 
-def torch_version() -> tuple:
-    """``(major, minor)`` of the running torch, compared as integers."""
-    parts = torch.__version__.split("+")[0].split(".")
-    return int(parts[0]), int(parts[1])
-
+# --- configs and compilers (determ_backend.backends, repro_tools) ------------------------------------------
 
 def inductor_config():
     import torch._inductor.config as cfg
-
-    return cfg
-
-
-def dynamo_config():
-    import torch._dynamo.config as cfg
 
     return cfg
 
@@ -100,9 +125,75 @@ def compile_fx_inner(gm, example_inputs, **kwargs):
 
 
 def dynamo_reset() -> None:
+    """Forget every compiled frame and guard (``torch._dynamo.reset``)."""
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+# --- operators, tensors, calling conventions (determ_backend.modes, backends, dump; repro_tools) -----------
+
+def op_schema(func) -> Any:
+    """The ``FunctionSchema`` of an operator overload (``func._schema``), or None for anything else."""
+    return getattr(func, "_schema", None)
+
+
+def op_schema_name(func) -> Optional[str]:
+    """``ns::name`` of an operator overload's schema (``aten::add``), or None."""
+    schema = getattr(func, "_schema", None)
+    return schema.name if schema is not None else None
+
+
+def is_op_overload(fn) -> bool:
+    """An operator overload such as ``torch.ops.aten.relu.default``."""
+    return isinstance(fn, torch._ops.OpOverload)
+
+
+def is_op_overload_packet(fn) -> bool:
+    """An operator overload packet such as ``torch.ops.aten.relu``."""
+    return isinstance(fn, torch._ops.OpOverloadPacket)
+
+
+def op_overload_name(op) -> Tuple[str, str, str]:
+    """``(namespace, op name, overload name)`` of an operator overload: ``("aten", "add", "Tensor")``."""
+    return op.namespace, op._opname, op._overloadname
+
+
+def op_packet_name(packet) -> str:
+    """``ns::name`` of an operator overload packet."""
+    return packet._qualified_op_name
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place write).  Inference tensors have none: RuntimeError."""
+    return t._version
+
+
+def is_boxed(fn) -> bool:
+    """Whether a compiled graph takes AOTAutograd's boxed calling convention (one list argument)."""
+    return bool(getattr(fn, "_boxed_call", False))
+
+
+def set_boxed(fn, boxed: bool = True):
+    """Mark ``fn`` as taking (or not) the boxed calling convention; returns ``fn``."""
+    fn._boxed_call = boxed
+    return fn
+
+
+# --- dispatch modes and pytrees (determ_backend.modes, determ_backend.observer) ----------------------------
+
+TorchDispatchMode = _dispatch.TorchDispatchMode
+"""The base class of a ``__torch_dispatch__`` mode (``torch.utils._python_dispatch``)."""
+
+tree_map = _pytree.tree_map
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+
+
+# Called on every op under the eager modes, so bound directly rather than wrapped:
+current_dispatch_mode = _dispatch._get_current_dispatch_mode  # () -> the innermost active dispatch mode, or None
+dispatch_mode_depth = _dispatch._len_torch_dispatch_stack  # () -> how many dispatch modes are active on this thread
+dispatch_modes_disabled = _dispatch._disable_current_modes  # () -> context manager: no dispatch mode active inside
 
 
 # --- inductor instrumentation (determ_backend.backends.inductor_instrument) -------------------------------
@@ -222,13 +313,6 @@ def current_autograd_node_getter() -> Callable:
     return torch._C._current_autograd_node
 
 
-def debug_mode_class():
-    """PyTorch's ``DebugMode`` (``torch.utils._debug_mode``), for reference benchmarks."""
-    from torch.utils._debug_mode import DebugMode
-
-    return DebugMode
-
-
 # --- repro scripts and flows (repro_tools.repro.script, repro_tools.flows.after_dynamo, repro_tools.flows.after_aot) -------
 
 def config_diffs() -> Dict[str, str]:
@@ -266,11 +350,6 @@ def real_tensors() -> Iterator[None]:
         yield
 
 
-def is_op_overload(fn) -> bool:
-    """An operator overload such as ``torch.ops.aten.relu.default``."""
-    return isinstance(fn, torch._ops.OpOverload)
-
-
 def symint_hint(s):
     """A concrete int for a SymInt (its hint when it is symbolic)."""
     node = getattr(s, "node", None)
@@ -295,36 +374,6 @@ def is_compiled_module(module) -> bool:
         return True
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # nothing can be compiled before dynamo is imported
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
-
-
-# --- reference tools used by benchmarks -----------------------------------------------------------
-
-def debug_mode_hashing(hash_fn: str = "hash_tensor"):
-    """PyTorch's ``DebugMode`` with tensor-hash logging, as a context manager (None if unavailable)."""
-    try:
-        from torch.utils._debug_mode import DebugMode
-    except ImportError:
-        return None
-    stack = contextlib.ExitStack()
-    stack.enter_context(DebugMode())
-    stack.enter_context(DebugMode.log_tensor_hashes(hash_fn=hash_fn))
-    return stack
-
-
-# --- repro_tools.minify.minifier / scripts/bench_minifier.py ---
-
-def fx_minifier(gm, inputs, module_fails, **kwargs):
-    """PyTorch's own delta-debugging minifier (``torch._functorch.fx_minifier.minifier``), the baseline."""
-    from torch._functorch.fx_minifier import minifier as _minifier
-
-    return _minifier(gm, inputs, module_fails, **kwargs)
-
-
-def fresh_inductor_cache():
-    """Context manager: a temporary inductor cache directory and cleared in-memory caches (a cold start)."""
-    from torch._inductor.utils import fresh_cache
-
-    return fresh_cache()
 
 
 # --- determ_backend.backends.retarget / repro_tools.bisect.core (stages and torch's CompilerBisector) ---
@@ -414,12 +463,6 @@ def _bisector_root(root: str) -> Iterator[Any]:
         yield cb
     finally:
         cb.in_process_cache = saved
-
-
-def bisector_dir(root: str) -> str:
-    """The bisect directory a child process with ``TORCHINDUCTOR_CACHE_DIR=root`` reads."""
-    with _bisector_root(root) as cb:
-        return cb.get_dir()
 
 
 def bisector_write_state(root: str, stage: str, subsystem: str, run_state: str,

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from determ_backend import _torch_compat
+from _bench_common import debug_mode_hashing
 from determ_backend.backends import run as run_mod
 
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         steps[name] = _step_fn(model, make(model), tokens)
         for _ in range(args.warmup):
             steps[name]()
-    dbg = _torch_compat.debug_mode_hashing("hash_tensor")
+    dbg = debug_mode_hashing("hash_tensor")
     times = {name: [] for name in steps}
     if dbg is not None:
         times["eager + DebugMode(hash_tensor)"] = []
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         for name, step in steps.items():
             t = time.perf_counter(); step(); times[name].append(time.perf_counter() - t)
         if dbg is not None:
-            ctx = _torch_compat.debug_mode_hashing("hash_tensor")
+            ctx = debug_mode_hashing("hash_tensor")
             with ctx:
                 t = time.perf_counter(); steps["eager"](); times["eager + DebugMode(hash_tensor)"].append(time.perf_counter() - t)
     run_mod.finish_all()

@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
-from determ_backend import _torch_compat as compat
+from _bench_common import debug_mode_hashing
 from determ_backend.modes.core import HashDebugTrace, HashMode
 
 
@@ -116,11 +116,11 @@ def variants(tmp: Path) -> Dict[str, Callable[[], object]]:
         "HashDebugTrace": lambda: HashDebugTrace(log_path=tmp / "trace.log"),
         "md5-on-host tracer": lambda: Md5HostTracer(),
     }
-    probe = compat.debug_mode_hashing("hash_tensor")  # enters the mode: close it at once
+    probe = debug_mode_hashing("hash_tensor")  # enters the mode: close it at once
     if probe is not None:
         probe.close()
-        out["DebugMode hash_tensor"] = lambda: compat.debug_mode_hashing("hash_tensor")
-        out["DebugMode norm"] = lambda: compat.debug_mode_hashing("norm")
+        out["DebugMode hash_tensor"] = lambda: debug_mode_hashing("hash_tensor")
+        out["DebugMode norm"] = lambda: debug_mode_hashing("norm")
     return out
 
 

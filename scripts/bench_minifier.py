@@ -42,6 +42,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
+from _bench_common import fresh_inductor_cache, fx_minifier  # noqa: E402
 from determ_backend import _torch_compat as tc  # noqa: E402
 from repro_tools.minify.minifier import minify  # noqa: E402
 from repro_tools.minify.isolate import Worker  # noqa: E402
@@ -160,7 +161,7 @@ def run_fx_minifier(gm, inputs, spec, runner):
 
     t0 = time.perf_counter()
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        res_gm, _ = tc.fx_minifier(copy.deepcopy(gm), inputs, module_fails, dump_state=lambda g, i: None)
+        res_gm, _ = fx_minifier(copy.deepcopy(gm), inputs, module_fails, dump_state=lambda g, i: None)
     return calls[0], time.perf_counter() - t0, len(res_gm.graph.nodes)
 
 
@@ -199,7 +200,7 @@ def _cold_compile_caches(compiler):
     if not compiler.startswith("inductor"):
         return contextlib.nullcontext()
     tc.dynamo_reset()
-    return tc.fresh_inductor_cache()
+    return fresh_inductor_cache()
 
 
 def main(argv=None) -> int:
