@@ -1,9 +1,12 @@
 """Fingerprints of the tensors the eager modes record, captured at once and resolved in batches.
 
 :meth:`PendingHashes.add` does the per-tensor device work immediately (the tensor
-may be mutated by the very next op) through :class:`determ_backend.fingerprint.core.HashBatch`;
-:meth:`PendingHashes.resolve` finishes every batch with a constant number of ops and
-one host transfer per device, and fills ``Record.hash`` / ``Record.stats``.
+may be mutated by the very next op) through the package's one batcher,
+:class:`determ_backend.fingerprint.core.FingerprintBatch` (``"exact"`` statistics);
+:meth:`PendingHashes.resolve` finishes it with a constant number of ops and one host
+transfer per device, and fills ``Record.hash`` / ``Record.stats``.  This module owns
+which fingerprint a record gets (its own, its source's, or one derived for a view);
+the recording of ops is :mod:`determ_backend.modes._record`'s.
 
 Outputs that hold exactly an input's values (``clone``, ``copy_``, same-dtype
 ``_to_copy``, ``detach``, a view with the same layout) take that input's
@@ -22,15 +25,15 @@ an outer mode (nested eager tools) does not record it as the user's ops.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
-from determ_backend.fingerprint import core as _fp
+from determ_backend.fingerprint.core import FingerprintBatch
 from determ_backend.modes.ops import unseen
 from determ_backend.trace.stream import Record, format_hash
 
-__all__ = ["PendingHashes", "hashable", "derived_hash"]
+__all__ = ["PendingHashes", "hashable", "derived_hash", "view_geometry"]
 
 
 def hashable(t: torch.Tensor) -> Optional[str]:
@@ -58,8 +61,8 @@ class PendingHashes:
 
     def __init__(self, stats: bool = False):
         self.stats = stats
-        self._batches: Dict[torch.device, "_fp.HashBatch"] = {}
-        # (Record, device, index, stats vector) | (Record, source Record) | (Record, base Record, view geometry)
+        self._batch = FingerprintBatch("exact" if stats else None)
+        # (Record, position in the batch) | (Record, source Record) | (Record, base Record, view geometry)
         self._items: List[tuple] = []
         self.nbytes = 0
 
@@ -75,18 +78,7 @@ class PendingHashes:
         if not isinstance(t, torch.Tensor):
             t = torch.tensor(t, dtype=torch.float64 if isinstance(t, float) else None)
         t = t.detach()
-        batch = self._batches.get(t.device)
-        if batch is None:
-            batch = self._batches[t.device] = _fp.HashBatch(t.device)
-        nat = _fp.fingerprint_now(t, self.stats) if t.device.type == "cpu" else None  # one pass, now
-        idx = batch.add(t, known=None if nat is None else nat[0])
-        if not self.stats:
-            s = None
-        elif nat is not None:
-            s = torch.tensor(nat[1], dtype=torch.float64)
-        else:
-            s = _fp._stats_vector(t)
-        self._items.append((rec, t.device, idx, s))
+        self._items.append((rec, self._batch.add(t)))
         self.nbytes += t.numel() * t.element_size()
 
     def add_same(self, rec: Record, src: Record) -> None:
@@ -103,24 +95,17 @@ class PendingHashes:
             self._resolve()
 
     def _resolve(self) -> None:
-        batches, self._batches = self._batches, {}
         items, self._items = self._items, []
         self.nbytes = 0
-        host: Dict[torch.device, tuple] = {}
-        for dev, batch in batches.items():
-            idx = [k for k, it in enumerate(items) if len(it) == 4 and it[1] == dev]
-            hs = batch.finish().cpu().tolist()
-            ss = torch.stack([items[k][3] for k in idx]).cpu().tolist() if self.stats and idx else None
-            host[dev] = (hs, {k: j for j, k in enumerate(idx)}, ss)
-        for k, it in enumerate(items):
+        host = self._batch.resolve()
+        for it in items:
             rec = it[0]
-            if len(it) == 2:
-                rec.hash, rec.stats = it[1].hash, it[1].stats
-                continue
             if len(it) == 3:
                 rec.hash = derived_hash(it[1].hash, it[2])
-                continue
-            hs, pos, ss = host[it[1]]
-            rec.hash = format_hash(hs[it[2]])
-            if ss is not None:
-                rec.stats = _fp._stats_dict(ss[pos[k]])
+            elif isinstance(it[1], Record):
+                rec.hash, rec.stats = it[1].hash, it[1].stats
+            else:
+                h, st = host[it[1]]
+                rec.hash = format_hash(h)
+                if self.stats:
+                    rec.stats = st

@@ -2,27 +2,25 @@
 
 An entry describes one argument: a tensor (``dtype``, ``shape``, ``hash``,
 ``stats``, ``param``, ``payload``) or, with the filter off, a scalar.  Tensor
-values are snapshotted and fingerprinted by :mod:`.pipeline`; a per-session
+values are snapshotted and fingerprinted by :mod:`.pipeline` (hash and statistics
+come from :class:`determ_backend.fingerprint.core.FingerprintBatch`); a per-session
 cache keyed by tensor identity and version skips tensors already described (one
-API's output is usually the next API's input).  :func:`batch_stats` computes the
-statistics with float32 accumulation for speed (``max``, ``min``, ``mean``,
-``l2``; ``nan``/``inf`` are only counted when a tensor holds a non-finite value).
+API's output is usually the next API's input).
 
 What to record is decided in :mod:`.switch`.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from determ_backend import _torch_compat
 
-__all__ = ["flatten", "batch_stats", "stats_from_vector", "FingerprintCache", "describe", "is_data_tensor", "call_items", "output_items"]
+__all__ = ["flatten", "FingerprintCache", "describe", "is_data_tensor", "call_items", "output_items"]
 
-_HALF = (torch.float16, torch.bfloat16)
 _CACHE_LIMIT = 8192
 
 
@@ -70,60 +68,6 @@ def is_data_tensor(t: Any) -> bool:
             and not t.is_quantized)
 
 
-def _stat_row(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.is_quantized:
-        t = t.dequantize()
-    if t.is_complex():
-        t = t.abs()
-    if not t.is_floating_point():
-        t = t.to(torch.float64)
-    elif t.element_size() == 1:  # float8 kinds have few kernels
-        t = t.float()
-    n = t.numel()
-    if n == 0:
-        return torch.tensor([math.nan, math.nan, math.nan, 0.0], dtype=torch.float64, device=t.device)
-    flat = t.reshape(-1)
-    acc = torch.float32 if t.dtype in _HALF else None
-    mn, mx = torch.aminmax(flat)
-    s = flat.sum(dtype=acc)
-    l2 = torch.linalg.vector_norm(flat, dtype=acc)
-    return torch.stack([mn.double(), mx.double(), s.double() / n, l2.double()])
-
-
-def batch_stats(tensors: Sequence[torch.Tensor]) -> List[Dict[str, Any]]:
-    """``{max, min, mean, l2, nan, inf}`` for each tensor; one host transfer per device."""
-    if not tensors:
-        return []
-    rows = [_stat_row(t) for t in tensors]
-    by_dev: Dict[torch.device, List[int]] = {}
-    for i, r in enumerate(rows):
-        by_dev.setdefault(r.device, []).append(i)
-    host: List[List[float]] = [[]] * len(rows)
-    for idx in by_dev.values():
-        vals = torch.stack([rows[i] for i in idx]).cpu().tolist()
-        for i, v in zip(idx, vals):
-            host[i] = v
-    out = []
-    for t, (mn, mx, mean, l2) in zip(tensors, host):
-        d = {"max": mx, "min": mn, "mean": mean, "l2": l2, "nan": 0, "inf": 0}
-        if t.numel() == 0:
-            d["max"] = d["min"] = d["mean"] = None
-        elif (t.is_floating_point() or t.is_complex()) and not all(math.isfinite(v) for v in (mn, mx, mean, l2)):
-            d["nan"] = int(torch.isnan(t).sum())
-            d["inf"] = int(torch.isinf(t).sum())
-        out.append(d)
-    return out
-
-
-def stats_from_vector(v: Sequence[float]) -> Dict[str, Any]:
-    """The statistics entry of a ``[min, max, mean, l2, nan, inf, numel]`` vector (the native kernel's)."""
-    d = {"max": v[1], "min": v[0], "mean": v[2], "l2": v[3], "nan": int(v[4]), "inf": int(v[5])}
-    if v[6] == 0:
-        d["max"] = d["min"] = d["mean"] = None
-    return d
-
-
 class FingerprintCache:
     """Fingerprints of recently seen tensors, valid while the tensor object lives and is not modified."""
 
@@ -135,7 +79,7 @@ class FingerprintCache:
         if hit is None:
             return None
         ref, version, fp = hit
-        if ref() is not t or t._version != version:
+        if ref() is not t or _torch_compat.tensor_version(t) != version:
             return None
         return fp
 
@@ -143,7 +87,7 @@ class FingerprintCache:
         if len(self._entries) >= _CACHE_LIMIT:
             self._entries.clear()
         try:
-            self._entries[id(t)] = (weakref.ref(t), t._version, fp)
+            self._entries[id(t)] = (weakref.ref(t), _torch_compat.tensor_version(t), fp)
         except TypeError:  # tensors that do not support weak references are simply not cached
             pass
 
@@ -196,9 +140,3 @@ def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data:
     if pipeline is not None:
         pipeline.commit()
     return entries
-
-
-def tensor_leaves(items: Sequence[Tuple[str, Any]]) -> Iterator[Tuple[int, str, torch.Tensor]]:
-    for i, (name, v) in enumerate(items):
-        if isinstance(v, torch.Tensor):
-            yield i, name, v

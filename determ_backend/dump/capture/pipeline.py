@@ -2,8 +2,9 @@
 
 Tensor mode: the recording thread only copies each new tensor into a bounded ring
 buffer (a snapshot: later in-place changes cannot tear it) and queues it; a background
-thread then computes its fingerprint (:func:`~determ_backend.fingerprint.core.hash_tensors`,
-batched) and statistics, stores its bytes once per distinct fingerprint in
+thread then computes its fingerprint and statistics (the package's one batcher,
+:class:`~determ_backend.fingerprint.core.FingerprintBatch`, with ``"fast"``
+statistics), stores its bytes once per distinct fingerprint in
 ``tensors.bin`` (tensor mode), and writes the index lines, in order.  An index
 entry refers to its tensors through :class:`Fingerprint` futures, which the
 background thread resolves before writing the entry, so the recording thread
@@ -14,6 +15,12 @@ so a snapshot would be pure cost: tensors are fingerprinted in place, one batch
 per call (:meth:`DumpPipeline.commit`), and only the index lines are written in
 the background.
 
+Payload bytes go to the dump's pack of the one tensor store
+(:class:`~determ_backend.trace.store.PackWriter`): each batch the background
+thread fingerprints appends one safetensors shard holding its new tensors, keyed
+by fingerprint, and an entry records where its tensor's bytes lie
+(``payload: [offset, nbytes]``).
+
 A write failure (disk full, file size limit) or any error of the background
 thread is raised as :class:`~.writer.DumpWriteError` at the next submission or
 at :meth:`DumpPipeline.close`.
@@ -22,16 +29,16 @@ at :meth:`DumpPipeline.close`.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from determ_backend.fingerprint.core import fingerprint_now, hash_tensors
+from determ_backend.fingerprint.core import FingerprintBatch
 from determ_backend.trace.stream import format_hash
-from determ_backend.dump.capture.writer import DumpWriteError, IndexWriter, write_all
+from determ_backend.dump.capture.writer import DumpWriteError, IndexWriter
+from determ_backend.trace.store import PackWriter
 
 __all__ = ["Fingerprint", "DumpPipeline"]
 
@@ -70,13 +77,9 @@ class DumpPipeline:
         self.stats = stats
         self.payload_path = payload_path
         self.payload_index: Dict[str, Tuple[int, int]] = {} if payload_index is None else payload_index
-        self._fd: Optional[int] = None
-        self.size = 0
+        self._pack: Optional[PackWriter] = None
         if payload_path is not None:
-            payload_path.parent.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-            self._fd = os.open(payload_path, flags, 0o644)
-            self.size = os.fstat(self._fd).st_size if append else 0
+            self._pack = PackWriter(payload_path, append=append, index=self.payload_index)
         self._cap = ring_bytes
         self._ring: Optional[torch.Tensor] = None
         self._regions: Deque[Tuple[int, int]] = collections.deque()
@@ -96,7 +99,7 @@ class DumpPipeline:
             self._raise_if_failed()
             t = t.detach()
             n = t.numel() * t.element_size()
-            if self._fd is None:  # statistics only: no payload, so no snapshot; fingerprinted at commit()
+            if self._pack is None:  # statistics only: no payload, so no snapshot; fingerprinted at commit()
                 fp = Fingerprint(0, n, t.dtype, list(t.shape), tensor=t)
                 self._pending.append(fp)
                 return fp
@@ -192,18 +195,18 @@ class DumpPipeline:
     def _resolve(self, fps: List[Fingerprint]) -> None:
         views = [self._view(f) for f in fps]
         hashes, stats = _fingerprints(views, self.stats)
-        for f, v, h, st in zip(fps, views, hashes, stats):
+        for f, h, st in zip(fps, hashes, stats):
             f.hash, f.stats = format_hash(h), st
-            if self._fd is not None:
-                loc = self.payload_index.get(f.hash)
-                if loc is None:
-                    data = v.contiguous().cpu().reshape(-1).view(torch.uint8) if f.n else None
-                    if data is not None:
-                        write_all(self._fd, memoryview(data.numpy()))
-                    loc = self.payload_index[f.hash] = (self.size, f.n)
-                    self.size += f.n
-                f.payload = list(loc)
+        if self._pack is not None:  # the batch's new tensors: one shard
+            for f, span in zip(fps, self._pack.put_many([(f.hash, v) for f, v in zip(fps, views)])):
+                f.payload = list(span)
+        for f in fps:
             f.tensor = None
+
+    @property
+    def size(self) -> int:
+        """Bytes of the distinct tensors stored (shard headers not counted)."""
+        return self._pack.size if self._pack is not None else 0
 
     def _write_entry(self, entry: Dict[str, Any]) -> None:
         for io in ("inputs", "outputs"):
@@ -270,29 +273,22 @@ class DumpPipeline:
             if self._thread is not None:
                 self._thread.join()
                 self._thread = None
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            if self._pack is not None:
+                self._pack.close()
             self._ring = None
 
 
-def _fingerprints(views: List[torch.Tensor], stats: bool) -> Tuple[List[int], List[Optional[Dict[str, Any]]]]:
-    """Hash (and statistics) of each tensor: CPU tensors in one native pass each, the rest batched."""
-    from determ_backend.dump.capture.entries import batch_stats, stats_from_vector
+_DUMP_STATS = ("max", "min", "mean", "l2", "nan", "inf")  # the order of a dump entry's statistics
 
-    hashes: List[int] = [0] * len(views)
-    out: List[Optional[Dict[str, Any]]] = [None] * len(views)
-    rest = []
-    for k, v in enumerate(views):
-        nat = fingerprint_now(v, stats)
-        if nat is None:
-            rest.append(k)
-            continue
-        hashes[k] = nat[0]
-        if stats:
-            out[k] = stats_from_vector(nat[1])
-    if rest:
-        rv = [views[k] for k in rest]
-        for k, h, st in zip(rest, hash_tensors(rv), batch_stats(rv) if stats else [None] * len(rv)):
-            hashes[k], out[k] = h, st
+
+def _fingerprints(views: List[torch.Tensor], stats: bool) -> Tuple[List[int], List[Optional[Dict[str, Any]]]]:
+    """Hash (and statistics) of each tensor, in one batch: one host transfer per device."""
+    batch = FingerprintBatch("fast" if stats else None)
+    for v in views:
+        batch.add(v)
+    hashes: List[int] = []
+    out: List[Optional[Dict[str, Any]]] = []
+    for h, st in batch.resolve():
+        hashes.append(h)
+        out.append(None if st is None else {k: st[k] for k in _DUMP_STATS})
     return hashes, out
