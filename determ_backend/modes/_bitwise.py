@@ -24,12 +24,11 @@ from typing import Any, Dict, List
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from determ_backend import _torch_compat as _compat
 from determ_backend import devices
-from determ_backend.modes.ops import FrameFilter, mem_key, schema_writes, unseen, written_tensors
+from determ_backend._frames import FrameFilter
+from determ_backend.modes.ops import mem_key, returns_view, schema_writes, unseen, written_tensors
 from determ_backend.modes._record import FORWARD_KEY
 from determ_backend.compare import tensor_metrics
 from determ_backend.errors import NondeterminismError
@@ -54,11 +53,7 @@ def _skipped(func) -> bool:
     name = str(func)
     if getattr(func, "namespace", "") in _SKIP_NAMESPACES or any(w in name for w in _SKIP_WORDS):
         return True
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return True
-    returns = schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    return _compat.op_schema(func) is None or returns_view(func)
 
 
 def _clone_inputs(args, kwargs):
@@ -77,7 +72,7 @@ def _clone_inputs(args, kwargs):
         out.set_(new, t.storage_offset(), t.size(), t.stride())
         return out
 
-    return tree_map(clone, args), tree_map(clone, kwargs)
+    return _compat.tree_map(clone, args), _compat.tree_map(clone, kwargs)
 
 
 def _same_scalar(a, b) -> bool:
@@ -86,7 +81,7 @@ def _same_scalar(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-class BitwiseEquivalenceMode(TorchDispatchMode):
+class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
     """Run each op twice and record the ones whose results are not bitwise identical.
 
     Args:
@@ -224,7 +219,7 @@ def tree_flat(args, kwargs) -> list:
             out.append(x)
         return x
 
-    tree_map(add, (args, kwargs))
+    _compat.tree_map(add, (args, kwargs))
     return out
 
 

@@ -32,7 +32,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._hashing import PendingHashes, hashable
-from determ_backend.modes.ops import (COPIES, FrameFilter, iter_args, mem_key, returns_view, same_layout, schema_writes, uninitialized, uninitialized_hash, version, written_tensors)
+from determ_backend._frames import FrameFilter
+from determ_backend.modes.ops import (COPIES, iter_args, mem_key, returns_view, same_layout, schema_writes, uninitialized, uninitialized_hash, version, written_tensors)
 from determ_backend.trace.stream import Record
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
@@ -205,7 +206,7 @@ class OpRecorder:
         info = self._writes.get(func)
         if info is None:
             info = self._writes[func] = (schema_writes(func), returns_view(func), uninitialized(func),
-                                         COPIES.get(getattr(func, "_schema", None) and func._schema.name), str(func))
+                                         COPIES.get(_compat.op_schema_name(func)), str(func))
         writes, is_view, uninit, copy_arg, op = info
         outs = written_tensors(result, writes, args, kwargs)
         base = self._name(op, loc, "/bw" if backward else "")

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._bitwise import BitwiseEquivalenceMode
@@ -89,7 +88,7 @@ def _tensor_names(module: Optional[torch.nn.Module]) -> Dict[int, Tuple[weakref.
     return {id(t): (weakref.ref(t), name) for name, t in named if t is not None}
 
 
-class HashMode(TorchDispatchMode):
+class HashMode(_compat.TorchDispatchMode):
     """Fingerprint trace of every aten op run while active.
 
     Args:
@@ -189,7 +188,7 @@ class HashMode(TorchDispatchMode):
         """Stop recording.  Pops the mode when it is the innermost one, else pauses it in place."""
         if not self._on_stack:
             return
-        if _get_current_dispatch_mode() is self:
+        if _compat.current_dispatch_mode() is self:
             self.__exit__(None, None, None)
         else:
             self.flush()

@@ -1,7 +1,5 @@
-"""What the eager modes need to know about an op call and about the caller.
+"""What the eager modes need to know about an op call.
 
-* user code: which frames are outside torch, determ and the standard library
-  (:class:`FrameFilter`, :func:`user_frames`);
 * arguments and results: tensors anywhere in ``args``/``kwargs`` (also inside
   lists), the tensors an op returns or writes (:func:`written_tensors`), schema
   facts (writes, views, uninitialized outputs, pure copies);
@@ -10,59 +8,25 @@
 * :func:`unseen`: run a mode's own work (fingerprints, metrics) below every dispatch
   mode, so an outer mode does not record it as the user's ops.
 
-The recording itself lives in :mod:`determ_backend.modes._record`.
+The recording itself lives in :mod:`determ_backend.modes._record`; which frames are
+user code (an op's source and stack) in :mod:`determ_backend._frames`; private torch
+(operator schemas, version counters, the dispatch mode stack) is reached through
+:mod:`determ_backend._torch_compat`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import sysconfig
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes, _len_torch_dispatch_stack
 
+from determ_backend import _torch_compat
 from determ_backend.trace.stream import Record, format_hash
 
-__all__ = ["FrameFilter", "user_frames", "iter_args", "written_tensors", "schema_writes", "returns_view",
+__all__ = ["iter_args", "written_tensors", "schema_writes", "returns_view",
            "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key", "unseen"]
-
-_INTERNAL_ROOTS = tuple(os.path.join(p, "") for p in (
-    os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    sysconfig.get_paths()["stdlib"]))
-
-
-def _is_internal(filename: str) -> bool:
-    return filename.startswith(_INTERNAL_ROOTS) or filename.startswith("<frozen")
-
-
-class FrameFilter:
-    """Which code objects are user code (cached per code object)."""
-
-    def __init__(self) -> None:
-        self._cache: Dict[Any, bool] = {}
-
-    def user_frames(self, frame, depth: int) -> list:
-        out = []
-        cache = self._cache
-        while frame is not None:
-            code = frame.f_code
-            internal = cache.get(code)
-            if internal is None:
-                internal = cache[code] = _is_internal(code.co_filename)
-            if not internal:
-                out.append(frame)
-                if len(out) >= depth:
-                    break
-            frame = frame.f_back
-        return out
-
-
-def user_frames(frame, depth: int = 8) -> List[str]:
-    """``file:line in function`` of the first ``depth`` frames outside torch, determ and the stdlib."""
-    return [f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" for f in FrameFilter().user_frames(frame, depth)]
 
 
 def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bool = False) -> list:
@@ -87,7 +51,7 @@ def _walk(path: str, a: Any, out: list, with_values: bool) -> None:
 
 def schema_writes(func) -> Tuple[Tuple[int, str], ...]:
     """Positions and names of the arguments ``func`` writes to (``Tensor(a!)``)."""
-    schema = getattr(func, "_schema", None)
+    schema = _torch_compat.op_schema(func)
     if schema is None or not schema.is_mutable:
         return ()
     return tuple((i, a.name) for i, a in enumerate(schema.arguments)
@@ -105,7 +69,7 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def uninitialized(func) -> bool:
     """Ops whose outputs are uninitialized memory (``empty``, ``empty_like``, ``new_empty_strided``...)."""
-    schema = getattr(func, "_schema", None)
+    schema = _torch_compat.op_schema(func)
     return schema is not None and "empty" in schema.name and not schema.is_mutable
 
 
@@ -115,7 +79,8 @@ def uninitialized_hash(rec: Record) -> str:
 
 
 def returns_view(func) -> bool:
-    schema = getattr(func, "_schema", None)
+    """Whether every result of ``func`` aliases an input without writing it (a view op)."""
+    schema = _torch_compat.op_schema(func)
     returns = schema.returns if schema is not None else ()
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
@@ -148,7 +113,7 @@ def version(t: Optional[torch.Tensor]) -> int:
     if t is None:
         return -1
     try:
-        return t._version
+        return _torch_compat.tensor_version(t)
     except RuntimeError:  # inference tensors have no version counter
         return -1
 
@@ -165,4 +130,4 @@ def unseen():
 
     Inside ``__torch_dispatch__`` the running mode is already off the stack, but an outer mode
     (nested eager tools) is not; free when no mode is active."""
-    return _disable_current_modes() if _len_torch_dispatch_stack() else contextlib.nullcontext()
+    return _torch_compat.dispatch_modes_disabled() if _torch_compat.dispatch_mode_depth() else contextlib.nullcontext()

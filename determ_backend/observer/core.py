@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from determ_backend.modes.ops import returns_view, schema_writes, user_frames, written_tensors
+from determ_backend import _torch_compat
+from determ_backend._frames import user_frames
+from determ_backend.modes.ops import returns_view, schema_writes, written_tensors
 from determ_backend.observer._files import load_reference, tensors_path_for, write_run
 from determ_backend.compare import compare_traces
 from determ_backend.errors import ConfigError, NondeterminismError, TraceFormatError
@@ -117,7 +118,7 @@ class Observer:
     def observe(self, name: str, value: Any) -> None:
         """Fingerprint every tensor (and Python number) in ``value`` and check it against the reference.
         Other leaves of a pytree (strings, None) are skipped; a value with nothing to observe is an error."""
-        leaves, _ = tree_flatten(value)
+        leaves, _ = _torch_compat.tree_flatten(value)
         items = [(i, x) for i, x in enumerate(leaves) if isinstance(x, (torch.Tensor, int, float, bool))]
         if not items and (leaves or value is None):
             raise ConfigError(f"observe({name!r}): nothing to observe in a value of type {type(value).__name__}; expected a "
@@ -162,7 +163,7 @@ class Observer:
             with self.marking_non_deterministic(name):
                 return value(*args, **kwargs)
         k = self._count(f"nondet:{name}")
-        leaves, spec = tree_flatten(value)
+        leaves, spec = _torch_compat.tree_flatten(value)
         source, stack = self._where()
         out = []
         with self.mode.paused():
@@ -178,7 +179,7 @@ class Observer:
                 self._rec.add_external(key, "observe_non_deterministic", "nondet", y, source, stack,
                                        extra={"non_deterministic": True}, inputs=[producer] if producer else [])
                 out.append(y)
-        return tree_unflatten(out, spec)
+        return _torch_compat.tree_unflatten(out, spec)
 
     def _saved_value(self, key: str, like: torch.Tensor) -> torch.Tensor:
         if self._ref_tensors is None:

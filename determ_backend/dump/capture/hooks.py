@@ -14,14 +14,15 @@ outputs become non-finite from finite inputs (:mod:`.overflow`).
 
 Region records (compiled modules and functions, ``module_dump``) live in
 :mod:`.regions`, the FX nodes of compiled graphs in :mod:`.compiled`;
-collectives and parameter snapshots in :mod:`.modules`.
+collectives and parameter snapshots in :mod:`.modules`.  Which frames are the
+user's (an entry's ``source`` and ``stack``; calls made by determ itself) is
+decided by :mod:`determ_backend._frames`, as for the eager modes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -29,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.overrides import TorchFunctionMode
 
+from determ_backend._frames import FrameFilter, called_from_determ
 from determ_backend.dump.capture import backward as bw
 from determ_backend.dump.capture.apis import ApiInfo, api_table, is_inplace
 from determ_backend.dump.capture.entries import call_items, describe, output_items
@@ -42,19 +44,7 @@ __all__ = ["DumpMode", "Recorder", "guard", "busy", "passthrough", "enter_opaque
 log = logging.getLogger(__name__)
 
 _tls = threading.local()
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_DETERM_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_SKIP_DIRS = (_TORCH_DIR, _DETERM_DIR)
-_NOT_INTERNAL = (os.path.join(_DETERM_DIR, "demo_model.py"),)
-
-
-def _from_determ_internals() -> bool:
-    """Whether the torch API being called was called by determ's own code (a backend's recorder hashing a
-    compiled graph's tensors, a check): such calls are never recorded."""
-    f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
-        f = f.f_back
-    return f is not None and f.f_code.co_filename.startswith(_DETERM_DIR) and f.f_code.co_filename not in _NOT_INTERNAL
+_FRAMES = FrameFilter(stdlib=False)  # ptdbg-style stacks keep standard-library frames
 
 
 @contextlib.contextmanager
@@ -86,29 +76,16 @@ def exit_opaque() -> None:
     _tls.opaque = max(0, getattr(_tls, "opaque", 0) - 1)
 
 
-def _user_frames() -> Iterator[Any]:
-    f = sys._getframe(2)
-    while f is not None:
-        if not f.f_code.co_filename.startswith(_SKIP_DIRS):
-            yield f
-        f = f.f_back
-
-
 def user_source() -> Optional[str]:
     """``file:line`` of the innermost frame outside torch and determ."""
-    for f in _user_frames():
-        return f"{f.f_code.co_filename}:{f.f_lineno}"
-    return None
+    frames = _FRAMES.user_frames(sys._getframe(1), 1)
+    return f"{frames[0].f_code.co_filename}:{frames[0].f_lineno}" if frames else None
 
 
 def user_stack(limit: int = 30) -> List[str]:
     """User frames, innermost first: ``File "x.py", line 3, in forward``."""
-    out = []
-    for f in _user_frames():
-        out.append(f'File "{f.f_code.co_filename}", line {f.f_lineno}, in {f.f_code.co_name}')
-        if len(out) >= limit:
-            break
-    return out
+    return [f'File "{f.f_code.co_filename}", line {f.f_lineno}, in {f.f_code.co_name}'
+            for f in _FRAMES.user_frames(sys._getframe(1), limit)]
 
 
 class Recorder:
@@ -254,6 +231,6 @@ class DumpMode(TorchFunctionMode):
             info = self.table.get(func)
         except TypeError:
             info = None
-        if info is None or _from_determ_internals():
+        if info is None or called_from_determ(sys._getframe(1)):  # determ's own calls are never recorded
             return func(*args, **kwargs)
         return self.recorder.api_call(info, func, args, kwargs)

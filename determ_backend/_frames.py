@@ -1,0 +1,72 @@
+"""Which stack frames are the user's: the one filter behind every "user source" determ reports.
+
+Owns the roots of code that is not the user's -- torch's package directory,
+``determ_backend`` itself and (for the eager modes) the standard library and
+frozen modules -- and the walk from a frame outwards to the first user frames.
+Used by the eager modes and the observer (op records' ``source`` and stacks, in
+:mod:`determ_backend.modes`) and by the API dump (an entry's ``source`` and
+``stack``, in :mod:`determ_backend.dump.capture.hooks`); the dump keeps
+standard-library frames in its ptdbg-style stacks.  Where an FX node's user source
+comes from (its recorded stack trace) is :mod:`determ_backend.backends.instrument`'s
+business.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from typing import Dict, List
+
+import torch
+
+__all__ = ["FrameFilter", "user_frames", "called_from_determ"]
+
+_TORCH_ROOT = os.path.join(os.path.dirname(torch.__file__), "")
+_DETERM_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+_STDLIB_ROOTS = (os.path.join(sysconfig.get_paths()["stdlib"], ""), "<frozen")
+_USER_MODELS = (os.path.join(_DETERM_ROOT, "demo_model.py"),)  # user code that ships with determ (the demo model)
+
+
+class FrameFilter:
+    """Which frames are user code: not in torch, not in determ, and (``stdlib=True``) not in the
+    standard library or a frozen module.  The answer is cached per file."""
+
+    def __init__(self, stdlib: bool = True) -> None:
+        self._roots = (_TORCH_ROOT, _DETERM_ROOT) + (_STDLIB_ROOTS if stdlib else ())
+        self._cache: Dict[str, bool] = {}
+
+    def is_internal(self, filename: str) -> bool:
+        internal = self._cache.get(filename)
+        if internal is None:
+            internal = self._cache[filename] = filename.startswith(self._roots)
+        return internal
+
+    def user_frames(self, frame, depth: int) -> list:
+        """The first ``depth`` user frames from ``frame`` outwards (innermost first)."""
+        out = []
+        cache, roots = self._cache, self._roots
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            internal = cache.get(filename)
+            if internal is None:
+                internal = cache[filename] = filename.startswith(roots)
+            if not internal:
+                out.append(frame)
+                if len(out) >= depth:
+                    break
+            frame = frame.f_back
+        return out
+
+
+def user_frames(frame, depth: int = 8) -> List[str]:
+    """``file:line in function`` of the first ``depth`` frames outside torch, determ and the stdlib."""
+    return [f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" for f in FrameFilter().user_frames(frame, depth)]
+
+
+def called_from_determ(frame) -> bool:
+    """Whether the first frame from ``frame`` outwards that is not torch's is determ's own code
+    (a backend's recorder hashing a compiled graph's tensors, a check), the demo model excepted."""
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_ROOT):
+        frame = frame.f_back
+    return (frame is not None and frame.f_code.co_filename.startswith(_DETERM_ROOT)
+            and frame.f_code.co_filename not in _USER_MODELS)
