@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
+from determ_backend import _torch_compat
 from determ_backend.backends.recorder import NodeInfo, Recorder
 
 __all__ = ["node_source", "op_name", "param_names", "instrument_graph", "graph_node_infos"]
@@ -48,10 +49,11 @@ def op_name(node: fx.Node) -> str:
         return f"Tensor.{t}"
     if node.op == "call_module":
         return f"module:{t}"
-    if isinstance(t, torch._ops.OpOverload):
-        return f"aten.{t._opname}.{t._overloadname}" if t.namespace == "aten" else str(t)
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return f"{t._qualified_op_name}".replace("::", ".")
+    if _torch_compat.is_op_overload(t):
+        namespace, name, overload = _torch_compat.op_overload_name(t)
+        return f"aten.{name}.{overload}" if namespace == "aten" else str(t)
+    if _torch_compat.is_op_overload_packet(t):
+        return _torch_compat.op_packet_name(t).replace("::", ".")
     mod = getattr(t, "__module__", None) or ""
     name = getattr(t, "__name__", None) or str(t)
     if mod.startswith("torch") or mod in ("_operator", "operator", "builtins"):
@@ -92,7 +94,7 @@ _VIEW_FUNCS = {"transpose", "permute", "unsqueeze", "squeeze", "t", "detach", "n
 def is_view(node: fx.Node) -> bool:
     """Whether ``node`` only re-views its input's data (its values follow from the input: not fingerprinted)."""
     t = node.target
-    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+    if node.op == "call_function" and _torch_compat.is_op_overload(t):
         return bool(t.is_view)
     if node.op == "call_method":
         return t in _VIEW_METHODS

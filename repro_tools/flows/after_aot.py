@@ -105,8 +105,7 @@ def _runtime(compiled: Callable, cfg: DetermConfig, dump: GraphDump, launcher) -
             dump.on_failure("runtime_error", saved, e, launcher)
             raise
 
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+    return tc.set_boxed(run)
 
 
 def _check_accuracy(compiled: Callable, inputs: List[Any], cfg: DetermConfig, dump: GraphDump) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
+from determ_backend import _torch_compat as tc
 from determ_backend.backends.checks import clone_inputs, graph_in_dtype, run_eager
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
 
@@ -95,7 +96,7 @@ def cast_to_fp64(model: Any, inputs: Sequence[Any]) -> Tuple[Any, List[Any]]:
 
 def call_maybe_boxed(fn: Callable, args: Sequence[Any]) -> Any:
     """Call a compiled graph honouring the boxed calling convention (``_boxed_call``: one list argument)."""
-    if getattr(fn, "_boxed_call", False):
+    if tc.is_boxed(fn):
         return fn(list(args))
     return fn(*args)
 
@@ -106,7 +107,7 @@ def _fwd_bwd(fn: Callable, args: Sequence[Any], only_fwd: bool,
     if params is None:
         params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     with torch.set_grad_enabled(torch.is_grad_enabled() and not only_fwd):  # as the graph was called
-        eager = isinstance(fn, fx.GraphModule) and not getattr(fn, "_boxed_call", False)
+        eager = isinstance(fn, fx.GraphModule) and not tc.is_boxed(fn)
         outs = flatten(run_eager(fn, args) if eager else call_maybe_boxed(fn, args))
     diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(params)

@@ -24,6 +24,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
+from determ_backend import _torch_compat as tc
 from determ_backend.errors import ReproError
 from determ_backend.fingerprint.core import hash_tensors
 
@@ -82,7 +83,7 @@ def target_name(n: fx.Node) -> str:
     t = n.target
     if isinstance(t, str):
         return t if n.op != "call_method" else f".{t}"
-    if hasattr(t, "_schema"):  # an aten/prims operator overload
+    if tc.op_schema(t) is not None:  # an aten/prims operator overload
         return str(t)
     mod = getattr(t, "__module__", None) or ""
     qual = getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or repr(t)

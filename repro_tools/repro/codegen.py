@@ -135,7 +135,7 @@ class CodeWriter:
         for n in gm.graph.nodes:
             ns = getattr(n.target, "namespace", None)
             if n.op == "call_function" and ns and ns not in _BUILTIN_NAMESPACES:
-                qual = n.target._schema.name
+                qual = tc.op_schema_name(n.target)
                 mod = tc.custom_op_module(qual)
                 if mod and mod != "__main__" and mod not in self.op_modules:
                     self.op_modules.append(mod)
