@@ -27,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from determ_backend import _torch_compat as _compat
 from determ_backend import devices
+from determ_backend.clones import clone_inputs
 from determ_backend._frames import FrameFilter
 from determ_backend.modes.ops import mem_key, returns_view, schema_writes, unseen, written_tensors
 from determ_backend.modes._record import FORWARD_KEY
@@ -127,7 +128,7 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
         writes = self._writes.get(func)
         if writes is None:
             writes = self._writes[func] = schema_writes(func)
-        cargs, ckwargs = _clone_inputs(args, kwargs) if writes else (args, kwargs)
+        cargs, ckwargs = clone_inputs([args, kwargs]) if writes else (args, kwargs)
         before = devices.get_rng_state()
         out1 = func(*args, **kwargs)
         after = devices.get_rng_state()

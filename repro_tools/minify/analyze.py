@@ -16,6 +16,7 @@ A graph that fails to compile or run (a compile- or runtime-error repro) has
 nothing to compare: the error is summarized (type, message, where it was raised;
 ``--traceback`` adds the full traceback) and the exit code is 1 (failure reproduced).
 Exit codes: 0 no divergence, 1 divergence found or the graph fails, 2 bad input.
+Inputs are cloned for each run by :func:`determ_backend.clones.clone_inputs`.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from determ_backend import _torch_compat as tc
+from determ_backend.clones import clone_inputs
 from determ_backend.config import CHECKS
 from determ_backend.errors import DetermError
 
-from repro_tools.minify.accuracy import call_maybe_boxed, clone_inputs, flatten, same_two_models
+from repro_tools.minify.accuracy import call_maybe_boxed, flatten, same_two_models
 from repro_tools.repro.script import add_sys_path, load_repro
 
 __all__ = ["register", "run", "analyze_repro"]

@@ -23,7 +23,8 @@ The compiler always gets a copy of the graph: the original stays the eager refer
 :func:`check` judges in this process; :func:`observe` returns the raw outputs
 the localizer needs; :func:`check_observed` also returns, for inductor accuracy, the
 compiled values of the nodes inductor materialized, from the same compile.  Running
-them in a worker lives in :mod:`repro_tools.minify.isolate`.
+them in a worker lives in :mod:`repro_tools.minify.isolate`.  Every run gets clones of the
+inputs (:func:`determ_backend.clones.clone_inputs`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
+from determ_backend.clones import clone_inputs
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge
 from determ_backend.devices import parse_device_spec
 from determ_backend.errors import ConfigError
@@ -183,13 +185,9 @@ def _error_signature(stage: str, e: BaseException) -> Signature:
 
 # ---------------------------------------------------------------- running
 
-def _clone(inputs: Sequence[Any]) -> List[Any]:
-    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-
-
 def _to64(inputs: Sequence[Any]) -> List[Any]:
     return [x.detach().to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in _clone(inputs)]
+            for x in clone_inputs(inputs)]
 
 
 def _config(spec: OracleSpec) -> Dict[str, Any]:
@@ -209,12 +207,12 @@ def _compile_run(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any], ru
                  compile_fn: Callable = compile_graph) -> List[List[Any]]:
     """Compile (a copy of ``gm``) once, run ``runs`` times (same seed each time); flat outputs per run."""
     with config_patch(_config(spec)):
-        fn = compile_fn(spec.compiler, _fresh(gm), _clone(inputs))
+        fn = compile_fn(spec.compiler, _fresh(gm), clone_inputs(inputs))
         outs = []
         for _ in range(runs):
             torch.manual_seed(_SEED)
             outs.append([x.detach() if isinstance(x, torch.Tensor) else x
-                         for x in flat_tensors(call_compiled(fn, _clone(inputs)))])
+                         for x in flat_tensors(call_compiled(fn, clone_inputs(inputs)))])
     return outs
 
 
@@ -224,7 +222,7 @@ def reference_outputs(gm: fx.GraphModule, inputs: Sequence[Any]) -> Tuple[List[A
     a parameter, in a graph that ran under ``no_grad``)."""
     with torch.no_grad():
         torch.manual_seed(_SEED)
-        eager = flat_tensors(gm(*_clone(inputs)))
+        eager = flat_tensors(gm(*clone_inputs(inputs)))
         try:
             torch.manual_seed(_SEED)
             ref64 = flat_tensors(gm(*_to64(inputs)))
@@ -306,12 +304,12 @@ def _judge_error(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) ->
     sig = None
     with config_patch(_config(spec)):
         try:
-            fn = compile_graph(spec.compiler, _fresh(gm), _clone(inputs))
+            fn = compile_graph(spec.compiler, _fresh(gm), clone_inputs(inputs))
         except Exception as e:  # the failure under study
             sig = _error_signature("compile", e)
         else:
             try:
-                call_compiled(fn, _clone(inputs))
+                call_compiled(fn, clone_inputs(inputs))
             except Exception as e:  # the failure under study
                 sig = _error_signature("runtime", e)
     if sig is None:
