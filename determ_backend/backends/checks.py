@@ -20,6 +20,10 @@ node), writes the records to the run's trace, and applies the configured checks:
   ``DETERM_TOL`` as ``repro-tools xdevice`` compares traces (also when
   ``DETERM_TOL`` is given).  A graph call with no counterpart in the reference
   is a checker error, never a silent pass.
+
+The eager runs (the reference values, the causal replay) are
+:mod:`determ_backend.backends.eager`'s, narrowing a root inside a fused kernel is
+:mod:`determ_backend.backends.narrow`'s, and cloning inputs is :mod:`determ_backend.clones`'s.
 """
 
 from __future__ import annotations
@@ -30,95 +34,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from determ_backend import _torch_compat, devices
+from determ_backend import devices
 from determ_backend.backends import narrow
 from determ_backend.compare import (Comparison, Pair, align, compare_traces, find_roots, is_float, judge, tensor_metrics)
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError
+from determ_backend.backends.eager import replay
 from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
+from determ_backend.clones import clone_inputs
 from determ_backend.trace.stream import Record
 
-__all__ = ["GraphExec", "clone_inputs", "eager_node_values", "EagerInterpreter", "run_eager", "graph_in_dtype"]
+__all__ = ["GraphExec", "graph_in_dtype"]
 
 log = logging.getLogger(__name__)
-
-
-def clone_inputs(args: Sequence[Any]) -> List[Any]:
-    """Clones preserving strides, storage offset aliasing included (an expanded tensor stays expanded),
-    and ``requires_grad``, of every tensor argument."""
-    return [_clone_exact(a) if isinstance(a, torch.Tensor) else a for a in args]
-
-
-def _clone_exact(a: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        if a.numel() and not a.is_contiguous() and _overlaps(a):
-            # overlapping memory (expanded): copy the storage region the tensor covers and view it alike
-            extent = 1 + sum((n - 1) * abs(st) for n, st in zip(a.shape, a.stride()))
-            flat = a.as_strided((extent,), (1,), a.storage_offset()).clone()
-            c = flat.as_strided(a.size(), a.stride(), 0)
-        else:
-            c = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
-            c.copy_(a)
-    return c.requires_grad_(a.requires_grad) if c.is_leaf else c
-
-
-def _overlaps(a: torch.Tensor) -> bool:
-    """Whether two elements of ``a`` may share memory (a layout no dense tensor has)."""
-    dims = sorted((abs(st), n) for n, st in zip(a.shape, a.stride()) if n > 1)
-    span = 1
-    for st, n in dims:
-        if st < span:
-            return True
-        span = st * n
-    return False
-
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
-class EagerInterpreter(fx.Interpreter):
-    """Runs a compiled graph's FX graph eagerly.  A functional ``view`` of a compiled graph may assume the
-    layout inductor chose for its input; eagerly that input can be laid out otherwise, and the value
-    is the same ``reshape``."""
-
-    def run_node(self, n: fx.Node) -> Any:
-        try:
-            return super().run_node(n)
-        except RuntimeError:
-            if n.target not in _VIEWS:
-                raise
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            return torch.ops.aten.reshape.default(*args, **kwargs)
-
-
-def run_eager(gm: fx.GraphModule, args: Sequence[Any]) -> Any:
-    """``gm(*args)`` through :class:`EagerInterpreter`."""
-    return EagerInterpreter(gm).run(*args)
-
-
-class _Capture(EagerInterpreter):
-    """Keeps a clone of every tensor node's value, and of each output leaf as ``output.K``; a node named
-    in ``inject`` yields the given value instead of its own (the causal replay)."""
-
-    def __init__(self, gm: fx.GraphModule, inject: Optional[Dict[str, torch.Tensor]] = None):
-        super().__init__(gm, garbage_collect_values=False)
-        self.values: Dict[str, Any] = {}
-        self.inject = inject or {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        v = self.inject[n.name].clone() if n.name in self.inject else super().run_node(n)
-        if isinstance(v, torch.Tensor):
-            self.values[n.name] = v.detach().clone()
-        elif isinstance(v, (bool, int, float)):
-            self.values[n.name] = v  # a size or scalar a region of the graph may read (narrowing)
-        elif n.op == "output":
-            leaves: List[Any] = []
-            fx.node.map_aggregate(v, leaves.append)
-            for k, leaf in enumerate(leaves):
-                if isinstance(leaf, torch.Tensor):
-                    self.values[f"output.{k}"] = leaf.detach().clone()
-        return v
 
 
 _CONVERT = "convert_element_type"
@@ -154,16 +83,6 @@ def _device_of(args: Sequence[Any]) -> Optional[str]:
     return next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
 
 
-def eager_node_values(gm: fx.GraphModule, args: Sequence[Any],
-                      inject: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
-    """Every tensor and scalar node's value (and ``output.K`` per output leaf) from an eager (FX
-    Interpreter) run of ``gm``; nodes named in ``inject`` take the given values instead."""
-    interp = _Capture(gm, inject)
-    with torch.no_grad():
-        interp.run(*args)
-    return interp.values
-
-
 def _ref_name(rec: Record) -> Optional[str]:
     """The reference value a record is judged against: its FX node (or ``output.K``), None when the
     record holds no node's value (an inductor buffer labelled ``holds``, a second buffer ``node#k``)."""
@@ -195,7 +114,7 @@ def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.
     return m
 
 
-class _Replay:
+class _Confirmation:
     """Causal confirmation of accuracy root-cause candidates: the eager graph is replayed with one
     candidate's compiled value substituted; if every output stays within tolerance, the candidate's
     divergence is absorbed downstream (masked)."""
@@ -211,26 +130,21 @@ class _Replay:
         rec = p.rec
         name = _ref_name(rec)
         value = self.result.values.get(rec.node)
-        if name is None or rec.kind == "output" or value is None or name not in self.ref:
+        exp = self.ref.get(name) if name is not None else None
+        if rec.kind == "output" or value is None or not isinstance(exp, torch.Tensor) or value.shape != exp.shape:
             return None
-        if value.shape != self.ref[name].shape:
-            return None
-        cur = devices.get_rng_state()
         try:
-            devices.set_rng_state(self.rng)
-            replay = eager_node_values(self.ex.reference_gm, clone_inputs(self.args), inject={name: value})
+            replayed = replay(self.ex.reference_gm, self.args, self.rng, inject={name: value})
         except Exception as e:  # a substituted value the graph cannot run with: cannot tell
             log.info("determ accuracy: replay with %s substituted failed (%s)", name, e)
             return None
-        finally:
-            devices.set_rng_state(cur)
         strict = self.ex.config.strict
         for key, exp in self.ref.items():
-            if not key.startswith("output.") or key not in replay:
+            if not key.startswith("output.") or key not in replayed:
                 continue
             if not strict and not is_float(exp):
                 continue
-            if self.ex._judge(exp, replay[key], self.ref64.get(key)) is False:
+            if self.ex._judge(exp, replayed[key], self.ref64.get(key)) is False:
                 return True
         return False
 
@@ -245,7 +159,7 @@ class GraphExec:
         self.compile_region = compile_region  # the graph's compiler, to narrow a root inside a fused kernel
         self.reference_gm, self.boxed = reference_gm, boxed
         self._gm64: Optional[fx.GraphModule] = None
-        _torch_compat.set_boxed(self, boxed)
+        self._boxed_call = boxed
         self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
         recorder.keep_values = "accuracy" in config.check or config.save_tensors
 
@@ -312,26 +226,21 @@ class GraphExec:
             self.run.add_note("determinism", cmp.summary(["determinism"]))
 
     def _check_accuracy(self, eager_args: List[Any], result: CallResult, rng_state) -> None:
-        cur = devices.get_rng_state()
         try:
-            devices.set_rng_state(rng_state)
-            ref = eager_node_values(self.reference_gm, clone_inputs(eager_args))
-            try:
-                devices.set_rng_state(rng_state)
-                ref64 = eager_node_values(self._reference_gm64(), _to64(eager_args))
-            except Exception as e:  # some graphs do not run in fp64; judge without the fp64 reference
-                log.info("determ accuracy: fp64 reference failed (%s); comparing against eager only", e)
-                ref64 = {}
+            ref = replay(self.reference_gm, eager_args, rng_state)
         except Exception as e:
             log.debug("determ accuracy: eager reference run failed", exc_info=True)
             self.run.add_checker_error("accuracy", f"eager reference run failed: {type(e).__name__}: {_first_line(e)}")
             return
-        finally:
-            devices.set_rng_state(cur)
+        try:
+            ref64 = replay(self._reference_gm64(), _to64(eager_args), rng_state)
+        except Exception as e:  # some graphs do not run in fp64; judge without the fp64 reference
+            log.info("determ accuracy: fp64 reference failed (%s); comparing against eager only", e)
+            ref64 = {}
         pairs = self._accuracy_pairs(result, ref, ref64)
-        replay = _Replay(self, eager_args, rng_state, result, ref, ref64)
+        confirmation = _Confirmation(self, eager_args, rng_state, result, ref, ref64)
         cmp = find_roots(pairs, mode=f"fp64 tol={self.config.tol:g}", strict=self.config.strict,
-                         confirm=replay.confirm)
+                         confirm=confirmation.confirm)
         if cmp.divergent and self.compile_region is not None:
             self._narrow(cmp, ref, ref64)
         if cmp.divergent:

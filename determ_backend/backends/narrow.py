@@ -17,6 +17,10 @@ frontier, with **every node an output** so each one is stored; the first node in
 graph order whose compiled value fails the verdict while its inputs inside the
 region pass it is the culprit.  When none fails, the bug needs the whole kernel:
 the buffer stays the answer and the region is listed with it.
+
+The walk and the cut themselves are :mod:`determ_backend.backends.extract`'s (the
+minifier cuts its candidates with them too); the eager values the region is fed
+come from :mod:`determ_backend.backends.eager`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat
+from determ_backend.backends.extract import MissingValue, Step, extract, walk_back
 from determ_backend.backends.instrument import node_source, op_name
+from determ_backend.clones import clone_inputs
 
 __all__ = ["region_of", "region_module", "narrow_root", "Narrowed", "CannotNarrow", "MAX_REGION"]
 
@@ -58,60 +64,35 @@ def _standalone(n: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in getattr(t, "tags", ())
 
 
+def _step(judged: Set[str]) -> Callable[[fx.Node], Step]:
+    """The region's walk: judged values, graph inputs and constants stop it; nodes a standalone compile
+    could not reproduce are walked through without joining."""
+    def step(a: fx.Node) -> Step:
+        if a.op != "call_function" or a.name in judged:
+            return Step.STOP
+        return Step.JOIN if _standalone(a) else Step.PASS
+    return step
+
+
 def region_of(gm: fx.GraphModule, node: str, judged: Set[str], limit: int = MAX_REGION) -> List[fx.Node]:
     """The compute nodes behind ``node`` (module docstring), in graph order; [] when ``node`` is not a
     standalone compute node or the region exceeds ``limit`` nodes."""
-    by_name = {n.name: n for n in gm.graph.nodes}
-    root = by_name.get(node)
+    root = next((n for n in gm.graph.nodes if n.name == node), None)
     if root is None or root.op != "call_function" or not _standalone(root):
         return []
-    keep: Dict[str, fx.Node] = {root.name: root}
-    seen: Set[str] = {root.name}
-    stack = list(root.all_input_nodes)
-    while stack:
-        a = stack.pop()
-        if a.name in seen:
-            continue
-        seen.add(a.name)
-        if a.op != "call_function" or a.name in judged:
-            continue
-        if _standalone(a):
-            keep[a.name] = a
-            if len(keep) > limit:
-                return []
-        stack.extend(a.all_input_nodes)
-    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    return sorted(keep.values(), key=lambda n: order[n.name])
+    return walk_back(root, _step(judged), limit=limit) or []
 
 
 def region_module(nodes: Sequence[fx.Node], values: Dict[str, Any]) -> Tuple[fx.GraphModule, List[Any], List[str]]:
     """``(module, inputs, output names)``: ``nodes`` as a graph of their own returning every tensor they
     compute; what they read from outside becomes an input holding its value in ``values`` (a tensor)
     or a constant (a Python scalar, a symbolic size's value)."""
-    g = fx.Graph()
-    env: Dict[str, fx.Node] = {}
-    inputs: List[Any] = []
-
-    def outside(a: fx.Node) -> Any:
-        if a.name in env:
-            return env[a.name]
-        v = values.get(a.name)
-        if isinstance(v, torch.Tensor):
-            env[a.name] = g.placeholder(a.name)
-            inputs.append(v)
-            return env[a.name]
-        if isinstance(v, (bool, int, float)):
-            return v
-        raise CannotNarrow(f"no captured value for {a.name}, which the region reads")
-
-    names = [n.name for n in nodes]
-    for n in nodes:
-        new = g.node_copy(n, outside)
-        new.meta = {k: n.meta[k] for k in ("stack_trace",) if k in n.meta}
-        env[n.name] = new
-    outs = [x for x in names if isinstance(values.get(x), torch.Tensor)]
-    g.output(tuple(env[x] for x in outs))
-    return fx.GraphModule(torch.nn.Module(), g), inputs, outs
+    outs = [n.name for n in nodes if isinstance(values.get(n.name), torch.Tensor)]
+    try:
+        mod, inputs = extract(torch.nn.Module(), nodes, outs, values, inline_scalars=True)
+    except MissingValue as e:
+        raise CannotNarrow(f"no captured value for {e.node}, which the region reads") from None
+    return mod, inputs, outs
 
 
 def _in_fresh_thread(fn: Callable[[], Any]) -> Any:
@@ -163,9 +144,9 @@ def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, 
     mod, inputs, outs = region_module(region, ref)
 
     def compile_and_run() -> Any:
-        fn = compile_region(mod, [x.clone() for x in inputs])
+        fn = compile_region(mod, clone_inputs(inputs))
         with torch.no_grad():
-            return fn(*[x.clone() for x in inputs])
+            return fn(*clone_inputs(inputs))
 
     got = _in_fresh_thread(compile_and_run)
     got = dict(zip(outs, got if isinstance(got, (tuple, list)) else [got]))

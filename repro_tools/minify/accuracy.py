@@ -10,7 +10,8 @@ Non-floating outputs are ignored unless ``strict`` (then compared exactly; with
 fp64 reference, or of the comparison itself, is a ``checker_error``; a failure of
 the compiled function is a ``compiled_error``; both are distinct from a
 divergence.  The flows that act on the verdict live in :mod:`repro_tools.flows.after_dynamo`
-and :mod:`repro_tools.flows.after_aot`.
+and :mod:`repro_tools.flows.after_aot`; the eager run is :func:`determ_backend.backends.eager.run_eager`
+and the inputs' clones :func:`determ_backend.clones.clone_inputs`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
-from determ_backend.backends.checks import clone_inputs, graph_in_dtype, run_eager
+from determ_backend.backends.checks import graph_in_dtype
+from determ_backend.backends.eager import run_eager
+from determ_backend.clones import clone_inputs
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
 
 __all__ = ["same", "first_mismatch", "same_two_models", "AccuracyResult", "run_fwd_maybe_bwd", "cast_to_fp64",
-           "cast_to", "clone_inputs", "call_maybe_boxed", "flatten"]
+           "cast_to", "call_maybe_boxed", "flatten"]
 
 log = logging.getLogger(__name__)
 

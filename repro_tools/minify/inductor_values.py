@@ -16,7 +16,7 @@ node, one node of ours behind it, and the inner node is the only one of that
 node's inner nodes whose value leaves them, with our node's shape and dtype
 (for a tuple-valued node, the same for each ``getitem`` of it).  Fused
 intermediates are never materialized, so a subset of the nodes is covered; how
-the localizer works with that lives in :mod:`repro_tools.minify.passes.regions`.
+the localizer works with that lives in :mod:`repro_tools.minify.passes.kernel_regions`.
 """
 
 from __future__ import annotations

@@ -10,21 +10,29 @@ go with it.  :class:`GraphView` holds the original graph and its recorded
 values, normalizes candidates (closure, dead-code elimination), materializes them
 as ``(GraphModule, inputs)`` and computes a canonical key for the query cache.
 
-The search over candidates lives in :mod:`repro_tools.minify.reducer` and the passes.
+The eager interpreter (reference values, re-running a few nodes) is
+:mod:`determ_backend.backends.eager`'s and the cut itself
+:func:`determ_backend.backends.extract.extract`, both shared with the backends'
+accuracy check.  The search over candidates lives in :mod:`repro_tools.minify.reducer`
+and the passes.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import operator
 from dataclasses import dataclass, replace
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
+from determ_backend.backends.eager import EagerInterpreter
+from determ_backend.backends.extract import MissingValue, extract
+from determ_backend.clones import clone_inputs
 from determ_backend.errors import ReproError
 from determ_backend.fingerprint.core import hash_tensors
 
@@ -32,7 +40,6 @@ __all__ = ["Candidate", "GraphView", "COMPUTE_OPS", "source_line", "target_name"
 
 log = logging.getLogger(__name__)
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
-_KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "original_aten")
 
 
 @dataclass(frozen=True)
@@ -47,29 +54,18 @@ class Candidate:
     """Placeholders holding identical tensors are merged into one."""
 
 
-class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm)
-        self.values: Dict[str, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        self.values[n.name] = out.detach().clone() if isinstance(out, torch.Tensor) else out
-        return out
-
-
 def record_values(gm: fx.GraphModule, inputs: Sequence[Any]) -> Tuple[Dict[str, Any], Optional[str]]:
-    """Every node's eager value (by node name); stops at the first failing node (its error is returned)."""
-    rec = _Recorder(gm)
-    args = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    """Every node's eager value (by node name; :class:`~determ_backend.backends.eager.EagerInterpreter`);
+    stops at the first failing node (its error is returned)."""
+    interp = EagerInterpreter(gm, record=True)
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(1234)
-            rec.run(*args)
+            interp.run(*clone_inputs(inputs))
     except Exception as e:  # an eager failure limits which nodes can become placeholders; it is reported
-        log.warning("eager run of the graph stops at node %d: %s: %s", len(rec.values), type(e).__name__, e)
-        return rec.values, f"{type(e).__name__}: {e}"
-    return rec.values, None
+        log.warning("eager run of the graph stops at node %d: %s: %s", len(interp.values), type(e).__name__, e)
+        return interp.values, f"{type(e).__name__}: {e}"
+    return interp.values, None
 
 
 def _flat_nodes(arg: Any) -> List[fx.Node]:
@@ -119,6 +115,7 @@ class GraphView:
         self.ref, self.eager_error = record_values(gm, inputs)
         self.value_maps: Dict[str, Dict[str, Any]] = {"ref": self.ref}
         self._fp_memo: Dict[int, Tuple[Any, int]] = {}
+        self._interp: Optional[EagerInterpreter] = None
 
     # ---------------------------------------------------------------- structure
     def is_tensor(self, name: str) -> bool:
@@ -222,32 +219,40 @@ class GraphView:
 
     def materialize(self, cand: Candidate) -> Tuple[fx.GraphModule, List[Any]]:
         """The candidate as a runnable ``(GraphModule, inputs)`` returning a flat tuple."""
-        vals = self.value_maps[cand.values]
-        g = fx.Graph()
-        env: Dict[str, fx.Node] = {}
-        inputs: List[Any] = []
-        seen: Dict[Tuple, fx.Node] = {}
-        for name in self.external_inputs(cand):
-            v = vals.get(name, self.ref.get(name))
-            if v is None and name not in self.ref:
-                raise ReproError(f"no recorded value for node {name!r} (the eager run stopped before it)")
-            k = self._value_key(v) if cand.merge_inputs and isinstance(v, torch.Tensor) else None
-            if k is not None and k in seen:
-                env[name] = seen[k]
-                continue
-            ph = g.placeholder(name)
-            ph.meta = {m: self.by_name[name].meta[m] for m in _KEEP_META if m in self.by_name[name].meta}
-            env[name] = ph
-            inputs.append(v)
-            if k is not None:
-                seen[k] = ph
-        for n in self.nodes:
-            if n.name in cand.keep:
-                new = g.node_copy(n, lambda a: env[a.name])
-                new.meta = {m: n.meta[m] for m in _KEEP_META if m in n.meta}
-                env[n.name] = new
-        g.output(tuple(env[o] for o in self.outputs_of(cand)))
-        return fx.GraphModule(self.gm, g), inputs
+        values = collections.ChainMap(self.value_maps[cand.values], self.ref)
+        merge = self._merge_key if cand.merge_inputs else None
+        return self.cut([n for n in self.compute if n in cand.keep], self.outputs_of(cand), values, merge)
+
+    def cut(self, names: Sequence[str], outputs: Sequence[str], values: Mapping[str, Any],
+            merge_key: Optional[Callable[[Any], Any]] = None) -> Tuple[fx.GraphModule, List[Any]]:
+        """Nodes ``names`` (graph order) as ``(GraphModule, inputs)`` returning ``outputs``; the nodes they
+        read from outside are placeholders fed from ``values``
+        (:func:`determ_backend.backends.extract.extract`)."""
+        try:
+            return extract(self.gm, [self.by_name[n] for n in names], outputs, values, merge_key=merge_key)
+        except MissingValue as e:
+            raise ReproError(f"no recorded value for node {e.node!r} (the eager run stopped before it)") from None
+
+    def _merge_key(self, v: Any) -> Optional[Tuple]:
+        return self._value_key(v) if isinstance(v, torch.Tensor) else None
+
+    # ---------------------------------------------------------------- re-running parts
+    def rerun(self, names: Sequence[str], env: Mapping[str, Any], to64: bool = False) -> Any:
+        """The last of nodes ``names`` (graph order), re-executed eagerly with what they read from outside
+        them taken from ``env`` (in float64 with ``to64``)."""
+        if self._interp is None:
+            self._interp = EagerInterpreter(self.gm, garbage_collect_values=False)
+        with torch.no_grad():
+            return self._interp.run_nodes([self.by_name[n] for n in names], env, to64=to64)
+
+    def value_map(self, side: Mapping[str, Any]) -> Dict[str, Any]:
+        """Observed tensors (by node name) cast back to the reference's dtype and device."""
+        out = {}
+        for k, v in side.items():
+            ref = self.ref.get(k)
+            if isinstance(v, torch.Tensor) and isinstance(ref, torch.Tensor):
+                out[k] = v.detach().to(device=ref.device, dtype=ref.dtype)
+        return out
 
     # ---------------------------------------------------------------- cache key
     def _fingerprint(self, t: torch.Tensor) -> int:

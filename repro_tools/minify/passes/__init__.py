@@ -16,7 +16,7 @@ from repro_tools.minify.passes.ddmin import remove_nodes_probdd
 from repro_tools.minify.passes.inputs import consolidate_inputs
 from repro_tools.minify.passes.localize import localize_culprit
 from repro_tools.minify.passes.outputs import prune_outputs
-from repro_tools.minify.passes.regions import localize_from_buffers
+from repro_tools.minify.passes.kernel_regions import localize_from_buffers
 from repro_tools.minify.passes.single import remove_single_nodes
 from repro_tools.minify.passes.truncate import truncate_suffix
 

@@ -16,6 +16,12 @@ inputs as placeholders holding recorded values: the eager reference first, then
 the observed values) is asked of the oracle; if the bug needs neighbours, the
 producers are added a ring at a time.  When nothing verifies, the minifier falls
 back to the general passes, starting from the prefix ending at the culprit.
+
+Re-executing nodes and the causal replay run on the shared eager interpreter
+(:mod:`determ_backend.backends.eager`, through :class:`~repro_tools.minify.subgraph.GraphView`);
+the same search from the input check's own compile (kernel regions) is
+:mod:`repro_tools.minify.passes.kernel_regions`, which uses :func:`has_local_error`,
+:func:`find_culprit` and :func:`verify_cut`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from determ_backend import devices
+from determ_backend.backends.eager import replay
 from determ_backend.compare import Pair, find_roots
 from determ_backend.errors import DetermError
 from determ_backend.fingerprint.core import hash_tensors
@@ -35,32 +43,11 @@ from repro_tools.minify.oracles import leaf_differs
 from repro_tools.minify.reducer import BudgetExhausted, Reducer
 from repro_tools.minify.subgraph import Candidate, GraphView
 
-__all__ = ["localize_culprit", "find_culprit", "verify_cut"]
+__all__ = ["localize_culprit", "find_culprit", "verify_cut", "has_local_error"]
 
 log = logging.getLogger(__name__)
 LOCALIZABLE = ("accuracy", "nondeterminism", "cross_device")
 _RINGS = 2
-
-
-def _run_node(view: GraphView, name: str, env: Dict[str, Any], to64: bool = False) -> Any:
-    """Re-execute one node eagerly with its inputs taken from ``env``."""
-    n = view.by_name[name]
-
-    def val(a):
-        v = env[a.name]
-        if isinstance(v, torch.Tensor):
-            v = v.clone()
-            if to64 and v.is_floating_point():
-                v = v.to(torch.float64)
-        return v
-
-    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), val)
-    with torch.no_grad():
-        if n.op == "call_function":
-            return n.target(*args, **kwargs)
-        if n.op == "call_method":
-            return getattr(args[0], n.target)(*args[1:], **kwargs)
-        return view.gm.get_submodule(n.target)(*args, **kwargs)
 
 
 def _observed_of(view: GraphView, name: str, seen: Dict[str, Any]) -> Optional[Any]:
@@ -82,22 +69,28 @@ def _any_differs(pairs: List[tuple], spec) -> bool:
     return any(leaf_differs(want, have, ref, spec) for want, have, ref in pairs)
 
 
-def _accuracy_bad(view: GraphView, name: str, comp: Dict[str, Any], env: Dict[str, Any], spec) -> bool:
-    got = _observed_of(view, name, comp)
-    if got is None:
-        return False
+def has_local_error(view: GraphView, names: List[str], got: Any, env: Dict[str, Any], spec) -> bool:
+    """Whether ``got``, the observed value of the last of nodes ``names`` (a region of the graph, in graph
+    order; for a multi-output op ``{index: value}``), differs from an eager re-execution of the region on
+    ``env``'s values at its frontier (an fp64 re-execution is the reference), so that error inherited from
+    upstream does not count."""
     try:
-        local = _run_node(view, name, env)
-    except Exception as e:  # a node that cannot be re-run alone is not judged
-        log.debug("cannot re-run %s alone: %s", name, e)
+        local = view.rerun(names, env)
+    except Exception as e:  # a region that cannot be re-run eagerly is not judged
+        log.debug("cannot re-run %s alone: %s", names[-1], e)
         return False
     if not _any_differs(_pairs(local, got, None), spec):
         return False  # within tolerance already: the fp64 re-run is not needed
     try:
-        local64 = _run_node(view, name, env, to64=True)
+        local64 = view.rerun(names, env, to64=True)
     except Exception:  # no fp64 kernel: judge without the fp64 reference
         local64 = None
     return _any_differs(_pairs(local, got, local64), spec)
+
+
+def _accuracy_bad(view: GraphView, name: str, comp: Dict[str, Any], env: Dict[str, Any], spec) -> bool:
+    got = _observed_of(view, name, comp)
+    return got is not None and has_local_error(view, [name], got, env, spec)
 
 
 def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], spec, hashes) -> Optional[bool]:
@@ -108,30 +101,20 @@ def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], s
     return leaf_differs(a[name], b[name], None, spec)
 
 
-def _replay(view: GraphView, order: List[str], name: str, value: Any, base: Dict[str, Any]) -> Dict[str, Any]:
-    """Values of ``name`` and everything after it that depends on it, replayed eagerly from ``base``."""
-    env = dict(base)
-    env[name] = value
-    touched = {name: value}
-    for n in order[order.index(name) + 1:]:
-        if any(i in touched for i in view.inputs_of(n)):
-            env[n] = touched[n] = _run_node(view, n, env)
-    return touched
-
-
 def _replay_fails(view: GraphView, keep, name: str, value: Any, base: Dict[str, Any], spec) -> Optional[bool]:
     """Does substituting ``value`` for ``name`` alone make an output of ``keep`` fail?  Both sides are
-    eager replays from ``base`` (``name`` recomputed vs substituted), so only this node's error counts.
-    None when a replay cannot run."""
-    order = [n for n in view.compute if n in keep]
+    eager replays of ``keep`` from ``base`` (:func:`determ_backend.backends.eager.replay`, one RNG state:
+    ``name`` computed vs substituted), so only this node's error counts.  None when a replay cannot run."""
+    outs = view.frontier(frozenset(keep))
     try:
-        clean = _replay(view, order, name, _run_node(view, name, base), base)
-        dirty = _replay(view, order, name, value, base)
+        gm, inputs = view.cut([n for n in view.compute if n in keep], outs, base)
+        state = devices.get_rng_state()
+        clean = replay(gm, inputs, state)
+        dirty = replay(gm, inputs, state, inject={name: value})
     except Exception as e:  # a node that cannot be re-run on the substituted value: cannot tell
         log.debug("replay with %s substituted failed: %s", name, e)
         return None
-    outs = [o for o in view.frontier(frozenset(keep)) if o in dirty]
-    return any(leaf_differs(clean[o], dirty[o], None, spec) for o in outs)
+    return any(leaf_differs(clean[o], dirty[o], None, spec) for o in outs if o in clean and o in dirty)
 
 
 def _record(view: GraphView, keep, name: str, kind: str = "node", inputs: Optional[List[str]] = None) -> Record:
@@ -213,16 +196,6 @@ def find_culprit(view: GraphView, keep, sides: List[Dict[str, Any]], spec,
     return src if src is not None and src in keep and not view.is_tensor(src) else n
 
 
-def _value_map(view: GraphView, side: Dict[str, Any]) -> Dict[str, Any]:
-    """Observed values cast back to the reference's dtype and device."""
-    out = {}
-    for k, v in side.items():
-        ref = view.ref.get(k)
-        if isinstance(v, torch.Tensor) and isinstance(ref, torch.Tensor):
-            out[k] = v.detach().to(device=ref.device, dtype=ref.dtype)
-    return out
-
-
 def _rings(view: GraphView, culprit: str, keep) -> List[frozenset]:
     core = {culprit} | {u for u in view.users_of(culprit) if view.is_getitem(u) and not view.is_tensor(culprit)}
     out, cur = [frozenset(core)], set(core)
@@ -268,7 +241,7 @@ def localize_culprit(r: Reducer) -> bool:
     log.info("culprit: %s (%s)", culprit, view.op_name(culprit))
     names = ["ref"]
     for i, side in enumerate(sides[:2]):
-        view.value_maps[f"side{i}"] = _value_map(view, side)
+        view.value_maps[f"side{i}"] = view.value_map(side)
         names.append(f"side{i}")
     if verify_cut(r, culprit, start.keep, names):
         return True

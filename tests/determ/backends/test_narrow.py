@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend.backends import narrow
-from determ_backend.backends.checks import eager_node_values
+from determ_backend.backends.eager import eager_node_values
 from determ_backend.compare import judge
 from conftest import relu_as_plus_one
 

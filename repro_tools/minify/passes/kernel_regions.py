@@ -1,5 +1,8 @@
 """Localization from the input check's own compile: kernel regions first, then one node.
 
+(The regions of inductor kernels, as the minifier sees them; the regions the dump
+records around compiled calls are :mod:`determ_backend.dump.capture.regions`.)
+
 When the input check also captured compiled values for part of the nodes
 (``Reducer.observed``, from :func:`repro_tools.minify.oracles.check_observed`: the nodes
 inductor wrote a buffer for), the culprit is searched at that granularity before
@@ -33,11 +36,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
+from determ_backend.backends.extract import Step, walk_back
 from determ_backend.errors import DetermError
 
 from repro_tools.minify.reducer import BudgetExhausted, Reducer
 from repro_tools.minify.subgraph import Candidate, GraphView
-from repro_tools.minify.passes.localize import _any_differs, _pairs, _run_node, _value_map, find_culprit, verify_cut
+from repro_tools.minify.passes.localize import find_culprit, has_local_error, verify_cut
 
 __all__ = ["localize_from_buffers", "first_bad_region"]
 
@@ -45,37 +49,12 @@ log = logging.getLogger(__name__)
 
 
 def _region(view: GraphView, node: str, keep, observed: Dict[str, Any]) -> List[str]:
-    """``node`` and its producers reachable through unobserved kept nodes, in graph order."""
-    out, stack = {node}, list(view.inputs_of(node))
-    while stack:
-        a = stack.pop()
-        if a in out or a not in keep or a in observed:
-            continue
-        out.add(a)
-        stack.extend(view.inputs_of(a))
-    return sorted(out, key=view.order.__getitem__)
+    """``node`` and its producers reachable through unobserved kept nodes, in graph order
+    (:func:`determ_backend.backends.extract.walk_back`, the walk the backends' narrowing uses)."""
+    def step(a) -> Step:
+        return Step.STOP if a.name not in keep or a.name in observed else Step.JOIN
 
-
-def _rerun(view: GraphView, region: List[str], env: Dict[str, Any], to64: bool) -> Any:
-    env = dict(env)
-    for n in region:
-        env[n] = _run_node(view, n, env, to64=to64)
-    return env[region[-1]]
-
-
-def _region_bad(view: GraphView, region: List[str], got: Any, env: Dict[str, Any], spec) -> bool:
-    try:
-        local = _rerun(view, region, env, False)
-    except Exception as e:  # a region that cannot be re-run eagerly is not judged
-        log.debug("cannot re-run the region of %s: %s", region[-1], e)
-        return False
-    if not _any_differs(_pairs(local, got, None), spec):
-        return False
-    try:
-        local64 = _rerun(view, region, env, True)
-    except Exception:  # no fp64 kernel: judge without the fp64 reference
-        local64 = None
-    return _any_differs(_pairs(local, got, local64), spec)
+    return [n.name for n in walk_back(view.by_name[node], step, order=view.order)]
 
 
 def first_bad_region(view: GraphView, keep, observed: Dict[str, Any], spec) -> Optional[Tuple[str, List[str]]]:
@@ -85,7 +64,7 @@ def first_bad_region(view: GraphView, keep, observed: Dict[str, Any], spec) -> O
     for n in view.compute:
         if n in keep and n in observed:
             region = _region(view, n, keep, observed)
-            if _region_bad(view, region, observed[n], env, spec):
+            if has_local_error(view, region, observed[n], env, spec):
                 return n, region
     return None
 
@@ -105,7 +84,7 @@ def _culprit_in_region(r: Reducer, region: List[str]) -> Optional[str]:
     base.update(view.value_maps["side0"])
     culprit = find_culprit(view, keep, sides, r.spec, base=base)
     if culprit is not None:
-        view.value_maps["side0"].update(_value_map(view, sides[0]))
+        view.value_maps["side0"].update(view.value_map(sides[0]))
     return culprit
 
 
@@ -148,7 +127,7 @@ def localize_from_buffers(r: Reducer) -> bool:
         log.info("captured buffers (%d nodes) show no region with local error", len(observed))
         return False
     node, region = hit
-    view.value_maps["side0"] = _value_map(view, observed)
+    view.value_maps["side0"] = view.value_map(observed)
     ops = [n for n in region if not view.is_getitem(n)]
     log.info("first region with local error ends at %s: %d op(s)", node, len(ops))
     if len(ops) == 1:

@@ -1,0 +1,127 @@
+"""Running an FX graph eagerly, node by node: the one interpreter behind every reference value.
+
+:class:`EagerInterpreter` runs a graph (or a few of its nodes) eagerly, keeps every
+node's value when asked, and lets named nodes yield a given value instead of their
+own (the causal replay: what one value does downstream).  On it:
+
+* :func:`run_eager` -- a graph's outputs, computed eagerly;
+* :func:`eager_node_values` -- every node's value (and ``output.K`` per output leaf);
+* :func:`replay` -- the same on clones of the inputs, from a given RNG state, with
+  substituted values: the accuracy check's eager reference and its confirmation of
+  root-cause candidates (:mod:`determ_backend.backends.checks`), and the minifier's
+  reference values and causal confirmation (:mod:`repro_tools.minify`);
+* :meth:`EagerInterpreter.run_nodes` -- some nodes alone, on values recorded
+  elsewhere (the minifier's local error of a node or a fused region).
+
+Cutting part of a graph out as a graph of its own lives in
+:mod:`determ_backend.backends.extract`; cloning inputs in :mod:`determ_backend.clones`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from determ_backend import devices
+from determ_backend.clones import clone_inputs
+
+__all__ = ["EagerInterpreter", "run_eager", "eager_node_values", "replay"]
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+class EagerInterpreter(fx.Interpreter):
+    """Runs a (compiled graph's) FX graph eagerly.  A functional ``view`` of a compiled graph may assume
+    the layout inductor chose for its input; eagerly that input can be laid out otherwise, and the value
+    is the same ``reshape``.
+
+    ``record``: :attr:`values` keeps every node's value by node name -- tensors as detached clones,
+    other values (sizes, scalars, the tuple of a multi-output op) as they are -- and each tensor leaf of
+    the output as ``output.K``.  ``inject``: nodes (by name) that yield the given value (a clone of a
+    tensor) instead of computing their own."""
+
+    def __init__(self, gm: fx.GraphModule, record: bool = False, inject: Optional[Mapping[str, Any]] = None,
+                 garbage_collect_values: bool = True):
+        super().__init__(gm, garbage_collect_values=garbage_collect_values)
+        self.record = record
+        self.inject = dict(inject or {})
+        self.values: Dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.name in self.inject:
+            v = self.inject[n.name]
+            v = v.clone() if isinstance(v, torch.Tensor) else v
+        else:
+            v = self._compute(n)
+        if self.record:
+            self._keep(n, v)
+        return v
+
+    def _compute(self, n: fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except RuntimeError:
+            if n.target not in _VIEWS:
+                raise
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return torch.ops.aten.reshape.default(*args, **kwargs)
+
+    def _keep(self, n: fx.Node, v: Any) -> None:
+        if n.op != "output":
+            self.values[n.name] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+            return
+        leaves: List[Any] = []
+        fx.node.map_aggregate(v, leaves.append)
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                self.values[f"output.{k}"] = leaf.detach().clone()
+
+    def run_nodes(self, nodes: Sequence[fx.Node], values: Mapping[str, Any], to64: bool = False) -> Any:
+        """Runs only ``nodes`` (compute nodes of this graph, in graph order); what they read from outside
+        them comes from ``values`` (by node name; tensors cloned, floating ones in float64 with ``to64``).
+        Returns the last node's value."""
+        inside = set(nodes)
+        self.env = {}
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a not in inside and a not in self.env:
+                    self.env[a] = _fresh(values[a.name], to64)
+            self.env[n] = self.run_node(n)
+        return self.env[nodes[-1]]
+
+
+def _fresh(v: Any, to64: bool) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    return v.detach().to(torch.float64) if to64 and v.is_floating_point() else v.clone()
+
+
+def run_eager(gm: fx.GraphModule, args: Sequence[Any]) -> Any:
+    """``gm(*args)`` through :class:`EagerInterpreter`."""
+    return EagerInterpreter(gm).run(*args)
+
+
+def eager_node_values(gm: fx.GraphModule, args: Sequence[Any],
+                      inject: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """Every node's value (and ``output.K`` per output leaf) from an eager run of ``gm`` without autograd;
+    nodes named in ``inject`` take the given values instead."""
+    interp = EagerInterpreter(gm, record=True, inject=inject)
+    with torch.no_grad():
+        interp.run(*args)
+    return interp.values
+
+
+def replay(gm: fx.GraphModule, args: Sequence[Any], rng_state: Dict[str, Any],
+           inject: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """:func:`eager_node_values` on clones of ``args`` with the RNG (CPU and accelerators,
+    :func:`determ_backend.devices.get_rng_state`) in ``rng_state`` for the run; the caller's RNG state is
+    restored after.  Two replays from one state that differ only in ``inject`` differ only by what the
+    substituted values do downstream: random ops draw the same numbers in both."""
+    current = devices.get_rng_state()
+    try:
+        devices.set_rng_state(rng_state)
+        return eager_node_values(gm, clone_inputs(args), inject)
+    finally:
+        devices.set_rng_state(current)
