@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from determ_backend import devices
+from determ_backend import _torch_compat, devices
 from determ_backend.backends import narrow
 from determ_backend.compare import (Comparison, Pair, align, compare_traces, find_roots, is_float, judge, tensor_metrics)
 from determ_backend.config import DetermConfig
@@ -159,7 +159,7 @@ class GraphExec:
         self.compile_region = compile_region  # the graph's compiler, to narrow a root inside a fused kernel
         self.reference_gm, self.boxed = reference_gm, boxed
         self._gm64: Optional[fx.GraphModule] = None
-        self._boxed_call = boxed
+        _torch_compat.set_boxed(self, boxed)
         self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
         recorder.keep_values = "accuracy" in config.check or config.save_tensors
 
