@@ -23,7 +23,8 @@ import torch
 
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, ConfigError, TraceFormatError
-from determ_backend.trace.stream import (TRACE_NAME, Record, TensorStore, TraceWriter, atomic_write_text, read_trace_file)
+from determ_backend.trace.store import TensorStore
+from determ_backend.trace.stream import (TRACE_NAME, Record, TraceWriter, atomic_write_text, read_trace_file)
 
 __all__ = ["Run", "ReferenceTrace", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
 
@@ -145,7 +146,7 @@ class Run:
         self._writer.write(records)
 
     def store_payloads(self, result) -> None:
-        """Save each captured tensor once under ``<run dir>/tensors/<fingerprint>.pt`` (DETERM_SAVE_TENSORS)."""
+        """Save each captured tensor once in ``<run dir>/tensors/``, the run's tensor store (DETERM_SAVE_TENSORS)."""
         for rec in result.records:
             value = result.values.get(rec.node)
             if value is not None and rec.hash is not None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from determ_backend.trace.stream import Record, TensorStore
+from determ_backend.trace.store import TensorStore
+from determ_backend.trace.stream import Record
 from determ_backend.compare.align import Pair, align
 from determ_backend.compare.verdict import is_float, judge_records
 

@@ -29,7 +29,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from determ_backend.fingerprint.core import hash_tensor, hash_tensors
-from determ_backend.trace.stream import Record, TensorStore
+from determ_backend.trace.store import TensorStore
+from determ_backend.trace.stream import Record
 
 __all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse",
            "stats_metrics", "judge_records", "dtype_tol"]

@@ -1,13 +1,11 @@
-"""Traces: the record schema, a streaming JSON Lines writer/reader, and the
-content-addressed tensor payload store.
+"""Traces: the record schema and the trace file (``trace.jsonl``) written and read through the JSON Lines stream.
 
-A trace file is JSON Lines: a header line ``{"format": "determ-trace", ...}``,
-one line per record, and a footer ``{"end": true, "count": N}`` written by
-:meth:`TraceWriter.close`.  A missing footer means the producer died; the reader
-then reports the file as truncated (or tolerates it with ``allow_partial=True``,
-which also drops a cut last line; a corrupt line elsewhere is always an error).
-The reader checks the type of every field and refuses a header ``version`` newer
-than it knows.
+A trace is a :mod:`.jsonl` stream of format ``determ-trace``: a header line
+``{"format": "determ-trace", "version": 1, "run": ..., "torch": ...}``, one line per
+record, and the footer ``{"end": true, "count": N}`` written by
+:meth:`TraceWriter.close`.  The partial-read rules (a missing footer, a cut last
+line, a footer cut on a full disk) are the stream's, see :mod:`.jsonl`.  On top of
+them the reader checks the type of every field of every record.
 
 Record fields (see :class:`Record`): ``graph`` (graph id, e.g. ``g0``), ``stage``
 (``dynamo``, ``aot_forward``, ``aot_backward``, ``inductor_forward``,
@@ -18,33 +16,33 @@ call), ``op``, ``kind`` (``input``, ``param``, ``node``, ``output``), ``source``
 ``inputs`` (ids of the records this one consumed), ``in_hashes`` (fingerprints of
 the tensor inputs, in order), ``rank``, ``run``, ``payload`` (store key or null).
 
-Comparison of traces lives in :mod:`determ_backend.compare`.
+Also here: atomic file writes (:func:`atomic_path`, :func:`atomic_write_text`) and
+:func:`dir_problem`.  Tensor payloads are :mod:`.store`'s; comparison of traces
+lives in :mod:`determ_backend.compare`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
 import tempfile
-import threading
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 
 from determ_backend.errors import TraceFormatError
+from determ_backend.trace.jsonl import StreamFormat, StreamWriter, read_stream
 
-__all__ = ["Record", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path", "TensorStore",
-           "atomic_write_text", "atomic_path", "format_hash", "TRACE_NAME"]
+__all__ = ["Record", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path",
+           "atomic_write_text", "atomic_path", "dir_problem", "format_hash", "TRACE_NAME", "TRACE_FORMAT"]
 
-FORMAT = "determ-trace"
-VERSION = 1
 TRACE_NAME = "trace.jsonl"
+TRACE_FORMAT = StreamFormat("determ-trace", 1, "trace", "records", "the producing process may have died")
 
 
 def format_hash(h: int) -> str:
@@ -140,41 +138,26 @@ def dir_problem(target: Union[str, Path]) -> Optional[str]:
 
 
 class TraceWriter:
-    """Streams records to a JSONL file (thread-safe).  Use as a context manager or call :meth:`close`."""
+    """Streams records to a JSONL trace (thread-safe), through :class:`~.jsonl.StreamWriter`.  Use as a
+    context manager or call :meth:`close`."""
 
     def __init__(self, path: Union[str, Path], run: Optional[str] = None, meta: Optional[Dict[str, Any]] = None):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: Optional[io.TextIOBase] = open(self.path, "w", encoding="utf-8")
-        self._lock = threading.Lock()
-        self.count = 0
         self.run = run
-        header = {"format": FORMAT, "version": VERSION, "run": run, "torch": torch.__version__}
-        header.update(meta or {})
-        self._f.write(json.dumps(header) + "\n")
+        self._stream = StreamWriter(path, TRACE_FORMAT, {"run": run, "torch": torch.__version__, **(meta or {})})
+        self.path = self._stream.path
+
+    @property
+    def count(self) -> int:
+        return self._stream.count
 
     def write(self, records: Iterable[Record]) -> None:
-        lines = [r.to_json() for r in records]
-        if not lines:
-            return
-        with self._lock:
-            if self._f is None:
-                raise TraceFormatError(f"{self.path}: trace writer already closed")
-            self._f.write("\n".join(lines) + "\n")
-            self.count += len(lines)
+        self._stream.write_lines([r.to_json() for r in records])
 
     def flush(self) -> None:
-        with self._lock:
-            if self._f is not None:
-                self._f.flush()
+        """Nothing to do: every :meth:`write` is on disk when it returns (kept for callers that flush)."""
 
     def close(self) -> None:
-        with self._lock:
-            if self._f is None:
-                return
-            self._f.write(json.dumps({"end": True, "count": self.count}) + "\n")
-            self._f.close()
-            self._f = None
+        self._stream.close()
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -216,58 +199,11 @@ def read_trace(path: Union[str, Path], allow_partial: bool = False) -> List[Reco
 
 
 def read_trace_file(path: Union[str, Path], allow_partial: bool = False) -> TraceFile:
-    """:func:`read_trace` plus completeness.  ``allow_partial`` accepts a trace whose producer died:
-    no end line, and a corrupt (cut) last line, which is dropped.  A corrupt line anywhere else is an error."""
-    p = resolve_trace_path(path)
-    records: List[Record] = []
-    ended = False
-    cut: Optional[int] = None  # line number of a corrupt line, tolerated only if nothing follows it
-    with open(p, encoding="utf-8") as f:
-        try:
-            header = json.loads(f.readline())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            header = None
-        _check_header(p, header)
-        try:
-            for lineno, line in enumerate(f, start=2):
-                if not line.strip():
-                    continue
-                if cut is not None:
-                    raise TraceFormatError(f"{p}:{cut}: corrupt JSON line in the middle of the trace (only a "
-                                           f"truncated last line is accepted, with allow_partial/--allow-partial)")
-                if ended:
-                    raise TraceFormatError(f"{p}:{lineno}: data after the end-of-trace line")
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError:
-                    if not allow_partial:
-                        raise TraceFormatError(f"{p}:{lineno}: corrupt or truncated JSON line") from None
-                    cut = lineno
-                    continue
-                if not isinstance(d, dict):
-                    raise TraceFormatError(f"{p}:{lineno}: expected a JSON object, got {type(d).__name__}")
-                if d.get("end") is True:
-                    ended = True
-                    if d.get("count") != len(records):
-                        raise TraceFormatError(f"{p}: footer says {d.get('count')} records, found {len(records)}")
-                    continue
-                records.append(_parse_record(p, lineno, d))
-        except UnicodeDecodeError:
-            raise TraceFormatError(f"{p}: not a text file (invalid UTF-8)") from None
-    if not ended and not allow_partial:
-        raise TraceFormatError(f"{p}: truncated trace (no end-of-trace line; the producing process may have died)")
-    return TraceFile(p, records, complete=ended, header=header)
-
-
-def _check_header(p: Path, header: Any) -> None:
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise TraceFormatError(f"{p}: not a determ trace (line 1 has no determ-trace header)")
-    v = header.get("version")
-    if type(v) is not int or v < 1:
-        raise TraceFormatError(f"{p}:1: bad trace format version {v!r} (expected an integer from 1 to {VERSION})")
-    if v > VERSION:
-        raise TraceFormatError(f"{p}:1: trace format version {v} is newer than this determ reads (up to {VERSION}); "
-                               f"read it with the determ release that wrote it")
+    """:func:`read_trace` plus completeness, by the reading rules of :mod:`.jsonl`: ``allow_partial`` accepts a
+    trace whose producer died (no end line; a corrupt, cut last line is dropped); a corrupt line anywhere else is
+    an error; a trace its writer cut on a full disk is read (one warning) and reported incomplete."""
+    s = read_stream(resolve_trace_path(path), TRACE_FORMAT, allow_partial, _parse_record)
+    return TraceFile(s.path, s.records, complete=s.complete, header=s.header)
 
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")
@@ -317,39 +253,3 @@ def _parse_record(p: Path, lineno: int, d: Dict[str, Any]) -> Record:
 def _short(v: Any) -> str:
     s = json.dumps(v)
     return s if len(s) <= 40 else s[:37] + "..."
-
-
-class TensorStore:
-    """Content-addressed tensor payloads: ``<root>/<hash>.pt``, each distinct tensor stored once.
-
-    Files are written atomically with ``torch.save`` and read with ``torch.load(weights_only=True)``.
-    """
-
-    def __init__(self, root: Union[str, Path]):
-        self.root = Path(root)
-
-    def path(self, key: str) -> Path:
-        return self.root / f"{key}.pt"
-
-    def put(self, key: str, t: torch.Tensor) -> str:
-        p = self.path(key)
-        if p.exists():
-            return key
-        with atomic_path(p) as tmp:
-            torch.save(t.detach().cpu().contiguous().clone(), tmp)
-        return key
-
-    def get(self, key: str, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
-        p = self.path(key)
-        if not p.is_file():
-            raise TraceFormatError(f"{p}: tensor payload missing from the store")
-        try:
-            t = torch.load(p, map_location=device, weights_only=True)
-        except Exception as e:  # torch raises many types for corrupt files
-            raise TraceFormatError(f"{p}: corrupt tensor payload ({type(e).__name__})") from None
-        if not isinstance(t, torch.Tensor):
-            raise TraceFormatError(f"{p}: payload is not a tensor")
-        return t
-
-    def __contains__(self, key: str) -> bool:
-        return self.path(key).is_file()

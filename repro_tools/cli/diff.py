@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional
 
 from determ_backend.compare import Comparison, compare_traces
 from determ_backend.errors import ConfigError, TraceFormatError
-from determ_backend.trace.stream import TensorStore, TraceFile, resolve_trace_path
+from determ_backend.trace.store import store_for
+from determ_backend.trace.stream import TraceFile
 
 __all__ = ["register", "run_diff", "format_table"]
 
@@ -54,20 +55,11 @@ def _load(path: str, allow_partial: bool) -> TraceFile:
     return tf
 
 
-def _store_for(path: str):
-    try:
-        p = resolve_trace_path(path)
-    except TraceFormatError:
-        return None
-    root = p.parent / "tensors"
-    return TensorStore(root) if root.is_dir() else None
-
-
 def run_diff(args: argparse.Namespace) -> int:
     _check_args(args)
     a = _load(args.a, args.allow_partial)
     b = _load(args.b, args.allow_partial)
-    cmp = compare_traces(a.records, b.records, tol=args.tol, store_a=_store_for(args.a), store_b=_store_for(args.b))
+    cmp = compare_traces(a.records, b.records, tol=args.tol, store_a=store_for(args.a), store_b=store_for(args.b))
     summary = diff_summary(cmp, {"a": (args.a, a), "b": (args.b, b)})
     if args.json:
         print(json.dumps(summary, indent=2, default=str))

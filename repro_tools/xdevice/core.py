@@ -36,8 +36,8 @@ from tqdm import tqdm
 
 from determ_backend.compare import Comparison, compare_traces
 from determ_backend.devices import parse_device_spec, require
-from determ_backend.errors import ConfigError, ReproError, TraceFormatError
-from determ_backend.trace.stream import TensorStore, resolve_trace_path
+from determ_backend.errors import ConfigError, ReproError
+from determ_backend.trace.store import store_for
 
 from repro_tools.cli.diff import format_table
 
@@ -106,18 +106,10 @@ def compare_repro(path: str, specs: Tuple[str, ...], tol: float) -> Tuple[Compar
     return compare_devices(sides[0], sides[1], tol, sides[2] if ref else None), gm, inputs
 
 
-def _store_for(path: str) -> Optional[TensorStore]:
-    try:
-        root = resolve_trace_path(path).parent / "tensors"
-    except TraceFormatError:
-        return None
-    return TensorStore(root) if root.is_dir() else None
-
-
 def compare_trace_pair(a: str, b: str, tol: float) -> Comparison:
     from repro_tools.cli.trace_formats import load_any
 
-    return compare_traces(load_any(a), load_any(b), tol=tol, store_a=_store_for(a), store_b=_store_for(b))
+    return compare_traces(load_any(a), load_any(b), tol=tol, store_a=store_for(a), store_b=store_for(b))
 
 
 def _label(i: int, spec: str) -> str:

@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from determ_backend.trace.stream import Record, TensorStore
+from determ_backend.trace.store import TensorStore
+from determ_backend.trace.stream import Record
 from determ_backend.dump.capture.apis import ApiInfo
 from determ_backend.dump.capture.hooks import Recorder, busy, guard
 from determ_backend.dump.capture.regions import RegionCall, Regions

@@ -195,7 +195,7 @@ def test_saved_tensors_give_exact_metrics_in_tolerance_diff(tmp_path, capsys):
     x2 = x.clone()
     x2[0, 0] += 1e-6
     compile_run(m, (x2,), "determ_eager", tmp_path, "b", save_tensors=True)
-    stored = list((tmp_path / "a" / "tensors").glob("*.pt"))
+    stored = list((tmp_path / "a" / "tensors").glob("*.safetensors"))
     assert stored and len(stored) == len({r.hash for r in load(tmp_path / "a")[0] if r.hash})
     assert cli(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
     bitwise = json.loads(capsys.readouterr().out)

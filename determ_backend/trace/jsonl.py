@@ -1,0 +1,303 @@
+"""The one JSON Lines stream of determ: a header line, record lines, a footer line.
+
+Owns the framing that traces (``trace.jsonl``, :mod:`.stream`) and API dump
+indexes (``dump.pkl`` -- JSON Lines despite ptdbg's name, :mod:`determ_backend.dump`)
+share, how it is written and the rules by which it is read back:
+
+* line 1, the header: a JSON object whose ``format`` names the kind of stream
+  (:class:`StreamFormat`) and whose ``version`` is an integer from 1 to the
+  newest the reader knows;
+* one JSON object per record;
+* the footer ``{"end": true, "count": N, ...}``: exactly N records precede it.
+
+:class:`StreamWriter` appends whole lines straight to the file descriptor (each
+call one write, so what a crashed producer wrote stays on disk) and can drop its
+footer again to append more (:meth:`StreamWriter.reopen`).  When a write fails (a full disk, a file size
+limit) the file is cut back to its last whole line and closed with the footer
+``{"end": true, "count": N, "complete": false, "cut": "<why>"}`` (the last records
+give way when even the footer does not fit), then :class:`StreamWriteError`
+names the file and how many records it kept.
+
+Reading rules (:func:`read_stream`, one set for every stream):
+
+1. the header must be there, name the expected format and a known version; a
+   pickle is refused without being unpickled;
+2. every other non-blank line is a JSON object; after the footer only blank
+   lines may follow, and its count must match the records read;
+3. no footer (the writer died): an error, unless ``allow_partial``, which keeps
+   the records read and drops an undecodable (cut) last line; an undecodable line
+   anywhere else is always an error;
+4. a footer with ``"complete": false`` (the writer stopped early and said so):
+   the file is whole up to there, so it is read, with one warning when it names
+   its ``cut``, and reported incomplete.
+
+What a record holds is the consumer's: the trace record schema lives in
+:mod:`.stream`, dump entries in :mod:`determ_backend.dump.capture.entries`.
+Tensor payloads live in :mod:`.store`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Type, Union
+
+from determ_backend.errors import DetermError, TraceFormatError
+
+__all__ = ["StreamFormat", "StreamWriter", "StreamWriteError", "Stream", "read_stream", "read_header", "write_all"]
+
+log = logging.getLogger(__name__)
+
+_IOV_MAX = 512  # buffers per writev call (the system limit is at least 1024)
+
+
+class StreamWriteError(DetermError, OSError):
+    """A stream or store file could not be written (disk full, file size limit, permissions); what was
+    written before stays readable."""
+
+
+@dataclass(frozen=True)
+class StreamFormat:
+    """One kind of stream: the header's ``format`` and newest ``version``, and the words messages use."""
+
+    name: str
+    version: int
+    what: str
+    items: str = "records"
+    died: str = "the producing process may have died"
+
+
+def write_all(fd: int, data: Union[bytes, memoryview, Sequence[Any]]) -> None:
+    """Write ``data`` -- a bytes-like object or a sequence of them -- completely to ``fd``
+    (``os.write``/``os.writev`` may write less than asked)."""
+    if not isinstance(data, (list, tuple)):
+        data = [data]
+    bufs = [m for m in (memoryview(b).cast("B") for b in data) if len(m)]
+    i = 0
+    while i < len(bufs):
+        n = os.writev(fd, bufs[i:i + _IOV_MAX]) if len(bufs) - i > 1 else os.write(fd, bufs[i])
+        while n and i < len(bufs):
+            if n >= len(bufs[i]):
+                n -= len(bufs[i])
+                i += 1
+            else:
+                bufs[i] = bufs[i][n:]
+                n = 0
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=True, default=str)
+
+
+class StreamWriter:
+    """Appends a header, records and a footer to ``path`` as whole lines (thread-safe); each
+    :meth:`write`/:meth:`write_lines` call is written at once.  ``error``: the :class:`StreamWriteError`
+    subclass raised when a write fails."""
+
+    _KEEP_STARTS = 256
+    """Line starts remembered, so a footer can take the place of the last records on a full disk."""
+
+    def __init__(self, path: Union[str, Path], fmt: StreamFormat, header: Dict[str, Any],
+                 error: Type[StreamWriteError] = StreamWriteError):
+        self.path = Path(path)
+        self.fmt = fmt
+        self._error = error
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pos = 0  # bytes on disk: whole lines only
+        self.count = 0
+        self._footer_at: Optional[int] = None
+        self._starts: Deque[int] = collections.deque(maxlen=self._KEEP_STARTS)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._append([json.dumps({"format": fmt.name, "version": fmt.version, **header}) + "\n"], records=False)
+
+    # ---- appending (under the lock) ------------------------------------------------------------
+    def _append(self, lines: Sequence[str], records: bool = True) -> None:
+        """Write ``lines`` (each ending in a newline) in one go; when that fails, cut the file and raise."""
+        data = [line.encode("utf-8") for line in lines]
+        try:
+            write_all(self._fd, data)
+        except OSError as e:
+            kept = self._cut(e)
+            raise self._error(f"{self.path}: cannot write the {self.fmt.what} ({e.strerror or e}); it keeps the "
+                              f"{kept} {self.fmt.items} written before and is marked cut") from e
+        for d in data:
+            if records:
+                self._starts.append(self._pos)
+            self._pos += len(d)
+        if records:
+            self.count += len(data)
+
+    def _cut(self, e: OSError) -> int:
+        """Back to the last whole line, a footer saying why if it fits, and closed; the records kept."""
+        fd, self._fd = self._fd, None
+        self._footer_at = None
+        try:
+            while True:
+                os.ftruncate(fd, self._pos)
+                os.lseek(fd, self._pos, os.SEEK_SET)
+                footer = json.dumps({"end": True, "count": self.count, "complete": False,
+                                     "cut": e.strerror or str(e)}) + "\n"
+                try:
+                    write_all(fd, footer.encode("utf-8"))
+                    return self.count
+                except OSError:
+                    if not self._starts:
+                        raise
+                    self._pos = self._starts.pop()  # no room for the footer: it takes the last record's place
+                    self.count -= 1
+        except OSError:
+            try:
+                os.ftruncate(fd, self._pos)  # nothing fits: the last whole record ends the file
+            except OSError:
+                pass
+            return self.count
+        finally:
+            os.close(fd)
+
+    def _check_open(self) -> None:
+        if self._fd is None:
+            raise self._error(f"{self.path}: the {self.fmt.what} is closed")
+
+    # ---- public ----------------------------------------------------------------------------------
+    def write(self, record: Dict[str, Any]) -> None:
+        """Append one record (a JSON object; values JSON cannot hold are written as their ``str``)."""
+        self.write_lines([_dumps(record)])
+
+    def write_lines(self, lines: Sequence[str]) -> None:
+        """Append records already serialized, one JSON object text (no newline) each."""
+        if not lines:
+            return
+        with self._lock:
+            self._check_open()
+            self._append([line + "\n" for line in lines])
+
+    def close(self, **footer: Any) -> None:
+        """Write the footer ``{"end": true, "count": N, **footer}`` and close; a no-op once closed."""
+        with self._lock:
+            if self._fd is None:
+                return
+            at = self._pos
+            self._append([json.dumps({"end": True, "count": self.count, **footer}) + "\n"], records=False)
+            self._footer_at = at
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def reopen(self) -> None:
+        """Drop the footer written by :meth:`close` and append again (not after a cut)."""
+        with self._lock:
+            if self._fd is not None:
+                return
+            if self._footer_at is None:
+                raise self._error(f"{self.path}: the {self.fmt.what} was cut and cannot be appended to")
+            self._fd = os.open(self.path, os.O_WRONLY)
+            os.ftruncate(self._fd, self._footer_at)
+            os.lseek(self._fd, self._footer_at, os.SEEK_SET)
+            self._pos = self._footer_at
+
+    def __enter__(self) -> "StreamWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class Stream:
+    """A stream as read: its header, records (as the consumer parsed them) and footer (``{}`` when the
+    writer died before writing one)."""
+
+    path: Path
+    header: Dict[str, Any]
+    records: List[Any]
+    footer: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        """A footer is there and does not say the writer stopped early."""
+        return bool(self.footer) and self.footer.get("complete") is not False
+
+    @property
+    def cut(self) -> Optional[str]:
+        """Why the writer cut the stream short (a full disk, a size limit), else None."""
+        return self.footer.get("cut") if self.footer.get("complete") is False else None
+
+
+def _check_header(p: Path, first: bytes, fmt: StreamFormat) -> Dict[str, Any]:
+    if first[:1] == b"\x80":
+        raise TraceFormatError(f"{p}: a pickle file (ptdbg/msprobe?), not a determ {fmt.what}; determ never "
+                               f"unpickles files")
+    try:
+        header = json.loads(first)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict) or header.get("format") != fmt.name:
+        raise TraceFormatError(f"{p}: not a determ {fmt.what} (line 1 has no {fmt.name} header)")
+    v = header.get("version")
+    if type(v) is not int or v < 1:
+        raise TraceFormatError(f"{p}:1: bad {fmt.what} format version {v!r} (expected an integer from 1 to "
+                               f"{fmt.version})")
+    if v > fmt.version:
+        raise TraceFormatError(f"{p}:1: {fmt.what} format version {v} is newer than this determ reads (up to "
+                               f"{fmt.version}); read it with the determ release that wrote it")
+    return header
+
+
+def read_header(path: Union[str, Path], fmt: StreamFormat) -> Dict[str, Any]:
+    """The header of a stream (its first line only; the records are not read)."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        return _check_header(p, f.readline(), fmt)
+
+
+def read_stream(path: Union[str, Path], fmt: StreamFormat, allow_partial: bool = False,
+                parse: Optional[Callable[[Path, int, Dict[str, Any]], Any]] = None) -> Stream:
+    """Read a stream by the rules in this module's docstring; ``parse(path, lineno, obj)`` turns each record
+    object into the consumer's record (and raises :class:`TraceFormatError` for a bad one).  Every error is a
+    one-line :class:`TraceFormatError` naming the file (and line)."""
+    p = Path(path)
+    records: List[Any] = []
+    footer: Dict[str, Any] = {}
+    cut: Optional[int] = None  # line number of an undecodable line, tolerated only if nothing follows it
+    with open(p, "rb") as f:
+        header = _check_header(p, f.readline(), fmt)
+        for lineno, raw in enumerate(f, start=2):
+            if not raw.strip():
+                continue
+            if cut is not None:
+                raise TraceFormatError(f"{p}:{cut}: corrupt JSON line in the middle of the {fmt.what} (only a "
+                                       f"truncated last line is accepted, with allow_partial/--allow-partial)")
+            if footer:
+                raise TraceFormatError(f"{p}:{lineno}: data after the end line")
+            try:
+                d = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                if not allow_partial:
+                    raise TraceFormatError(f"{p}:{lineno}: corrupt or truncated JSON line") from None
+                cut = lineno
+                continue
+            if not isinstance(d, dict):
+                raise TraceFormatError(f"{p}:{lineno}: expected a JSON object, got {type(d).__name__}")
+            if d.get("end") is True:
+                if d.get("count") != len(records):
+                    raise TraceFormatError(f"{p}: end line says {d.get('count')} {fmt.items}, found {len(records)}")
+                footer = d
+                continue
+            records.append(parse(p, lineno, d) if parse is not None else d)
+    if not footer and not allow_partial:
+        raise TraceFormatError(f"{p}: truncated {fmt.what} (no end line; {fmt.died})")
+    s = Stream(p, header, records, footer)
+    if s.cut:
+        log.warning("%s: incomplete %s: the %s was cut (%s) after %d %s", p, fmt.what, fmt.what, s.cut,
+                    len(records), fmt.items)
+    return s
