@@ -1,11 +1,16 @@
-"""Source text of a repro script: ``class Repro`` from a GraphModule, the config function, the runtime.
+"""The one GraphModule -> Python source writer: ``class Repro`` from a GraphModule, and a repro script's text.
 
 :class:`CodeWriter` turns a GraphModule (and nested GraphModules of higher-order
 ops, and torch.nn leaf modules of ``call_module`` nodes) into classes whose
 ``forward`` is the graph's code with the user's source lines as comments, and
 collects the imports and the tensor attributes (parameters, buffers, constants)
-to load from the content store.  :func:`script_text` assembles the whole file.
-Writing/reading the file lives in :mod:`repro_tools.repro.script`.
+to load from the content store.  Its two products:
+
+* :func:`script_text` -- a whole repro script (config function, runtime, data
+  descriptions); writing and reading the file lives in :mod:`repro_tools.repro.script`;
+* :func:`graph_source` -- a self-contained module holding ``class Repro`` alone
+  (no store, no comments), the graph file of the minifier's exchange format;
+  reading it back and the inputs beside it live in :mod:`repro_tools.repro.graph_code`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 import pprint
 import types
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,7 +31,7 @@ from determ_backend.errors import ReproError
 
 from repro_tools.repro.store import StoreWriter
 
-__all__ = ["CodeWriter", "script_text"]
+__all__ = ["CodeWriter", "script_text", "graph_source"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ _BUILTIN_NAMESPACES = {"aten", "prims", "quantized", "higher_order", "_c10d_func
                        "_dtensor", "inductor", "profiler", "debugprims", "rngprims", "_quantized", "quantized_decomposed"}
 _CALL_OPS = ("call_function", "call_method", "call_module")
 _RUNTIME = [Path(__file__).with_name("_inputs.py"), Path(__file__).with_name("_harness.py")]
+_HEADER = "import torch\nimport torch.fx\nfrom torch import device\n"
 
 
 def _import_line(name: str, value: Any) -> Optional[str]:
@@ -75,10 +81,14 @@ def _last_frame(stack_trace: str) -> str:
 
 
 class CodeWriter:
-    """Emits one class per (sub)graph; collects imports, custom-op modules and tensor attributes."""
+    """Emits one class per (sub)graph; collects imports, custom-op modules and tensor attributes.
 
-    def __init__(self, store: StoreWriter):
-        self.store = store
+    ``store``: where tensor attributes go (the top-level class calls the runtime's ``install_attrs``);
+    None for a self-contained class, which then cannot hold tensors.  ``verbose``: type annotations and
+    the user's source lines as comments."""
+
+    def __init__(self, store: Optional[StoreWriter], verbose: bool = True):
+        self.store, self.verbose = store, verbose
         self.imports: Dict[str, str] = {}
         self.op_modules: List[str] = []
         self.attrs: List[Dict[str, Any]] = []
@@ -86,7 +96,7 @@ class CodeWriter:
         self.nodes: List[List[Any]] = []
 
     def module_class(self, gm: fx.GraphModule, cls_name: str, prefix: str = "") -> str:
-        code = gm.graph.python_code(root_module="self", verbose=True)
+        code = gm.graph.python_code(root_module="self", verbose=self.verbose)
         for k, v in sorted(code.globals.items()):
             line = _import_line(k, v)
             if line:
@@ -99,7 +109,7 @@ class CodeWriter:
         body = "\n".join("    " + ln if ln.strip() else "" for ln in code.src.strip("\n").splitlines())
         src = f"class {cls_name}(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
         src += "".join(f"        {ln}\n" for ln in init)
-        if not prefix:
+        if not prefix and self.store is not None:
             src += "        install_attrs(self)  # parameters, buffers and constants (ATTRS)\n"
         self.classes.append(src + "\n" + body.rstrip() + "\n")
         return cls_name
@@ -127,9 +137,17 @@ class CodeWriter:
         return lines
 
     def _attr(self, name: str, t: torch.Tensor) -> None:
+        if self.store is None:
+            raise ReproError(f"graph attribute {name!r} is a tensor; a graph holding tensors is written as a repro "
+                             "script (repro_tools.repro.script.write_repro), or with its tensors as inputs")
         spec = self.store.describe(t, name)
         spec["attr_kind"] = "parameter" if isinstance(t, torch.nn.Parameter) else "buffer"
         self.attrs.append(spec)
+
+    def import_lines(self, modules: Sequence[str] = ()) -> str:
+        """The imports the classes need: torch, ``modules`` (custom ops' homes), then each global."""
+        return (_HEADER + "".join(f"import {mod}\n" for mod in dict.fromkeys([*modules, *self.op_modules]))
+                + "\n".join(sorted(self.imports.values())) + "\n")
 
     def _scan_custom_ops(self, gm: fx.GraphModule) -> None:
         for n in gm.graph.nodes:
@@ -141,6 +159,15 @@ class CodeWriter:
                     self.op_modules.append(mod)
                 elif not mod or mod == "__main__":
                     log.warning("custom op %s: its defining module is not importable; pass meta={'imports': [...]}", qual)
+
+
+def graph_source(gm: fx.GraphModule) -> str:
+    """Source of a module holding ``class Repro(torch.nn.Module)`` whose forward is ``gm``'s graph, with
+    nothing else to load: a graph whose tensors are all inputs (the minifier's candidates), with torch.nn
+    leaf modules and nested GraphModules written as code."""
+    writer = CodeWriter(None, verbose=False)
+    writer.module_class(gm, "Repro")
+    return writer.import_lines() + "\n\n" + "\n\n".join(writer.classes)
 
 
 def _runtime_source() -> str:
@@ -196,8 +223,7 @@ def script_text(m: Dict[str, Any], specs: List[Dict[str, Any]], writer: CodeWrit
              "import os\nimport sys\n",
              f"if __name__ == '__main__':  # env vars set when the graph was compiled (before torch is imported)\n"
              f"    for _k, _v in {env!r}.items():\n        os.environ.setdefault(_k, _v)\n",
-             "import torch\nimport torch.fx\nfrom torch import device\n" + "".join(f"import {mod}\n" for mod in m.get("imports", []))
-             + "\n".join(sorted(writer.imports.values())) + "\n",
+             writer.import_lines(m.get("imports", [])),
              "META = " + pprint.pformat(m, width=110, sort_dicts=True) + "\n",
              "INPUTS = " + pprint.pformat(specs, width=110) + "\n",
              "ATTRS = " + pprint.pformat(writer.attrs, width=110) + "\n",

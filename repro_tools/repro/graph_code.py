@@ -1,11 +1,12 @@
 """A GraphModule as Python source, and back; tensors saved for ``torch.load(weights_only=True)``.
 
 This is the minimal, pickle-free exchange format the minifier uses between its
-own processes (the isolated oracle worker) and, until a repro script is
-available, for its checkpoints: ``graph.py`` holds ``class Repro(torch.nn.Module)``
-whose ``forward`` is the graph's code, ``inputs.pt`` the input values.  Loading
-executes the generated source (written by us, never by a third party) and
-re-traces it with :func:`torch.fx.symbolic_trace`.
+own processes (the isolated oracle worker; ``repro-tools minify`` reads such a
+directory too): ``graph.py`` holds ``class Repro(torch.nn.Module)`` whose
+``forward`` is the graph's code, written by the one source writer,
+:func:`repro_tools.repro.codegen.graph_source`; ``inputs.pt`` the input values.
+Loading executes the generated source (written by us, never by a third party)
+and re-traces it with :func:`torch.fx.symbolic_trace`.
 
 Standalone, user-facing repro scripts live in :mod:`repro_tools.repro.script`.
 """
@@ -13,8 +14,6 @@ Standalone, user-facing repro scripts live in :mod:`repro_tools.repro.script`.
 from __future__ import annotations
 
 import json
-import math
-import types
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
@@ -24,40 +23,9 @@ import torch.fx as fx
 from determ_backend.errors import ReproError
 from determ_backend.trace.stream import atomic_path, atomic_write_text
 
-__all__ = ["graph_source", "graph_from_source", "save_tensors", "load_tensors", "write_graph_dir", "read_graph_dir"]
+from repro_tools.repro.codegen import graph_source
 
-_HEADER = "import torch\nimport torch.fx\nfrom torch import device\nfrom math import inf, nan\n"
-
-
-def _import_line(name: str, value: Any) -> str:
-    """One import statement binding ``name`` to ``value`` in the generated module."""
-    if isinstance(value, types.ModuleType):
-        return f"import {value.__name__} as {name}"
-    if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
-        return f"{name} = float({str(value)!r})"
-    if value is type(None):
-        return f"{name} = type(None)"
-    mod, qual = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
-    if mod and qual and "<" not in qual:
-        top, _, rest = qual.partition(".")
-        line = f"from {mod} import {top} as {name}" if not rest else f"import {mod} as _m_{name}\n{name} = _m_{name}.{qual}"
-        return line
-    raise ReproError(f"graph uses global {name!r} = {value!r}, which has no importable name; cannot write it as code")
-
-
-def graph_source(gm: fx.GraphModule) -> str:
-    """Source of a module ``class Repro(torch.nn.Module)`` whose forward is ``gm``'s graph.
-
-    Only graphs of ``placeholder``/``call_function``/``call_method``/``output`` nodes
-    (plus ``get_attr`` of plain tensors, inlined as buffers) can be written.
-    """
-    bad = [n.format_node() for n in gm.graph.nodes if n.op == "call_module"]
-    if bad:
-        raise ReproError(f"graph has call_module nodes ({bad[0]}); flatten it (make_fx / aot) before writing it as code")
-    code = gm.graph.python_code("self")
-    imports = [_import_line(k, v) for k, v in sorted(code.globals.items()) if k not in ("torch", "device", "inf", "nan")]
-    body = "\n".join("    " + line for line in code.src.strip("\n").splitlines())
-    return _HEADER + "\n".join(imports) + "\n\n\nclass Repro(torch.nn.Module):\n" + body + "\n"
+__all__ = ["graph_from_source", "save_tensors", "load_tensors", "write_graph_dir", "read_graph_dir"]
 
 
 def graph_from_source(src: str, filename: str = "<graph>") -> fx.GraphModule:

@@ -10,7 +10,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from determ_backend.errors import ReproError
-from repro_tools.repro.graph_code import graph_from_source, graph_source, read_graph_dir, write_graph_dir
+from repro_tools.repro.codegen import graph_source
+from repro_tools.repro.graph_code import graph_from_source, read_graph_dir, write_graph_dir
 from repro_tools.minify.isolate import Worker
 from repro_tools.minify.oracles import OracleSpec
 from paths import ROOT
