@@ -270,6 +270,7 @@ class _NamingTracer(fx.Tracer):
         return node
 
 
+# Twin of _harness.EveryOpTraced (the scripts' torch-only runtime): importing it here would close an import cycle.
 class _RecordConstantOps(torch.overrides.TorchFunctionMode):
     """While tracing: every operator call becomes a node, as it was in the graph -- one called on no
     traced value (a factory op), and one whose traced values sit inside a list (``full([2, s0], ...)``
