@@ -1,18 +1,16 @@
 """Reading and writing the minifier's repro files, and the oracle a repro's metadata describes.
 
-Repro scripts (``repro.py`` with ``class Repro`` and a content store) are written
-and read by :mod:`repro_tools.repro.script` (``write_repro`` / ``load_repro``)
-when that module is present; otherwise, and for graph directories written by
-:func:`repro_tools.repro.graph_code.write_graph_dir`, the minimal internal format is used.
-:func:`spec_from_meta` turns a repro's metadata plus command-line overrides into an
-:class:`~repro_tools.minify.oracles.OracleSpec`; :func:`inherited_meta` is what a minimal repro keeps of
-its source's metadata.
+The minifier writes repro scripts (``repro.py`` with ``class Repro`` and a content
+store: :mod:`repro_tools.repro.script`'s ``write_repro`` / ``load_repro``) and reads
+those or graph directories (:func:`repro_tools.repro.graph_code.read_graph_dir`, the
+format of its worker exchange).  :func:`spec_from_meta` turns a repro's metadata plus
+command-line overrides into an :class:`~repro_tools.minify.oracles.OracleSpec`;
+:func:`inherited_meta` is what a minimal repro keeps of its source's metadata.
+Minifying a repro file end to end is :func:`repro_tools.minify.minifier.minify_repro`.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -21,10 +19,11 @@ import torch.fx as fx
 
 from determ_backend.errors import ReproError
 
-from repro_tools.repro.graph_code import read_graph_dir, write_graph_dir
+from repro_tools.repro.graph_code import read_graph_dir
+from repro_tools.repro.script import load_repro, write_repro
 from repro_tools.minify.oracles import KINDS, OracleSpec
 
-__all__ = ["write_repro_any", "load_repro_any", "spec_from_meta", "inherited_meta", "repro_script_module"]
+__all__ = ["write_repro_any", "load_repro_any", "spec_from_meta", "inherited_meta"]
 
 _KIND_ALIASES = {"any": "error"}
 _NOT_INHERITED = frozenset({
@@ -35,13 +34,6 @@ _NOT_INHERITED = frozenset({
     "store", "store_abs", "script_name", "regenerated_inputs", "created", "device", "torch_version", "launcher",
     "minified", "source", "start_key",
 })
-
-
-def repro_script_module():
-    """:mod:`repro_tools.repro.script` when it is part of this installation, else None."""
-    if importlib.util.find_spec("repro_tools.repro.script") is None:
-        return None
-    return importlib.import_module("repro_tools.repro.script")
 
 
 def _user_paths() -> List[str]:
@@ -56,15 +48,12 @@ def _user_paths() -> List[str]:
 
 def write_repro_any(gm: fx.GraphModule, inputs: Sequence[Any], directory: Union[str, Path],
                     meta: Optional[Dict[str, Any]] = None) -> Path:
-    """Write a repro of ``(gm, inputs)`` into ``directory``; returns the file to run / minify."""
+    """Write a repro script of ``(gm, inputs)`` into ``directory``; returns the file to run / minify."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     meta = dict(meta or {})
     meta["sys_path"] = list(dict.fromkeys(list(meta.get("sys_path") or []) + _user_paths()))
-    mod = repro_script_module()
-    if mod is not None:
-        return Path(mod.write_repro(gm, list(inputs), d / "repro.py", meta=meta))
-    return write_graph_dir(gm, inputs, d, meta)
+    return Path(write_repro(gm, list(inputs), d / "repro.py", meta=meta))
 
 
 def load_repro_any(path: Union[str, Path]) -> Tuple[fx.GraphModule, List[Any], Dict[str, Any]]:
@@ -75,11 +64,7 @@ def load_repro_any(path: Union[str, Path]) -> Tuple[fx.GraphModule, List[Any], D
     graph_dir = p if p.is_dir() else p.parent
     if (graph_dir / "graph.py").is_file() and (p.is_dir() or p.name == "graph.py"):
         return read_graph_dir(graph_dir)
-    mod = repro_script_module()
-    if mod is None:
-        raise ReproError(f"{p}: not a graph directory (graph.py + inputs.pt) and repro scripts are not supported "
-                         "by this installation")
-    gm, inputs, meta = mod.load_repro(p)
+    gm, inputs, meta = load_repro(p)
     return gm, list(inputs), dict(meta or {})
 
 
