@@ -6,6 +6,8 @@ the command families' packages (:mod:`repro_tools.xdevice`, :mod:`repro_tools.bi
 :mod:`repro_tools.minify.analyze`); that function adds the subparser and sets
 ``func=handler`` where ``handler(args) -> int`` returns the exit code
 (0 success / no divergence, 1 divergence or failure reproduced, 2 usage or input error).
+What the commands do lives in those modules and their packages; a launcher's ``minify``
+subcommand runs :mod:`.minify`'s handler itself (:func:`repro_tools.flows.failure.minify_script`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import List, Optional
 
 from determ_backend.errors import DetermError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "configure_logging"]
 
 _COMMANDS = (
     "repro_tools.cli.diff",
@@ -70,8 +72,7 @@ def _main(argv: Optional[List[str]]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help/--version exit 0, usage errors exit 2
         return int(e.code or 0)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
@@ -80,6 +81,12 @@ def _main(argv: Optional[List[str]]) -> int:
     except DetermError as e:
         print(f"repro-tools {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def configure_logging(verbose: bool = False) -> None:
+    """The commands' logging: INFO (DEBUG with ``verbose``) on stderr, unless the process configured its own."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
 
 
 def _silence_stdout() -> None:

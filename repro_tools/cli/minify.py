@@ -4,6 +4,11 @@ Exit codes: 1 when the minimal repro is written and still fails (the failure
 reproduces), 2 for bad input, including an input repro that does not fail and a
 compiler that cannot be resolved; 130 (Ctrl-C) / 143 (SIGTERM) when interrupted,
 after the worker is stopped and its temporary files are removed.
+
+This module parses the options, picks the output directory and reports; the
+work is :func:`repro_tools.minify.minifier.minify_repro`.  A launcher's ``minify``
+subcommand (:func:`repro_tools.flows.failure.minify_script`) runs the same
+handler with the same options (:func:`parse_args`).
 """
 
 from __future__ import annotations
@@ -17,18 +22,15 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from determ_backend import _torch_compat as tc
-from determ_backend.errors import ConfigError, DetermError, ReproError
+from determ_backend.errors import ConfigError, ReproError
 
-from repro_tools.minify.compilers import resolve_compiler
-from repro_tools.minify.minifier import STATE_FILE, minify
+from repro_tools.minify.minifier import STATE_FILE, minify_repro
 from repro_tools.minify.oracles import KINDS
-from repro_tools.minify.repro_files import inherited_meta, load_repro_any, spec_from_meta
-from repro_tools.repro.script import add_sys_path
 
-__all__ = ["register", "run", "out_dir_for"]
+__all__ = ["register", "parse_args", "run", "out_dir_for"]
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +51,25 @@ def _config_items(items: List[str]) -> Dict[str, Any]:
     return out
 
 
+_DESCRIPTION = ("Shrink a failing repro (repro.py or a graph directory) to a minimal graph that fails the same way. "
+                "Exit 1: minimal repro written, failure reproduces; 2: bad input or the input does not fail.")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("minify", help="shrink a failing repro to a minimal one (localize first, then shrink)",
-                              description="Shrink a failing repro (repro.py or a graph directory) to a minimal graph "
-                                          "that fails the same way. Exit 1: minimal repro written, failure "
-                                          "reproduces; 2: bad input or the input does not fail.")
+                              description=_DESCRIPTION)
+    _add_arguments(p)
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    """The ``minify`` command's options (those after ``repro-tools minify``) outside the command line's
+    dispatch; argparse's ``SystemExit`` on a usage error, as on the command line."""
+    p = argparse.ArgumentParser(prog="repro-tools minify", description=_DESCRIPTION)
+    _add_arguments(p)
+    return p.parse_args(argv)
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("repro", help="repro.py written by determ, or a graph directory (graph.py + inputs.pt)")
     p.add_argument("--kind", choices=KINDS + ("any",), help="failure to preserve (default: the repro's own)")
     p.add_argument("--compiler", help="compiler under test: backend name (inductor, aot_eager, ...), inductor_inner, "
@@ -138,24 +154,6 @@ def _repro_path(given: str) -> Path:
     return p
 
 
-def _load(path: Path) -> Tuple[Any, List[Any], Dict[str, Any]]:
-    """The repro's graph, inputs and metadata; a graph that cannot even be traced is bad input (exit 2)."""
-    try:
-        return load_repro_any(path)
-    except DetermError:
-        raise
-    except Exception as e:  # the repro's own code runs while tracing: any error means it cannot run eagerly
-        raise ReproError(f"{path}: the input graph cannot run eagerly ({type(e).__name__}: {e})") from e
-
-
-def _check_compiler(spec: Any, given: Optional[str], src: Path) -> None:
-    """Resolve the compiler now: a name that does not resolve is bad input, never the failure under study."""
-    try:
-        resolve_compiler(spec.compiler)
-    except ConfigError as e:
-        raise ConfigError(f"--compiler: {e}" if given else f"{src}: the recorded {e}") from e
-
-
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(signum)
 
@@ -172,20 +170,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-queries must be >= 1, got {args.max_queries}")
     src = _repro_path(args.repro)
     out = out_dir_for(src, args.out, args.resume)  # a bad --out fails before the (slow) load and input check
-    gm, inputs, meta = _load(src)
-    add_sys_path(meta, src)
-    config = {**(meta.get("config") if isinstance(meta.get("config"), dict) else {}), **_config_items(args.config)}
-    spec = spec_from_meta(meta, kind=args.kind, compiler=args.compiler, tol=args.tol, strict=args.strict,
-                          timeout=args.timeout, similarity=args.similarity, devices=args.devices,
-                          **({"config": config} if args.config else {}))
-    _check_compiler(spec, args.compiler, src)
+    config = _config_items(args.config)
+    overrides = {"kind": args.kind, "compiler": args.compiler, "tol": args.tol, "strict": args.strict,
+                 "timeout": args.timeout, "similarity": args.similarity, "devices": args.devices}
     main_thread = threading.current_thread() is threading.main_thread()
     # SIGTERM is cleaned up like Ctrl-C: the worker is stopped and its temporary files are removed
     old = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        result = minify(gm, inputs, spec, isolate=not args.in_process, budget=args.max_queries,
-                        localize=not args.no_localize, out_dir=out, resume=args.resume,
-                        progress=not args.no_progress, meta={**inherited_meta(meta), "source": str(src.resolve())})
+        result = minify_repro(src, out, overrides=overrides, config=config, isolate=not args.in_process,
+                              budget=args.max_queries, localize=not args.no_localize, resume=args.resume,
+                              progress=not args.no_progress)
     except KeyboardInterrupt as e:
         return _interrupted(e, args, out)
     finally:

@@ -20,10 +20,13 @@ tensors shared, so taking it creates no tensor (safe under AOT's fake mode).
 
 :func:`minify_script` is what a launcher's ``minify`` subcommand runs: it checks
 that the script fails here and how (one ``run`` in a child process; skipped when
-the flows saw it fail), runs :mod:`repro_tools.minify.minifier` (or, where that is not
-installed, keeps the full graph, clearly labelled "not minified"), and copies the
-result; when the script being minified is ``./repro.py`` itself, the result goes
-to ``./repro.min.py`` and the script is left as it is.
+the flows saw it fail), runs the minifier (:func:`repro_tools.minify.minifier.minify_repro`,
+through the ``minify`` command's own option parser and handler,
+:mod:`repro_tools.cli.minify`: the same options, output and exit codes as
+``repro-tools minify``), and copies the result; when the minifier stops on a failure
+the flows saw, the full graph is kept, clearly labelled "not minified".  When the
+script being minified is ``./repro.py`` itself, the result goes to
+``./repro.min.py`` and the script is left as it is.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib.util
 import logging
 import os
 import re
@@ -46,9 +48,11 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig
-from determ_backend.errors import AccuracyError, ReproError
+from determ_backend.errors import AccuracyError, DetermError, ReproError
 from determ_backend.backends.run import get_run
 
+from repro_tools.cli import configure_logging
+from repro_tools.cli import minify as minify_command
 from repro_tools.repro.script import capture_compile_config, copy_repro, read_meta, write_repro
 
 __all__ = ["GraphDump", "graph_snapshot", "report_flow_error", "minify_script", "print_summary", "LAUNCHER", "REPRO"]
@@ -270,11 +274,7 @@ def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
         kind = found if kind == "any" else kind
     given = _pop_option(argv, "--out")
     out = Path(given or _unique_dir(path.parent, "minify"))
-    if importlib.util.find_spec("repro_tools.minify.minifier") is None:
-        return _not_minified(path, out, kind, "repro_tools.minify.minifier is not installed")
-    from repro_tools.cli import main as cli_main
-
-    rc = cli_main(["minify", str(path), "--kind", kind, "--out", str(out)] + argv)
+    rc = _minify(path, out, kind, argv)
     minimal = out / "minimal" / REPRO
     if rc != 1 or not minimal.is_file():
         if not given and out.is_dir() and not any(out.iterdir()):
@@ -291,6 +291,20 @@ def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
     print_summary(f"minimal repro of {kind} ({path.name})",
                   [f"original: {path}", f"checkpoints: {out / 'checkpoints'}", f"minimal: {minimal}", where], final)
     return 1
+
+
+def _minify(path: Path, out: Path, kind: str, argv: List[str]) -> int:
+    """The minifier on ``path`` with ``repro-tools minify``'s options ``argv``: parsed by that command's
+    parser, run by its handler (:func:`repro_tools.minify.minifier.minify_repro`, the summary, Ctrl-C and
+    SIGTERM handling), its errors reported as the command line does; its exit code."""
+    configure_logging()
+    try:
+        return minify_command.run(minify_command.parse_args([str(path), "--kind", kind, "--out", str(out)] + argv))
+    except SystemExit as e:  # argparse: a usage error (2), or --help (0)
+        return int(e.code or 0)
+    except DetermError as e:
+        print(f"repro-tools minify: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _is_cwd_repro(path: Path) -> bool:

@@ -9,7 +9,7 @@ process), :mod:`.repro_files` (its repro files and the oracle they describe), :m
 repro's graph it goes wrong).  The command line is :mod:`repro_tools.cli.minify`.
 """
 
-from repro_tools.minify.minifier import MinifyResult, minify
+from repro_tools.minify.minifier import MinifyResult, minify, minify_repro
 from repro_tools.minify.oracles import OracleSpec
 
-__all__ = ["minify", "MinifyResult", "OracleSpec"]
+__all__ = ["minify", "minify_repro", "MinifyResult", "OracleSpec"]

@@ -9,7 +9,9 @@ when localization does not apply or does not verify, and finishes with
 single-node removal so the result is 1-minimal.  The final result's failing
 verdict must come from a query made in this run; flaky kinds (nondeterminism,
 hang) and results restored by ``--resume`` are asked once more.  After every improvement a checkpoint repro and a JSON state
-file are written to ``out_dir``, so a killed run continues with ``resume=True``.
+file are written to ``out_dir``, so a killed run continues with ``resume=True``.  :func:`minify_repro` does
+the same for a repro file (its graph, inputs and the oracle its metadata describes): what
+``repro-tools minify`` (:mod:`repro_tools.cli.minify`) and a launcher's ``minify`` subcommand run.
 
 Reading/writing repro files lives in :mod:`repro_tools.minify.repro_files`; candidates in
 :mod:`repro_tools.minify.subgraph`; the search loop in :mod:`repro_tools.minify.reducer`.
@@ -29,17 +31,18 @@ import torch
 import torch.fx as fx
 from tqdm import tqdm
 
-from determ_backend.errors import ConfigError, OracleError, ReproError
+from determ_backend.errors import ConfigError, DetermError, OracleError, ReproError
 from determ_backend.trace.stream import atomic_write_text
 
 from repro_tools.minify import passes
 from repro_tools.minify.compilers import resolve_compiler
 from repro_tools.minify.oracles import ISOLATED_ONLY, InProcessRunner, OracleSpec, Signature, Verdict
 from repro_tools.minify.reducer import BudgetExhausted, Reducer
-from repro_tools.minify.repro_files import write_repro_any
+from repro_tools.minify.repro_files import inherited_meta, load_repro_any, spec_from_meta, write_repro_any
 from repro_tools.minify.subgraph import Candidate, GraphView, source_line
+from repro_tools.repro.script import add_sys_path
 
-__all__ = ["minify", "MinifyResult"]
+__all__ = ["minify", "minify_repro", "MinifyResult", "STATE_FILE"]
 
 log = logging.getLogger(__name__)
 STATE_FILE = "minify_state.json"
@@ -228,6 +231,39 @@ def minify(gm: fx.GraphModule, inputs: Sequence[Any], spec: OracleSpec, *, runne
     finally:
         if own_runner:
             runner.close()
+
+
+def minify_repro(src: Union[str, Path], out_dir: Optional[Union[str, Path]] = None, *,
+                 overrides: Optional[Dict[str, Any]] = None, config: Optional[Dict[str, Any]] = None,
+                 **options: Any) -> MinifyResult:
+    """:func:`minify` of a repro file: a script or a graph directory (``graph.py`` + ``inputs.pt``).
+
+    The oracle is the one the repro's metadata describes (:func:`~repro_tools.minify.repro_files.spec_from_meta`)
+    with the non-None ``overrides`` (``kind``, ``compiler``, ``tol``, ``strict``, ``timeout``, ``similarity``,
+    ``devices``: the command line's options, which the messages name) and ``config`` entries added to the
+    recorded compile config; what the minifier writes inherits the repro's metadata; ``options`` go to
+    :func:`minify`.  A graph that cannot even run eagerly is a :class:`ReproError`, a compiler that does not
+    resolve a :class:`ConfigError`, both before any query.  ``repro-tools minify`` and a launcher's
+    ``minify`` subcommand (:func:`repro_tools.flows.failure.minify_script`) run this."""
+    src = Path(src)
+    try:
+        gm, inputs, meta = load_repro_any(src)
+    except DetermError:
+        raise
+    except Exception as e:  # the repro's own code runs while tracing: any error means it cannot run eagerly
+        raise ReproError(f"{src}: the input graph cannot run eagerly ({type(e).__name__}: {e})") from e
+    add_sys_path(meta, src)
+    overrides = dict(overrides or {})
+    if config:
+        recorded = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        overrides["config"] = {**recorded, **config}
+    spec = spec_from_meta(meta, **overrides)
+    try:
+        resolve_compiler(spec.compiler)  # a name that does not resolve is bad input, never the failure under study
+    except ConfigError as e:
+        raise ConfigError(f"--compiler: {e}" if overrides.get("compiler") else f"{src}: the recorded {e}") from e
+    return minify(gm, inputs, spec, out_dir=out_dir,
+                  meta={**inherited_meta(meta), "source": str(src.resolve())}, **options)
 
 
 def _resume(s: _Session, state: Dict[str, Any], spec: OracleSpec, budget: int) -> Reducer:
