@@ -160,14 +160,19 @@ class HashBatch:
         already computed (by :func:`fingerprint_now`).  ``copy=False``: ``t`` stays unchanged until
         :meth:`finish` (a small tensor's words are then not copied)."""
         check_tensor(t)
+        return self._add(t, known, copy)
+
+    def _add(self, t: torch.Tensor, known: Optional[int], copy: bool) -> int:
+        """:meth:`add` of a tensor already checked."""
         i = len(self._keys)
-        self._keys.append(_tensor_key(t))
         if known is None and self.device.type == "cpu":
             nat = fingerprint_now(t)
             known = None if nat is None else nat[0]
         if known is not None:
+            self._keys.append(0)  # never used: the native value replaces the finished one
             self._native[i] = known
             return i
+        self._keys.append(_tensor_key(t))
         w = words(t)
         n = w.numel()
         if n == 0:
@@ -226,7 +231,7 @@ def hash_tensors(tensors: Iterable[torch.Tensor]) -> List[int]:
     for dev, idx in by_dev.items():
         batch = HashBatch(dev)
         for i in idx:
-            batch.add(tensors[i], copy=False)
+            batch._add(tensors[i], None, False)  # checked above
         for i, v in zip(idx, batch.finish().cpu().tolist()):
             out[i] = v & MASK64
     return out
@@ -258,7 +263,6 @@ def hash_tensor(t: torch.Tensor) -> int:
 
 # ---------------------------------------------------------------- statistics
 
-_STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
 _NO_ARITHMETIC = frozenset(getattr(torch, name) for name in (
     "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16", "float4_e2m1fn_x2",
     *(f"int{b}" for b in range(1, 8)), *(f"uint{b}" for b in range(1, 8)),
@@ -352,14 +356,11 @@ def _segment_vectors(tensors: List[torch.Tensor], dev: torch.device) -> torch.Te
 
 def _stats_dict(v: Sequence[float]) -> dict:
     """The statistics of a ``[min, max, mean, l2, nan, inf, numel]`` vector (numel 0: empty, -1: no arithmetic)."""
-    d = dict(zip(_STAT_KEYS, v[:6]))
-    d["nan"] = int(d["nan"])
-    d["inf"] = int(d["inf"])
-    if v[6] <= 0:  # empty (0) or a storage-only dtype (-1)
-        d["min"] = d["max"] = d["mean"] = None
-    if v[6] < 0:
-        d["l2"] = None
-    return d
+    if v[6] > 0:
+        return {"min": v[0], "max": v[1], "mean": v[2], "l2": v[3], "nan": int(v[4]), "inf": int(v[5])}
+    # empty (0) or a storage-only dtype (-1)
+    return {"min": None, "max": None, "mean": None, "l2": v[3] if v[6] == 0 else None, "nan": int(v[4]),
+            "inf": int(v[5])}
 
 
 def _fast_dict(v: Sequence[float], nan: Optional[int], inf: Optional[int]) -> dict:
@@ -398,7 +399,8 @@ class FingerprintBatch:
 
     def _reset(self) -> None:
         self._hashes: Dict[torch.device, HashBatch] = {}
-        # per added tensor: (hash, stats) when known at add time, else (device, how, device vector | copy, tensor)
+        # per added tensor: () when its result is known at add time (in _known), else
+        # (device, how its statistics wait, device vector or small copy, the tensor when nan/inf may need counting)
         self._items: List[tuple] = []
         self._known: Dict[int, Tuple[int, Optional[dict]]] = {}
 
@@ -407,19 +409,24 @@ class FingerprintBatch:
 
     def add(self, t: torch.Tensor) -> int:
         """Capture ``t``; returns its position in :meth:`resolve`'s result."""
-        check_tensor(t)
-        t = t.detach()
+        if not isinstance(t, torch.Tensor):
+            check_tensor(t)  # raises
         i = len(self._items)
-        want = self.stats is not None
-        nat = fingerprint_now(t, want) if t.device.type == "cpu" else None
-        if nat is not None:  # CPU: hash and statistics in one pass, right now
-            self._known[i] = (nat[0], _stats_dict(nat[1]) if want else None)
-            self._items.append(())
-            return i
+        kind = t.device.type
+        if kind == "cpu":
+            want = self.stats is not None
+            nat = fingerprint_now(t, want)
+            if nat is not None:  # hash and statistics in one pass, right now
+                self._known[i] = (nat[0], _stats_dict(nat[1]) if want else None)
+                self._items.append(())
+                return i
+        elif kind == "meta":
+            check_tensor(t)  # raises
+        t = t.detach()
         batch = self._hashes.get(t.device)
         if batch is None:
             batch = self._hashes[t.device] = HashBatch(t.device)
-        batch.add(t, copy=self.stats != "fast")
+        batch._add(t, None, self.stats != "fast")  # checked above
         self._items.append((t.device, *self._capture_stats(t)))
         return i
 
@@ -437,7 +444,7 @@ class FingerprintBatch:
             return _VECTOR, _stats_vector(t), None
         if n * t.element_size() <= _TRACE_SMALL:
             return _SEGMENT, t.clone(), None
-        return _DERIVED, _fast_vector(t), t.numel()
+        return _DERIVED, _fast_vector(t), None
 
     def resolve(self) -> List[Tuple[int, Optional[dict]]]:
         """``[(hash, stats dict or None)]`` of every added tensor, in order; the batch is then empty."""

@@ -277,9 +277,6 @@ class DumpPipeline:
             self._ring = None
 
 
-_DUMP_STATS = ("max", "min", "mean", "l2", "nan", "inf")  # the order of a dump entry's statistics
-
-
 def _fingerprints(views: List[torch.Tensor], stats: bool) -> Tuple[List[int], List[Optional[Dict[str, Any]]]]:
     """Hash (and statistics) of each tensor, in one batch: one host transfer per device."""
     batch = FingerprintBatch("fast" if stats else None)
@@ -289,5 +286,6 @@ def _fingerprints(views: List[torch.Tensor], stats: bool) -> Tuple[List[int], Li
     out: List[Optional[Dict[str, Any]]] = []
     for h, st in batch.resolve():
         hashes.append(h)
-        out.append(None if st is None else {k: st[k] for k in _DUMP_STATS})
+        out.append(None if st is None else {  # a dump entry's order
+            "max": st["max"], "min": st["min"], "mean": st["mean"], "l2": st["l2"], "nan": st["nan"], "inf": st["inf"]})
     return hashes, out
