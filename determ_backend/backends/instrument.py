@@ -5,7 +5,8 @@ Recording calls are inserted as graph nodes (not an Interpreter), so the
 instrumented graph runs as generated Python code at close to the original speed
 and computes exactly the same values.  The inductor path, which instruments the
 generated wrapper code instead of the FX graph, lives in
-:mod:`determ_backend.backends.inductor_instrument`.
+:mod:`determ_backend.backends.inductor_instrument`; operator overloads are
+inspected through :mod:`determ_backend._torch_compat`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.fx as fx
 from determ_backend import _torch_compat
 from determ_backend.backends.recorder import NodeInfo, Recorder
 
-__all__ = ["node_source", "op_name", "param_names", "instrument_graph", "graph_node_infos"]
+__all__ = ["node_source", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos"]
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 

@@ -10,7 +10,9 @@ would leave it.
 
 Reported with each mismatch: op, shapes, dtypes, max abs difference and other
 metrics, the user stack, and for backward ops the autograd node and the forward
-line that created it.  See :mod:`determ_backend.modes.core` for the other modes.
+line that created it.  See :mod:`determ_backend.modes.core` for the other modes;
+the second run's input clones come from :mod:`determ_backend.clones`, user stacks
+from :mod:`determ_backend._frames`, fingerprints from :mod:`determ_backend.fingerprint`.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
         """Give the autograd nodes of this op's inputs the forward line that produced them."""
         if not self._sources or self._autograd_node() is not None:
             return
-        for t in tree_flat(args, kwargs):
+        for t in _tree_flat(args, kwargs):
             key = mem_key(t)
             ent = self._sources.get(key) if key is not None else None
             if ent is not None and not ent[0].expired() and t.grad_fn is not None:
@@ -212,7 +214,7 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
             logger.warning(msg)
 
 
-def tree_flat(args, kwargs) -> list:
+def _tree_flat(args, kwargs) -> list:
     out: list = []
 
     def add(x):

@@ -17,7 +17,10 @@ records (one per tensor the op returns or writes), with:
   host sync per batch of a few hundred ops); views get a hash derived from their
   base's instead of re-reading memory.
 
-The mode classes, the human-readable log and the comparisons live elsewhere.
+The mode classes, the human-readable log and the comparisons live elsewhere;
+which frames are user code is :mod:`determ_backend._frames`' decision, and private
+torch (operator schemas, the running autograd node) is reached through
+:mod:`determ_backend._torch_compat`.
 """
 
 from __future__ import annotations

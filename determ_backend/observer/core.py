@@ -18,6 +18,10 @@ diff`` reads) plus ``<name>.safetensors`` for saved tensors -- no pickles -- and
 with a reference, ``observer.mismatches`` lists the records whose values differ,
 paired by name and, when names do not line up, by sequence alignment (one extra op
 does not misalign the rest), each with both stacks and a ``root_cause`` flag.
+
+Reading and writing a run's files is :mod:`determ_backend.observer._files`' job, op
+tracing :class:`~determ_backend.modes.core.HashMode`'s, pairing and judging records
+:mod:`determ_backend.compare`'s; user stacks come from :mod:`determ_backend._frames`.
 """
 
 from __future__ import annotations
