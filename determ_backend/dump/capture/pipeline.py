@@ -15,6 +15,12 @@ so a snapshot would be pure cost: tensors are fingerprinted in place, one batch
 per call (:meth:`DumpPipeline.commit`), and only the index lines are written in
 the background.
 
+Payload bytes go to the dump's pack of the one tensor store
+(:class:`~determ_backend.trace.store.PackWriter`): each batch the background
+thread fingerprints appends one safetensors shard holding its new tensors, keyed
+by fingerprint, and an entry records where its tensor's bytes lie
+(``payload: [offset, nbytes]``).
+
 A write failure (disk full, file size limit) or any error of the background
 thread is raised as :class:`~.writer.DumpWriteError` at the next submission or
 at :meth:`DumpPipeline.close`.
@@ -23,7 +29,6 @@ at :meth:`DumpPipeline.close`.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Tuple
@@ -32,7 +37,8 @@ import torch
 
 from determ_backend.fingerprint.core import FingerprintBatch
 from determ_backend.trace.stream import format_hash
-from determ_backend.dump.capture.writer import DumpWriteError, IndexWriter, write_all
+from determ_backend.dump.capture.writer import DumpWriteError, IndexWriter
+from determ_backend.trace.store import PackWriter
 
 __all__ = ["Fingerprint", "DumpPipeline"]
 
@@ -71,13 +77,9 @@ class DumpPipeline:
         self.stats = stats
         self.payload_path = payload_path
         self.payload_index: Dict[str, Tuple[int, int]] = {} if payload_index is None else payload_index
-        self._fd: Optional[int] = None
-        self.size = 0
+        self._pack: Optional[PackWriter] = None
         if payload_path is not None:
-            payload_path.parent.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-            self._fd = os.open(payload_path, flags, 0o644)
-            self.size = os.fstat(self._fd).st_size if append else 0
+            self._pack = PackWriter(payload_path, append=append, index=self.payload_index)
         self._cap = ring_bytes
         self._ring: Optional[torch.Tensor] = None
         self._regions: Deque[Tuple[int, int]] = collections.deque()
@@ -97,7 +99,7 @@ class DumpPipeline:
             self._raise_if_failed()
             t = t.detach()
             n = t.numel() * t.element_size()
-            if self._fd is None:  # statistics only: no payload, so no snapshot; fingerprinted at commit()
+            if self._pack is None:  # statistics only: no payload, so no snapshot; fingerprinted at commit()
                 fp = Fingerprint(0, n, t.dtype, list(t.shape), tensor=t)
                 self._pending.append(fp)
                 return fp
@@ -193,18 +195,18 @@ class DumpPipeline:
     def _resolve(self, fps: List[Fingerprint]) -> None:
         views = [self._view(f) for f in fps]
         hashes, stats = _fingerprints(views, self.stats)
-        for f, v, h, st in zip(fps, views, hashes, stats):
+        for f, h, st in zip(fps, hashes, stats):
             f.hash, f.stats = format_hash(h), st
-            if self._fd is not None:
-                loc = self.payload_index.get(f.hash)
-                if loc is None:
-                    data = v.contiguous().cpu().reshape(-1).view(torch.uint8) if f.n else None
-                    if data is not None:
-                        write_all(self._fd, memoryview(data.numpy()))
-                    loc = self.payload_index[f.hash] = (self.size, f.n)
-                    self.size += f.n
-                f.payload = list(loc)
+        if self._pack is not None:  # the batch's new tensors: one shard
+            for f, span in zip(fps, self._pack.put_many([(f.hash, v) for f, v in zip(fps, views)])):
+                f.payload = list(span)
+        for f in fps:
             f.tensor = None
+
+    @property
+    def size(self) -> int:
+        """Bytes of the distinct tensors stored (shard headers not counted)."""
+        return self._pack.size if self._pack is not None else 0
 
     def _write_entry(self, entry: Dict[str, Any]) -> None:
         for io in ("inputs", "outputs"):
@@ -220,9 +222,8 @@ class DumpPipeline:
                 self._cond.wait()
             if not self._queue:
                 return None
-            kind = self._queue[0][0]
             batch = []
-            while self._queue and self._queue[0][0] == kind and len(batch) < _BATCH:
+            while self._queue and len(batch) < _BATCH:
                 batch.append(self._queue.popleft())
             self._busy = True
             return batch
@@ -232,11 +233,12 @@ class DumpPipeline:
             batch = self._take()
             if batch is None:
                 return
+            fps = [x for kind, x in batch if kind == "fp"]
             try:
-                if batch[0][0] == "fp":
-                    self._resolve([fp for _, fp in batch])
-                else:
-                    for _, entry in batch:
+                if fps:  # first every snapshot of the batch (one fingerprint batch, one payload shard) ...
+                    self._resolve(fps)
+                for kind, entry in batch:  # ... then the entries, which only refer to snapshots queued before them
+                    if kind == "entry":
                         self._write_entry(entry)
             except BaseException as e:  # surfaced in the recording thread as DumpWriteError
                 with self._cond:
@@ -247,10 +249,9 @@ class DumpPipeline:
                     self._cond.notify_all()
                 return
             with self._cond:
-                if batch[0][0] == "fp":
-                    for _, fp in batch:
-                        if fp.n:  # queued snapshots live in the ring, in queue order
-                            self._regions.popleft()
+                for fp in fps:
+                    if fp.n:  # queued snapshots live in the ring, in queue order
+                        self._regions.popleft()
                 self._busy = False
                 self._cond.notify_all()
 
@@ -271,9 +272,8 @@ class DumpPipeline:
             if self._thread is not None:
                 self._thread.join()
                 self._thread = None
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            if self._pack is not None:
+                self._pack.close()
             self._ring = None
 
 

@@ -1,15 +1,17 @@
 """Reading a dump back: :func:`read_dump` and ptdbg's ``parse(pkl_file, name_prefix)``.
 
-A dump index (``dump.pkl``, ``api_stack_dump.pkl``...) is JSON Lines: a header
-``{"format": "determ-dump", ...}``, one entry per recorded call and a footer
-``{"end": true, "count": N}``.  It is never unpickled; a ptdbg/msprobe pickle
-index is refused with a clear message.  Payloads are read with
-:func:`.writer.read_payload`.
+A dump index (``dump.pkl``, ``api_stack_dump.pkl``...) is a JSON Lines stream of
+format ``determ-dump`` (:data:`~determ_backend.dump.capture.writer.DUMP_STREAM`),
+read by the stream's rules (:func:`determ_backend.trace.jsonl.read_stream`: a
+missing footer, a cut last line, a footer cut on a full disk).  It is never
+unpickled; a ptdbg/msprobe pickle index is refused with a clear message.  Payloads
+are read from the dump's pack ``tensors.bin`` through the one tensor store
+(:meth:`determ_backend.trace.store.TensorStore.read_span`); writing a dump is
+:mod:`determ_backend.dump.capture`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -19,11 +21,20 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import torch
 
 from determ_backend.errors import ConfigError, TraceFormatError
-from determ_backend.dump.capture.writer import INDEX_FORMAT, PAYLOAD_FILE, read_payload
+from determ_backend.dump.capture.writer import DUMP_STREAM, PAYLOAD_FILE
+from determ_backend.trace import jsonl
+from determ_backend.trace.store import TensorStore
 
 __all__ = ["Dump", "read_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank", "read_header"]
 
 log = logging.getLogger(__name__)
+
+
+def _dtype_from_str(s: str) -> torch.dtype:
+    dt = getattr(torch, str(s).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise TraceFormatError(f"unknown dtype {s!r} in dump index")
+    return dt
 
 
 @dataclass
@@ -49,7 +60,11 @@ class Dump:
         """A tensor entry's payload (raises :class:`TraceFormatError` if it is not stored)."""
         if "payload" not in t:
             raise TraceFormatError(f"{self.path}: {t.get('name', 'tensor')} has no stored payload (statistics-only dump)")
-        return read_payload(self.data_dir, t)
+        if not self.has_payloads:
+            where = (self.data_dir or self.path.parent / self.path.name[: -len(".pkl")]) / PAYLOAD_FILE
+            raise TraceFormatError(f"{where}: tensor payload file missing (was the dump written in statistics mode?)")
+        store = TensorStore(self.data_dir, pack=PAYLOAD_FILE)
+        return store.read_span(t["payload"], _dtype_from_str(t["dtype"]), t["shape"], t.get("name", "a tensor"))
 
     def by_name(self, name: str) -> Optional[Dict[str, Any]]:
         return next((e for e in self.entries if e.get("name") == name), None)
@@ -76,56 +91,24 @@ def find_index(path: Union[str, Path]) -> Path:
     return p
 
 
-def _check_header(p: Path, first: bytes) -> Dict[str, Any]:
-    if first[:1] == b"\x80":
-        raise TraceFormatError(f"{p}: a pickle index (ptdbg/msprobe?); determ never unpickles files -- dump again "
-                               f"with determ_backend.dump")
-    try:
-        header = json.loads(first)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        header = None
-    if not isinstance(header, dict) or header.get("format") != INDEX_FORMAT:
-        raise TraceFormatError(f"{p}: not a determ dump index (line 1 has no {INDEX_FORMAT!r} header)")
-    return header
+def _entry(p: Path, lineno: int, d: Dict[str, Any]) -> Dict[str, Any]:
+    if "name" not in d:
+        raise TraceFormatError(f"{p}:{lineno}: entry without a name")
+    return d
 
 
 def read_dump(path: Union[str, Path], allow_partial: bool = False) -> Dump:
     """Load an index; raises :class:`TraceFormatError` naming the file (and line) when it is missing,
-    truncated or corrupt.  ``allow_partial``: accept an index whose writer died (no footer)."""
+    truncated or corrupt.  ``allow_partial``: accept an index whose writer died (no footer; a cut last line
+    is dropped).  An index cut on a full disk, or whose payloads could not all be written, is read with one
+    warning."""
     p = find_index(path)
-    entries: List[Dict[str, Any]] = []
-    footer: Dict[str, Any] = {}
-    with open(p, "rb") as f:
-        header = _check_header(p, f.readline())
-        for lineno, raw in enumerate(f, start=2):
-            if footer:
-                raise TraceFormatError(f"{p}:{lineno}: data after the end line")
-            try:
-                d = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                if allow_partial:
-                    break
-                raise TraceFormatError(f"{p}:{lineno}: corrupt or truncated line") from None
-            if not isinstance(d, dict):
-                raise TraceFormatError(f"{p}:{lineno}: expected a JSON object")
-            if d.get("end") is True:
-                footer = d
-                if d.get("count") != len(entries):
-                    raise TraceFormatError(f"{p}: end line says {d.get('count')} entries, found {len(entries)}")
-                continue
-            if "name" not in d:
-                raise TraceFormatError(f"{p}:{lineno}: entry without a name")
-            entries.append(d)
-    if not footer and not allow_partial:
-        raise TraceFormatError(f"{p}: truncated dump index (no end line: the dump was not switched off, or the "
-                               f"process died)")
-    if footer.get("complete") is False:
-        what = (f"the index was cut ({footer['cut']}) after {len(entries)} entries" if footer.get("cut")
-                else "writing its tensor payloads failed (disk full?); tensors stored before that are readable, "
-                     "later ones compare on their statistics")
-        log.warning("%s: incomplete dump: %s", p, what)
+    s = jsonl.read_stream(p, DUMP_STREAM, allow_partial, _entry)
+    if s.footer.get("complete") is False and not s.cut:
+        log.warning("%s: incomplete dump: writing its tensor payloads failed (disk full?); tensors stored before "
+                    "that are readable, later ones compare on their statistics", p)
     data_dir = p.parent / p.name[: -len(".pkl")]
-    return Dump(p, header, entries, footer, data_dir if data_dir.is_dir() else None)
+    return Dump(p, s.header, s.records, s.footer, data_dir if data_dir.is_dir() else None)
 
 
 def rank_dirs(root: Union[str, Path]) -> Dict[int, Path]:
@@ -153,9 +136,7 @@ def check_rank(path: Path, header: Dict[str, Any], rank: int) -> None:
 
 def read_header(path: Union[str, Path]) -> Dict[str, Any]:
     """The header of an index (its first line only; the entries are not read)."""
-    p = find_index(path)
-    with open(p, "rb") as f:
-        return _check_header(p, f.readline())
+    return jsonl.read_header(find_index(path), DUMP_STREAM)
 
 
 def _fmt(v: Any) -> str:
