@@ -1,6 +1,12 @@
 """Observer run files: ``<dump_dir>/<name>.jsonl`` (the trace) and ``<name>.safetensors``
-(tensors marked non-deterministic).  Both are written atomically and read without
-unpickling anything; the observer logic lives in :mod:`determ_backend.observer.core`.
+(tensors marked non-deterministic).
+
+The trace is a :mod:`determ_backend.trace.stream` trace.  The tensors file is a
+tensor file of the one store (:func:`determ_backend.trace.store.save_tensor_file`):
+each distinct tensor once, keyed by its fingerprint, the observation names in its
+metadata.  Both are written atomically and read without unpickling anything; the
+files of earlier determ releases (tensors under their names) stay readable.  The
+observer logic lives in :mod:`determ_backend.observer.core`.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from determ_backend.errors import ConfigError, TraceFormatError
+from determ_backend.errors import TraceFormatError
+from determ_backend.trace.store import load_tensor_file, save_tensor_file
 from determ_backend.trace.stream import Record, TraceWriter, atomic_path, read_trace
 
 __all__ = ["write_run", "load_reference", "tensors_path_for"]
@@ -22,15 +29,6 @@ def tensors_path_for(trace_path: Path) -> Path:
     return trace_path.with_suffix(".safetensors")
 
 
-def _safetensors():
-    try:
-        import safetensors.torch as st
-    except ImportError:
-        raise ConfigError("non-deterministic tensors are stored as safetensors: install the 'safetensors' "
-                          "package (pip install safetensors)") from None
-    return st
-
-
 def write_run(trace_path: Path, records: Sequence[Record], tensors: Dict[str, torch.Tensor], run: str) -> None:
     """Write the run's trace and (when there are any) its non-deterministic tensors, atomically."""
     with atomic_path(trace_path) as tmp, TraceWriter(tmp, run=run, meta={"producer": "ObserverContext"}) as w:
@@ -40,10 +38,7 @@ def write_run(trace_path: Path, records: Sequence[Record], tensors: Dict[str, to
         if tpath.exists():
             tpath.unlink()  # a stale file from an earlier run of the same name would mislead
         return
-    st = _safetensors()
-    with atomic_path(tpath) as tmp:
-        st.save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, tmp,
-                     metadata={"format": _FORMAT, "run": run})
+    save_tensor_file(tpath, tensors, metadata={"format": _FORMAT, "run": run})
 
 
 def load_reference(path) -> Tuple[List[Record], Optional[Dict[str, torch.Tensor]], Path]:
@@ -61,9 +56,5 @@ def load_reference(path) -> Tuple[List[Record], Optional[Dict[str, torch.Tensor]
     tpath = tensors_path_for(p)
     if not tpath.is_file():
         return records, None, tpath
-    st = _safetensors()
-    try:
-        tensors = st.load_file(str(tpath))
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise TraceFormatError(f"{tpath}: corrupt safetensors file ({type(e).__name__}: {e})") from None
+    tensors, _ = load_tensor_file(tpath)
     return records, tensors, tpath

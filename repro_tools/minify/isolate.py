@@ -6,8 +6,8 @@ or outlives its timeout is answered from the outside (``crash`` / ``hang``) and
 the worker is restarted for the next one.  The worker dies with its parent (Linux
 ``PR_SET_PDEATHSIG``, plus a parent-pid watchdog elsewhere), so a killed minifier
 leaves no worker behind.  Candidates travel as files, never
-pickles: the graph as Python source and the inputs for
-``torch.load(weights_only=True)`` (:mod:`repro_tools.repro.graph_code`); requests and
+pickles: the graph as Python source and the values as safetensors files of the one
+tensor store (:mod:`repro_tools.repro.graph_code`); requests and
 answers are JSON lines on the worker's stdin and a private copy of its stdout
 (the worker's own prints go to its log).
 
@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
 import torch.fx as fx
 
 from determ_backend.errors import OracleError
@@ -280,7 +279,7 @@ def _handle(req: Dict[str, Any]) -> Dict[str, Any]:
     gm, inputs, _ = read_graph_dir(req["dir"])
     if req["op"] == "observe":
         sides = oracles.observe(spec, gm, inputs)
-        torch.save(sides, Path(req["dir"]) / "observed.pt")
+        save_tensors(sides, Path(req["dir"]) / "observed.pt")
         return {"ok": True}
     if req["op"] == "check_observed":
         return _check_observed(spec, gm, inputs, Path(req["dir"]))

@@ -5,8 +5,9 @@ block below), then :mod:`repro_tools.repro._harness`'s, into every script it
 writes, after the script's data (``META``, ``INPUTS``, ``ATTRS``) and its
 ``class Repro``.  Only the standard library and torch may be imported here: a
 repro runs where only torch is installed.  Data comes from the content store
-next to the script (see :mod:`repro_tools.repro.store`), or is regenerated
-with a fixed seed.
+next to the script (see :mod:`repro_tools.repro.store`; the files are loose files
+of :mod:`determ_backend.trace.store`, read here by a reader of their own, since
+determ need not be installed), or is regenerated with a fixed seed.
 """
 
 import hashlib
@@ -52,7 +53,8 @@ def _check_key(key):
 
 
 def read_storage(key):
-    """Bytes of one stored storage (a one-tensor safetensors file), checksum verified."""
+    """Bytes of one stored storage (a one-tensor safetensors file of determ's tensor store: the tensor is
+    named by its key, or ``data`` in stores written before), checksum verified."""
     _check_key(key)
     tried = [os.path.join(d, key + ".safetensors") for d in _store_dirs()]
     path = next((p for p in tried if os.path.isfile(p)), None)
@@ -64,7 +66,7 @@ def read_storage(key):
     try:
         (n,) = struct.unpack("<Q", blob[:8])
         header = json.loads(blob[8:8 + n])
-        start, end = header["data"]["data_offsets"]
+        start, end = (header.get(key) or header["data"])["data_offsets"]
         data = bytearray(blob[8 + n + start:8 + n + end])
     except (struct.error, ValueError, KeyError, TypeError):
         raise ReproInputError(f"{path}: corrupt content store file (not a one-tensor safetensors file)") from None

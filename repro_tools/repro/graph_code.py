@@ -1,4 +1,4 @@
-"""A GraphModule as Python source, and back; tensors saved for ``torch.load(weights_only=True)``.
+"""A GraphModule as Python source, and back; its input values as a tensor file of the one tensor store.
 
 This is the minimal, pickle-free exchange format the minifier uses between its
 own processes (the isolated oracle worker; ``repro-tools minify`` reads such a
@@ -7,6 +7,14 @@ directory too): ``graph.py`` holds ``class Repro(torch.nn.Module)`` whose
 :func:`repro_tools.repro.codegen.graph_source`; ``inputs.pt`` the input values.
 Loading executes the generated source (written by us, never by a third party)
 and re-traces it with :func:`torch.fx.symbolic_trace`.
+
+``inputs.pt`` (and the worker's ``observed.pt``) keep their names, the graph
+directory's documented layout, but are safetensors files of
+:mod:`determ_backend.trace.store` (:func:`~determ_backend.trace.store.save_tensor_file`):
+each distinct tensor once, keyed by its fingerprint, and the list's structure
+(numbers, strings, dtypes, devices, nested lists) in the metadata.  A file of an
+earlier release (``torch.save`` of the list) is still read, with
+``weights_only=True``.
 
 Standalone, user-facing repro scripts live in :mod:`repro_tools.repro.script`.
 """
@@ -20,8 +28,9 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 import torch
 import torch.fx as fx
 
-from determ_backend.errors import ReproError
-from determ_backend.trace.stream import atomic_path, atomic_write_text
+from determ_backend.errors import ReproError, TraceFormatError
+from determ_backend.trace.store import is_safetensors, load_legacy, load_tensor_file, save_tensor_file
+from determ_backend.trace.stream import atomic_write_text
 
 from repro_tools.repro.codegen import graph_source
 
@@ -40,19 +49,74 @@ def graph_from_source(src: str, filename: str = "<graph>") -> fx.GraphModule:
     return fx.symbolic_trace(ns["Repro"]())
 
 
+_VALUES_FORMAT = "determ-graph-values"
+
+
+def _encode(v: Any, named: Dict[str, torch.Tensor], path: Path) -> Dict[str, Any]:
+    """One value as JSON, its tensors moved into ``named``."""
+    if isinstance(v, torch.Tensor):
+        name = str(len(named))
+        named[name] = v
+        return {"tensor": name}
+    if isinstance(v, float):
+        return {"float": repr(v)}  # inf and nan too
+    if v is None or isinstance(v, (bool, int, str)):
+        return {"value": v}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).replace("torch.", "")}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    if isinstance(v, (list, tuple)):
+        kind = "size" if isinstance(v, torch.Size) else "tuple" if isinstance(v, tuple) else "list"
+        return {kind: [_encode(x, named, path) for x in v]}
+    raise ReproError(f"{path}: a {type(v).__name__} cannot be saved (tensors, numbers, strings, dtypes, devices "
+                     f"and lists of them)")
+
+
+def _decode(spec: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> Any:
+    ((kind, x),) = spec.items()
+    if kind == "tensor":
+        return tensors[x]
+    if kind == "float":
+        return float(x)
+    if kind == "value":
+        return x
+    if kind == "dtype":
+        dt = getattr(torch, x)
+        if not isinstance(dt, torch.dtype):
+            raise TypeError(x)
+        return dt
+    if kind == "device":
+        return torch.device(x)
+    items = [_decode(s, tensors) for s in x]
+    return {"list": list, "tuple": tuple, "size": torch.Size}[kind](items)
+
+
 def save_tensors(values: Sequence[Any], path: Union[str, Path]) -> None:
-    """Atomically save a list of tensors / python scalars for ``torch.load(weights_only=True)``."""
-    with atomic_path(path) as tmp:
-        torch.save([v.detach().clone() if isinstance(v, torch.Tensor) else v for v in values], tmp)
+    """Atomically save a list of tensors / python scalars (safetensors, see the module's docstring)."""
+    path = Path(path)
+    named: Dict[str, torch.Tensor] = {}
+    spec = [_encode(v, named, path) for v in values]
+    save_tensor_file(path, named, {"format": _VALUES_FORMAT, "values": json.dumps(spec)})
 
 
 def load_tensors(path: Union[str, Path]) -> List[Any]:
-    """The list written by :func:`save_tensors`; a clear :class:`ReproError` when missing or corrupt."""
+    """The list written by :func:`save_tensors` (or by ``torch.save`` in an earlier release); a clear
+    :class:`ReproError` when missing or corrupt."""
     path = Path(path)
     if not path.is_file():
         raise ReproError(f"{path}: input file missing")
+    if is_safetensors(path):
+        try:
+            tensors, meta = load_tensor_file(path)
+            out = [_decode(s, tensors) for s in json.loads(meta["values"])]
+        except TraceFormatError as e:
+            raise ReproError(str(e)) from None
+        except (KeyError, ValueError, TypeError, AttributeError, RuntimeError):
+            raise ReproError(f"{path}: not a list of values written by determ (bad 'values' metadata)") from None
+        return out
     try:
-        out = torch.load(path, weights_only=True, map_location="cpu")
+        out = load_legacy(path)
     except Exception as e:  # torch raises several unrelated types for a corrupt file
         raise ReproError(f"{path}: cannot load tensors ({type(e).__name__}: {e})") from e
     if not isinstance(out, list):
