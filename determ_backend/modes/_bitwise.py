@@ -59,25 +59,6 @@ def _skipped(func) -> bool:
     return _compat.op_schema(func) is None or returns_view(func)
 
 
-def _clone_inputs(args, kwargs):
-    """Clones that keep strides, storage offsets and aliasing between arguments."""
-    storages: Dict[tuple, Any] = {}
-
-    def clone(t):
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            return t
-        st = t.untyped_storage()
-        key = (st.data_ptr(), str(t.device), st.nbytes())
-        new = storages.get(key)
-        if new is None:
-            new = storages[key] = st.clone()
-        out = t.new_empty((0,))
-        out.set_(new, t.storage_offset(), t.size(), t.stride())
-        return out
-
-    return _compat.tree_map(clone, args), _compat.tree_map(clone, kwargs)
-
-
 def _same_scalar(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return struct.pack("<d", a) == struct.pack("<d", b)

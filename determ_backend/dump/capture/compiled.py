@@ -34,7 +34,7 @@ import torch
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 from determ_backend.dump.capture.apis import ApiInfo
-from determ_backend.dump.capture.hooks import Recorder, busy, guard
+from determ_backend.dump.capture.hooks import ApiRecorder, busy, guard
 from determ_backend.dump.capture.regions import RegionCall, Regions
 
 __all__ = ["CompiledGraphs", "node_direction"]
@@ -78,7 +78,7 @@ def _nonfinite(r: Record) -> bool:
 class CompiledGraphs:
     """Record listener of one dump: trace records of compiled graphs -> dump entries."""
 
-    def __init__(self, recorder: Recorder, regions: Regions):
+    def __init__(self, recorder: ApiRecorder, regions: Regions):
         self.rec, self.regions = recorder, regions
         self._fps: Dict[str, Any] = {}
         self._warned = False

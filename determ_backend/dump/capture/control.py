@@ -31,7 +31,7 @@ from determ_backend import devices
 from determ_backend.errors import ConfigError, DeviceUnavailableError
 from determ_backend.seed import seed_all as _seed_all
 from determ_backend.trace.stream import dir_problem
-from determ_backend.dump.capture.hooks import Recorder
+from determ_backend.dump.capture.hooks import ApiRecorder
 from determ_backend.dump.capture.modules import Installation
 from determ_backend.dump.capture.overflow import OverflowCounter
 from determ_backend.dump.capture.session import DumpSession, data_dir_name, default_header, index_name
@@ -128,7 +128,7 @@ class _Controller:
         self.switch_off()
         _register_exit_hook()
         session = self.session(settings.prefix, settings.task, settings.mode)
-        rec = Recorder(session, settings)
+        rec = ApiRecorder(session, settings)
         self.installation = Installation(rec, self.models, self.regions)
         self.settings = settings
 
@@ -136,7 +136,7 @@ class _Controller:
         self.switch_off()
         _register_exit_hook()
         session = self.session("overflow_", "overflow_check", "overflow_check")
-        rec = Recorder(session, DumpSettings(), overflow=self.overflow)
+        rec = ApiRecorder(session, DumpSettings(), overflow=self.overflow)
         self.installation = Installation(rec, self.models, ())
 
     def switch_off(self) -> None:

@@ -7,7 +7,7 @@ is on it sees every top-level call of a torch function, ``Tensor`` method or
 recorded, as in ptdbg).  Nothing is monkeypatched for these APIs; the mode is
 pushed when the dump switch goes on and popped when it goes off.
 
-:class:`Recorder` turns a call into a forward record (after the call; inputs of
+:class:`ApiRecorder` turns a call into a forward record (after the call; inputs of
 in-place calls are fingerprinted before it) and arranges its backward record
 (:mod:`.backward`).  In overflow-check mode it writes only the calls whose
 outputs become non-finite from finite inputs (:mod:`.overflow`).
@@ -38,7 +38,7 @@ from determ_backend.dump.capture.overflow import OverflowCounter, nonfinite
 from determ_backend.dump.capture.session import DumpSession
 from determ_backend.dump.capture.switch import DumpSettings, Selector
 
-__all__ = ["DumpMode", "Recorder", "guard", "busy", "passthrough", "enter_opaque", "exit_opaque", "user_source",
+__all__ = ["DumpMode", "ApiRecorder", "guard", "busy", "passthrough", "enter_opaque", "exit_opaque", "user_source",
            "user_stack"]
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def user_stack(limit: int = 30) -> List[str]:
             for f in _FRAMES.user_frames(sys._getframe(1), limit)]
 
 
-class Recorder:
+class ApiRecorder:
     """Writes the records of one dump session."""
 
     def __init__(self, session: DumpSession, settings: DumpSettings, overflow: Optional[OverflowCounter] = None):
@@ -216,9 +216,9 @@ class Recorder:
 
 
 class DumpMode(TorchFunctionMode):
-    """Routes every top-level torch API call to a :class:`Recorder`."""
+    """Routes every top-level torch API call to an :class:`ApiRecorder`."""
 
-    def __init__(self, recorder: Recorder):
+    def __init__(self, recorder: ApiRecorder):
         super().__init__()
         self.recorder = recorder
         self.table = api_table()

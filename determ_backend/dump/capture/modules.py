@@ -31,7 +31,7 @@ from determ_backend import _torch_compat
 from determ_backend.dump.capture.apis import DISTRIBUTED_APIS, ApiInfo
 from determ_backend.dump.capture.compiled import CompiledGraphs
 from determ_backend.dump.capture.entries import call_items, flatten, output_items
-from determ_backend.dump.capture.hooks import DumpMode, Recorder, guard, passthrough, user_source
+from determ_backend.dump.capture.hooks import DumpMode, ApiRecorder, guard, passthrough, user_source
 from determ_backend.dump.capture.regions import OPAQUE_NOTE, ModuleRegion, Regions
 
 __all__ = ["Installation", "compiled_modules", "OPAQUE_NOTE"]
@@ -57,7 +57,7 @@ def compiled_modules(model: torch.nn.Module) -> List[tuple]:
     return found
 
 
-def _dist_wrapper(rec: Recorder, name: str, orig: Callable) -> Callable:
+def _dist_wrapper(rec: ApiRecorder, name: str, orig: Callable) -> Callable:
     info = ApiInfo("Distributed", name)
 
     @functools.wraps(orig)
@@ -91,7 +91,7 @@ def _dist_wrapper(rec: Recorder, name: str, orig: Callable) -> Callable:
 class Installation:
     """Everything one dump switches on: the API mode, region hooks, collective wrappers, parameter hook."""
 
-    def __init__(self, recorder: Recorder, models: Sequence[torch.nn.Module] = (),
+    def __init__(self, recorder: ApiRecorder, models: Sequence[torch.nn.Module] = (),
                  regions: Sequence[tuple] = ()):
         self.rec = recorder
         self.models = [weakref.ref(m) for m in models]

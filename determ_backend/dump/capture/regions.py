@@ -31,7 +31,7 @@ from determ_backend import _torch_compat
 from determ_backend.dump.capture import backward as bw
 from determ_backend.dump.capture.apis import ApiInfo
 from determ_backend.dump.capture.entries import call_items, output_items
-from determ_backend.dump.capture.hooks import (Recorder, enter_opaque, exit_opaque, passthrough, user_source, user_stack, guard)
+from determ_backend.dump.capture.hooks import (ApiRecorder, enter_opaque, exit_opaque, passthrough, user_source, user_stack, guard)
 
 __all__ = ["RegionCall", "Regions", "ModuleRegion", "OPAQUE_NOTE", "callable_label"]
 
@@ -88,7 +88,7 @@ class Regions:
     """Region calls of one dump: begin/end recording, the open regions of each thread, and which region
     each traced graph belongs to (its backward records arrive after the region's forward has ended)."""
 
-    def __init__(self, recorder: Recorder):
+    def __init__(self, recorder: ApiRecorder):
         self.rec = recorder
         self._tls = threading.local()
         self.by_graph: Dict[str, RegionCall] = {}
