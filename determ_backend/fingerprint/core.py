@@ -162,10 +162,10 @@ class HashBatch:
         check_tensor(t)
         return self._add(t, known, copy)
 
-    def _add(self, t: torch.Tensor, known: Optional[int], copy: bool) -> int:
-        """:meth:`add` of a tensor already checked."""
+    def _add(self, t: torch.Tensor, known: Optional[int], copy: bool, native: bool = True) -> int:
+        """:meth:`add` of a tensor already checked; ``native=False``: the native kernel was tried already."""
         i = len(self._keys)
-        if known is None and self.device.type == "cpu":
+        if known is None and native and self.device.type == "cpu":
             nat = fingerprint_now(t)
             known = None if nat is None else nat[0]
         if known is not None:
@@ -330,9 +330,9 @@ def _fast_vector(t: torch.Tensor) -> torch.Tensor:
     flat = t.reshape(-1)
     acc = torch.float32 if flat.dtype in _HALF else None
     mn, mx = torch.aminmax(flat)
-    total = flat.sum(dtype=acc)
-    l2 = torch.linalg.vector_norm(flat, dtype=acc)
-    return torch.stack([mn.double(), mx.double(), total.double() / flat.numel(), l2.double()])
+    v = torch.stack([mn, mx, flat.sum(dtype=acc), torch.linalg.vector_norm(flat, dtype=acc)]).double()  # exact widenings
+    v[2:3].div_(flat.numel())  # the mean, divided in float64
+    return v
 
 
 def _segment_vectors(tensors: List[torch.Tensor], dev: torch.device) -> torch.Tensor:
@@ -354,16 +354,21 @@ def _segment_vectors(tensors: List[torch.Tensor], dev: torch.device) -> torch.Te
     return torch.stack([mn, mx, total / n.clamp(min=1), l2, nan, inf, n], 1)
 
 
-def _stats_dict(v: Sequence[float]) -> dict:
+def _stats_dict(v: Sequence[float], max_first: bool = False) -> dict:
     """The statistics of a ``[min, max, mean, l2, nan, inf, numel]`` vector (numel 0: empty, -1: no arithmetic)."""
-    if v[6] > 0:
-        return {"min": v[0], "max": v[1], "mean": v[2], "l2": v[3], "nan": int(v[4]), "inf": int(v[5])}
-    # empty (0) or a storage-only dtype (-1)
-    return {"min": None, "max": None, "mean": None, "l2": v[3] if v[6] == 0 else None, "nan": int(v[4]),
-            "inf": int(v[5])}
+    if v[6] <= 0:  # empty (0) or a storage-only dtype (-1)
+        return _fast_dict((None, None, None, v[3] if v[6] == 0 else None), int(v[4]), int(v[5]), max_first)
+    if max_first:
+        return {"max": v[1], "min": v[0], "mean": v[2], "l2": v[3], "nan": int(v[4]), "inf": int(v[5])}
+    return {"min": v[0], "max": v[1], "mean": v[2], "l2": v[3], "nan": int(v[4]), "inf": int(v[5])}
 
 
-def _fast_dict(v: Sequence[float], nan: Optional[int], inf: Optional[int]) -> dict:
+def _fast_dict(v: Sequence[Optional[float]], nan: Optional[int], inf: Optional[int],
+               max_first: bool = False) -> dict:
+    """``{min, max, mean, l2, nan, inf}`` from ``[min, max, mean, l2]`` and the counts (``max_first``: in the
+    order of ptdbg-style dump entries)."""
+    if max_first:
+        return {"max": v[1], "min": v[0], "mean": v[2], "l2": v[3], "nan": nan, "inf": inf}
     return {"min": v[0], "max": v[1], "mean": v[2], "l2": v[3], "nan": nan, "inf": inf}
 
 
@@ -385,55 +390,71 @@ class FingerprintBatch:
     :func:`fingerprint_tensors` use it.  :meth:`add` does each tensor's device work right away -- the
     native one-pass kernel for a plain CPU tensor, else a :class:`HashBatch` entry and the statistics
     reductions (``stats``: one of :data:`STATS_KINDS`, or None for fingerprints only) -- so the tensor
-    may be reused or mutated afterwards (except under ``"fast"`` statistics, see :data:`STATS_KINDS`).
+    may be reused or mutated afterwards -- unless ``stable=True``: the caller keeps the tensors unchanged
+    until :meth:`resolve`, nothing is copied, and statistics are computed there, all together
+    (``"fast"`` statistics are always computed so).
     :meth:`resolve` finishes every device's batch with a constant number of ops, moves hashes and
     statistics to the host in one transfer per device, and returns ``(hash, stats dict or None)`` per
-    added tensor, in order (hashes in ``[0, 2**64)``).  Hashes equal :func:`hash_tensor`.
+    added tensor, in order (hashes in ``[0, 2**64)``; ``max_first``: the dicts list ``max`` before
+    ``min``, as ptdbg-style dump entries do).  Hashes equal :func:`hash_tensor`.
     """
 
-    def __init__(self, stats: Optional[str] = None) -> None:
+    def __init__(self, stats: Optional[str] = None, stable: bool = False, max_first: bool = False) -> None:
         if stats is not None and stats not in STATS_KINDS:
             raise ValueError(f"FingerprintBatch: stats must be None or one of {STATS_KINDS}, got {stats!r}")
         self.stats = stats
+        self._want = stats is not None
+        self._stable = stable or stats == "fast"
+        self._max_first = max_first
         self._reset()
 
     def _reset(self) -> None:
+        self._native: Optional[bool] = None  # the native kernel's availability, looked up at the first CPU tensor
         self._hashes: Dict[torch.device, HashBatch] = {}
-        # per added tensor: () when its result is known at add time (in _known), else
-        # (device, how its statistics wait, device vector or small copy, the tensor when nan/inf may need counting)
-        self._items: List[tuple] = []
-        self._known: Dict[int, Tuple[int, Optional[dict]]] = {}
+        self._out: List[Optional[Tuple[int, Optional[dict]]]] = []  # per added tensor; None until resolved
+        # per tensor left for resolve: (position, device, tensor) when its statistics are computed there
+        # (stable), else (position, device, how its statistics wait, device vector or small copy, the tensor
+        # when nan/inf may need counting)
+        self._pending: List[tuple] = []
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._out)
 
     def add(self, t: torch.Tensor) -> int:
         """Capture ``t``; returns its position in :meth:`resolve`'s result."""
-        if not isinstance(t, torch.Tensor):
+        try:
+            cpu = t.is_cpu
+        except AttributeError:  # not a tensor
             check_tensor(t)  # raises
-        i = len(self._items)
-        kind = t.device.type
-        if kind == "cpu":
-            want = self.stats is not None
-            nat = fingerprint_now(t, want)
+            raise
+        i = len(self._out)
+        want = self._want
+        if cpu:
+            if self._native is None:  # once per batch: DETERM_NATIVE may change between runs
+                self._native = _native.available()
+            nat = fingerprint_now(t, want) if self._native else None
             if nat is not None:  # hash and statistics in one pass, right now
-                self._known[i] = (nat[0], _stats_dict(nat[1]) if want else None)
-                self._items.append(())
+                self._out.append((nat[0], _stats_dict(nat[1], self._max_first) if want else None))
                 return i
-        elif kind == "meta":
+        elif t.is_meta:
             check_tensor(t)  # raises
+        dev = t.device
         t = t.detach()
-        batch = self._hashes.get(t.device)
+        batch = self._hashes.get(dev)
         if batch is None:
-            batch = self._hashes[t.device] = HashBatch(t.device)
-        batch._add(t, None, self.stats != "fast")  # checked above
-        self._items.append((t.device, *self._capture_stats(t)))
+            batch = self._hashes[dev] = HashBatch(dev)
+        # checked above; the native kernel is tried again for the hash alone if it had no statistics for t
+        batch._add(t, None, not self._stable, native=bool(want and self._native))
+        self._out.append(None)
+        if not want:
+            self._pending.append((i, dev, _NONE, None, None))
+        else:
+            self._pending.append((i, dev, t) if self._stable else (i, dev, *self._capture_stats(t)))
         return i
 
     def _capture_stats(self, t: torch.Tensor) -> tuple:
+        """``(how, device vector or small tensor, tensor whose nan/inf may need counting)`` for ``t``."""
         kind = self.stats
-        if kind is None:
-            return _NONE, None, None
         n = t.numel()
         if kind == "exact" or n == 0 or t.dtype in _NO_ARITHMETIC:
             return _VECTOR, _stats_vector(t), None
@@ -443,60 +464,61 @@ class FingerprintBatch:
         if t.is_complex() or t.is_quantized:  # "trace"
             return _VECTOR, _stats_vector(t), None
         if n * t.element_size() <= _TRACE_SMALL:
-            return _SEGMENT, t.clone(), None
+            return _SEGMENT, t if self._stable else t.clone(), None
         return _DERIVED, _fast_vector(t), None
 
     def resolve(self) -> List[Tuple[int, Optional[dict]]]:
         """``[(hash, stats dict or None)]`` of every added tensor, in order; the batch is then empty."""
-        items, known, hashes = self._items, self._known, self._hashes
+        out, pending, hashes = self._out, self._pending, self._hashes
         self._reset()
-        out: List[Tuple[int, Optional[dict]]] = [known.get(i) for i in range(len(items))]  # type: ignore[misc]
-        recount: Dict[torch.device, List[int]] = {}
+        if self._stable:  # statistics of the tensors kept unchanged: computed now, after all the hashing
+            pending = [(p[0], p[1], *self._capture_stats(p[2])) if len(p) == 3 else p for p in pending]
+        recount: List[tuple] = []
         for dev, batch in hashes.items():
-            idx = [i for i, it in enumerate(items) if it and it[0] == dev]
-            self._resolve_device(dev, batch, [items[i] for i in idx], idx, out, recount)
-        for dev, idx in recount.items():  # "fast": count NaN/inf where a statistic is not finite
-            counts = torch.stack([torch.stack([torch.isnan(items[i][3]).sum(), torch.isinf(items[i][3]).sum()])
-                                  for i in idx]).cpu().tolist()
-            for i, (nan, inf) in zip(idx, counts):
-                out[i][1]["nan"], out[i][1]["inf"] = nan, inf
-        return out
+            self._resolve_device(dev, batch, [p for p in pending if p[1] == dev], out, recount)
+        if recount:  # "fast": count NaN/inf where a statistic is not finite (one more transfer per device)
+            for dev in dict.fromkeys(p[1] for p in recount):
+                these = [p for p in recount if p[1] == dev]
+                counts = torch.stack([torch.stack([torch.isnan(p[4]).sum(), torch.isinf(p[4]).sum()])
+                                      for p in these]).cpu().tolist()
+                for p, (nan, inf) in zip(these, counts):
+                    out[p[0]][1]["nan"], out[p[0]][1]["inf"] = nan, inf
+        return out  # type: ignore[return-value]
 
-    @staticmethod
-    def _resolve_device(dev: torch.device, batch: HashBatch, items: List[tuple], idx: List[int],
-                        out: list, recount: Dict[torch.device, List[int]]) -> None:
+    def _resolve_device(self, dev: torch.device, batch: HashBatch, pending: List[tuple], out: list,
+                        recount: List[tuple]) -> None:
         """Hashes and statistics of one device's entries in one transfer: int64 hashes viewed as float64,
         then the statistics vectors, concatenated."""
         parts = [batch.finish().view(torch.float64)]
-        small = [it[2] for it in items if it[1] == _SEGMENT]
+        small = [p[3] for p in pending if p[2] == _SEGMENT]
         if small:
             parts.append(_segment_vectors(small, dev).reshape(-1))
-        parts.extend(it[2] for it in items if it[1] in (_VECTOR, _FAST, _FAST_COUNT, _DERIVED))
+        parts.extend(p[3] for p in pending if p[2] in (_VECTOR, _FAST, _FAST_COUNT, _DERIVED))
         host = _cat(parts).cpu()
-        m = len(items)
+        m = len(pending)
         hs = host[:m].view(torch.int64).tolist()
         vals = host[m:].tolist()
         seg_pos, pos = 0, 7 * len(small)
-        for j, (i, it) in enumerate(zip(idx, items)):
-            how = it[1]
+        for h, p in zip(hs, pending):
+            how = p[2]
             if how == _NONE:
                 st = None
             elif how == _SEGMENT:
-                st = _stats_dict(vals[seg_pos: seg_pos + 7])
+                st = _stats_dict(vals[seg_pos: seg_pos + 7], self._max_first)
                 seg_pos += 7
             elif how == _VECTOR:
-                st = _stats_dict(vals[pos: pos + 7])
+                st = _stats_dict(vals[pos: pos + 7], self._max_first)
                 pos += 7
             else:
                 v = vals[pos: pos + 4]
                 pos += 4
                 if how == _DERIVED:
-                    st = _fast_dict(v, *_derived_counts(v))
+                    st = _fast_dict(v, *_derived_counts(v), self._max_first)
                 else:
-                    st = _fast_dict(v, 0, 0)
-                    if how == _FAST_COUNT and not all(math.isfinite(x) for x in v):
-                        recount.setdefault(dev, []).append(i)
-            out[i] = (hs[j] & MASK64, st)
+                    st = _fast_dict(v, 0, 0, self._max_first)
+                    if how == _FAST_COUNT and not math.isfinite(v[0] + v[1] + v[2] + v[3]):  # some value is not
+                        recount.append(p)  # (or the sum overflows: counted, and found 0)
+            out[p[0]] = (h & MASK64, st)
 
 
 def fingerprint_tensors(tensors: Iterable[torch.Tensor], stats: bool = True) -> List[dict]:

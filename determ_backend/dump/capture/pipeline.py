@@ -279,13 +279,9 @@ class DumpPipeline:
 
 def _fingerprints(views: List[torch.Tensor], stats: bool) -> Tuple[List[int], List[Optional[Dict[str, Any]]]]:
     """Hash (and statistics) of each tensor, in one batch: one host transfer per device."""
-    batch = FingerprintBatch("fast" if stats else None)
+    # snapshots, or tensors taken in this call: unchanged until resolved; statistics in a dump entry's order
+    batch = FingerprintBatch("fast" if stats else None, stable=True, max_first=True)
     for v in views:
         batch.add(v)
-    hashes: List[int] = []
-    out: List[Optional[Dict[str, Any]]] = []
-    for h, st in batch.resolve():
-        hashes.append(h)
-        out.append(None if st is None else {  # a dump entry's order
-            "max": st["max"], "min": st["min"], "mean": st["mean"], "l2": st["l2"], "nan": st["nan"], "inf": st["inf"]})
-    return hashes, out
+    hashes, stats_ = zip(*batch.resolve()) if views else ((), ())
+    return list(hashes), list(stats_)
