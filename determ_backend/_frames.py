@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 
@@ -27,29 +27,28 @@ _STDLIB_ROOTS = (os.path.join(sysconfig.get_paths()["stdlib"], ""), "<frozen")
 _USER_MODELS = (os.path.join(_DETERM_ROOT, "demo_model.py"),)  # user code that ships with determ (the demo model)
 
 
+_CACHE_LIMIT = 1 << 14  # code objects remembered per filter (generated code makes new ones)
+
+
 class FrameFilter:
     """Which frames are user code: not in torch, not in determ, and (``stdlib=True``) not in the
-    standard library or a frozen module.  The answer is cached per file."""
+    standard library or a frozen module.  The answer is cached per code object."""
 
     def __init__(self, stdlib: bool = True) -> None:
         self._roots = (_TORCH_ROOT, _DETERM_ROOT) + (_STDLIB_ROOTS if stdlib else ())
-        self._cache: Dict[str, bool] = {}
-
-    def is_internal(self, filename: str) -> bool:
-        internal = self._cache.get(filename)
-        if internal is None:
-            internal = self._cache[filename] = filename.startswith(self._roots)
-        return internal
+        self._cache: Dict[Any, bool] = {}
 
     def user_frames(self, frame, depth: int) -> list:
         """The first ``depth`` user frames from ``frame`` outwards (innermost first)."""
         out = []
-        cache, roots = self._cache, self._roots
+        cache = self._cache
         while frame is not None:
-            filename = frame.f_code.co_filename
-            internal = cache.get(filename)
+            code = frame.f_code
+            internal = cache.get(code)
             if internal is None:
-                internal = cache[filename] = filename.startswith(roots)
+                if len(cache) >= _CACHE_LIMIT:
+                    cache.clear()
+                internal = cache[code] = code.co_filename.startswith(self._roots)
             if not internal:
                 out.append(frame)
                 if len(out) >= depth:

@@ -280,10 +280,11 @@ STATS_KINDS = ("exact", "fast", "trace")
   for integers); NaN/inf counted, in a second pass over the batch, only in tensors where min, max, mean
   or l2 is not finite; complex tensors by magnitude.  The tensors are read again at
   :meth:`FingerprintBatch.resolve` and not copied, so they must stay unchanged until then; the API dump;
-- ``"trace"``: tensors up to 64 KiB as ``"exact"`` (reduced together per batch, from a copy); larger ones
-  as ``"fast"`` in three passes (float32 accumulation below float64) with NaN/inf not counted: 0 when the
-  L2 norm proves there are none, else None (unknown; min/max/l2 show which kind is present); complex and
-  quantized tensors as ``"exact"``; the compile backends' recorder.
+- ``"trace"``: tensors up to 64 KiB with float64 sums and NaN/inf counted, reduced together per batch
+  (from a copy unless the batch is stable); larger ones as ``"fast"`` in three passes (float32
+  accumulation below float64) with NaN/inf not counted: 0 when the L2 norm proves there are none, else
+  None (unknown; min/max/l2 show which kind is present); complex and quantized tensors as ``"exact"``;
+  the compile backends' recorder.
 """
 
 
@@ -387,16 +388,16 @@ class FingerprintBatch:
     """Fingerprints and statistics of many tensors, on any devices, with one host transfer per device.
 
     The one batcher of the package: the compile backends' recorder, the eager modes, the API dump and
-    :func:`fingerprint_tensors` use it.  :meth:`add` does each tensor's device work right away -- the
-    native one-pass kernel for a plain CPU tensor, else a :class:`HashBatch` entry and the statistics
-    reductions (``stats``: one of :data:`STATS_KINDS`, or None for fingerprints only) -- so the tensor
-    may be reused or mutated afterwards -- unless ``stable=True``: the caller keeps the tensors unchanged
-    until :meth:`resolve`, nothing is copied, and statistics are computed there, all together
-    (``"fast"`` statistics are always computed so).
-    :meth:`resolve` finishes every device's batch with a constant number of ops, moves hashes and
-    statistics to the host in one transfer per device, and returns ``(hash, stats dict or None)`` per
-    added tensor, in order (hashes in ``[0, 2**64)``; ``max_first``: the dicts list ``max`` before
-    ``min``, as ptdbg-style dump entries do).  Hashes equal :func:`hash_tensor`.
+    :func:`fingerprint_tensors` use it.  ``stats``: one of :data:`STATS_KINDS`, or None for fingerprints
+    only.  :meth:`add` does each tensor's device work right away (the native one-pass kernel for a plain
+    CPU tensor, else a :class:`HashBatch` entry and the statistics reductions), so the tensor may be
+    reused or mutated afterwards.  With ``stable=True`` the caller keeps the tensors unchanged until
+    :meth:`resolve` instead: nothing is copied and the statistics are computed there, all together
+    (``"fast"`` statistics always are).  :meth:`resolve` finishes every device's batch with a constant
+    number of ops, moves hashes and statistics to the host in one transfer per device, and returns
+    ``(hash, stats dict or None)`` per added tensor, in order; hashes are in ``[0, 2**64)`` and equal
+    :func:`hash_tensor`; ``max_first``: the dicts list ``max`` before ``min``, as ptdbg-style dump
+    entries do.
     """
 
     def __init__(self, stats: Optional[str] = None, stable: bool = False, max_first: bool = False) -> None:
