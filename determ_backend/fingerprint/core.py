@@ -144,6 +144,7 @@ class HashBatch:
 
     def __init__(self, device) -> None:
         self.device = torch.device(device)
+        self._cpu = self.device.type == "cpu"
         self._k = row_weights(str(self.device))
         self._keys: List[int] = []
         self._small: List[torch.Tensor] = []
@@ -165,7 +166,7 @@ class HashBatch:
     def _add(self, t: torch.Tensor, known: Optional[int], copy: bool, native: bool = True) -> int:
         """:meth:`add` of a tensor already checked; ``native=False``: the native kernel was tried already."""
         i = len(self._keys)
-        if known is None and native and self.device.type == "cpu":
+        if known is None and native and self._cpu:
             nat = fingerprint_now(t)
             known = None if nat is None else nat[0]
         if known is not None:
