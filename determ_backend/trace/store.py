@@ -435,11 +435,14 @@ def load_tensor_file(path: Union[str, Path]) -> Tuple[Dict[str, torch.Tensor], D
         return stored, meta
     try:
         names = json.loads(meta["names"])
-        out = {}
+        out, handed = {}, set()
         for name, spec in names.items():
             t = stored[spec["key"]]
             if "stride" in spec:
                 t = torch.empty_strided(t.shape, spec["stride"], dtype=t.dtype).copy_(t)
+            elif spec["key"] in handed:  # equal content stored once, but every name gets a tensor of its own
+                t = t.clone()
+            handed.add(spec["key"])
             out[name] = t
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
         raise _corrupt(p, "bad names metadata") from None
