@@ -24,6 +24,7 @@ lives in :mod:`determ_backend.compare`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -98,6 +99,14 @@ class Record:
 _FIELDS = tuple(Record.__dataclass_fields__)
 
 
+@functools.lru_cache(maxsize=1)
+def _umask() -> int:
+    """The process's umask, read once (by setting it and putting it back at once: there is no other way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: Union[str, Path]) -> Iterator[str]:
     """Yield a temp file name next to ``path``; on success it replaces ``path`` atomically, on any
@@ -105,6 +114,7 @@ def atomic_path(path: Union[str, Path]) -> Iterator[str]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; the file gets the mode a plain open would give
     os.close(fd)
     try:
         yield tmp
