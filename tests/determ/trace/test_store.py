@@ -237,3 +237,18 @@ def test_checksum_keys_and_store_for(tmp_path):
     assert store_for(run) is None and store_for(tmp_path / "missing") is None
     (run / "tensors").mkdir()
     assert store_for(run).root == run / "tensors" and store_for(run / "trace.jsonl").root == run / "tensors"
+
+
+def test_names_of_equal_content_load_as_tensors_of_their_own(tmp_path):
+    save_tensor_file(tmp_path / "t.safetensors", {"a": torch.zeros(3), "b": torch.zeros(3)})
+    got, _ = load_tensor_file(tmp_path / "t.safetensors")
+    got["a"].add_(1)
+    assert torch.equal(got["b"], torch.zeros(3))
+
+
+def test_atomically_written_files_get_the_mode_a_plain_open_gives(tmp_path):
+    from determ_backend.trace.stream import atomic_write_text
+
+    atomic_write_text(tmp_path / "atomic.txt", "x")
+    (tmp_path / "plain.txt").write_text("x")
+    assert os.stat(tmp_path / "atomic.txt").st_mode == os.stat(tmp_path / "plain.txt").st_mode
