@@ -95,7 +95,8 @@ class EagerInterpreter(fx.Interpreter):
 def _fresh(v: Any, to64: bool) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
-    return v.detach().to(torch.float64) if to64 and v.is_floating_point() else v.clone()
+    # copy=True: a float64 value must not come back as the same storage (the nodes run may write in place)
+    return v.detach().to(torch.float64, copy=True) if to64 and v.is_floating_point() else v.clone()
 
 
 def run_eager(gm: fx.GraphModule, args: Sequence[Any]) -> Any:

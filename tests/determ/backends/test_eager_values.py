@@ -80,3 +80,17 @@ def test_a_few_nodes_alone_on_recorded_values_in_fp64_too():
     assert torch.equal(got, vals["sum"])
     got64 = interp.run_nodes([by["add"]], vals, to64=True)
     assert got64.dtype == torch.float64 and torch.allclose(got64.float(), vals["add"])
+
+
+def test_nodes_run_alone_in_fp64_never_write_into_the_values_they_were_given():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    mul = _op(g, aten.mul.Tensor, (x, 2.0), "mul")
+    bump = _op(g, aten.add_.Tensor, (mul, 1.0), "bump")  # in place, on its input
+    g.output((bump,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    vals = eager_node_values(gm, [torch.randn(5, dtype=torch.float64)])
+    before = vals["mul"].clone()
+    by = {n.name: n for n in gm.graph.nodes}
+    EagerInterpreter(gm).run_nodes([by["bump"]], vals, to64=True)
+    assert torch.equal(vals["mul"], before)
