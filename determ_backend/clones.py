@@ -3,9 +3,12 @@
 :func:`clone_inputs` copies the tensors of a call's arguments so that the copy can
 be run again (a second execution, an eager reference, a compile) without the
 first run's in-place writes reaching it, and so that it looks to the callee like
-the original: same sizes, strides, storage offsets, dtype, device and
-``requires_grad``, and tensors that share memory still share it (an expanded
-tensor stays expanded, two views of one buffer stay views of one copy).
+the original: same sizes, strides, dtype, device and ``requires_grad``, and
+tensors that share memory still share it (an expanded tensor stays expanded, two
+views of one buffer stay views of one copy).  Only the bytes the tensors cover are
+copied, so storage offsets are kept relative to that span (modulo a 16-byte
+alignment); ``whole_storage=True`` copies each storage whole and keeps the offsets
+exactly, for a callee that may re-stride its input in place (``as_strided_``).
 
 Callers: :mod:`determ_backend.backends.checks` (the determinism twin, the accuracy
 reference), :mod:`determ_backend.modes._bitwise` (an op's second run),
@@ -28,7 +31,7 @@ _ALIGN = 16
 """Bytes: a copied region starts at a multiple of every element size, so each view's offset stays whole."""
 
 
-def clone_inputs(values: Sequence[Any]) -> List[Any]:
+def clone_inputs(values: Sequence[Any], whole_storage: bool = False) -> List[Any]:
     """``values`` with every tensor replaced by a clone (module docstring); lists, tuples and dicts are
     walked (``clone_inputs([args, kwargs])`` clones an op's arguments), other values are kept as they are."""
     groups: Dict[Tuple, List[torch.Tensor]] = {}
@@ -36,7 +39,7 @@ def clone_inputs(values: Sequence[Any]) -> List[Any]:
     clones: Dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for members in groups.values():
-            _clone_group(members, clones)
+            _clone_group(members, clones, whole_storage)
     return [_rebuild(v, clones) for v in values]
 
 
@@ -85,10 +88,11 @@ def _span(t: torch.Tensor) -> Tuple[int, int]:
     return start, start + extent * t.element_size()
 
 
-def _clone_group(members: List[torch.Tensor], clones: Dict[int, torch.Tensor]) -> None:
+def _clone_group(members: List[torch.Tensor], clones: Dict[int, torch.Tensor], whole_storage: bool) -> None:
     first = members[0]
-    if len(members) == 1 and (first.layout != torch.strided or first.is_conj() or first.is_neg()):
-        clones[id(first)] = _keep_grad(first.clone(), first)
+    if len(members) == 1 and (first.layout != torch.strided or first.is_conj() or first.is_neg()
+                              or (not whole_storage and _plain(first))):
+        clones[id(first)] = _keep_grad(first.clone(), first)  # for a plain tensor the same as the span copy below
         return
     spans = [_span(t) for t in members]
     lo = min(s for s, _ in spans) // _ALIGN * _ALIGN
@@ -99,11 +103,18 @@ def _clone_group(members: List[torch.Tensor], clones: Dict[int, torch.Tensor]) -
         for t in members:
             clones[id(t)] = _keep_grad(t.clone(), t)
         return
+    if whole_storage:
+        lo, hi = 0, raw.numel()
     copy = raw[lo:hi].clone().untyped_storage()
     for t, (start, _) in zip(members, spans):
         c = torch.empty(0, dtype=t.dtype, device=t.device)
         c.set_(copy, (start - lo) // t.element_size(), t.size(), t.stride())
         clones[id(t)] = _keep_grad(c, t)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Contiguous and starting on the alignment: its span copy would be exactly ``t.clone()``."""
+    return t.is_contiguous() and t.storage_offset() * t.element_size() % _ALIGN == 0
 
 
 def _keep_grad(c: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

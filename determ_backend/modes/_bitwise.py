@@ -111,7 +111,7 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
         writes = self._writes.get(func)
         if writes is None:
             writes = self._writes[func] = schema_writes(func)
-        cargs, ckwargs = clone_inputs([args, kwargs]) if writes else (args, kwargs)
+        cargs, ckwargs = clone_inputs([args, kwargs], whole_storage=True) if writes else (args, kwargs)
         before = devices.get_rng_state()
         out1 = func(*args, **kwargs)
         after = devices.get_rng_state()

@@ -280,6 +280,12 @@ def test_bitwise_mode_random_ops_inplace_ops_and_no_side_effects():
     assert not torch.is_anomaly_enabled()
 
 
+def test_bitwise_mode_runs_an_in_place_restride_onto_the_whole_storage():
+    base = torch.arange(16.0)
+    with BitwiseEquivalenceMode(warn=False) as m:
+        view = base[4:6].as_strided_((12,), (1,), 0)  # reaches bytes outside the view it was called on
+    assert m.mismatches == [] and torch.equal(view, torch.arange(12.0))
+
 def test_bitwise_mode_raise_on_mismatch():
     with pytest.raises(NondeterminismError, match="eager_nd_rowsum"):
         with BitwiseEquivalenceMode(raise_on_mismatch=True):
