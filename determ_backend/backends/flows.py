@@ -25,8 +25,12 @@ GROUP = "determ_flows"
 @functools.lru_cache(maxsize=None)
 def load_flow(name: str) -> ModuleType:
     """The module that implements ``REPRO_AFTER=<name>``; a :class:`ConfigError` when none is installed."""
-    found = entry_points(group=GROUP, name=name)
+    eps = entry_points()
+    if hasattr(eps, "select"):  # Python 3.10+
+        found = list(eps.select(group=GROUP, name=name))
+    else:  # Python 3.9: a dict of group -> entry points
+        found = [e for e in eps.get(GROUP, ()) if e.name == name]
     if not found:
         raise ConfigError(f"REPRO_AFTER={name}: no repro flow of that name is installed "
                           f"(entry-point group {GROUP!r}; reinstall determ: pip install -e .)")
-    return next(iter(found)).load()
+    return found[0].load()
