@@ -137,7 +137,7 @@ class _Session:
             f = self.out_dir / f"values_{name}.pt"
             try:
                 self.view.value_maps[name] = torch.load(f, weights_only=True)
-            except (OSError, RuntimeError) as e:
+            except Exception as e:  # torch raises several unrelated types for a corrupt file (UnpicklingError too)
                 raise ReproError(f"{f}: cannot load recorded values ({e})") from e
         self.seconds_before = float(state.get("seconds", 0.0))
         self.checkpoints = int(state.get("checkpoints", 0))
