@@ -101,20 +101,30 @@ def _differs(view: GraphView, name: str, a: Dict[str, Any], b: Dict[str, Any], s
     return leaf_differs(a[name], b[name], None, spec)
 
 
-def _replay_fails(view: GraphView, keep, name: str, value: Any, base: Dict[str, Any], spec) -> Optional[bool]:
+class _Substitution:
     """Does substituting ``value`` for ``name`` alone make an output of ``keep`` fail?  Both sides are
     eager replays of ``keep`` from ``base`` (:func:`determ_backend.backends.eager.replay`, one RNG state:
-    ``name`` computed vs substituted), so only this node's error counts.  None when a replay cannot run."""
-    outs = view.frontier(frozenset(keep))
-    try:
-        gm, inputs = view.cut([n for n in view.compute if n in keep], outs, base)
-        state = devices.get_rng_state()
-        clean = replay(gm, inputs, state)
-        dirty = replay(gm, inputs, state, inject={name: value})
-    except Exception as e:  # a node that cannot be re-run on the substituted value: cannot tell
-        log.debug("replay with %s substituted failed: %s", name, e)
-        return None
-    return any(leaf_differs(clean[o], dirty[o], None, spec) for o in outs if o in clean and o in dirty)
+    ``name`` computed vs substituted), so only this node's error counts.  The cut and the clean replay are
+    the same for every candidate: made once, on the first question that can make them."""
+
+    def __init__(self, view: GraphView, keep, base: Dict[str, Any], spec) -> None:
+        self.view, self.keep, self.base, self.spec = view, keep, base, spec
+        self.outs = view.frontier(frozenset(keep))
+        self.clean: Optional[tuple] = None  # (cut graph, its inputs, RNG state, clean replay)
+
+    def fails(self, name: str, value: Any) -> Optional[bool]:
+        """The answer; None when a replay cannot run."""
+        try:
+            if self.clean is None:
+                gm, inputs = self.view.cut([n for n in self.view.compute if n in self.keep], self.outs, self.base)
+                state = devices.get_rng_state()
+                self.clean = (gm, inputs, state, replay(gm, inputs, state))
+            gm, inputs, state, clean = self.clean
+            dirty = replay(gm, inputs, state, inject={name: value})
+        except Exception as e:  # a node that cannot be re-run on the substituted value: cannot tell
+            log.debug("replay with %s substituted failed: %s", name, e)
+            return None
+        return any(leaf_differs(clean[o], dirty[o], None, self.spec) for o in self.outs if o in clean and o in dirty)
 
 
 def _record(view: GraphView, keep, name: str, kind: str = "node", inputs: Optional[List[str]] = None) -> Record:
@@ -160,12 +170,13 @@ def find_culprit(view: GraphView, keep, sides: List[Dict[str, Any]], spec,
         if not local:
             return None
 
+        substitution = _Substitution(view, keep, base, spec)
+
         def confirm(cands: List[Pair]) -> List[Optional[bool]]:
             out = []
             for c in cands:
                 value = comp.get(c.rec.node)
-                out.append(_replay_fails(view, keep, c.rec.node, value, base, spec)
-                           if isinstance(value, torch.Tensor) else None)
+                out.append(substitution.fails(c.rec.node, value) if isinstance(value, torch.Tensor) else None)
             return out
 
         cmp = find_roots(_accuracy_pairs(view, keep, order, local), spec.kind, confirm=confirm)
