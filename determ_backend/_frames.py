@@ -57,9 +57,12 @@ class FrameFilter:
         return out
 
 
+_USER = FrameFilter()  # user_frames()'s filter, shared so that its cache lasts from call to call
+
+
 def user_frames(frame, depth: int = 8) -> List[str]:
     """``file:line in function`` of the first ``depth`` frames outside torch, determ and the stdlib."""
-    return [f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" for f in FrameFilter().user_frames(frame, depth)]
+    return [f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" for f in _USER.user_frames(frame, depth)]
 
 
 def called_from_determ(frame) -> bool:
