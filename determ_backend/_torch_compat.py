@@ -24,7 +24,7 @@ from torch.utils import _pytree
 __all__ = [
     # configs and compilers
     "inductor_config", "set_fallback_random", "inductor_config_patch", "config_snapshot", "config_applied",
-    "lookup_backend", "aot_autograd", "compile_fx", "compile_fx_inner", "dynamo_reset",
+    "lookup_backend", "aot_autograd", "compile_fx", "compile_fx_inner",
     # operators, tensors, calling conventions
     "op_schema", "op_schema_name", "is_op_overload", "is_op_overload_packet", "op_overload_name",
     "op_packet_name", "tensor_version", "is_boxed", "set_boxed",
@@ -124,13 +124,6 @@ def compile_fx_inner(gm, example_inputs, **kwargs):
     return _inner(gm, example_inputs, **kwargs)
 
 
-def dynamo_reset() -> None:
-    """Forget every compiled frame and guard (``torch._dynamo.reset``)."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-
-
 # --- operators, tensors, calling conventions (determ_backend.modes, backends, dump; repro_tools) -----------
 
 def op_schema(func) -> Any:
@@ -140,7 +133,7 @@ def op_schema(func) -> Any:
 
 def op_schema_name(func) -> Optional[str]:
     """``ns::name`` of an operator overload's schema (``aten::add``), or None."""
-    schema = getattr(func, "_schema", None)
+    schema = op_schema(func)
     return schema.name if schema is not None else None
 
 

@@ -43,7 +43,6 @@ import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from _bench_common import fresh_inductor_cache, fx_minifier  # noqa: E402
-from determ_backend import _torch_compat as tc  # noqa: E402
 from repro_tools.minify.minifier import minify  # noqa: E402
 from repro_tools.minify.isolate import Worker  # noqa: E402
 from repro_tools.minify.oracles import InProcessRunner, OracleSpec  # noqa: E402
@@ -199,7 +198,7 @@ def _cold_compile_caches(compiler):
     """Each minifier starts with empty inductor caches (neither profits from the other's compiles)."""
     if not compiler.startswith("inductor"):
         return contextlib.nullcontext()
-    tc.dynamo_reset()
+    torch.compiler.reset()
     return fresh_inductor_cache()
 
 

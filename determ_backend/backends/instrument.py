@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import operator
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx

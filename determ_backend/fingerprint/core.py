@@ -156,17 +156,17 @@ class HashBatch:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, t: torch.Tensor, known: Optional[int] = None, copy: bool = True) -> int:
-        """Queue ``t``; returns its index in :meth:`finish`'s result.  ``known``: its fingerprint,
-        already computed (by :func:`fingerprint_now`).  ``copy=False``: ``t`` stays unchanged until
-        :meth:`finish` (a small tensor's words are then not copied)."""
+    def add(self, t: torch.Tensor, copy: bool = True) -> int:
+        """Queue ``t``; returns its index in :meth:`finish`'s result.  ``copy=False``: ``t`` stays unchanged
+        until :meth:`finish` (a small tensor's words are then not copied)."""
         check_tensor(t)
-        return self._add(t, known, copy)
+        return self._add(t, copy)
 
-    def _add(self, t: torch.Tensor, known: Optional[int], copy: bool, native: bool = True) -> int:
+    def _add(self, t: torch.Tensor, copy: bool, native: bool = True) -> int:
         """:meth:`add` of a tensor already checked; ``native=False``: the native kernel was tried already."""
         i = len(self._keys)
-        if known is None and native and self._cpu:
+        known = None
+        if native and self._cpu:
             nat = fingerprint_now(t)
             known = None if nat is None else nat[0]
         if known is not None:
@@ -232,7 +232,7 @@ def hash_tensors(tensors: Iterable[torch.Tensor]) -> List[int]:
     for dev, idx in by_dev.items():
         batch = HashBatch(dev)
         for i in idx:
-            batch._add(tensors[i], None, False)  # checked above
+            batch._add(tensors[i], False)  # checked above
         for i, v in zip(idx, batch.finish().cpu().tolist()):
             out[i] = v & MASK64
     return out
@@ -446,7 +446,7 @@ class FingerprintBatch:
         if batch is None:
             batch = self._hashes[dev] = HashBatch(dev)
         # checked above; the native kernel is tried again for the hash alone if it had no statistics for t
-        batch._add(t, None, not self._stable, native=bool(want and self._native))
+        batch._add(t, not self._stable, native=bool(want and self._native))
         self._out.append(None)
         if not want:
             self._pending.append((i, dev, _NONE, None, None))

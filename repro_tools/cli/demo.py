@@ -64,7 +64,7 @@ def _chdir(path: Path) -> Iterator[None]:
 
 def _accuracy_bug(out: Path) -> Dict[str, Any]:
     """Step 1: determ_inductor, REPRO_AFTER=aot, REPRO_LEVEL=4, on a model compiled with the injected relu bug."""
-    tc.dynamo_reset()
+    torch.compiler.reset()
     torch.manual_seed(0)
     model = DemoTransformer().eval()
     (x,) = demo_inputs()
@@ -93,7 +93,7 @@ def _reproduce(repro: Path) -> Dict[str, Any]:
 
 def _nondeterminism(out: Path) -> Dict[str, Any]:
     """Step 3: determ_aot_eager with the determinism check on the model with the nondeterministic op."""
-    tc.dynamo_reset()
+    torch.compiler.reset()
     torch.manual_seed(0)
     model = DemoTransformer(nondeterministic=True).eval()
     (x,) = demo_inputs()

@@ -87,7 +87,7 @@ def _traced(path: Path, gm, inputs, meta, backend: str, checks: List[str], tol: 
     run_id = time.strftime("analyze-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     options = {"check": ",".join(checks), "dir": str(out), "run_id": run_id, "tol": tol, "repro_after": "",
                "raise_on_divergence": False, "trace": True}
-    tc.dynamo_reset()
+    torch.compiler.reset()
     with tc.inductor_config_patch(dict(meta.get("config") or {})):
         with torch.no_grad():
             try:
