@@ -195,16 +195,26 @@ def _read_shard(f: BinaryIO, p: Path, start: int, size: int) -> Tuple[Dict[str, 
             if dtype is None or not shape or shape[-1] != dtype.itemsize:
                 raise _corrupt(p, f"bad torch dtype of {key!r}")
             shape = shape[:-1]
-        numel = 1
-        for s in shape:
-            numel *= s
-        if numel * dtype.itemsize != e_ - b:
-            raise _corrupt(p, f"{key!r} holds {e_ - b} bytes, its dtype and shape need {numel * dtype.itemsize}")
+        wrong = _size_problem(shape, dtype, e_ - b)
+        if wrong:
+            raise _corrupt(p, f"{key!r} {wrong}")
         entries[key] = _Entry(data0 + b, data0 + e_, dtype, tuple(shape))
         end = max(end, data0 + e_)
     if end > size:
         raise TraceFormatError(f"{p}: truncated tensor store file: its data needs {end} bytes, the file has {size}")
     return entries, meta, end
+
+
+def _size_problem(shape: Sequence[int], dtype: torch.dtype, nbytes: int) -> Optional[str]:
+    """Why ``nbytes`` bytes cannot hold a ``dtype`` tensor of ``shape`` (None when they can)."""
+    if not all(isinstance(s, int) and s >= 0 for s in shape):
+        return f"has a bad shape {list(shape)!r}"
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel * dtype.itemsize != nbytes:
+        return f"holds {nbytes} bytes, its dtype and shape need {numel * dtype.itemsize}"
+    return None
 
 
 def _load(f: BinaryIO, e: _Entry, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
@@ -332,6 +342,9 @@ class TensorStore:
         if off < 0 or n < 0 or off + n > size:
             raise TraceFormatError(f"{path}: truncated payload file: {name} needs bytes [{off}, {off + n}) but the "
                                    f"file has {size} bytes")
+        wrong = _size_problem(list(shape), dtype, n)
+        if wrong:
+            raise TraceFormatError(f"{path}: {name} {wrong}")
         with open(path, "rb") as f:
             return _load(f, _Entry(off, off + n, dtype, tuple(shape)), device)
 

@@ -63,6 +63,8 @@ class Dump:
         if not self.has_payloads:
             where = (self.data_dir or self.path.parent / self.path.name[: -len(".pkl")]) / PAYLOAD_FILE
             raise TraceFormatError(f"{where}: tensor payload file missing (was the dump written in statistics mode?)")
+        if "dtype" not in t or not isinstance(t.get("shape"), list):
+            raise TraceFormatError(f"{self.path}: {t.get('name', 'a tensor')} has a payload but no dtype and shape")
         store = TensorStore(self.data_dir, pack=PAYLOAD_FILE)
         return store.read_span(t["payload"], _dtype_from_str(t["dtype"]), t["shape"], t.get("name", "a tensor"))
 

@@ -252,3 +252,14 @@ def test_atomically_written_files_get_the_mode_a_plain_open_gives(tmp_path):
     atomic_write_text(tmp_path / "atomic.txt", "x")
     (tmp_path / "plain.txt").write_text("x")
     assert os.stat(tmp_path / "atomic.txt").st_mode == os.stat(tmp_path / "plain.txt").st_mode
+
+
+@pytest.mark.parametrize("span, dtype, shape, needle", [
+    ([0, 12], torch.float32, [4], "holds 12 bytes, its dtype and shape need 16"),
+    ([0, 8], torch.int64, [2], "holds 8 bytes, its dtype and shape need 16"),
+    ([0, 16], torch.float32, [-4], "bad shape"),
+])
+def test_a_span_that_cannot_hold_its_dtype_and_shape_is_a_format_error(tmp_path, span, dtype, shape, needle):
+    (tmp_path / "tensors.bin").write_bytes(torch.arange(8.0).numpy().tobytes())
+    with pytest.raises(TraceFormatError, match=needle):
+        TensorStore(tmp_path, pack="tensors.bin").read_span(span, dtype, shape, name="x")
