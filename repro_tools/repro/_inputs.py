@@ -61,14 +61,16 @@ def read_storage(key):
     if path is None:
         raise ReproInputError(f"{tried[0]}: missing input file (content store of {os.path.basename(__file__)}; "
                               "copy the repro_store directory next to the script)")
-    with open(path, "rb") as f:
-        blob = f.read()
     try:
-        (n,) = struct.unpack("<Q", blob[:8])
-        header = json.loads(blob[8:8 + n])
-        start, end = (header.get(key) or header["data"])["data_offsets"]
-        data = bytearray(blob[8 + n + start:8 + n + end])
-    except (struct.error, ValueError, KeyError, TypeError):
+        with open(path, "rb") as f:  # the header, then the tensor's bytes straight into the buffer returned
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            start, end = (header.get(key) or header["data"])["data_offsets"]
+            data = bytearray(end - start)
+            f.seek(8 + n + start)
+            if f.readinto(data) != len(data):
+                raise ValueError("truncated")
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError):
         raise ReproInputError(f"{path}: corrupt content store file (not a one-tensor safetensors file)") from None
     if hashlib.sha256(data).hexdigest()[:len(key)] != key:
         raise ReproInputError(f"{path}: corrupt content store file (checksum does not match its name)")
