@@ -52,6 +52,7 @@ class DumpSession:
         self.counters: Dict[str, int] = collections.defaultdict(int)
         self.seq = 0
         self._lock = threading.Lock()
+        self._closed = False  # by close(): the index may close itself earlier, when a write cuts it
         if not tensors:
             self._remove_stale_payloads()
         self.pipeline = self._open_pipeline(append=False)
@@ -80,12 +81,14 @@ class DumpSession:
 
     @property
     def closed(self) -> bool:
-        return self.index.closed
+        return self._closed
 
     def close(self) -> None:
-        """Finish the pipeline, then write the index footer (a complete index implies complete payloads)."""
-        if self.closed:
+        """Finish the pipeline, then write the index footer (a complete index implies complete payloads);
+        a write that failed, here or on the pipeline's thread, is raised here once."""
+        if self._closed:
             return
+        self._closed = True
         error: Optional[BaseException] = None
         try:
             self.pipeline.close()
@@ -97,9 +100,10 @@ class DumpSession:
             raise error
 
     def reopen(self) -> None:
-        if not self.closed:
+        if not self._closed:
             return
         self.index.reopen()
+        self._closed = False
         self.pipeline = self._open_pipeline(append=True)  # shares payload_index: dedup across on/off phases
 
 
