@@ -2,20 +2,23 @@
 
 On first use the C source shipped next to this file is compiled with the system C
 compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a shared library cached under
-``$DETERM_CACHE_DIR`` (default ``~/.cache/determ``), keyed by the source, the flags
-and the CPU (it is tuned with ``-march=native``); later processes just load it.  The
-build writes to a temporary file and renames it, so concurrent first uses are safe.
-When no compiler is found, the build fails, or ``DETERM_NATIVE=0`` is set,
-:func:`available` is False and callers use the torch path, which gives bit-identical
-fingerprints.
+``$DETERM_CACHE_DIR`` (default ``~/.cache/determ``), keyed by the source, the flags,
+the Python ABI and the CPU (it is tuned with ``-march=native``); later processes just
+load it.  The build writes to a temporary file and renames it, so concurrent first
+uses are safe.  Where Python's headers are installed the library is also a CPython
+extension module, called directly (a few hundred nanoseconds a call); otherwise it is
+called through ctypes (a few microseconds).  When no compiler is found, the build
+fails, or ``DETERM_NATIVE=0`` is set, :func:`available` is False and callers use the
+torch path, which gives bit-identical fingerprints.
 
 The kernel reads each tensor once: fingerprint row sums and, optionally, statistics
-(min, max, sum, sum of squares, NaN and inf counts) of the same 16 KiB row while it
-is in L1 -- instead of five passes of stock torch ops.  Tensors of 2 MiB and more are
-split by rows over OpenMP threads (``torch.get_num_threads()`` of them, or
+(min, max, sum, sum of squares, NaN and inf counts) from the same loaded words --
+instead of five passes of stock torch ops.  Tensors of 2 MiB and more are split by
+rows over OpenMP threads (``torch.get_num_threads()`` of them, or
 ``DETERM_NATIVE_THREADS``); the library links ``libgomp.so.1``, which resolves to the
 copy torch already loaded, so it shares torch's thread pool instead of competing with
-it.  Results do not depend on the split.  ctypes releases the GIL during the call.
+it.  Results do not depend on the split.  Large tensors are hashed without the GIL.
+Settings are read by :func:`kernel` -- once per batch of tensors, not per tensor.
 Nothing happens at import.
 """
 
@@ -24,22 +27,25 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
 from determ_backend.config import parse_bool
 from determ_backend.errors import ConfigError
 
-__all__ = ["available", "fingerprint", "SUPPORTED"]
+__all__ = ["available", "kernel", "Kernel", "SUPPORTED"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,7 @@ _SOURCE = Path(__file__).with_name("_native_fp.c")
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
 _TUNE = "-march=native"  # the library is built on, and cached for, this machine's CPU (dropped if refused)
 _OPENMP = "-fopenmp"  # libgomp.so.1: the one torch already loaded, so its thread pool is shared (dropped if refused)
+_MODULE = "determ_fp"  # the extension module's name (PyInit_determ_fp)
 
 # dtype -> kind code of _native_fp.c (statistics are computed for these; any other dtype of a
 # whole number of bytes is still hashed natively, with kind 0 = no statistics)
@@ -57,6 +64,16 @@ SUPPORTED = {
 for _name, _code in (("uint16", 11), ("uint32", 12), ("uint64", 13)):
     if isinstance(getattr(torch, _name, None), torch.dtype):
         SUPPORTED[getattr(torch, _name)] = _code
+
+# fingerprint(data_ptr, nbytes, kind, numel, key, threads, stats) -> (hash, stats vector | None) | None
+_Call = Callable[[int, int, int, int, int, int, bool], Optional[Tuple[int, Optional[tuple]]]]
+
+
+class Kernel(NamedTuple):
+    """The loaded kernel and the settings it runs with, looked up once (see :func:`kernel`)."""
+
+    call: _Call
+    threads: int
 
 
 def _compiler() -> Optional[str]:
@@ -81,10 +98,17 @@ def _cpu_signature() -> bytes:
         return f"{platform.machine()}|{platform.processor()}".encode()
 
 
+def _python_include() -> Optional[str]:
+    """Where ``Python.h`` is, or None (then the library is built for ctypes alone)."""
+    inc = sysconfig.get_paths().get("include")
+    return inc if inc and os.path.exists(os.path.join(inc, "Python.h")) else None
+
+
 def _library_path() -> Path:
-    """Where this source, built with these flags for this CPU, is cached."""
+    """Where this source, built with these flags for this CPU and this Python, is cached."""
+    abi = f"{sysconfig.get_config_var('EXT_SUFFIX')}|{_python_include()}"
     tag = hashlib.blake2b(b"|".join([_SOURCE.read_bytes(), " ".join(_FLAGS + [_TUNE, _OPENMP]).encode(), _cpu_signature(),
-                                     sys.platform.encode()]), digest_size=8).hexdigest()
+                                     sys.platform.encode(), abi.encode()]), digest_size=8).hexdigest()
     return _cache_dir() / f"determ_fp_{tag}.so"
 
 
@@ -92,8 +116,12 @@ def _build(cc: str, lib: Path) -> None:
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".so.tmp", dir=lib.parent)
     os.close(fd)
+    inc = _python_include()
+    ext = [f"-DDETERM_PYEXT", f"-I{inc}"] if inc else []
     try:
-        for flags in ([*_FLAGS, _TUNE, _OPENMP], [*_FLAGS, _TUNE], _FLAGS):
+        # each fallback drops one thing a compiler may refuse: Python's headers, then -march, then OpenMP
+        tries = [[*ext, *_FLAGS, _TUNE, _OPENMP], [*_FLAGS, _TUNE, _OPENMP], [*_FLAGS, _TUNE], _FLAGS]
+        for flags in tries if ext else tries[1:]:
             proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
                                   timeout=120)
             if proc.returncode == 0:
@@ -106,20 +134,55 @@ def _build(cc: str, lib: Path) -> None:
             os.unlink(tmp)
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    """The library at ``path`` with its entry point typed; OSError when it does not load."""
-    lib = ctypes.CDLL(str(path))
+def _ctypes_call(lib: ctypes.CDLL) -> _Call:
+    """The kernel called through ctypes (no Python headers at build time): the extension's interface."""
+    fn = lib.determ_fp
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+
+    def call(ptr: int, nbytes: int, kind: int, numel: int, key: int, threads: int, stats: bool):
+        out = (ctypes.c_double * 7)()  # [hash bits, min, max, sum, sumsq, nan, inf]
+        base = ctypes.addressof(out)
+        if fn(ptr or None, nbytes, kind, numel, key & 0xFFFFFFFFFFFFFFFF, threads, base, base + 8 if stats else None):
+            return None
+        h = ctypes.c_uint64.from_buffer(out).value
+        if not stats:
+            return h, None
+        _, mn, mx, total, sq, nan, inf = out
+        if numel == 0:
+            return h, (float("nan"),) * 3 + (0.0,) * 4
+        return h, (mn, mx, total / numel, float("nan") if nan else sq ** 0.5, nan, inf, float(numel))
+
+    return call
+
+
+def _load(path: Path) -> _Call:
+    """The kernel at ``path``, its row weights set; OSError when it does not load."""
+    from determ_backend.fingerprint._words import row_weights
+
+    lib = ctypes.CDLL(str(path))  # raises OSError on a file that is not a loadable library
     try:
-        fn = lib.determ_fp
+        init = lib.determ_fp_init
+        lib.determ_fp  # noqa: B018 -- present in every build
     except AttributeError as e:
         raise OSError(f"{path}: {e}") from None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64,
-                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return lib
+    init.argtypes, init.restype = [ctypes.c_void_p], None
+    init(row_weights("cpu").data_ptr())
+    if not hasattr(lib, f"PyInit_{_MODULE}"):
+        return _ctypes_call(lib)
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
+        spec = importlib.util.spec_from_file_location(_MODULE, str(path), loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError as e:
+        log.info("native kernel %s does not import as a module (%s); calling it through ctypes", path, e)
+        return _ctypes_call(lib)
+    return module.fingerprint
 
 
-def _build_and_load(path: Path) -> Optional[ctypes.CDLL]:
+def _build_and_load(path: Path) -> Optional[_Call]:
     """Load the cached build; build it first when missing, rebuild it once when the cached file does not load."""
     cc = _compiler()
     if path.exists():
@@ -137,7 +200,7 @@ def _build_and_load(path: Path) -> Optional[ctypes.CDLL]:
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_lib() -> Optional[ctypes.CDLL]:
+def _cached_call() -> Optional[_Call]:
     try:
         return _build_and_load(_library_path())
     except (OSError, subprocess.SubprocessError) as e:
@@ -150,22 +213,8 @@ def _enabled(raw: str) -> bool:
     return parse_bool(raw, "DETERM_NATIVE")
 
 
-def _lib() -> Optional[ctypes.CDLL]:
-    if not _enabled(os.environ.get("DETERM_NATIVE", "1")):  # read per call (tests flip it), parsed once per value
-        return None
-    return _cached_lib()
-
-
-def available() -> bool:
-    """True when the kernel is built and loaded (builds it on the first call)."""
-    return _lib() is not None
-
-
-def _threads() -> int:
-    """Threads per large tensor: ``DETERM_NATIVE_THREADS`` (a positive integer), else torch's intra-op thread count."""
-    text = os.environ.get("DETERM_NATIVE_THREADS", "").strip()
-    if not text:
-        return max(1, torch.get_num_threads())
+@functools.lru_cache(maxsize=8)
+def _parse_threads(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
@@ -175,27 +224,18 @@ def _threads() -> int:
     return n
 
 
-class _Out(ctypes.Structure):
-    _fields_ = [("hash", ctypes.c_uint64), ("stats", ctypes.c_double * 6)]
+def kernel() -> Optional[Kernel]:
+    """The kernel with this moment's settings (``DETERM_NATIVE``, ``DETERM_NATIVE_THREADS``, torch's thread
+    count), or None when it is switched off or not built.  Batchers look it up once and reuse it."""
+    if not _enabled(os.environ.get("DETERM_NATIVE", "1")):
+        return None
+    call = _cached_call()
+    if call is None:
+        return None
+    text = os.environ.get("DETERM_NATIVE_THREADS", "").strip()
+    return Kernel(call, _parse_threads(text) if text else max(1, torch.get_num_threads()))
 
 
-def fingerprint(t: torch.Tensor, weights: torch.Tensor, key: int,
-                stats: bool) -> Optional[Tuple[int, Optional[List[float]]]]:
-    """``(hash, [min, max, sum, sumsq, nan, inf] | None)`` of ``t``, or None when the kernel is not built
-    (or could not allocate scratch memory).  ``t``: a contiguous, strided, non-quantized CPU tensor
-    without conj/neg bits, of a dtype in :data:`SUPPORTED` when ``stats`` -- the caller
-    (:func:`determ_backend.fingerprint.core.fingerprint_now`) checks that.  ``weights``: the int64 row
-    weights on CPU; ``key``: the dtype/shape key."""
-    lib = _lib()
-    if lib is None:
-        return None
-    kind = SUPPORTED.get(t.dtype, 0)
-    n = t.numel()
-    out = _Out()
-    base = ctypes.addressof(out)
-    rc = lib.determ_fp(t.data_ptr() if n else None, n * t.element_size(), kind, n, weights.data_ptr(),
-                       key & 0xFFFFFFFFFFFFFFFF, _threads(), base,
-                       base + _Out.stats.offset if stats else None)
-    if rc != 0:  # scratch allocation failed: the torch path will try
-        return None
-    return out.hash, (list(out.stats) if stats else None)
+def available() -> bool:
+    """True when the kernel is on, built and loaded (builds it on the first call)."""
+    return kernel() is not None

@@ -1,19 +1,33 @@
 /* One-pass CPU kernel for determ's tensor fingerprint and statistics.
  *
  * determ_fp() reads a contiguous buffer once, row by row (a row is ROW_WORDS
- * int32 words, 16 KiB, so the statistics pass over a row hits L1; large buffers
- * are split by rows over OpenMP threads), and returns
- *   - the 64-bit fingerprint defined in determ_backend/fingerprint.py (exact
+ * int32 words, 16 KiB; large buffers are split by rows over OpenMP threads), and
+ * returns
+ *   - the 64-bit fingerprint defined in determ_backend/fingerprint/core.py (exact
  *     integer arithmetic mod 2**64: bit-identical to the torch and Triton paths);
  *   - optionally [min, max, sum, sum of squares, nan count, inf count] in double.
  *
- * Built on first use by determ_backend/_native.py with the system C compiler and
- * loaded with ctypes; when no compiler is available determ uses the torch path.
+ * The row sum  sum_c w[c] * K[c]  (mod 2**64) is computed with 32-bit multiplies:
+ * K[c] = KH[c] * 2**32 + KL[c] with KL the low word read as signed, so
+ *   w * K = w * KL  +  ((w * KH) mod 2**32) * 2**32   (mod 2**64),
+ * the first an exact signed 32x32->64 product, the second a 32-bit low product:
+ * both are single SIMD instructions on AVX2 (vpmuldq, vpmulld), where a 64-bit
+ * multiply is not.  float32 statistics are taken in the same loop, from the same
+ * loaded words; other dtypes get a second pass over the row while it is in L1.
+ *
+ * Built on first use by determ_backend/fingerprint/_native.py with the system C
+ * compiler.  Built with DETERM_PYEXT it is also a CPython extension module
+ * (determ_fp.fingerprint: one call of a few hundred nanoseconds); without
+ * Python's headers it is loaded with ctypes; without a compiler determ uses the
+ * torch path.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define ROW_WORDS 4096
 #define GOLDEN 0x9E3779B97F4A7C15ULL
@@ -31,21 +45,272 @@ static uint64_t fmix(uint64_t v) {
     return v;
 }
 
-#define LANES 8
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef double v8d __attribute__((vector_size(64)));
+/* The row weights, split (see the header comment); set once by determ_fp_init. */
+static int32_t KL[ROW_WORDS] __attribute__((aligned(64)));
+static uint32_t KH[ROW_WORDS] __attribute__((aligned(64)));
+static int weights_ready = 0;
 
-static uint64_t row_sum(const int32_t *w, int64_t n, const uint64_t *k) {
-    /* LANES independent accumulators: the loop vectorizes (64-bit lane multiplies) */
-    uint64_t acc[LANES] = {0};
+/* k: the ROW_WORDS 64-bit row weights (determ_backend/fingerprint/_words.py). */
+void determ_fp_init(const uint64_t *k) {
+    for (int c = 0; c < ROW_WORDS; c++) {
+        uint32_t lo = (uint32_t)k[c];
+        KL[c] = (int32_t)lo;
+        KH[c] = (uint32_t)(k[c] >> 32) + (lo >> 31);
+    }
+    weights_ready = 1;
+}
+
+typedef struct { double mn, mx, sum, sq, nan, inf; } stats_t;
+
+static const stats_t STATS_EMPTY = {INFINITY, -INFINITY, 0.0, 0.0, 0.0, 0.0};
+
+static void add_value(stats_t *st, double x) {
+    if (x < st->mn) st->mn = x;
+    if (x > st->mx) st->mx = x;
+    st->sum += x;
+    st->sq += x * x;
+}
+
+/* SIMD: 16 lanes with AVX-512, 8 with AVX2 (the same arithmetic; results are bit-identical
+ * between the two for the hash, and equal up to summation order for the sums).  Statistics
+ * lanes add BLOCK values and their squares in float32 (at most BLOCK roundings, ~5e-7
+ * relative) before each block sum is widened into float64 lane accumulators -- half the work
+ * of widening every value, at the float32 data's own precision.  Rows whose magnitudes could
+ * overflow or underflow float32 squares are summed again in float64 (fix_f32). */
+#define BLOCK 8
+#if defined(__AVX512F__)
+#define VLANES 16
+typedef __m512i vint;
+typedef __m512 vflt;
+typedef __m512d vdbl;
+#define V_LOADI(p) _mm512_loadu_si512((const void *)(p))
+#define V_LOADW(p) _mm512_load_si512((const void *)(p))
+#define V_LOADF(p) _mm512_loadu_ps(p)
+#define V_ADD64 _mm512_add_epi64
+#define V_ADD32 _mm512_add_epi32
+#define V_MUL32X64 _mm512_mul_epi32
+#define V_MULLO32 _mm512_mullo_epi32
+#define V_SRL64 _mm512_srli_epi64
+#define V_ZEROI _mm512_setzero_si512
+#define V_STOREI(p, v) _mm512_storeu_si512((void *)(p), v)
+#define V_CASTF _mm512_castsi512_ps
+#define V_MINF _mm512_min_ps
+#define V_MAXF _mm512_max_ps
+#define V_ADDF _mm512_add_ps
+#define V_MULF _mm512_mul_ps
+#define V_SET1F _mm512_set1_ps
+#define V_ZEROF _mm512_setzero_ps
+#define V_STOREF _mm512_storeu_ps
+#define V_ADDD _mm512_add_pd
+#define V_MULD _mm512_mul_pd
+#define V_ZEROD _mm512_setzero_pd
+#define V_STORED _mm512_storeu_pd
+#define V_LO(f) _mm512_cvtps_pd(_mm512_castps512_ps256(f))
+#define V_HI(f) _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)))
+#define V_FMAF _mm512_fmadd_ps
+#define HAVE_SIMD 1
+#elif defined(__AVX2__)
+#define VLANES 8
+typedef __m256i vint;
+typedef __m256 vflt;
+typedef __m256d vdbl;
+#define V_LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V_LOADW(p) _mm256_load_si256((const __m256i *)(p))
+#define V_LOADF(p) _mm256_loadu_ps(p)
+#define V_ADD64 _mm256_add_epi64
+#define V_ADD32 _mm256_add_epi32
+#define V_MUL32X64 _mm256_mul_epi32
+#define V_MULLO32 _mm256_mullo_epi32
+#define V_SRL64 _mm256_srli_epi64
+#define V_ZEROI _mm256_setzero_si256
+#define V_STOREI(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define V_CASTF _mm256_castsi256_ps
+#define V_MINF _mm256_min_ps
+#define V_MAXF _mm256_max_ps
+#define V_ADDF _mm256_add_ps
+#define V_MULF _mm256_mul_ps
+#define V_SET1F _mm256_set1_ps
+#define V_ZEROF _mm256_setzero_ps
+#define V_STOREF _mm256_storeu_ps
+#define V_ADDD _mm256_add_pd
+#define V_MULD _mm256_mul_pd
+#define V_ZEROD _mm256_setzero_pd
+#define V_STORED _mm256_storeu_pd
+#define V_LO(f) _mm256_cvtps_pd(_mm256_castps256_ps128(f))
+#define V_HI(f) _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1))
+#if defined(__FMA__)
+#define V_FMAF _mm256_fmadd_ps
+#endif
+#define HAVE_SIMD 1
+#endif
+
+#ifdef HAVE_SIMD
+typedef struct {
+    vflt mn, mx, bs, bq; /* min, max; the current block's sums in float32 */
+    vdbl s, q;           /* the blocks' sums in float64 */
+    int in_block;
+} vstats_t;
+
+static inline void vstats_init(vstats_t *v) {
+    v->mn = V_SET1F(INFINITY);
+    v->mx = V_SET1F(-INFINITY);
+    v->bs = v->bq = V_ZEROF();
+    v->s = v->q = V_ZEROD();
+    v->in_block = 0;
+}
+
+static inline void vstats_flush(vstats_t *v) {
+    v->s = V_ADDD(v->s, V_ADDD(V_LO(v->bs), V_HI(v->bs)));
+    v->q = V_ADDD(v->q, V_ADDD(V_LO(v->bq), V_HI(v->bq)));
+    v->bs = v->bq = V_ZEROF();
+    v->in_block = 0;
+}
+
+/* min/max leave NaNs out (x86 min/max return the second operand when one is NaN); a NaN or
+ * inf makes the sums non-finite, which is when they are counted (fix_f32). */
+static inline void vstats_add(vstats_t *v, vflt f) {
+    v->mn = V_MINF(f, v->mn);
+    v->mx = V_MAXF(f, v->mx);
+    v->bs = V_ADDF(v->bs, f);
+#ifdef V_FMAF
+    v->bq = V_FMAF(f, f, v->bq);
+#else
+    v->bq = V_ADDF(v->bq, V_MULF(f, f));
+#endif
+    if (++v->in_block == BLOCK) vstats_flush(v);
+}
+
+static inline void vstats_fold(vstats_t *v, stats_t *st) {
+    float mn[VLANES], mx[VLANES];
+    double s[VLANES / 2], q[VLANES / 2];
+    vstats_flush(v);
+    V_STOREF(mn, v->mn);
+    V_STOREF(mx, v->mx);
+    V_STORED(s, v->s);
+    V_STORED(q, v->q);
+    for (int j = 0; j < VLANES; j++) {
+        if ((double)mn[j] < st->mn) st->mn = mn[j];
+        if ((double)mx[j] > st->mx) st->mx = mx[j];
+    }
+    for (int j = 0; j < VLANES / 2; j++) {
+        st->sum += s[j];
+        st->sq += q[j];
+    }
+}
+#endif
+
+/* The float64 sums of n float32 values. */
+static void f32_sums_f64(const float *f, int64_t n, double *sum, double *sq) {
+    double s = 0.0, q = 0.0;
+    int64_t i = 0;
+#ifdef HAVE_SIMD
+    vdbl vs = V_ZEROD(), vq = V_ZEROD();
+    for (; i + VLANES <= n; i += VLANES) {
+        vflt x = V_LOADF(f + i);
+        vdbl d0 = V_LO(x), d1 = V_HI(x);
+        vs = V_ADDD(vs, V_ADDD(d0, d1));
+        vq = V_ADDD(vq, V_ADDD(V_MULD(d0, d0), V_MULD(d1, d1)));
+    }
+    double a[VLANES / 2], b[VLANES / 2];
+    V_STORED(a, vs);
+    V_STORED(b, vq);
+    for (int j = 0; j < VLANES / 2; j++) {
+        s += a[j];
+        q += b[j];
+    }
+#endif
+    for (; i < n; i++) {
+        s += (double)f[i];
+        q += (double)f[i] * (double)f[i];
+    }
+    *sum = s;
+    *sq = q;
+}
+
+/* After the float32-block sums of n float32 values (st: theirs alone): where they are not finite,
+ * NaN and inf are counted; where float32 blocks may have overflowed or lost squares to underflow
+ * (largest magnitude over 1e19, or under 1e-12 and not 0), the sums are redone in float64. */
+static void fix_f32(const float *f, int64_t n, stats_t *st) {
+    double big = fabs(st->mn) > fabs(st->mx) ? fabs(st->mn) : fabs(st->mx);
+    int finite = isfinite(st->sum) && isfinite(st->sq);
+    if (finite && big <= 1e19 && (big >= 1e-12 || big == 0.0)) return;
+    if (!finite) {
+        const uint32_t *u = (const uint32_t *)f;
+        double nan = 0, inf = 0;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t mag = u[i] & 0x7fffffffu;
+            nan += mag > 0x7f800000u;
+            inf += mag == 0x7f800000u;
+        }
+        st->nan += nan;
+        st->inf += inf;
+        if (nan > 0 || inf > 0) return; /* the sums are NaN or infinite, as they should be */
+    }
+    f32_sums_f64(f, n, &st->sum, &st->sq);
+}
+
+/* The row sum of n words (n <= ROW_WORDS, column 0 first); with f32 != 0 also the float32
+ * statistics of the same words into *st (NaN/inf counts excepted: see fix_f32). */
+static inline __attribute__((always_inline)) uint64_t row_pass(const int32_t *w, int64_t n, int f32, stats_t *st) {
+    uint64_t a = 0;
+    uint32_t b = 0;
     int64_t c = 0;
-    for (; c + LANES <= n; c += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += (uint64_t)(int64_t)w[c + j] * k[c + j];
-    for (; c < n; c++) acc[0] += (uint64_t)(int64_t)w[c] * k[c];
-    uint64_t s = 0;
-    for (int j = 0; j < LANES; j++) s += acc[j];
-    return s;
+#ifdef HAVE_SIMD
+    vint ae = V_ZEROI(), ao = V_ZEROI(), bb = V_ZEROI();
+    vstats_t vs;
+    if (f32) vstats_init(&vs);
+    for (; c + VLANES <= n; c += VLANES) {
+        vint W = V_LOADI(w + c), L = V_LOADW(KL + c), H = V_LOADW(KH + c);
+        ae = V_ADD64(ae, V_MUL32X64(W, L));                           /* even words */
+        ao = V_ADD64(ao, V_MUL32X64(V_SRL64(W, 32), V_SRL64(L, 32))); /* odd words */
+        bb = V_ADD32(bb, V_MULLO32(W, H));
+        if (f32) vstats_add(&vs, V_CASTF(W));
+    }
+    uint64_t e[VLANES / 2], o[VLANES / 2];
+    uint32_t h[VLANES];
+    V_STOREI(e, ae);
+    V_STOREI(o, ao);
+    V_STOREI(h, bb);
+    for (int j = 0; j < VLANES / 2; j++) a += e[j] + o[j];
+    for (int j = 0; j < VLANES; j++) b += h[j];
+    if (f32) vstats_fold(&vs, st);
+#endif
+    for (; c < n; c++) {
+        a += (uint64_t)((int64_t)w[c] * KL[c]);
+        b += (uint32_t)w[c] * KH[c];
+        if (f32) {
+            float x;
+            memcpy(&x, w + c, 4);
+            if (x == x) {
+                if ((double)x < st->mn) st->mn = x;
+                if ((double)x > st->mx) st->mx = x;
+            }
+            st->sum += (double)x;
+            st->sq += (double)x * (double)x;
+        }
+    }
+    return a + ((uint64_t)b << 32);
+}
+
+/* Statistics of n float32 values (the 16-bit float kinds, widened exactly); st: theirs alone. */
+static void f32_stats(const float *f, int64_t n, stats_t *st) {
+    int64_t i = 0;
+#ifdef HAVE_SIMD
+    vstats_t vs;
+    vstats_init(&vs);
+    for (; i + VLANES <= n; i += VLANES) vstats_add(&vs, V_LOADF(f + i));
+    vstats_fold(&vs, st);
+#endif
+    for (; i < n; i++) {
+        double x = f[i];
+        if (x == x) {
+            if (x < st->mn) st->mn = x;
+            if (x > st->mx) st->mx = x;
+        }
+        st->sum += x;
+        st->sq += x * x;
+    }
+    fix_f32(f, n, st);
 }
 
 static float half_to_float(uint16_t h) {
@@ -75,117 +340,80 @@ static float bf16_to_float(uint16_t h) {
     return f;
 }
 
-typedef struct { double mn, mx, sum, sq, nan, inf; } stats_t;
-
-/* Floating-point elements, exact class handling: NaNs are counted and left out of min/max
- * (the caller makes min/max NaN when any is present, as torch.aminmax does) and propagate
- * into the sum. */
-#define FLOAT_STATS(EXPR)                                            \
-    for (int64_t i = 0; i < n; i++) {                                \
-        double x = (double)(EXPR);                                   \
-        if (x != x) { st->nan += 1; st->sum += x; continue; }        \
-        if (isinf(x)) st->inf += 1;                                  \
-        if (x < st->mn) st->mn = x;                                  \
-        if (x > st->mx) st->mx = x;                                  \
-        st->sum += x;                                                \
-        st->sq += x * x;                                             \
-    }
-
-#define INT_STATS(T)                                                 \
-    for (int64_t i = 0; i < n; i++) {                                \
-        double x = (double)((const T *)p)[i];                        \
-        if (x < st->mn) st->mn = x;                                  \
-        if (x > st->mx) st->mx = x;                                  \
-        st->sum += x;                                                \
-        st->sq += x * x;                                             \
-    }
-
-/* float32 elements in LANES fixed lanes (GCC/Clang vector extensions: vectorized, and a
- * fixed summation order); NaN and inf are counted in a second vector pass over the block
- * only when its sums show that some are present. */
-static void f32_stats(const float *f, int64_t n, stats_t *st) {
-    v8f vmn, vmx;
-    v8d vs = {0}, vq = {0};
-    int64_t i = 0;
-    if (n >= LANES) {
-        memcpy(&vmn, f, sizeof vmn);
-        vmx = vmn;
-    }
-    for (; i + LANES <= n; i += LANES) {
-        v8f a;
-        memcpy(&a, f + i, sizeof a);
-        v8i lt = a < vmn, gt = a > vmx;
-        vmn = (v8f)(((v8i)a & lt) | ((v8i)vmn & ~lt));
-        vmx = (v8f)(((v8i)a & gt) | ((v8i)vmx & ~gt));
-        v8d d = __builtin_convertvector(a, v8d);
-        vs += d;
-        vq += d * d;
-    }
-    double s = 0.0, q = 0.0;
-    float fmn = (float)INFINITY, fmx = -(float)INFINITY;
-    for (int j = 0; j < LANES && n >= LANES; j++) {
-        s += vs[j];
-        q += vq[j];
-        fmn = vmn[j] < fmn ? vmn[j] : fmn;
-        fmx = vmx[j] > fmx ? vmx[j] : fmx;
-    }
-    for (; i < n; i++) {
-        float a = f[i];
-        fmn = a < fmn ? a : fmn;
-        fmx = a > fmx ? a : fmx;
-        s += (double)a;
-        q += (double)a * (double)a;
-    }
-    if (!(isfinite(s) && isfinite(q))) {
-        /* NaN or inf present: the comparisons above already left NaNs out of min/max, and a
-         * non-finite sum is the same in any order; only the counts are missing */
-        v8i vnan = {0}, vinf = {0};
-        const v8i absmask = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
-                             0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
-        const v8i infbits = {0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000,
-                             0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000};
-        int64_t c = 0;
-        for (; c + LANES <= n; c += LANES) {
-            v8i a;
-            memcpy(&a, f + c, sizeof a);
-            v8i mag = a & absmask;
-            vnan -= mag > infbits; /* exponent all ones, mantissa non-zero */
-            vinf -= mag == infbits;
-        }
-        for (int j = 0; j < LANES; j++) {
-            st->nan += vnan[j];
-            st->inf += vinf[j];
-        }
-        for (; c < n; c++) {
-            if (f[c] != f[c]) st->nan += 1;
-            else if (isinf(f[c])) st->inf += 1;
-        }
-    }
-    if ((double)fmn < st->mn) st->mn = fmn;
-    if ((double)fmx > st->mx) st->mx = fmx;
-    st->sum += s;
-    st->sq += q;
-}
-
 #define CHUNK 1024
 
-/* 16-bit floats: widened to float32 a chunk at a time, then as float32 (exact: every
- * half and bfloat16 value is a float32 value). */
+/* 16-bit floats: widened to float32 a chunk at a time (exact: every half and bfloat16 value is a
+ * float32 value), then float32 statistics; each chunk's sums are checked for NaN/inf on their own. */
 #define HALF_STATS(CONV)                                             \
     {                                                                \
-        const uint16_t *h = (const uint16_t *)p;                     \
+        const uint16_t *hp = (const uint16_t *)p;                    \
         float buf[CHUNK];                                            \
         for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {                  \
             int64_t m = n - c0 < CHUNK ? n - c0 : CHUNK;             \
-            for (int64_t i = 0; i < m; i++) buf[i] = CONV(h[c0 + i]); \
-            f32_stats(buf, m, st);                                   \
+            stats_t part = STATS_EMPTY;                              \
+            for (int64_t i = 0; i < m; i++) buf[i] = CONV(hp[c0 + i]); \
+            f32_stats(buf, m, &part);                                \
+            merge_stats(st, &part);                                  \
         }                                                            \
     }
 
+static void merge_stats(stats_t *st, const stats_t *part) {
+    if (part->mn < st->mn) st->mn = part->mn;
+    if (part->mx > st->mx) st->mx = part->mx;
+    st->sum += part->sum;
+    st->sq += part->sq;
+    st->nan += part->nan;
+    st->inf += part->inf;
+}
+
+static void f64_stats(const double *d, int64_t n, stats_t *st) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    __m256d mn = _mm256_set1_pd(INFINITY), mx = _mm256_set1_pd(-INFINITY), s = _mm256_setzero_pd(),
+            q = _mm256_setzero_pd();
+    for (; i + 4 <= n; i += 4) {
+        __m256d x = _mm256_loadu_pd(d + i);
+        mn = _mm256_min_pd(x, mn);
+        mx = _mm256_max_pd(x, mx);
+        s = _mm256_add_pd(s, x);
+        q = _mm256_add_pd(q, _mm256_mul_pd(x, x));
+    }
+    double a[4], b[4], c[4], e[4];
+    _mm256_storeu_pd(a, mn);
+    _mm256_storeu_pd(b, mx);
+    _mm256_storeu_pd(c, s);
+    _mm256_storeu_pd(e, q);
+    for (int j = 0; j < 4; j++) {
+        if (a[j] < st->mn) st->mn = a[j];
+        if (b[j] > st->mx) st->mx = b[j];
+        st->sum += c[j];
+        st->sq += e[j];
+    }
+#endif
+    for (; i < n; i++) {
+        double x = d[i];
+        if (x == x) {
+            if (x < st->mn) st->mn = x;
+            if (x > st->mx) st->mx = x;
+        }
+        st->sum += x;
+        st->sq += x * x;
+    }
+    if (!(isfinite(st->sum) && isfinite(st->sq))) {
+        for (int64_t j = 0; j < n; j++) {
+            if (d[j] != d[j]) st->nan += 1;
+            else if (isinf(d[j])) st->inf += 1;
+        }
+    }
+}
+
+#define INT_STATS(T)                                                 \
+    for (int64_t i = 0; i < n; i++) add_value(st, (double)((const T *)p)[i]);
+
+/* Statistics of n elements of a kind other than float32 (float32 is done in row_pass). */
 static void elem_stats(const void *p, int64_t n, int kind, stats_t *st) {
     switch (kind) {
-    case K_F32: f32_stats((const float *)p, n, st); break;
-    case K_F64: FLOAT_STATS(((const double *)p)[i]) break;
+    case K_F64: f64_stats((const double *)p, n, st); break;
     case K_F16: HALF_STATS(half_to_float) break;
     case K_BF16: HALF_STATS(bf16_to_float) break;
     case K_I8: INT_STATS(int8_t) break;
@@ -205,7 +433,6 @@ typedef struct {
     const unsigned char *bytes;
     int64_t nbytes, nwords, full_words, elem;
     int kind, do_stats;
-    const uint64_t *k;
 } buf_t;
 
 /* Row r's mixed row sum; its statistics go to *rs when statistics are asked for. */
@@ -222,27 +449,37 @@ static uint64_t run_row(const buf_t *b, int64_t r, stats_t *rs) {
         memcpy(tmp, b->bytes + 4 * w0, (size_t)nb);
         w = tmp;
     }
+    uint64_t s;
     if (b->do_stats) {
-        /* the row's elements (a 16 KiB row holds whole elements of every supported kind) */
-        int64_t b0 = 4 * w0, b1 = 4 * (w0 + nw) < b->nbytes ? 4 * (w0 + nw) : b->nbytes;
-        stats_t fresh = {INFINITY, -INFINITY, 0.0, 0.0, 0.0, 0.0};
-        *rs = fresh;
-        elem_stats(b->bytes + b0, (b1 - b0) / b->elem, b->kind, rs);
+        *rs = STATS_EMPTY;
+        if (b->kind == K_F32) { /* whole float32 elements: nbytes is a multiple of 4 */
+            s = row_pass(w, nw, 1, rs);
+            fix_f32((const float *)w, nw, rs);
+        } else {
+            /* the row's elements (a 16 KiB row holds whole elements of every supported kind) */
+            int64_t b0 = 4 * w0, b1 = 4 * (w0 + nw) < b->nbytes ? 4 * (w0 + nw) : b->nbytes;
+            s = row_pass(w, nw, 0, NULL);
+            elem_stats(b->bytes + b0, (b1 - b0) / b->elem, b->kind, rs);
+        }
+    } else {
+        s = row_pass(w, nw, 0, NULL);
     }
-    return fmix(row_sum(w, nw, b->k) ^ fmix((uint64_t)(r + 1) * GOLDEN));
+    return fmix(s ^ fmix((uint64_t)(r + 1) * GOLDEN));
 }
 
 #define ROWS_PER_THREAD 64 /* 1 MiB: below that a thread costs more than it saves */
+#define STACK_ROWS 64
 
 /* Fingerprint (and statistics) of nbytes of contiguous data holding numel elements of
- * the given kind.  k: the ROW_WORDS column weights; key: the dtype/shape key.
- * stats_out (when not NULL): min, max, sum, sum of squares, nan count, inf count.
- * Large buffers are split by rows over up to nthreads OpenMP threads (torch's own pool
- * when torch's libgomp is the one loaded); results do not depend on the split: row sums
- * combine exactly, statistics are kept per row and combined in row order.
- * Returns 0, or -1 when scratch memory cannot be allocated. */
-int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, const uint64_t *k, uint64_t key,
-              int nthreads, uint64_t *hash_out, double *stats_out) {
+ * the given kind.  key: the dtype/shape key.  stats_out (when not NULL): min, max, sum,
+ * sum of squares, nan count, inf count.  Large buffers are split by rows over up to
+ * nthreads OpenMP threads (torch's own pool when torch's libgomp is the one loaded);
+ * results do not depend on the split: row sums combine exactly, statistics are kept per
+ * row and combined in row order.  Returns 0; -1 when scratch memory cannot be allocated;
+ * -2 when determ_fp_init was not called. */
+int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, uint64_t key, int nthreads,
+              uint64_t *hash_out, double *stats_out) {
+    if (!weights_ready) return -2;
     buf_t b;
     b.bytes = (const unsigned char *)data;
     b.nbytes = nbytes;
@@ -251,11 +488,10 @@ int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, const u
     b.nwords = b.full_words + (nbytes % 4 ? 1 : 0);
     b.kind = kind;
     b.do_stats = stats_out != NULL && kind != K_NONE && b.elem > 0;
-    b.k = k;
     int64_t rows = (b.nwords + ROW_WORDS - 1) / ROW_WORDS;
-    stats_t one;
-    stats_t *row_stats = &one;
-    if (b.do_stats && rows > 1) {
+    stats_t on_stack[STACK_ROWS];
+    stats_t *row_stats = on_stack;
+    if (b.do_stats && rows > STACK_ROWS) {
         row_stats = (stats_t *)malloc(sizeof(stats_t) * (size_t)rows);
         if (!row_stats) return -1;
     }
@@ -263,21 +499,16 @@ int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, const u
     int nt = nthreads < 1 ? 1 : nthreads;
     if (most < nt) nt = most < 1 ? 1 : (int)most;
     uint64_t acc = 0;
-#pragma omp parallel for num_threads(nt) reduction(+ : acc) schedule(static) if (nt > 1)
-    for (int64_t r = 0; r < rows; r++)
-        acc += run_row(&b, r, b.do_stats ? &row_stats[rows > 1 ? r : 0] : NULL);
+    if (nt > 1) {
+#pragma omp parallel for num_threads(nt) reduction(+ : acc) schedule(static)
+        for (int64_t r = 0; r < rows; r++) acc += run_row(&b, r, b.do_stats ? &row_stats[r] : NULL);
+    } else {
+        for (int64_t r = 0; r < rows; r++) acc += run_row(&b, r, b.do_stats ? &row_stats[r] : NULL);
+    }
     *hash_out = fmix(acc ^ key);
     if (stats_out) {
-        stats_t st = {INFINITY, -INFINITY, 0.0, 0.0, 0.0, 0.0};
-        for (int64_t r = 0; b.do_stats && r < rows; r++) {
-            const stats_t *rs = &row_stats[r];
-            if (rs->mn < st.mn) st.mn = rs->mn;
-            if (rs->mx > st.mx) st.mx = rs->mx;
-            st.sum += rs->sum;
-            st.sq += rs->sq;
-            st.nan += rs->nan;
-            st.inf += rs->inf;
-        }
+        stats_t st = STATS_EMPTY;
+        for (int64_t r = 0; b.do_stats && r < rows; r++) merge_stats(&st, &row_stats[r]);
         if (st.nan > 0) { st.mn = NAN; st.mx = NAN; }
         stats_out[0] = st.mn;
         stats_out[1] = st.mx;
@@ -286,6 +517,89 @@ int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, const u
         stats_out[4] = st.nan;
         stats_out[5] = st.inf;
     }
-    if (row_stats != &one) free(row_stats);
+    if (row_stats != on_stack) free(row_stats);
     return 0;
 }
+
+#ifdef DETERM_PYEXT
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define RELEASE_GIL_BYTES (256 * 1024) /* below that, releasing and taking back the GIL costs more */
+
+/* fingerprint(data_ptr, nbytes, kind, numel, key, nthreads, stats) ->
+ *   (hash, None) | (hash, (min, max, mean, l2, nan, inf, numel)) | None (scratch memory)
+ * The statistics are the vector determ_backend.fingerprint.core reports: min/max NaN when a
+ * NaN is present, l2 NaN then too, an empty tensor (nan, nan, nan, 0, 0, 0, 0). */
+static PyObject *py_fingerprint(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "fingerprint() takes 7 arguments");
+        return NULL;
+    }
+    unsigned long long ptr = PyLong_AsUnsignedLongLongMask(args[0]);
+    long long nbytes = PyLong_AsLongLong(args[1]);
+    long kind = PyLong_AsLong(args[2]);
+    long long numel = PyLong_AsLongLong(args[3]);
+    unsigned long long key = PyLong_AsUnsignedLongLongMask(args[4]);
+    long nthreads = PyLong_AsLong(args[5]);
+    int want = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (nbytes < 0 || numel < 0) {
+        PyErr_SetString(PyExc_ValueError, "fingerprint(): negative size");
+        return NULL;
+    }
+    uint64_t h = 0;
+    double st[6];
+    int rc;
+    const void *data = (const void *)(uintptr_t)ptr;
+    if (nbytes >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? st : NULL);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? st : NULL);
+    }
+    if (rc == -2) {
+        PyErr_SetString(PyExc_RuntimeError, "fingerprint(): init() was not called");
+        return NULL;
+    }
+    if (rc != 0) Py_RETURN_NONE;
+    if (!want) return Py_BuildValue("(KO)", (unsigned long long)h, Py_None);
+    double v[7];
+    if (numel == 0) {
+        v[0] = v[1] = v[2] = NAN;
+        v[3] = v[4] = v[5] = v[6] = 0.0;
+    } else {
+        v[0] = st[0];
+        v[1] = st[1];
+        v[2] = st[2] / (double)numel;
+        v[3] = st[4] > 0 ? NAN : sqrt(st[3]);
+        v[4] = st[4];
+        v[5] = st[5];
+        v[6] = (double)numel;
+    }
+    return Py_BuildValue("(K(ddddddd))", (unsigned long long)h, v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
+}
+
+/* init(weights_ptr): the ROW_WORDS uint64 row weights, read once. */
+static PyObject *py_init(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long ptr = PyLong_AsUnsignedLongLongMask(arg);
+    if (PyErr_Occurred()) return NULL;
+    determ_fp_init((const uint64_t *)(uintptr_t)ptr);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"fingerprint", (PyCFunction)(void (*)(void))py_fingerprint, METH_FASTCALL,
+     "fingerprint(data_ptr, nbytes, kind, numel, key, nthreads, stats)"},
+    {"init", py_init, METH_O, "init(weights_ptr)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "determ_fp", NULL, -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_determ_fp(void) { return PyModule_Create(&module); }
+#endif

@@ -84,8 +84,9 @@ def row_weights(device: str) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4096)
 def key(dtype: torch.dtype, shape: tuple, extra: str = "") -> int:
-    """Step 4's key of a dtype and shape (``extra``: the quantizer of a quantized tensor), signed int64."""
-    digest = hashlib.blake2b(f"{dtype}|{shape}{extra}".encode(), digest_size=8).digest()
+    """Step 4's key of a dtype and shape (a tuple or a ``torch.Size``: they hash and compare alike; ``extra``:
+    the quantizer of a quantized tensor), signed int64."""
+    digest = hashlib.blake2b(f"{dtype}|{tuple(shape)}{extra}".encode(), digest_size=8).digest()
     return signed(int.from_bytes(digest, "little"))
 
 

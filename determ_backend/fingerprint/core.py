@@ -65,7 +65,7 @@ def _quantizer(t: torch.Tensor) -> str:
 
 def _tensor_key(t: torch.Tensor) -> int:
     """Step 4's key: dtype and shape (and the quantizer of a quantized tensor)."""
-    return key(t.dtype, tuple(t.shape), _quantizer(t))
+    return key(t.dtype, t.shape, _quantizer(t)) if t.is_quantized else key(t.dtype, t.shape)
 
 
 def _row_sums_torch(rows: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
@@ -105,27 +105,31 @@ def _segment_sums(word_lists: List[torch.Tensor], k: torch.Tensor) -> torch.Tens
     return out.index_add_(0, seg, flat * k[pos])
 
 
-def fingerprint_now(t: torch.Tensor, stats: bool = False) -> Optional[Tuple[int, Optional[List[float]]]]:
+def fingerprint_now(t: torch.Tensor, stats: bool = False,
+                    kernel: Optional[_native.Kernel] = None) -> Optional[Tuple[int, Optional[Sequence[float]]]]:
     """CPU fast path: ``(hash, stats vector | None)`` of ``t`` computed right now in one pass by the
     native kernel (:mod:`determ_backend.fingerprint._native`), or None when it does not apply (not a plain CPU
     tensor, kernel not built, or statistics asked for a dtype it has none for) -- then use the
     torch path, which gives the same hash.  The stats vector is ``[min, max, mean, l2, nan, inf,
-    numel]`` as :func:`tensor_stats` reports it (sums accumulated in float64)."""
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+    numel]`` as :func:`tensor_stats` reports it.  ``kernel``: the kernel as
+    :func:`~determ_backend.fingerprint._native.kernel` gave it, when the caller looked it up already.
+    Called once per traced tensor: every check here is one cheap attribute."""
+    if not t.is_cpu or t.layout is not torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
         return None
-    if stats and t.dtype not in _native.SUPPORTED:
+    dtype = t.dtype
+    kind = _native.SUPPORTED.get(dtype, 0)
+    if stats and not kind:
         return None
-    x = t.detach()
+    if kernel is None:
+        kernel = _native.kernel()
+        if kernel is None:
+            return None
+    n = t.numel()
+    x = t
     if not x.is_contiguous():  # statistics need the dtype; the hash only the bytes (any dtype copies as ints)
-        x = x.contiguous() if stats else same_size_int(x).contiguous()
-    res = _native.fingerprint(x, row_weights("cpu"), _tensor_key(t), stats)
-    if res is None or not stats:
-        return res
-    h, (mn, mx, total, sq, nan, inf) = res
-    n = x.numel()
-    if n == 0:
-        return h, [math.nan, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0]
-    return h, [mn, mx, total / n, math.nan if nan else math.sqrt(sq), nan, inf, float(n)]
+        x = x.detach().contiguous() if stats else same_size_int(x.detach()).contiguous()
+    return kernel.call(x.data_ptr() if n else 0, n * x.element_size(), kind, n, key(dtype, t.shape), kernel.threads,
+                       stats)
 
 
 def _cat(xs: List[torch.Tensor]) -> torch.Tensor:
@@ -152,6 +156,7 @@ class HashBatch:
         self._sums: List[torch.Tensor] = []
         self._sums_ix: List[int] = []
         self._native: Dict[int, int] = {}
+        self._kernel: Optional[_native.Kernel] = _native.kernel() if self._cpu else None  # once per batch
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -166,8 +171,8 @@ class HashBatch:
         """:meth:`add` of a tensor already checked; ``native=False``: the native kernel was tried already."""
         i = len(self._keys)
         known = None
-        if native and self._cpu:
-            nat = fingerprint_now(t)
+        if native and self._kernel is not None:
+            nat = fingerprint_now(t, False, self._kernel)
             known = None if nat is None else nat[0]
         if known is not None:
             self._keys.append(0)  # never used: the native value replaces the finished one
@@ -411,7 +416,8 @@ class FingerprintBatch:
         self._reset()
 
     def _reset(self) -> None:
-        self._native: Optional[bool] = None  # the native kernel's availability, looked up at the first CPU tensor
+        self._kernel: Optional[_native.Kernel] = None  # the native kernel, looked up at the first CPU tensor
+        self._looked_up = False
         self._hashes: Dict[torch.device, HashBatch] = {}
         self._out: List[Optional[Tuple[int, Optional[dict]]]] = []  # per added tensor; None until resolved
         # per tensor left for resolve: (position, device, tensor) when its statistics are computed there
@@ -432,9 +438,9 @@ class FingerprintBatch:
         i = len(self._out)
         want = self._want
         if cpu:
-            if self._native is None:  # once per batch: DETERM_NATIVE may change between runs
-                self._native = _native.available()
-            nat = fingerprint_now(t, want) if self._native else None
+            if not self._looked_up:  # once per batch: the settings may change between runs
+                self._kernel, self._looked_up = _native.kernel(), True
+            nat = fingerprint_now(t, want, self._kernel) if self._kernel is not None else None
             if nat is not None:  # hash and statistics in one pass, right now
                 self._out.append((nat[0], _stats_dict(nat[1], self._max_first) if want else None))
                 return i
@@ -446,7 +452,7 @@ class FingerprintBatch:
         if batch is None:
             batch = self._hashes[dev] = HashBatch(dev)
         # checked above; the native kernel is tried again for the hash alone if it had no statistics for t
-        batch._add(t, not self._stable, native=bool(want and self._native))
+        batch._add(t, not self._stable, native=bool(want and self._kernel is not None))
         self._out.append(None)
         if not want:
             self._pending.append((i, dev, _NONE, None, None))

@@ -43,7 +43,7 @@ def hash_path(request, monkeypatch):
     if request.param == "native" and not _native.available():
         pytest.skip("no C compiler: the native kernel is not built")
     if request.param == "torch":
-        monkeypatch.setattr(_native, "_lib", lambda: None)
+        monkeypatch.setattr(_native, "kernel", lambda: None)
     return request.param
 
 

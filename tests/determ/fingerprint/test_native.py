@@ -22,7 +22,7 @@ SIZES = [1, 3, 8, 9, 4095, 8192, 8193, 3 * 8192 + 5]
 
 
 def _torch_path(monkeypatch):
-    monkeypatch.setattr(_native, "_lib", lambda: None)
+    monkeypatch.setattr(_native, "kernel", lambda: None)
 
 
 def _sample(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
@@ -217,3 +217,45 @@ def test_bad_native_settings_are_config_errors(monkeypatch, var, value, needle):
 def test_native_switch_accepts_the_boolean_spellings(monkeypatch, value, on):
     monkeypatch.setenv("DETERM_NATIVE", value)
     assert _native.available() is on
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale", [1e30, 1e-25])
+def test_sums_out_of_float32_square_range_are_redone_in_float64(dtype, scale, monkeypatch):
+    """Statistics lanes add short blocks in float32: squares of 1e30 overflow there and those of 1e-25
+    underflow, not in float64."""
+    t = torch.full((5000,), scale, dtype=dtype)
+    t[7] = -3 * scale
+    (h, vec), (ref_h, ref_st) = _both(t, monkeypatch)
+    st = fp._stats_dict(vec)
+    assert h == ref_h and (st["nan"], st["inf"]) == (0, 0)
+    assert math.isfinite(st["l2"]) and st["l2"] == pytest.approx(ref_st["l2"], rel=1e-6)
+    assert st["mean"] == pytest.approx(ref_st["mean"], rel=1e-6)
+
+
+def test_subnormal_halves_and_signed_zeros(monkeypatch):
+    t = torch.tensor([6e-8, -6e-8, 1e-5, -0.0, 0.0, 65504.0] * 700, dtype=torch.float16)
+    (h, vec), (ref_h, ref_st) = _both(t, monkeypatch)
+    st = fp._stats_dict(vec)
+    assert h == ref_h and (st["min"], st["max"]) == (ref_st["min"], ref_st["max"])
+    assert st["l2"] == pytest.approx(ref_st["l2"], rel=1e-6)
+
+
+def test_the_ctypes_route_gives_what_the_extension_gives():
+    """Where Python's headers are missing the same library is called through ctypes: same results."""
+    import ctypes
+
+    path = _native._library_path()
+    if _native.kernel() is None or not path.exists():
+        pytest.skip("kernel not built here")
+    via_ctypes = _native._ctypes_call(ctypes.CDLL(str(path)))
+    k = _native.kernel()
+    for dtype in (torch.float32, torch.float16, torch.int64):
+        for n in (0, 1, 4097, 70_000):
+            t = _sample(dtype, n, seed=n)
+            args = (t.data_ptr() if n else 0, n * t.element_size(), _native.SUPPORTED[dtype], n, 12345, 1)
+            for stats in (False, True):
+                a, b = k.call(*args, stats), via_ctypes(*args, stats)
+                assert a[0] == b[0]
+                if stats:
+                    assert a[1] == pytest.approx(b[1], nan_ok=True)
