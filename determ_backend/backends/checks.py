@@ -190,7 +190,7 @@ class GraphExec:
         result = self.recorder.end_call()
         if self.config.save_tensors:
             self.run.store_payloads(result)
-        self.run.write(result.records)
+        self.run.write_call(result)
         if twin is not None:
             self._guard("determinism", self._check_determinism, twin, result)
         if eager_args is not None:

@@ -15,13 +15,13 @@ job, writing records :mod:`determ_backend.trace.stream`'s.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from determ_backend.fingerprint.core import FingerprintBatch
-from determ_backend.trace.stream import Record, format_hash
+from determ_backend.trace.stream import Record, RecordTemplate
 
 __all__ = ["NodeInfo", "Recorder", "CallResult"]
 
@@ -38,27 +38,48 @@ class NodeInfo:
     extra: Optional[Dict[str, Any]] = None
 
 
-@dataclass
 class CallResult:
-    """Everything one call of an instrumented graph captured."""
+    """Everything one call of an instrumented graph captured.  ``records`` are built when first asked for
+    (checks and record listeners ask); a trace-only run writes :meth:`lines` straight from the templates."""
 
-    records: List[Record]
-    values: Dict[str, torch.Tensor] = field(default_factory=dict)
+    def __init__(self, call: int, rows: List[tuple], values: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        self.call = call
+        self._rows = rows  # (template, dtype name, shape, hash int or None, stats dict or None) in graph order
+        self.values: Dict[str, torch.Tensor] = values if values is not None else {}
+        self._records: Optional[List[Record]] = None
+
+    @property
+    def records(self) -> List[Record]:
+        if self._records is None:
+            self._records = [tpl.record(self.call, seq, *row) for seq, (tpl, *row) in enumerate(self._rows)]
+        return self._records
+
+    def lines(self) -> List[bytes]:
+        """The trace lines of the records (as they are now, once built: a payload may have been added)."""
+        if self._records is not None:
+            return [r.to_line() for r in self._records]
+        call = self.call
+        return [tpl.line(call, seq, *row) for seq, (tpl, *row) in enumerate(self._rows)]
 
 
-@dataclass
-class _Item:
-    info: int
-    index: Optional[int]
-    dtype: Optional[str]
-    shape: Optional[list]
-    slot: int = -1                        # position in the call's FingerprintBatch
-    value: Optional[torch.Tensor] = None  # kept clone (accuracy checks)
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32`` (memoized: called once per captured tensor)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 class _CallState:
+    __slots__ = ("items", "batch")
+
     def __init__(self, stats: bool) -> None:
-        self.items: List[_Item] = []
+        # per captured tensor, in capture order (its position is its slot in the batch):
+        # (info index, index in a tuple value or None, dtype name, shape, kept clone or None)
+        self.items: List[tuple] = []
         self.batch = FingerprintBatch("trace" if stats else None)
 
 
@@ -71,6 +92,8 @@ class Recorder:
         self.stats, self.rank, self.run = stats, rank, run
         self.keep_values = False
         self.calls = 0
+        self._views = [i for i, info in enumerate(self.infos) if info.kind == "view"]
+        self._templates: Dict[tuple, RecordTemplate] = {}
         self._local = threading.local()
 
     # -- called from the instrumented graph -------------------------------------------------
@@ -90,14 +113,11 @@ class Recorder:
                     self._capture_tensor(state, i, j, v)
 
     def _capture_tensor(self, state: _CallState, i: int, j: Optional[int], t: torch.Tensor) -> None:
-        if t.layout != torch.strided or t.device.type == "meta":
+        if t.is_meta or t.layout is not torch.strided:
             return
-        t = t.detach()
-        item = _Item(i, j, str(t.dtype).replace("torch.", ""), list(t.shape))
-        item.slot = state.batch.add(t)
-        if self.keep_values:
-            item.value = t.clone()
-        state.items.append(item)
+        state.batch.add(t)
+        state.items.append((i, j, _dtype_name(t.dtype), list(t.shape),
+                            t.detach().clone() if self.keep_values else None))
 
     # -- called by the wrapper after the graph returns --------------------------------------
     def end_call(self, count: bool = True) -> CallResult:
@@ -109,35 +129,32 @@ class Recorder:
         if count:
             self.calls += 1
         host = state.batch.resolve()
-        out = CallResult(records=[])
-        pairs = [(item, host[item.slot]) for item in state.items]
-        for seq, (item, (h, st)) in enumerate(self._merge_static(pairs)):
-            info = self.infos[item.info]
-            node = info.node if item.index is None else f"{info.node}.{item.index}"
-            out.records.append(Record(
-                graph=self.graph, stage=self.stage, node=node, op=info.op, kind=info.kind, call=call, seq=seq,
-                source=info.source, dtype=item.dtype, shape=item.shape,
-                hash=format_hash(h) if h is not None else None, stats=st, inputs=list(info.inputs),
-                rank=self.rank, run=self.run, extra=info.extra))
-            if item.value is not None:
-                out.values[node] = item.value
-        return out
-
-    def _merge_static(self, pairs: list) -> list:
-        """Insert the records of views (not captured: their data is their input's) in graph order."""
-        views = [i for i, info in enumerate(self.infos) if info.kind == "view"]
-        if not views:
-            return pairs
-        merged: list = []
-        vi = 0
-        for pair in pairs:
-            while vi < len(views) and views[vi] < pair[0].info:
-                merged.append(self._static(views[vi]))
+        rows: List[tuple] = []
+        values: Dict[str, torch.Tensor] = {}
+        views, vi = self._views, 0
+        template = self._template
+        for item, (h, st) in zip(state.items, host):
+            while vi < len(views) and views[vi] < item[0]:  # views (not captured) go in graph order
+                rows.append(self._view_row(views[vi]))
                 vi += 1
-            merged.append(pair)
-        merged.extend(self._static(v) for v in views[vi:])
-        return merged
+            tpl = template(item[0], item[1])
+            rows.append((tpl, item[2], item[3], h, st))
+            if item[4] is not None:
+                values[tpl.node] = item[4]
+        rows.extend(self._view_row(v) for v in views[vi:])
+        return CallResult(call, rows, values)
 
-    def _static(self, i: int) -> tuple:
+    def _template(self, i: int, j: Optional[int]) -> RecordTemplate:
+        """The record template of capture point ``i`` (element ``j`` of a tuple value), made once."""
+        tpl = self._templates.get((i, j))
+        if tpl is None:
+            info = self.infos[i]
+            tpl = self._templates[(i, j)] = RecordTemplate(
+                self.graph, self.stage, info.node if j is None else f"{info.node}.{j}", info.op, info.kind, info.source,
+                info.inputs, self.rank, self.run, info.extra)
+        return tpl
+
+    def _view_row(self, i: int) -> tuple:
+        """The record of a view: not captured (its data is its input's), described from its metadata."""
         meta = self.infos[i].extra or {}
-        return _Item(i, None, meta.get("dtype"), meta.get("shape")), (None, None)
+        return self._template(i, None), meta.get("dtype"), meta.get("shape"), None, None

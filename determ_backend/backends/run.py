@@ -140,10 +140,23 @@ class Run:
             _LISTENERS.notify(records)
         if not self.config.trace or not records:
             return
+        self._trace_writer().write(records)
+
+    def write_call(self, result) -> None:
+        """Write one graph call's :class:`~determ_backend.backends.recorder.CallResult` (its records are only
+        built when a listener wants them)."""
+        if _LISTENERS:
+            self.write(result.records)
+        elif self.config.trace:
+            lines = result.lines()
+            if lines:
+                self._trace_writer().write_lines(lines)
+
+    def _trace_writer(self) -> TraceWriter:
         with self._lock:
             if self._writer is None:
                 self._writer = TraceWriter(self.trace_path, run=self.id, meta={"rank": self.rank, "device": self.device})
-        self._writer.write(records)
+            return self._writer
 
     def store_payloads(self, result) -> None:
         """Save each captured tensor once in ``<run dir>/tensors/``, the run's tensor store (DETERM_SAVE_TENSORS)."""
@@ -235,6 +248,9 @@ class RecordListeners:
         with self._lock:
             if fn in self._fns:
                 self._fns.remove(fn)
+
+    def __bool__(self) -> bool:
+        return bool(self._fns)
 
     def notify(self, records: List[Record]) -> None:
         with self._lock:

@@ -49,7 +49,13 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Type, U
 
 from determ_backend.errors import DetermError, TraceFormatError
 
-__all__ = ["StreamFormat", "StreamWriter", "StreamWriteError", "Stream", "read_stream", "read_header", "write_all"]
+try:
+    import orjson as _orjson
+except ImportError:  # declared as a dependency; the standard library gives the same streams
+    _orjson = None
+
+__all__ = ["StreamFormat", "StreamWriter", "StreamWriteError", "Stream", "read_stream", "read_header", "write_all",
+           "encode", "encode_exact"]
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +96,34 @@ def write_all(fd: int, data: Union[bytes, memoryview, Sequence[Any]]) -> None:
                 n = 0
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=True, default=str)
+_STDLIB = json.JSONEncoder(separators=(",", ":"), allow_nan=True)
+_STDLIB_STR = json.JSONEncoder(separators=(",", ":"), allow_nan=True, default=str)
+
+
+def encode(obj: Any, default_str: bool = False) -> bytes:
+    """``obj`` as one compact JSON text in UTF-8, NaN and infinities as the literals Python's ``json`` reads.
+
+    The one JSON encoder of the streams.  ``orjson`` (a dependency) encodes it when it can hold every value
+    as ``json`` would: its output is used unless it holds a ``null`` -- orjson writes NaN and infinities as
+    ``null`` -- and anything else (``None`` values, non-string keys, huge ints, other types) goes to the
+    standard library, which is always right and ten times slower.  ``default_str``: values JSON cannot hold
+    are written as their ``str`` (else they raise ``TypeError``)."""
+    if _orjson is not None:
+        try:
+            line = _orjson.dumps(obj)
+        except TypeError:  # orjson.JSONEncodeError is a TypeError
+            line = None
+        if line is not None and b"null" not in line:
+            return line
+    return (_STDLIB_STR if default_str else _STDLIB).encode(obj).encode("utf-8")
+
+
+def _encode_exact(obj: Any) -> bytes:
+    return _STDLIB.encode(obj).encode("utf-8")
+
+
+encode_exact = _orjson.dumps if _orjson is not None else _encode_exact
+""":func:`encode` for values holding no float and no None (a shape, a name): no check needed, so faster."""
 
 
 class StreamWriter:
@@ -118,9 +150,9 @@ class StreamWriter:
             self._append([json.dumps({"format": fmt.name, "version": fmt.version, **header}) + "\n"], records=False)
 
     # ---- appending (under the lock) ------------------------------------------------------------
-    def _append(self, lines: Sequence[str], records: bool = True) -> None:
+    def _append(self, lines: Sequence[Union[str, bytes]], records: bool = True) -> None:
         """Write ``lines`` (each ending in a newline) in one go; when that fails, cut the file and raise."""
-        data = [line.encode("utf-8") for line in lines]
+        data = [line if isinstance(line, bytes) else line.encode("utf-8") for line in lines]
         try:
             write_all(self._fd, data)
         except OSError as e:
@@ -168,15 +200,16 @@ class StreamWriter:
     # ---- public ----------------------------------------------------------------------------------
     def write(self, record: Dict[str, Any]) -> None:
         """Append one record (a JSON object; values JSON cannot hold are written as their ``str``)."""
-        self.write_lines([_dumps(record)])
+        self.write_lines([encode(record, default_str=True)])
 
-    def write_lines(self, lines: Sequence[str]) -> None:
-        """Append records already serialized, one JSON object text (no newline) each."""
+    def write_lines(self, lines: Sequence[Union[str, bytes]]) -> None:
+        """Append records already serialized, one JSON object text (no newline; ``str``, or UTF-8 ``bytes``)
+        each."""
         if not lines:
             return
         with self._lock:
             self._check_open()
-            self._append([line + "\n" for line in lines])
+            self._append([line + (b"\n" if isinstance(line, bytes) else "\n") for line in lines])
 
     def close(self, **footer: Any) -> None:
         """Write the footer ``{"end": true, "count": N, **footer}`` and close; a no-op once closed."""

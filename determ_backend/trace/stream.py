@@ -37,9 +37,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
 import torch
 
 from determ_backend.errors import TraceFormatError
-from determ_backend.trace.jsonl import StreamFormat, StreamWriter, read_stream
+from determ_backend.trace.jsonl import StreamFormat, StreamWriter, encode, encode_exact, read_stream
 
-__all__ = ["Record", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path",
+__all__ = ["Record", "RecordTemplate", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path",
            "atomic_write_text", "atomic_path", "dir_problem", "format_hash", "TRACE_NAME", "TRACE_FORMAT"]
 
 TRACE_NAME = "trace.jsonl"
@@ -82,13 +82,42 @@ class Record:
         return f"{self.kind}|{self.op}|{self.dtype}|{self.shape}"
 
     def to_json(self) -> str:
-        d = {}
-        for k in _FIELDS:  # not dataclasses.asdict: it deep-copies and dominated tracing time
-            v = getattr(self, k)
-            if v is None or (not v and isinstance(v, (list, dict)) and k != "shape"):
-                continue
-            d[k] = v
-        return json.dumps(d, separators=(",", ":"), allow_nan=True)
+        return self.to_line().decode("utf-8")
+
+    def to_line(self) -> bytes:
+        """The record as one JSON text in UTF-8: its fields in order, those that are None or an empty
+        list or dict left out (``shape`` is always kept)."""
+        return encode(self._as_dict())  # not dataclasses.asdict: it deep-copies and dominated tracing time
+
+    def _as_dict(self) -> Dict[str, Any]:
+        d = {"graph": self.graph, "stage": self.stage, "node": self.node, "op": self.op, "kind": self.kind,
+             "call": self.call, "seq": self.seq}
+        if None in d.values():
+            d = {k: v for k, v in d.items() if v is not None}
+        # unrolled: this runs once per traced tensor
+        if self.source is not None:
+            d["source"] = self.source
+        if self.dtype is not None:
+            d["dtype"] = self.dtype
+        if self.shape is not None:
+            d["shape"] = self.shape
+        if self.hash is not None:
+            d["hash"] = self.hash
+        if self.stats:
+            d["stats"] = self.stats
+        if self.inputs:
+            d["inputs"] = self.inputs
+        if self.in_hashes:
+            d["in_hashes"] = self.in_hashes
+        if self.rank is not None:
+            d["rank"] = self.rank
+        if self.run is not None:
+            d["run"] = self.run
+        if self.payload is not None:
+            d["payload"] = self.payload
+        if self.extra:
+            d["extra"] = self.extra
+        return d
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Record":
@@ -96,7 +125,68 @@ class Record:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-_FIELDS = tuple(Record.__dataclass_fields__)
+
+
+def _fragment(d: Dict[str, Any]) -> bytes:
+    """The encoding of ``d`` without its braces: ``"k":v,"k2":v2`` (empty for an empty dict)."""
+    return encode(d)[1:-1]
+
+
+_DTYPE_FRAGMENTS: Dict[str, bytes] = {}
+
+
+class RecordTemplate:
+    """The records one capture point writes, call after call: their fixed fields encoded once.
+
+    :meth:`line` gives the text ``Record(...).to_line()`` gives for the same fields (same keys, same
+    order) without building the record; :meth:`record` builds it.  The compile backends' recorder
+    writes its traces through these, so a traced tensor costs well under a microsecond of encoding."""
+
+    __slots__ = ("graph", "stage", "node", "op", "kind", "source", "inputs", "rank", "run", "extra", "_head",
+                 "_source", "_mid", "_extra")
+
+    def __init__(self, graph: str, stage: str, node: str, op: str, kind: str = "node", source: Optional[str] = None,
+                 inputs: Iterable[str] = (), rank: int = 0, run: Optional[str] = None,
+                 extra: Optional[Dict[str, Any]] = None):
+        self.graph, self.stage, self.node, self.op, self.kind = graph, stage, node, op, kind
+        self.source, self.inputs, self.rank, self.run, self.extra = source, list(inputs), rank, run, extra
+        head = {"graph": graph, "stage": stage, "node": node, "op": op, "kind": kind}
+        self._head = b"{" + _fragment({k: v for k, v in head.items() if v is not None})
+        self._source = _fragment({"source": source}) if source is not None else None
+        mid = {"inputs": self.inputs} if self.inputs else {}
+        mid.update({k: v for k, v in (("rank", rank), ("run", run)) if v is not None})
+        self._mid = _fragment(mid) if mid else None
+        self._extra = _fragment({"extra": extra}) if extra else None
+
+    def record(self, call: int, seq: int, dtype: Optional[str], shape: Optional[List[int]], hash: Optional[int],
+               stats: Optional[Dict[str, Any]]) -> Record:
+        """The record of one call (``hash``: the fingerprint as an int)."""
+        return Record(self.graph, self.stage, self.node, self.op, self.kind, call, seq, self.source, dtype, shape,
+                      None if hash is None else format_hash(hash), stats, list(self.inputs), [], self.rank, self.run,
+                      None, self.extra)
+
+    def line(self, call: int, seq: int, dtype: Optional[str], shape: Optional[List[int]], hash: Optional[int],
+             stats: Optional[Dict[str, Any]]) -> bytes:
+        """``self.record(...).to_line()``, encoded from the fixed fragments."""
+        parts = [self._head, b'"call":%d,"seq":%d' % (call, seq)]
+        if self._source is not None:
+            parts.append(self._source)
+        if dtype is not None:
+            frag = _DTYPE_FRAGMENTS.get(dtype)
+            if frag is None:
+                frag = _DTYPE_FRAGMENTS[dtype] = b'"dtype":' + encode(dtype)
+            parts.append(frag)
+        if shape is not None:
+            parts.append(b'"shape":' + encode_exact(shape))
+        if hash is not None:
+            parts.append(b'"hash":"%016x"' % (hash & 0xFFFFFFFFFFFFFFFF))
+        if stats:
+            parts.append(b'"stats":' + encode(stats))
+        if self._mid is not None:
+            parts.append(self._mid)
+        if self._extra is not None:
+            parts.append(self._extra)
+        return b",".join(parts) + b"}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -161,7 +251,11 @@ class TraceWriter:
         return self._stream.count
 
     def write(self, records: Iterable[Record]) -> None:
-        self._stream.write_lines([r.to_json() for r in records])
+        self._stream.write_lines([r.to_line() for r in records])
+
+    def write_lines(self, lines: List[bytes]) -> None:
+        """Append records already encoded (:meth:`Record.to_line`, :meth:`RecordTemplate.line`)."""
+        self._stream.write_lines(lines)
 
     def flush(self) -> None:
         """Nothing to do: every :meth:`write` is on disk when it returns (kept for callers that flush)."""

@@ -223,3 +223,42 @@ def test_streams_reopen_to_append_and_refuse_writes_once_closed(tmp_path):
     assert [r.node for r in tf.records] == ["n0", "n1", "n2"] and tf.complete and w.closed
     with pytest.raises(StreamWriteError, match="the trace is closed"):
         w.write({"graph": "g0"})
+
+
+_AWKWARD = [
+    {"a": 1.5, "b": [1, 2], "c": "é\n\"x\"", "d": True, "e": {"f": None}},
+    {"min": float("nan"), "max": float("inf"), "mean": -float("inf"), "l2": 1e-320, "nan": 1, "inf": 2},
+    {"big": 2 ** 70, "neg": -(2 ** 63), "zero": -0.0, "t": (1, 2)},
+    {1: "int key"},
+    {"s": "nullable"},
+]
+
+
+@pytest.mark.parametrize("obj", _AWKWARD, ids=range(len(_AWKWARD)))
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
+def test_the_one_encoder_reads_back_as_the_standard_library_writes(obj, fast, monkeypatch):
+    """orjson writes NaN and infinities as null and refuses some values: every such line goes to the
+    standard library, so what is read back never depends on which library wrote it."""
+    if fast and jsonl._orjson is None:
+        pytest.skip("orjson not installed")
+    if not fast:
+        monkeypatch.setattr(jsonl, "_orjson", None)
+    line = jsonl.encode(obj)
+    want = json.loads(json.dumps(obj, allow_nan=True))
+    got = json.loads(line.decode("utf-8"))
+    assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)  # NaN-safe equality
+
+
+def test_record_templates_write_what_records_write():
+    """The backends write lines from per-capture templates; they must be the records' own lines."""
+    from determ_backend.trace.stream import RecordTemplate
+
+    stats = {"min": -1.0, "max": float("inf"), "mean": float("nan"), "l2": None, "nan": 1, "inf": 1}
+    for kw in (dict(source='m.py:3 ("f")', inputs=["a", "b.1"], run="r", extra={"buffer": "buf1", "kernel": "k"}),
+               dict(), dict(kind="output", inputs=[], rank=None, run=None)):
+        tpl = RecordTemplate("g0", "aot_forward", "n.1", "aten.mm.default", **kw)
+        for args in ((3, 4, "float32", [2, 3], 2 ** 64 - 5, stats), (0, 0, None, None, None, None),
+                     (1, 2, "bool", [], 7, {"min": 0.0, "max": 1.0, "mean": 0.5, "l2": 1.0, "nan": 0, "inf": 0})):
+            rec = tpl.record(*args)
+            assert tpl.line(*args) == rec.to_line()
+            assert json.loads(tpl.line(*args))["node"] == "n.1"
