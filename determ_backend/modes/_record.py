@@ -300,5 +300,6 @@ class OpRecorder:
             self.sink(events)
 
     def _prune(self) -> None:
-        if len(self._producers) > 4096:
-            self._producers = {k: v for k, v in self._producers.items() if not v[0].expired()}
+        """Drop the entries of freed storages at every flush: kept, they held on to the memory of the
+        tensors they named (a mode left on grew by a step's activations every step)."""
+        self._producers = {k: v for k, v in self._producers.items() if not v[0].expired()}

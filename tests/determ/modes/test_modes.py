@@ -359,3 +359,22 @@ def test_an_outer_mode_does_not_record_an_inner_modes_fingerprinting():
             _fresh_step()
     # the outer mode sees the user's ops (each run twice by the inner mode), none of its fingerprinting
     assert {r.op for r in outer.records} <= {r.op for r in alone.records}
+
+
+def test_a_mode_left_on_forgets_freed_tensors_at_each_flush():
+    """The producer table names tensors by memory; entries of freed storages go at every flush, so a mode
+    left on over a long run holds steady memory (they used to pile up to thousands)."""
+    from determ_backend.modes.core import HashMode
+
+    mode = HashMode(keep_records=False)
+    mode.enable()
+    try:
+        x = torch.randn(64, 64)
+        for _ in range(50):
+            y = (x * 2).relu()  # a new tensor per step, freed at the next
+            del y
+        mode._recorder.flush()
+        table = mode._recorder._producers
+        assert table and all(not ent[0].expired() for ent in table.values())
+    finally:
+        mode.disable()
