@@ -1,16 +1,31 @@
 #!/usr/bin/env python
-"""Cost of the eager tools on one training step (forward + backward + optimizer step).
+"""Cost of the eager tools on a model's forward (under no_grad) and on a training step.
 
-Times, in one process and interleaved round by round, a plain step and the same step under
-``HashMode``, ``HashDebugTrace`` (text log + JSONL), PyTorch's ``DebugMode`` with tensor hashes
-(``hash_tensor`` and ``norm``), and an md5-on-host tracer like the original ``HashDebugTrace``.
-Prints each median step time and its ratio to the plain step, then PASS/FAIL for the targets:
-``HashMode`` <= 2x a plain step and faster than ``DebugMode`` hashing.  Exit 0 on PASS, 1 on FAIL.
-``HashMode`` is a fresh mode per step (every parameter and optimizer state is hashed
-as an input first); ``HashMode (left on)`` is one mode enabled around every step, so
-only the values a step produces are hashed.
+Times, in one process and interleaved round-robin (a round runs every variant ``--steps``
+steps), a plain step and the same step under ``HashMode``, ``HashDebugTrace`` (text log +
+JSONL), PyTorch's ``DebugMode`` with tensor hashes (``hash_tensor`` and ``norm``), and an
+md5-on-host tracer like the original ``HashDebugTrace``.  ``HashMode`` is a fresh mode per step
+(in a training step every parameter and optimizer state is hashed as an input first);
+``HashMode (left on)`` is one mode enabled around every step, so only the values a step
+produces are hashed.
 
-    .venv/bin/python scripts/bench_eager_tools.py [--model mlp|transformer] [--rounds 7]
+Shapes: ``small`` is the MLP of width 256, batch 64, depth 4; ``large`` is the MLP of width 1024,
+batch 256, depth 4 (``--width``, ``--batch``, ``--depth`` change it; ``--model transformer``
+makes it a small transformer encoder on ``--seq`` tokens instead, in both modes).  Modes:
+``forward`` is the model's forward under ``torch.no_grad()``; ``train`` is forward +
+cross-entropy + backward + an optimizer step (SGD with momentum, or ``--optimizer adamw``).
+
+Prints one table per (shape, mode): each variant's median ms/step and its ratio, the median over
+rounds of (variant / the plain step of the same round); then PASS/FAIL per (shape, mode) for the
+targets: ``HashMode`` <= 2x plain, ``HashMode``'s ratio <= 0.6x ``DebugMode hash_tensor``'s, and
+``HashDebugTrace`` <= 3x plain.  ``--memory-steps N`` then runs N training steps of the small
+shape with one ``HashMode(keep_records=False)`` enabled for the whole run, sampling the process
+RSS every N/10 steps: PASS if it ends at most 32 MiB above its value after the first tenth.
+Exit 0 when everything passes, 1 otherwise.  Results go to stdout, progress to stderr.
+
+    .venv/bin/python scripts/bench_eager_tools.py [--shape small|large|both] [--mode forward|train|both]
+        [--rounds 7] [--steps 3] [--threads 1] [--memory-steps 0] [--only VARIANT ...]
+        [--model mlp|transformer] [--width 1024] [--depth 4] [--batch 256] [--seq 32]   # the large shape
 """
 
 from __future__ import annotations
@@ -21,16 +36,18 @@ import hashlib
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from tqdm import tqdm
 
-from _bench_common import debug_mode_hashing
+from _bench_common import debug_mode_hashing, memory_check, print_table, ratio_to, time_rounds
 from determ_backend.modes.core import HashDebugTrace, HashMode
+
+SMALL = {"model": "mlp", "width": 256, "batch": 64, "depth": 4}
+CLASSES = 10
+DEBUG_MODE_FACTOR, TRACE_LIMIT, MEMORY_LIMIT_MIB = 0.6, 3.0, 32.0
 
 
 class Md5HostTracer(TorchDispatchMode):
@@ -56,7 +73,7 @@ class MLP(torch.nn.Module):
         for _ in range(depth):
             layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
         self.body = torch.nn.Sequential(*layers)
-        self.head = torch.nn.Linear(width, 10)
+        self.head = torch.nn.Linear(width, CLASSES)
 
     def forward(self, x):
         return self.head(self.body(x))
@@ -68,21 +85,40 @@ class TinyTransformer(torch.nn.Module):
         layer = torch.nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=2 * width, batch_first=True,
                                                  dropout=0.0)
         self.body = torch.nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(width, 10)
+        self.head = torch.nn.Linear(width, CLASSES)
 
     def forward(self, x):
         return self.head(self.body(x).mean(1))
 
 
-def make_step(args) -> Callable[[], None]:
+def shapes(args) -> Dict[str, Dict[str, object]]:
+    """shape name -> its model kind and sizes."""
+    return {"small": dict(SMALL),
+            "large": {"model": args.model, "width": args.width, "batch": args.batch, "depth": args.depth}}
+
+
+def describe(shape: Dict[str, object], seq: int) -> str:
+    tokens = f", seq {seq}" if shape["model"] == "transformer" else ""
+    return f"{shape['model']} width {shape['width']} depth {shape['depth']} batch {shape['batch']}{tokens}"
+
+
+def make_step(shape: Dict[str, object], mode: str, args) -> Callable[[], None]:
+    """One step of a fresh model: its forward under no_grad, or a training step."""
     torch.manual_seed(0)
-    if args.model == "mlp":
-        model = MLP(args.width, args.depth)
-        x = torch.randn(args.batch, args.width)
+    width, depth, batch = shape["width"], shape["depth"], shape["batch"]
+    if shape["model"] == "mlp":
+        model = MLP(width, depth)
+        x = torch.randn(batch, width)
     else:
-        model = TinyTransformer(args.width, args.depth)
-        x = torch.randn(args.batch, args.seq, args.width)
-    y = torch.randint(0, 10, (args.batch,))
+        model = TinyTransformer(width, depth)
+        x = torch.randn(batch, args.seq, width)
+    if mode == "forward":
+        def forward():
+            with torch.no_grad():
+                model(x)
+
+        return forward
+    y = torch.randint(0, CLASSES, (batch,))
     if args.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
@@ -106,75 +142,127 @@ def _region(mode: HashMode) -> Iterator[None]:
         mode.disable()  # flushes: the step's fingerprints are all computed
 
 
-def variants(tmp: Path) -> Dict[str, Callable[[], object]]:
+def variants(log: Path, left_on: HashMode, debug_mode: bool) -> Dict[str, Callable[[], object]]:
     """name -> factory of a context manager per step (None = plain step)."""
-    left_on = HashMode(keep_records=False)
     out: Dict[str, Callable[[], object]] = {
         "plain": lambda: None,
         "HashMode": lambda: HashMode(),
         "HashMode (left on)": lambda: _region(left_on),
-        "HashDebugTrace": lambda: HashDebugTrace(log_path=tmp / "trace.log"),
+        "HashDebugTrace": lambda: HashDebugTrace(log_path=log),
         "md5-on-host tracer": lambda: Md5HostTracer(),
     }
-    probe = debug_mode_hashing("hash_tensor")  # enters the mode: close it at once
-    if probe is not None:
-        probe.close()
+    if debug_mode:
         out["DebugMode hash_tensor"] = lambda: debug_mode_hashing("hash_tensor")
         out["DebugMode norm"] = lambda: debug_mode_hashing("norm")
     return out
 
 
-def timed(step: Callable[[], None], factory: Callable[[], object], n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
+def under(step: Callable[[], None], factory: Callable[[], object]) -> Callable[[], None]:
+    """``step`` run inside a fresh context from ``factory`` (none for the plain step)."""
+    def run_step():
         ctx = factory()
         if ctx is None:
             step()
         else:
             with ctx:
                 step()
-    return (time.perf_counter() - t0) / n
+
+    return run_step
+
+
+def _picked(choice: str, both: Tuple[str, str]) -> Tuple[str, ...]:
+    return both if choice == "both" else (choice,)
+
+
+def checks(ratios: Dict[str, float], target: float) -> List[Tuple[str, Optional[bool]]]:
+    """(what, passed) for the targets of one (shape, mode); passed None: not measured."""
+    out: List[Tuple[str, Optional[bool]]] = []
+    if "HashMode" in ratios:
+        r = ratios["HashMode"]
+        out.append((f"HashMode <= {target:g}x plain ({r:.2f}x)", r <= target))
+        ref = ratios.get("DebugMode hash_tensor")
+        if ref is None:
+            out.append(("HashMode vs DebugMode hash_tensor: not measured (no DebugMode in this torch, or --only)",
+                        None))
+        else:
+            limit = DEBUG_MODE_FACTOR * ref
+            out.append((f"HashMode <= {DEBUG_MODE_FACTOR:g}x DebugMode hash_tensor's ratio "
+                        f"({r:.2f}x vs {ref:.2f}x: limit {limit:.2f}x)", r <= limit))
+    if "HashDebugTrace" in ratios:
+        r = ratios["HashDebugTrace"]
+        out.append((f"HashDebugTrace <= {TRACE_LIMIT:g}x plain ({r:.2f}x)", r <= TRACE_LIMIT))
+    return out
 
 
 def run(args) -> int:
     torch.set_num_threads(args.threads)
-    step = make_step(args)
-    with tempfile.TemporaryDirectory() as d:
-        kinds = variants(Path(d))
-        if args.only:
-            kinds = {k: v for k, v in kinds.items() if k == "plain" or k in args.only}
-        for factory in kinds.values():  # warm-up: first-call costs out of the measurement
-            timed(step, factory, 2)
-        times: Dict[str, List[float]] = {k: [] for k in kinds}
-        for _ in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
-            for name, factory in kinds.items():
-                times[name].append(timed(step, factory, args.steps))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    # ratio: median over rounds of (variant / plain of the same round), robust to load drifting between rounds
-    ratios = {k: statistics.median(t / p for t, p in zip(v, times["plain"])) for k, v in times.items()}
-    print(f"model={args.model} width={args.width} depth={args.depth} batch={args.batch} "
-          f"optimizer={args.optimizer} threads={args.threads} torch={torch.__version__}")
-    print(f"{'variant':24} {'ms/step':>9} {'ratio':>7}   (ratio: median over rounds of variant / plain)")
-    for k, v in med.items():
-        print(f"{k:24} {v * 1e3:9.2f} {ratios[k]:7.2f}x")
-    if "HashMode" not in med:
-        return 0
-    ratio = ratios["HashMode"]
-    checks = [(f"HashMode <= {args.target:g}x plain step ({ratio:.2f}x)", ratio <= args.target)]
-    for ref in ("DebugMode hash_tensor", "DebugMode norm"):
-        if ref in ratios:
-            checks.append((f"HashMode faster than {ref} ({ratio:.2f}x vs {ratios[ref]:.2f}x)", ratio < ratios[ref]))
-    for what, ok in checks:
-        print(f"{'PASS' if ok else 'FAIL'}: {what}")
-    return 0 if all(ok for _, ok in checks) else 1
+    probe = debug_mode_hashing("hash_tensor")  # enters the mode: close it at once
+    if probe is not None:
+        probe.close()
+    else:
+        print(f"note: torch {torch.__version__} has no DebugMode tensor hashing; its variants are skipped",
+              file=sys.stderr)
+    sizes = shapes(args)
+    combos = [(s, m) for s in _picked(args.shape, ("small", "large")) for m in _picked(args.mode, ("forward", "train"))]
+    verdicts: List[bool] = []
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as modes:
+        cases: Dict[Tuple[str, str, str], Callable[[], None]] = {}
+        for shape, mode in combos:
+            left_on = HashMode(keep_records=False)
+            modes.callback(left_on.close)
+            step = make_step(sizes[shape], mode, args)
+            for name, factory in variants(Path(d) / f"{shape}-{mode}.log", left_on, probe is not None).items():
+                if not args.only or name == "plain" or name in args.only:
+                    cases[(shape, mode, name)] = under(step, factory)
+        print(f"warming up {len(cases)} variants ...", file=sys.stderr)
+        for case in cases.values():  # first-call costs out of the measurement
+            for _ in range(2):
+                case()
+        times = time_rounds(cases, args.rounds, args.steps)
+
+        print(f"optimizer={args.optimizer} threads={args.threads} rounds={args.rounds} steps/round={args.steps} "
+              f"torch={torch.__version__}")
+        for shape, mode in combos:
+            here = {name: t for (s, m, name), t in times.items() if (s, m) == (shape, mode)}
+            ratios = {name: ratio_to(t, here["plain"]) for name, t in here.items()}
+            what = "forward under no_grad" if mode == "forward" else f"training step ({args.optimizer})"
+            print_table(f"{shape}/{mode}: {describe(sizes[shape], args.seq)}; {what}",
+                        [(name, statistics.median(t), ratios[name], "plain" if name != "plain" else "")
+                         for name, t in here.items()])
+            for what, ok in checks(ratios, args.target):
+                print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} {shape}/{mode}: {what}")
+                if ok is not None:
+                    verdicts.append(ok)
+
+        if args.memory_steps:
+            step = make_step(sizes["small"], "train", args)
+            mode = HashMode(keep_records=False)
+            modes.callback(mode.close)
+            mode.enable()  # once, for the whole run
+            try:
+                step()
+                verdicts.append(memory_check(step, args.memory_steps,
+                                             f"small/train with one HashMode(keep_records=False) left on "
+                                             f"({describe(sizes['small'], args.seq)})", MEMORY_LIMIT_MIB))
+            finally:
+                mode.disable()
+    failed = verdicts.count(False)
+    print(f"\n{'FAIL' if failed else 'PASS'}: {len(verdicts) - failed} of {len(verdicts)} checks passed")
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["mlp", "transformer"], default="mlp", help="model kind (default mlp)")
-    p.add_argument("--width", type=int, default=1024, help="hidden width (default 1024)")
-    p.add_argument("--depth", type=int, default=4, help="number of hidden layers / blocks (default 4)")
-    p.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
+    p.add_argument("--shape", choices=["small", "large", "both"], default="both",
+                   help="small: MLP width 256 batch 64 depth 4; large: --model at --width/--batch/--depth "
+                        "(default both)")
+    p.add_argument("--mode", choices=["forward", "train", "both"], default="both",
+                   help="forward under no_grad, or a training step (default both)")
+    p.add_argument("--model", choices=["mlp", "transformer"], default="mlp",
+                   help="large shape: model kind (default mlp; the small shape is always the MLP)")
+    p.add_argument("--width", type=int, default=1024, help="large shape: hidden width (default 1024)")
+    p.add_argument("--depth", type=int, default=4, help="large shape: hidden layers / blocks (default 4)")
+    p.add_argument("--batch", type=int, default=256, help="large shape: batch size (default 256)")
     p.add_argument("--seq", type=int, default=32, help="sequence length for the transformer (default 32)")
     p.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported (default 7)")
@@ -186,10 +274,17 @@ def main(argv=None) -> int:
     p.add_argument("--only", action="append", default=None, metavar="VARIANT",
                    help="time only this variant (and the plain step); repeatable")
     p.add_argument("--target", type=float, default=2.0, help="HashMode target ratio (default 2.0)")
+    p.add_argument("--memory-steps", type=int, default=0, metavar="N",
+                   help="N training steps (small shape) with one HashMode(keep_records=False) left on, checking "
+                        "that the RSS stays flat (default 0: skip)")
     args = p.parse_args(argv)
     for name in ("width", "depth", "batch", "seq", "steps", "rounds", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive integer")
+    if args.memory_steps < 0:
+        p.error("--memory-steps: expected a non-negative integer")
+    if args.model == "transformer" and args.width % 4:
+        p.error("--width: expected a multiple of 4 for the transformer (4 heads)")
     return run(args)
 
 
