@@ -124,7 +124,14 @@ def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_c
         stage = "inductor_backward" if backward else "inductor_forward"
         disp = names.for_graph(fx_g, forward=not backward)
         compiled, origins = compile_with_origins(fx_g, inputs, **kwargs)
-        rec = instrument_compiled(compiled, fx_g, lambda infos: _recorder(run, cfg, graph, stage, infos), origins, disp)
+        try:
+            rec = instrument_compiled(compiled, fx_g, lambda infos: _recorder(run, cfg, graph, stage, infos), origins,
+                                      disp)
+        except Exception as e:  # determ's own failure: the graph runs as inductor compiled it, untraced
+            log.debug("determ: instrumenting the inductor wrapper failed", exc_info=True)
+            run.add_checker_error("trace", f"{graph} {stage} is not traced: instrumenting inductor's wrapper failed: "
+                                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            return compiled
         if rec is None:
             return compiled
         exec_ = GraphExec(compiled.current_callable, rec, run, cfg, reference_gm=fx_g, boxed=True,

@@ -6,8 +6,12 @@ CPU backend), so we rewrite the ``call`` function of the generated Python
 wrapper: after each kernel launch (``cpp_fused_*``, ``triton_*.run``,
 ``extern_kernels.*(..., out=buf)``, fallback ``bufN = aten.*(...)``) a call
 ``_determ_capture(i, bufN)`` is inserted; graph inputs are captured after the
-argument unpacking and outputs before ``return``.  The kernels themselves are
-untouched, so the numerics are bit-identical.
+argument unpacking and outputs before ``return``.  An output that is a variable whose
+value was captured and that nothing since can have written (the planner forgets a
+variable at any statement that might write it: anything but a kernel reading it) is
+recorded with that capture's fingerprint (``_determ_same``) instead of being read
+again -- a training graph returns its parameters and saved activations.  The kernels
+themselves are untouched, so the numerics are bit-identical.
 
 Buffers are named by the FX node whose value they hold: inductor records, for the
 buffer a node was lowered to, that node as its ``origin_node``.  A buffer with no
@@ -30,7 +34,7 @@ import logging
 import re
 import types
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
@@ -154,6 +158,9 @@ class _Planner:
         self.pending_comment: List[str] = []
         self.fx_of: Dict[int, fx.Node] = {}  # capture index -> the FX node its buffer holds or was computed for
         self._ancestors: Dict[str, set] = {}
+        # variable -> the capture point whose value it still holds, for as long as that is certain: any
+        # statement that might write the variable (or its memory through another name) forgets it
+        self.current: Dict[str, int] = {}
 
     def _unique(self, name: str) -> str:
         k = self.used.get(name, 0)
@@ -189,10 +196,15 @@ class _Planner:
         if m:
             self.fresh.add(m.group(1))
             self.writer.pop(m.group(1), None)
+            self.current.pop(m.group(1), None)
             return True
         m = _ALIAS.match(stripped) or _REINTERPRET.match(stripped)
         if m:
             dst, src = m.group(1), m.group(2)
+            held = self.current.pop(src, None)  # the memory now has another name: keep one, the new one
+            self.current.pop(dst, None)
+            if held is not None and _ALIAS.match(stripped):  # a plain rename holds the same value
+                self.current[dst] = held
             if src in self.writer:
                 self.writer[dst] = self.writer[src]
             elif src in self.fresh:
@@ -201,6 +213,8 @@ class _Planner:
                 return False
             return True
         m = _ITEM.match(stripped)
+        if m:
+            self.current.pop(m.group(1), None)
         if m and m.group(2) in self.writer:
             self.writer[m.group(1)] = f"{self.writer[m.group(2)]}.{m.group(3)}"
             return True
@@ -225,6 +239,15 @@ class _Planner:
         if node is not None or part_of is not None:
             self.fx_of[len(self.infos) - 1] = node if node is not None else part_of
         return len(self.infos) - 1
+
+    def forget(self, stripped: str, keep: Sequence[str] = ()) -> None:
+        """``stripped`` may write any variable it names (other than ``keep``, read-only there): those no longer
+        certainly hold their captured values.  Size and alignment assertions and ``del`` write nothing."""
+        if not self.current or stripped.startswith(_WRITES_NOTHING):
+            return
+        for name in set(_IDENT.findall(stripped)).intersection(self.current):
+            if name not in keep:
+                del self.current[name]
 
     def ancestors(self, n: fx.Node) -> set:
         """Names of the FX nodes ``n`` depends on."""
@@ -267,6 +290,10 @@ class InstrumentedCall:
         self.source, self.infos, self.signature = source, infos, signature
 
 
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+_WRITES_NOTHING = ("assert_size_stride(", "assert_alignment(", "del ", "#")
+
+
 def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Dict[str, str]) -> InstrumentedCall:
     """Rewrite the wrapper's ``call`` so it captures inputs, every kernel output and the outputs."""
     body, indent, sig = _call_body(src)
@@ -288,6 +315,7 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
             for n in names:
                 i = pl.add(n, "input", (), kind="param" if n in display else "input")
                 out.append(f"{pad}_determ_capture({i}, {n})")
+                pl.current[n] = i
             continue
         if stripped.startswith("return "):
             expr = stripped[len("return "):]
@@ -298,7 +326,11 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
                 if b and b != "None":
                     i = pl.add(f"output.{k}", "output", pl.resolve([b]), kind="output")
                     target = f"_determ_out[{k}]" if expr.strip().startswith("(") else "_determ_out"
-                    out.append(f"{pad}_determ_capture({i}, {target})")
+                    held = pl.current.get(b) if e.strip() == b else None
+                    if held is not None:  # the very value captured at `held`: its fingerprint, not a second read
+                        out.append(f"{pad}_determ_same({i}, {held}, {target})")
+                    else:
+                        out.append(f"{pad}_determ_capture({i}, {target})")
             out.append(f"{pad}return _determ_out")
             continue
         out.append(text)
@@ -306,11 +338,15 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
             continue
         writes = _kernel_writes(stripped, pl.kernels)
         resolved = [pl.resolve(inputs) for _, _, inputs in writes]
+        # a generated or extern kernel writes exactly its output arguments; anything else may write what it names
+        pure = bool(writes) and (writes[0][1] in pl.kernels or writes[0][1].startswith("extern_kernels."))
+        pl.forget(stripped, keep=[n for _, _, ins in writes for n in ins] if pure else ())
         added = []
         for (var, kernel, _), ins in zip(writes, resolved):
             i = pl.add(var, kernel, ins)
             added.append(i)
             out.append(f"{pad}_determ_capture({i}, {var})")
+            pl.current[var] = i
         if len(added) > 1:
             pl.link_siblings(added)
         if writes:
@@ -356,7 +392,7 @@ def instrument_compiled(compiled, gm: fx.GraphModule, recorder_factory, origins:
         return None
     recorder = recorder_factory(plan.infos)
     glb = dict(func.__globals__)
-    glb.update(_determ_capture=recorder.capture, _determ_begin=recorder.begin_call)
+    glb.update(_determ_capture=recorder.capture, _determ_begin=recorder.begin_call, _determ_same=recorder.capture_same)
     ns: Dict[str, Any] = {}
     exec(compile(plan.source, f"<determ instrumented {key or 'inductor'}>", "exec"), glb, ns)
     new = ns["call"]

@@ -74,13 +74,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class _CallState:
-    __slots__ = ("items", "batch")
+    __slots__ = ("items", "batch", "last")
 
     def __init__(self, stats: bool) -> None:
-        # per captured tensor, in capture order (its position is its slot in the batch):
-        # (info index, index in a tuple value or None, dtype name, shape, kept clone or None)
+        # per captured tensor, in capture order: (info index, index in a tuple value or None, dtype name,
+        # shape, kept clone or None, its slot in the batch)
         self.items: List[tuple] = []
         self.batch = FingerprintBatch("trace" if stats else None)
+        self.last: Dict[int, tuple] = {}  # capture point -> (slot, data_ptr, shape, stride) of its latest tensor
 
 
 class Recorder:
@@ -115,9 +116,24 @@ class Recorder:
     def _capture_tensor(self, state: _CallState, i: int, j: Optional[int], t: torch.Tensor) -> None:
         if t.is_meta or t.layout is not torch.strided:
             return
-        state.batch.add(t)
+        slot = state.batch.add(t)
         state.items.append((i, j, _dtype_name(t.dtype), list(t.shape),
-                            t.detach().clone() if self.keep_values else None))
+                            t.detach().clone() if self.keep_values else None, slot))
+        if j is None:
+            state.last[i] = (slot, t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+    def capture_same(self, i: int, src: int, value: Any) -> None:
+        """Capture point ``i`` holds the value capture point ``src`` captured last in this call (the planner
+        proved nothing wrote it since): its fingerprint is reused.  Checked cheaply: the same memory, shape,
+        strides and dtype, else ``value`` is read like any other."""
+        state = getattr(self._local, "state", None)
+        seen = state.last.get(src) if state is not None else None
+        if (seen is None or not isinstance(value, torch.Tensor)
+                or seen[1:] != (value.data_ptr(), value.shape, value.stride(), value.dtype)):
+            self.capture(i, value)
+            return
+        state.items.append((i, None, _dtype_name(value.dtype), list(value.shape),
+                            value.detach().clone() if self.keep_values else None, seen[0]))
 
     # -- called by the wrapper after the graph returns --------------------------------------
     def end_call(self, count: bool = True) -> CallResult:
@@ -133,10 +149,11 @@ class Recorder:
         values: Dict[str, torch.Tensor] = {}
         views, vi = self._views, 0
         template = self._template
-        for item, (h, st) in zip(state.items, host):
+        for item in state.items:
             while vi < len(views) and views[vi] < item[0]:  # views (not captured) go in graph order
                 rows.append(self._view_row(views[vi]))
                 vi += 1
+            h, st = host[item[5]]
             tpl = template(item[0], item[1])
             rows.append((tpl, item[2], item[3], h, st))
             if item[4] is not None:

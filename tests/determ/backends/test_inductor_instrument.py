@@ -67,3 +67,44 @@ def test_siblings_that_do_not_depend_on_each_other_stay_apart():
     plan = plan_call(_WRAPPER, fx.GraphModule(torch.nn.Module(), g), origins, display={})
     by_node = {i.node: i for i in plan.infos}
     assert by_node["relu"].inputs == ("arg0_1",) and by_node["neg"].inputs == ("arg0_1",)
+
+
+_PASS_THROUGH = """
+cpp_fused_add_0 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''
+extern "C"  void kernel(const float* in_ptr0,
+                       float* out_ptr0)
+{
+}
+''')
+
+
+def call(args):
+    primals_1, primals_2, primals_3 = args
+    args.clear()
+    assert_size_stride(primals_1, (4, ), (1, ))
+    buf0 = empty_strided_cpu((4, ), (1, ), torch.float32)
+    cpp_fused_add_0(primals_1, buf0)
+    buf1 = buf0; del buf0  # reuse
+    buf2 = reinterpret_tensor(primals_2, (2, 2), (2, 1), 0)
+    aten.add_(primals_3, 1)
+    return (buf1, primals_1, primals_2, primals_3, buf2, )
+"""
+
+
+def test_outputs_reuse_a_capture_only_while_nothing_can_have_written_it():
+    """A training graph returns its parameters and activations: an output whose variable still certainly
+    holds a captured value reuses its fingerprint; a variable another statement could have written (an
+    in-place fallback, a view of its memory) is read again."""
+    g = fx.Graph()
+    p1, p2, p3 = (g.placeholder(n) for n in ("primals_1", "primals_2", "primals_3"))
+    add = g.call_function(aten.add.Tensor, (p1, 1))
+    add.name = "add"
+    g.output((add, p1, p2, p3))
+    plan = plan_call(_PASS_THROUGH, fx.GraphModule(torch.nn.Module(), g), {"buf0": {"origin": "add"}}, display={})
+    index = {i.node: k for k, i in enumerate(plan.infos)}
+    src = plan.source
+    assert f"_determ_same({index['output.0']}, {index['add']}, _determ_out[0])" in src  # renamed, still its value
+    assert f"_determ_same({index['output.1']}, {index['primals_1']}, _determ_out[1])" in src  # only asserted on
+    assert f"_determ_capture({index['output.2']}, _determ_out[2])" in src  # a view of it was made
+    assert f"_determ_capture({index['output.3']}, _determ_out[3])" in src  # written in place by a fallback
+    assert f"_determ_capture({index['output.4']}, _determ_out[4])" in src  # a reinterpreted view

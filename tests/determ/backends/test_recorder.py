@@ -62,3 +62,18 @@ def test_nan_and_inf_are_reported(n, native, monkeypatch):
     else:  # large tensors: presence is known, the count is not (None)
         assert nan_rec.stats["nan"] is None and inf_rec.stats["inf"] is None and inf_rec.stats["nan"] == 0
         assert math.isinf(inf_rec.stats["max"])
+
+
+def test_an_output_proved_unchanged_reuses_its_capture_and_anything_else_is_read():
+    rec = Recorder("g", "inductor_forward", [NodeInfo("a", "op"), NodeInfo("output.0", "output", kind="output"),
+                                             NodeInfo("output.1", "output", kind="output")])
+    a, other = torch.randn(300), torch.randn(300)
+    rec.begin_call()
+    rec.capture(0, a)
+    rec.capture_same(1, 0, a)
+    rec.capture_same(2, 0, other)  # not the memory captured at 0: read, not reused
+    recs = {r.node: r for r in rec.end_call().records}
+    ha, hb = hash_tensors([a, other])
+    assert int(recs["a"].hash, 16) == int(recs["output.0"].hash, 16) == ha
+    assert recs["output.0"].stats == recs["a"].stats
+    assert int(recs["output.1"].hash, 16) == hb
