@@ -286,8 +286,9 @@ _FRESH = re.compile(r"^(\w+) = (?:empty_strided\w*|torch\.empty\w*|alloc_from_po
 class InstrumentedCall:
     """The rewritten ``call`` plus the capture plan (NodeInfo per capture point)."""
 
-    def __init__(self, source: str, infos: List[NodeInfo], signature: str):
+    def __init__(self, source: str, infos: List[NodeInfo], signature: str, reused: frozenset = frozenset()):
         self.source, self.infos, self.signature = source, infos, signature
+        self.reused = reused  # capture points an output reuses (``_determ_same``)
 
 
 _IDENT = re.compile(r"[A-Za-z_]\w*")
@@ -299,6 +300,7 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
     body, indent, sig = _call_body(src)
     pl = _Planner(gm, origins, _kernel_outputs(src), display)
     out: List[str] = [body[0][indent:]]
+    reused: set = set()
     unpacked = False
     for line in body[1:]:
         text = line[indent:] if line.strip() else line
@@ -329,6 +331,7 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
                     held = pl.current.get(b) if e.strip() == b else None
                     if held is not None:  # the very value captured at `held`: its fingerprint, not a second read
                         out.append(f"{pad}_determ_same({i}, {held}, {target})")
+                        reused.add(held)
                     else:
                         out.append(f"{pad}_determ_capture({i}, {target})")
             out.append(f"{pad}return _determ_out")
@@ -351,7 +354,7 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
             pl.link_siblings(added)
         if writes:
             pl.pending_comment = []
-    return InstrumentedCall("\n".join(out) + "\n", pl.infos, sig)
+    return InstrumentedCall("\n".join(out) + "\n", pl.infos, sig, frozenset(reused))
 
 
 def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]]) -> List[Tuple[str, str, List[str]]]:
@@ -391,6 +394,7 @@ def instrument_compiled(compiled, gm: fx.GraphModule, recorder_factory, origins:
         log.warning("determ: could not instrument inductor wrapper (%s); only graph inputs/outputs are traced", e)
         return None
     recorder = recorder_factory(plan.infos)
+    recorder.reused = plan.reused
     glb = dict(func.__globals__)
     glb.update(_determ_capture=recorder.capture, _determ_begin=recorder.begin_call, _determ_same=recorder.capture_same)
     ns: Dict[str, Any] = {}

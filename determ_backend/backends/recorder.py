@@ -95,6 +95,7 @@ class Recorder:
         self.calls = 0
         self._views = [i for i, info in enumerate(self.infos) if info.kind == "view"]
         self._templates: Dict[tuple, RecordTemplate] = {}
+        self.reused: frozenset = frozenset()  # capture points whose value a later capture_same may reuse
         self._local = threading.local()
 
     # -- called from the instrumented graph -------------------------------------------------
@@ -119,7 +120,7 @@ class Recorder:
         slot = state.batch.add(t)
         state.items.append((i, j, _dtype_name(t.dtype), list(t.shape),
                             t.detach().clone() if self.keep_values else None, slot))
-        if j is None:
+        if j is None and i in self.reused:
             state.last[i] = (slot, t.data_ptr(), t.shape, t.stride(), t.dtype)
 
     def capture_same(self, i: int, src: int, value: Any) -> None:

@@ -108,3 +108,4 @@ def test_outputs_reuse_a_capture_only_while_nothing_can_have_written_it():
     assert f"_determ_capture({index['output.2']}, _determ_out[2])" in src  # a view of it was made
     assert f"_determ_capture({index['output.3']}, _determ_out[3])" in src  # written in place by a fallback
     assert f"_determ_capture({index['output.4']}, _determ_out[4])" in src  # a reinterpreted view
+    assert plan.reused == {index['add'], index['primals_1']}

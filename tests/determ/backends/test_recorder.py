@@ -68,6 +68,7 @@ def test_an_output_proved_unchanged_reuses_its_capture_and_anything_else_is_read
     rec = Recorder("g", "inductor_forward", [NodeInfo("a", "op"), NodeInfo("output.0", "output", kind="output"),
                                              NodeInfo("output.1", "output", kind="output")])
     a, other = torch.randn(300), torch.randn(300)
+    rec.reused = frozenset({0})
     rec.begin_call()
     rec.capture(0, a)
     rec.capture_same(1, 0, a)
