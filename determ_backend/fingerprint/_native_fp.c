@@ -64,9 +64,12 @@ typedef struct { double mn, mx, sum, sq, nan, inf; } stats_t;
 
 static const stats_t STATS_EMPTY = {INFINITY, -INFINITY, 0.0, 0.0, 0.0, 0.0};
 
+/* One value into the statistics; a NaN is left out of min/max (it still makes the sums NaN). */
 static void add_value(stats_t *st, double x) {
-    if (x < st->mn) st->mn = x;
-    if (x > st->mx) st->mx = x;
+    if (x == x) {
+        if (x < st->mn) st->mn = x;
+        if (x > st->mx) st->mx = x;
+    }
     st->sum += x;
     st->sq += x * x;
 }
@@ -281,12 +284,7 @@ static inline __attribute__((always_inline)) uint64_t row_pass(const int32_t *w,
         if (f32) {
             float x;
             memcpy(&x, w + c, 4);
-            if (x == x) {
-                if ((double)x < st->mn) st->mn = x;
-                if ((double)x > st->mx) st->mx = x;
-            }
-            st->sum += (double)x;
-            st->sq += (double)x * (double)x;
+            add_value(st, x);
         }
     }
     return a + ((uint64_t)b << 32);
@@ -301,15 +299,7 @@ static void f32_stats(const float *f, int64_t n, stats_t *st) {
     for (; i + VLANES <= n; i += VLANES) vstats_add(&vs, V_LOADF(f + i));
     vstats_fold(&vs, st);
 #endif
-    for (; i < n; i++) {
-        double x = f[i];
-        if (x == x) {
-            if (x < st->mn) st->mn = x;
-            if (x > st->mx) st->mx = x;
-        }
-        st->sum += x;
-        st->sq += x * x;
-    }
+    for (; i < n; i++) add_value(st, f[i]);
     fix_f32(f, n, st);
 }
 
@@ -390,15 +380,7 @@ static void f64_stats(const double *d, int64_t n, stats_t *st) {
         st->sq += e[j];
     }
 #endif
-    for (; i < n; i++) {
-        double x = d[i];
-        if (x == x) {
-            if (x < st->mn) st->mn = x;
-            if (x > st->mx) st->mx = x;
-        }
-        st->sum += x;
-        st->sq += x * x;
-    }
+    for (; i < n; i++) add_value(st, d[i]);
     if (!(isfinite(st->sum) && isfinite(st->sq))) {
         for (int64_t j = 0; j < n; j++) {
             if (d[j] != d[j]) st->nan += 1;

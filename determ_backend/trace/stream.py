@@ -94,29 +94,11 @@ class Record:
              "call": self.call, "seq": self.seq}
         if None in d.values():
             d = {k: v for k, v in d.items() if v is not None}
-        # unrolled: this runs once per traced tensor
-        if self.source is not None:
-            d["source"] = self.source
-        if self.dtype is not None:
-            d["dtype"] = self.dtype
-        if self.shape is not None:
-            d["shape"] = self.shape
-        if self.hash is not None:
-            d["hash"] = self.hash
-        if self.stats:
-            d["stats"] = self.stats
-        if self.inputs:
-            d["inputs"] = self.inputs
-        if self.in_hashes:
-            d["in_hashes"] = self.in_hashes
-        if self.rank is not None:
-            d["rank"] = self.rank
-        if self.run is not None:
-            d["run"] = self.run
-        if self.payload is not None:
-            d["payload"] = self.payload
-        if self.extra:
-            d["extra"] = self.extra
+        for k, v in (("source", self.source), ("dtype", self.dtype), ("shape", self.shape), ("hash", self.hash),
+                     ("stats", self.stats), ("inputs", self.inputs), ("in_hashes", self.in_hashes), ("rank", self.rank),
+                     ("run", self.run), ("payload", self.payload), ("extra", self.extra)):
+            if v is not None and (v or k == "shape" or not isinstance(v, (list, dict))):
+                d[k] = v
         return d
 
     @classmethod
