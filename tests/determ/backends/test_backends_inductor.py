@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -108,3 +109,23 @@ def test_inductor_determinism_check_names_the_nondeterministic_fallback_kernel(t
     assert [r["op"] for r in roots] == ["determ_test.nd_rowsum.default"]
     by_buffer = {(r.extra or {}).get("kernel", ""): r.node for r in recs if r.kind == "node"}
     assert any(k.startswith("cpp_fused_mul") and node == "mul" for k, node in by_buffer.items()), by_buffer
+
+
+def test_a_failure_instrumenting_the_wrapper_is_a_checker_error_and_the_model_runs(tmp_path, monkeypatch):
+    """determ's own machinery failing never breaks the program: the graph runs as inductor compiled it."""
+    from determ_backend.backends import inductor_instrument
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planner bug\nsecond line")
+
+    monkeypatch.setattr(inductor_instrument, "plan_call", broken)
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(5, 8)
+    torch._dynamo.reset()
+    ref = torch.compile(m, backend="inductor")(x)
+    y, run_dir = compile_run(m, (x,), "determ_inductor", tmp_path, "broken")
+    assert torch.equal(y, ref)
+    report = json.loads((run_dir / "report.json").read_text())  # no trace: nothing was traced
+    assert len(report["checker_errors"]) == 1
+    assert "not traced" in report["checker_errors"][0] and "RuntimeError: planner bug" in report["checker_errors"][0]
+    assert "second line" not in report["checker_errors"][0]
