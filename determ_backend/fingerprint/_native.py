@@ -142,17 +142,11 @@ def _ctypes_call(lib: ctypes.CDLL) -> _Call:
     fn.restype = ctypes.c_int
 
     def call(ptr: int, nbytes: int, kind: int, numel: int, key: int, threads: int, stats: bool):
-        out = (ctypes.c_double * 7)()  # [hash bits, min, max, sum, sumsq, nan, inf]
+        out = (ctypes.c_double * 8)()  # [hash bits, min, max, mean, l2, nan, inf, numel]
         base = ctypes.addressof(out)
         if fn(ptr or None, nbytes, kind, numel, key & 0xFFFFFFFFFFFFFFFF, threads, base, base + 8 if stats else None):
             return None
-        h = ctypes.c_uint64.from_buffer(out).value
-        if not stats:
-            return h, None
-        _, mn, mx, total, sq, nan, inf = out
-        if numel == 0:
-            return h, (float("nan"),) * 3 + (0.0,) * 4
-        return h, (mn, mx, total / numel, float("nan") if nan else sq ** 0.5, nan, inf, float(numel))
+        return ctypes.c_uint64.from_buffer(out).value, (tuple(out[1:]) if stats else None)
 
     return call
 

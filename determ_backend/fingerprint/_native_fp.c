@@ -5,7 +5,7 @@
  * returns
  *   - the 64-bit fingerprint defined in determ_backend/fingerprint/core.py (exact
  *     integer arithmetic mod 2**64: bit-identical to the torch and Triton paths);
- *   - optionally [min, max, sum, sum of squares, nan count, inf count] in double.
+ *   - optionally [min, max, mean, l2, nan count, inf count, numel] in double.
  *
  * The row sum  sum_c w[c] * K[c]  (mod 2**64) is computed with 32-bit multiplies:
  * K[c] = KH[c] * 2**32 + KL[c] with KL the low word read as signed, so
@@ -453,8 +453,10 @@ static uint64_t run_row(const buf_t *b, int64_t r, stats_t *rs) {
 #define STACK_ROWS 64
 
 /* Fingerprint (and statistics) of nbytes of contiguous data holding numel elements of
- * the given kind.  key: the dtype/shape key.  stats_out (when not NULL): min, max, sum,
- * sum of squares, nan count, inf count.  Large buffers are split by rows over up to
+ * the given kind.  key: the dtype/shape key.  stats_out (when not NULL): the statistics as
+ * determ_backend.fingerprint.core reports them, [min, max, mean, l2, nan count, inf count,
+ * numel] -- min/max (and l2) NaN when a NaN is present, an empty tensor [nan, nan, nan, 0, 0,
+ * 0, 0].  Large buffers are split by rows over up to
  * nthreads OpenMP threads (torch's own pool when torch's libgomp is the one loaded);
  * results do not depend on the split: row sums combine exactly, statistics are kept per
  * row and combined in row order.  Returns 0; -1 when scratch memory cannot be allocated;
@@ -492,12 +494,18 @@ int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, uint64_
         stats_t st = STATS_EMPTY;
         for (int64_t r = 0; b.do_stats && r < rows; r++) merge_stats(&st, &row_stats[r]);
         if (st.nan > 0) { st.mn = NAN; st.mx = NAN; }
-        stats_out[0] = st.mn;
-        stats_out[1] = st.mx;
-        stats_out[2] = st.sum;
-        stats_out[3] = st.sq;
-        stats_out[4] = st.nan;
-        stats_out[5] = st.inf;
+        if (numel == 0) {
+            stats_out[0] = stats_out[1] = stats_out[2] = NAN;
+            stats_out[3] = stats_out[4] = stats_out[5] = stats_out[6] = 0.0;
+        } else {
+            stats_out[0] = st.mn;
+            stats_out[1] = st.mx;
+            stats_out[2] = st.sum / (double)numel;
+            stats_out[3] = st.nan > 0 ? NAN : sqrt(st.sq);
+            stats_out[4] = st.nan;
+            stats_out[5] = st.inf;
+            stats_out[6] = (double)numel;
+        }
     }
     if (row_stats != on_stack) free(row_stats);
     return 0;
@@ -511,8 +519,7 @@ int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, uint64_
 
 /* fingerprint(data_ptr, nbytes, kind, numel, key, nthreads, stats) ->
  *   (hash, None) | (hash, (min, max, mean, l2, nan, inf, numel)) | None (scratch memory)
- * The statistics are the vector determ_backend.fingerprint.core reports: min/max NaN when a
- * NaN is present, l2 NaN then too, an empty tensor (nan, nan, nan, 0, 0, 0, 0). */
+ * The statistics are determ_fp's stats_out. */
 static PyObject *py_fingerprint(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 7) {
@@ -532,15 +539,15 @@ static PyObject *py_fingerprint(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     }
     uint64_t h = 0;
-    double st[6];
+    double v[7];
     int rc;
     const void *data = (const void *)(uintptr_t)ptr;
     if (nbytes >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? st : NULL);
+        rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? v : NULL);
         Py_END_ALLOW_THREADS
     } else {
-        rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? st : NULL);
+        rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? v : NULL);
     }
     if (rc == -2) {
         PyErr_SetString(PyExc_RuntimeError, "fingerprint(): init() was not called");
@@ -548,19 +555,6 @@ static PyObject *py_fingerprint(PyObject *self, PyObject *const *args, Py_ssize_
     }
     if (rc != 0) Py_RETURN_NONE;
     if (!want) return Py_BuildValue("(KO)", (unsigned long long)h, Py_None);
-    double v[7];
-    if (numel == 0) {
-        v[0] = v[1] = v[2] = NAN;
-        v[3] = v[4] = v[5] = v[6] = 0.0;
-    } else {
-        v[0] = st[0];
-        v[1] = st[1];
-        v[2] = st[2] / (double)numel;
-        v[3] = st[4] > 0 ? NAN : sqrt(st[3]);
-        v[4] = st[4];
-        v[5] = st[5];
-        v[6] = (double)numel;
-    }
     return Py_BuildValue("(K(ddddddd))", (unsigned long long)h, v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
 }
 
