@@ -198,12 +198,13 @@ class _Planner:
             self.writer.pop(m.group(1), None)
             self.current.pop(m.group(1), None)
             return True
-        m = _ALIAS.match(stripped) or _REINTERPRET.match(stripped)
+        alias = _ALIAS.match(stripped)
+        m = alias or _REINTERPRET.match(stripped)
         if m:
             dst, src = m.group(1), m.group(2)
             held = self.current.pop(src, None)  # the memory now has another name: keep one, the new one
             self.current.pop(dst, None)
-            if held is not None and _ALIAS.match(stripped):  # a plain rename holds the same value
+            if held is not None and alias:  # a plain rename holds the same value; a reinterpreted view does not
                 self.current[dst] = held
             if src in self.writer:
                 self.writer[dst] = self.writer[src]

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat
 from determ_backend.backends.recorder import NodeInfo, Recorder
+from determ_backend.trace.stream import dtype_name
 
 __all__ = ["node_source", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos"]
 
@@ -167,7 +168,7 @@ def _meta_extra(n: fx.Node) -> Optional[dict]:
     val = n.meta.get("val", n.meta.get("example_value"))
     if isinstance(val, torch.Tensor):
         static = all(isinstance(s, int) for s in val.shape)  # a dynamic graph's sizes change from call to call
-        return {"dtype": str(val.dtype).replace("torch.", ""), "shape": [int(s) for s in val.shape] if static else None}
+        return {"dtype": dtype_name(val.dtype), "shape": [int(s) for s in val.shape] if static else None}
     return None
 
 

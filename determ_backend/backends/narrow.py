@@ -36,6 +36,7 @@ import torch.fx as fx
 from determ_backend import _torch_compat
 from determ_backend.backends.extract import MissingValue, Step, extract, walk_back
 from determ_backend.backends.instrument import node_source, op_name
+from determ_backend.trace.stream import dtype_name
 from determ_backend.clones import clone_inputs
 
 __all__ = ["region_of", "region_module", "narrow_root", "Narrowed", "CannotNarrow", "MAX_REGION"]
@@ -129,7 +130,7 @@ class Narrowed:
         if n is None or v is None:
             return {"node": None, "region": self.region}
         return {"node": n.name, "op": op_name(n), "source": node_source(n), "region": self.region,
-                "dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
+                "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
 
 
 def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, Any], ref64: Dict[str, Any],

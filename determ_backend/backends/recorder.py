@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from determ_backend.fingerprint.core import FingerprintBatch
-from determ_backend.trace.stream import Record, RecordTemplate
+from determ_backend.trace.stream import Record, RecordTemplate, dtype_name
 
 __all__ = ["NodeInfo", "Recorder", "CallResult"]
 
@@ -62,17 +62,6 @@ class CallResult:
         return [tpl.line(call, seq, *row) for seq, (tpl, *row) in enumerate(self._rows)]
 
 
-_DTYPE_NAMES: Dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    """``float32`` for ``torch.float32`` (memoized: called once per captured tensor)."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
-
-
 class _CallState:
     __slots__ = ("items", "batch", "last")
 
@@ -81,7 +70,7 @@ class _CallState:
         # shape, kept clone or None, its slot in the batch)
         self.items: List[tuple] = []
         self.batch = FingerprintBatch("trace" if stats else None)
-        self.last: Dict[int, tuple] = {}  # capture point -> (slot, data_ptr, shape, stride) of its latest tensor
+        self.last: Dict[int, tuple] = {}  # capture point -> (slot, data_ptr, shape, stride, dtype) of its latest tensor
 
 
 class Recorder:
@@ -118,7 +107,7 @@ class Recorder:
         if t.is_meta or t.layout is not torch.strided:
             return
         slot = state.batch.add(t)
-        state.items.append((i, j, _dtype_name(t.dtype), list(t.shape),
+        state.items.append((i, j, dtype_name(t.dtype), list(t.shape),
                             t.detach().clone() if self.keep_values else None, slot))
         if j is None and i in self.reused:
             state.last[i] = (slot, t.data_ptr(), t.shape, t.stride(), t.dtype)
@@ -133,7 +122,7 @@ class Recorder:
                 or seen[1:] != (value.data_ptr(), value.shape, value.stride(), value.dtype)):
             self.capture(i, value)
             return
-        state.items.append((i, None, _dtype_name(value.dtype), list(value.shape),
+        state.items.append((i, None, dtype_name(value.dtype), list(value.shape),
                             value.detach().clone() if self.keep_values else None, seen[0]))
 
     # -- called by the wrapper after the graph returns --------------------------------------

@@ -37,7 +37,7 @@ from determ_backend import _torch_compat as _compat
 from determ_backend.modes._hashing import PendingHashes, hashable
 from determ_backend._frames import FrameFilter
 from determ_backend.modes.ops import (COPIES, iter_args, mem_key, returns_view, same_layout, schema_writes, uninitialized, uninitialized_hash, version, written_tensors)
-from determ_backend.trace.stream import Record
+from determ_backend.trace.stream import Record, dtype_name
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
 
@@ -157,7 +157,7 @@ class OpRecorder:
         seq = self.seq
         self.seq += 1
         if isinstance(t, torch.Tensor):
-            dtype, shape = str(t.dtype).replace("torch.", ""), list(t.shape)
+            dtype, shape = dtype_name(t.dtype), list(t.shape)
         else:
             dtype, shape = f"py_{type(t).__name__}", []
         return Record(graph="eager", stage="eager", node=node, op=op, kind=kind, seq=seq, source=source,

@@ -40,10 +40,21 @@ from determ_backend.errors import TraceFormatError
 from determ_backend.trace.jsonl import StreamFormat, StreamWriter, encode, encode_exact, read_stream
 
 __all__ = ["Record", "RecordTemplate", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path",
-           "atomic_write_text", "atomic_path", "dir_problem", "format_hash", "TRACE_NAME", "TRACE_FORMAT"]
+           "atomic_write_text", "atomic_path", "dir_problem", "format_hash", "dtype_name", "TRACE_NAME", "TRACE_FORMAT"]
 
 TRACE_NAME = "trace.jsonl"
 TRACE_FORMAT = StreamFormat("determ-trace", 1, "trace", "records", "the producing process may have died")
+
+
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A record's ``dtype`` field: ``float32`` for ``torch.float32`` (memoized: the hot paths spell one per tensor)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def format_hash(h: int) -> str:

@@ -37,7 +37,7 @@ from determ_backend.backends.eager import replay
 from determ_backend.compare import Pair, find_roots
 from determ_backend.errors import DetermError
 from determ_backend.fingerprint.core import hash_tensors
-from determ_backend.trace.stream import Record
+from determ_backend.trace.stream import Record, dtype_name
 
 from repro_tools.minify.oracles import leaf_differs
 from repro_tools.minify.reducer import BudgetExhausted, Reducer
@@ -129,7 +129,7 @@ class _Substitution:
 
 def _record(view: GraphView, keep, name: str, kind: str = "node", inputs: Optional[List[str]] = None) -> Record:
     v = view.ref.get(name)
-    dtype = str(v.dtype).replace("torch.", "") if isinstance(v, torch.Tensor) else None
+    dtype = dtype_name(v.dtype) if isinstance(v, torch.Tensor) else None
     return Record(graph="candidate", stage="minify", node=name, op=view.op_name(name) if kind == "node" else kind,
                   kind=kind, dtype=dtype, inputs=inputs if inputs is not None else [i for i in view.inputs_of(name) if i in keep])
 
