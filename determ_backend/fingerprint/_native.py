@@ -117,7 +117,7 @@ def _build(cc: str, lib: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".so.tmp", dir=lib.parent)
     os.close(fd)
     inc = _python_include()
-    ext = [f"-DDETERM_PYEXT", f"-I{inc}"] if inc else []
+    ext = ["-DDETERM_PYEXT", f"-I{inc}"] if inc else []
     try:
         # each fallback drops one thing a compiler may refuse: Python's headers, then -march, then OpenMP
         tries = [[*ext, *_FLAGS, _TUNE, _OPENMP], [*_FLAGS, _TUNE, _OPENMP], [*_FLAGS, _TUNE], _FLAGS]

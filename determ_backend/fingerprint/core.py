@@ -38,7 +38,7 @@ CPU kernel is :mod:`determ_backend.fingerprint._native`.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -146,7 +146,9 @@ class HashBatch:
     per added tensor (no host sync).  Values equal :func:`hash_tensor`.
     """
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, kernel: Any = ...) -> None:
+        """``kernel``: the native kernel as :func:`~determ_backend.fingerprint._native.kernel` gave it (None: not
+        used), when the caller looked it up already; looked up here by default."""
         self.device = torch.device(device)
         self._cpu = self.device.type == "cpu"
         self._k = row_weights(str(self.device))
@@ -156,7 +158,9 @@ class HashBatch:
         self._sums: List[torch.Tensor] = []
         self._sums_ix: List[int] = []
         self._native: Dict[int, int] = {}
-        self._kernel: Optional[_native.Kernel] = _native.kernel() if self._cpu else None  # once per batch
+        if not self._cpu:
+            kernel = None
+        self._kernel: Optional[_native.Kernel] = _native.kernel() if kernel is ... else kernel  # once per batch
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -450,7 +454,7 @@ class FingerprintBatch:
         t = t.detach()
         batch = self._hashes.get(dev)
         if batch is None:
-            batch = self._hashes[dev] = HashBatch(dev)
+            batch = self._hashes[dev] = HashBatch(dev, self._kernel)  # looked up above for a CPU tensor
         # checked above; the native kernel is tried again for the hash alone if it had no statistics for t
         batch._add(t, not self._stable, native=bool(want and self._kernel is not None))
         self._out.append(None)
