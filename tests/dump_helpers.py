@@ -77,3 +77,13 @@ def compare_two(a: Path, b: Path, out: Path, **kw) -> "dump.DumpComparison":
 
 def names(index: Path):
     return [e["name"] for e in dump.read_dump(index).entries]
+
+
+def overflow_index(rank_dir: Path) -> Path:
+    """The one overflow index ``Overflow_info_<time>.pkl`` in ``rank_dir`` (ptdbg's name), its data directory beside it."""
+    import re
+
+    found = sorted(rank_dir.glob("Overflow_info_*.pkl"))
+    assert len(found) == 1, found
+    assert re.fullmatch(r"Overflow_info_\d{14}(_\d+)?\.pkl", found[0].name), found[0].name
+    return found[0]

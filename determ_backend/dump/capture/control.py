@@ -9,9 +9,18 @@ exit is closed then (an ``atexit`` handler registered at the first switch-on).
 Recording covers the thread that switched the dump on (and its autograd
 backward), as torch function modes are per thread.
 
-Output layout: ``<fpath>/<dump_tag>/rank<R>/<prefix>dump.pkl`` (JSON Lines index)
-and ``<prefix>dump/tensors.bin`` (payloads), ``<prefix>`` being ``api_stack_``,
-``list_``... for modes other than ``all`` and ``overflow_`` for the overflow check.
+Output layout, in the two forms of ptdbg's guide:
+
+* ``set_dump_path("./dump_path", dump_tag)`` (a directory):
+  ``./dump_path/<dump_tag>/rank<R>/<prefix>dump.pkl`` (JSON Lines index) and
+  ``<prefix>dump/tensors.bin`` (payloads), ``<prefix>`` being ``api_stack_``,
+  ``list_``... for modes other than ``all``;
+* ``set_dump_path("./dump_path/npu_dump.pkl", dump_tag)`` (the index file):
+  ``./dump_path/<dump_tag>/rank<R>/npu_dump.pkl`` and ``npu_dump/tensors.bin``,
+  ``api_stack_npu_dump.pkl`` and ``api_stack_npu_dump/`` in ``api_stack`` mode.
+
+The overflow check writes ``Overflow_info_<time>.pkl`` and ``Overflow_info_<time>/``
+in either form, under ``./ptdbg_dump/rank<R>/`` when no dump path was set.
 A dump this process wrote may be started afresh (``set_dump_path`` to the same
 place again); one left by an earlier run is never overwritten: switching on
 into it raises a :class:`ConfigError` naming the directory.
@@ -22,6 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -34,7 +44,7 @@ from determ_backend.trace.stream import dir_problem
 from determ_backend.dump.capture.hooks import ApiRecorder
 from determ_backend.dump.capture.modules import Installation
 from determ_backend.dump.capture.overflow import OverflowCounter
-from determ_backend.dump.capture.session import DumpSession, data_dir_name, default_header, index_name
+from determ_backend.dump.capture.session import INDEX_SUFFIX, DumpSession, default_header
 from determ_backend.dump.capture.switch import DumpSettings
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
 
@@ -79,6 +89,10 @@ class _Controller:
 
     def __init__(self) -> None:
         self.root: Optional[Path] = None
+        self.stem: Optional[str] = None
+        """The index file's stem when ``set_dump_path`` named a ``.pkl`` file; None for the directory form."""
+        self.overflow_name: Optional[str] = None
+        """``Overflow_info_<time>``: the overflow check's file name, fixed when the check is registered."""
         self.rank: Optional[int] = None
         self.models: List[torch.nn.Module] = []
         self.regions: List[Tuple[str, torch.nn.Module]] = []
@@ -96,27 +110,34 @@ class _Controller:
         rank = self.rank if self.rank is not None else _current_rank()[0]
         return self.root / f"rank{rank}"
 
-    def session(self, prefix: str, task: str, mode: str) -> DumpSession:
-        s = self.sessions.get(prefix)
+    def file_name(self, prefix: str) -> str:
+        """The index's name without ``.pkl`` for a mode's ``prefix`` (``""``, ``"api_stack_"``...): ``<prefix>dump``
+        in the directory form; the named file's stem in the file form, ``api_stack_`` in front in that mode."""
+        if self.stem is None:
+            return f"{prefix}dump"
+        return f"{prefix}{self.stem}" if prefix == "api_stack_" else self.stem
+
+    def session(self, name: str, task: str, mode: str) -> DumpSession:
+        s = self.sessions.get(name)
         rank_dir = self.rank_dir()
         if s is not None and s.rank_dir == rank_dir and s.tensors == (task in ("tensor", "overflow_check")):
             s.reopen()
             return s
         if s is not None:
             s.close()
-        self._refuse_earlier_dump(rank_dir, prefix)
+        self._refuse_earlier_dump(rank_dir, name)
         rank, world = _current_rank()
         header = default_header(self.rank if self.rank is not None else rank, world, mode, task)
         header["device"] = _model_device(self.models)
-        s = DumpSession(rank_dir, prefix, header, tensors=task in ("tensor", "overflow_check"),
+        s = DumpSession(rank_dir, name, header, tensors=task in ("tensor", "overflow_check"),
                         ring_bytes=self.ring_bytes)
-        self.sessions[prefix] = s
+        self.sessions[name] = s
         self.written.add(s.index_path.resolve())
         return s
 
-    def _refuse_earlier_dump(self, rank_dir: Path, prefix: str) -> None:
+    def _refuse_earlier_dump(self, rank_dir: Path, name: str) -> None:
         """A dump left by another process is never truncated: the user removes it or dumps elsewhere."""
-        index, payloads = rank_dir / index_name(prefix), rank_dir / data_dir_name(prefix) / PAYLOAD_FILE
+        index, payloads = rank_dir / f"{name}{INDEX_SUFFIX}", rank_dir / name / PAYLOAD_FILE
         if index.resolve() in self.written:
             return
         if index.exists() or (payloads.is_file() and payloads.stat().st_size):
@@ -124,10 +145,19 @@ class _Controller:
                               f"{index.name} and {payloads.parent.name}/ there, or choose another "
                               f"set_dump_path(fpath, dump_tag) -- earlier dumps are never overwritten")
 
+    def new_overflow_name(self) -> str:
+        """``Overflow_info_<time>`` (ptdbg's name), made unique among the files already in the rank directory."""
+        base = f"Overflow_info_{time.strftime('%Y%m%d%H%M%S')}"
+        name, n = base, 1
+        rank_dir = self.rank_dir()
+        while (rank_dir / f"{name}{INDEX_SUFFIX}").exists() or name in self.sessions:
+            name, n = f"{base}_{n}", n + 1
+        return name
+
     def switch_on(self, settings: DumpSettings) -> None:
         self.switch_off()
         _register_exit_hook()
-        session = self.session(settings.prefix, settings.task, settings.mode)
+        session = self.session(self.file_name(settings.prefix), settings.task, settings.mode)
         rec = ApiRecorder(session, settings)
         self.installation = Installation(rec, self.models, self.regions)
         self.settings = settings
@@ -135,7 +165,12 @@ class _Controller:
     def overflow_on(self) -> None:
         self.switch_off()
         _register_exit_hook()
-        session = self.session("overflow_", "overflow_check", "overflow_check")
+        if self.root is None:  # ptdbg's guide: the overflow check dumps into ./ptdbg_dump without set_dump_path
+            self.root = Path.cwd() / "ptdbg_dump"
+            log.info("overflow check: no set_dump_path; overflow dumps go to %s", self.root)
+        if self.overflow_name is None:
+            self.overflow_name = self.new_overflow_name()
+        session = self.session(self.overflow_name, "overflow_check", "overflow_check")
         rec = ApiRecorder(session, DumpSettings(), overflow=self.overflow)
         self.installation = Installation(rec, self.models, ())
 
@@ -190,26 +225,39 @@ def seed_all(seed: int = 1234, mode: bool = False) -> Dict[str, Any]:
 
 
 def set_dump_path(fpath: Optional[Union[str, os.PathLike]] = None, dump_tag: str = "ptdbg_dump") -> Path:
-    """Dump under ``<fpath>/<dump_tag>/rank<R>/``; ``fpath`` defaults to ``$ASCEND_WORK_PATH/dump_data``."""
+    """Where the dump goes; both forms of ptdbg's guide (returns the ``<dump_tag>`` directory):
+
+    * a directory, ``set_dump_path("./dump_path", dump_tag)``: ``./dump_path/<dump_tag>/rank<R>/dump.pkl``;
+    * the index file, ``set_dump_path("./dump_path/npu_dump.pkl", dump_tag)``:
+      ``./dump_path/<dump_tag>/rank<R>/npu_dump.pkl`` with the data directory ``npu_dump/`` beside it
+      (``api_stack_npu_dump.pkl`` and ``api_stack_npu_dump/`` in ``api_stack`` mode).
+
+    ``fpath`` defaults to ``$ASCEND_WORK_PATH/dump_data``."""
     if fpath is None:
         work = os.environ.get("ASCEND_WORK_PATH")
         if not work:
             raise ConfigError("set_dump_path: give fpath (or set ASCEND_WORK_PATH)")
         fpath = Path(work) / "dump_data"
     if not isinstance(fpath, (str, os.PathLike)):
-        raise ConfigError(f"set_dump_path: fpath must be a directory path (str or os.PathLike), got "
-                          f"{type(fpath).__name__} {fpath!r}")
+        raise ConfigError(f"set_dump_path: fpath must be a path (str or os.PathLike) to a directory or a .pkl "
+                          f"file, got {type(fpath).__name__} {fpath!r}")
     if not isinstance(dump_tag, str) or not dump_tag or "/" in dump_tag or dump_tag in (".", ".."):
         raise ConfigError(f"set_dump_path: dump_tag must be a plain directory name, got {dump_tag!r}")
-    p = Path(fpath)
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"set_dump_path: {p} exists and is not a directory")
+    p, stem = Path(fpath), None
+    if p.suffix.lower() == INDEX_SUFFIX:  # the file form: the index is named after the file
+        stem = p.stem
+        if not stem or stem.startswith("."):
+            raise ConfigError(f"set_dump_path: {fpath!s}: expected a file name such as npu_dump.pkl")
+        p = p.parent
+    elif p.exists() and not p.is_dir():
+        raise ConfigError(f"set_dump_path: {p} exists and is not a directory (name the index file with a "
+                          f".pkl suffix, or give a directory)")
     problem = dir_problem(p / dump_tag)
     if problem:
         raise ConfigError(f"set_dump_path: cannot use {p / dump_tag}: {problem}")
     _STATE.switch_off()
     _STATE.sessions.clear()
-    _STATE.root = p / dump_tag
+    _STATE.root, _STATE.stem = p / dump_tag, stem
     return _STATE.root
 
 
@@ -241,6 +289,7 @@ def register_hook(model: torch.nn.Module, hook: _HookKind, overflow_nums: int = 
         _STATE.models.append(model)
     if hook is overflow_check:
         _STATE.overflow = OverflowCounter(overflow_nums)
+        _STATE.overflow_name = None  # a new check: a new Overflow_info_<time> file
         _STATE.overflow_on()
 
 
@@ -318,4 +367,5 @@ def remove_hooks() -> None:
     _STATE.models.clear()
     _STATE.regions.clear()
     _STATE.overflow = None
+    _STATE.overflow_name = None
     _STATE.rank = None

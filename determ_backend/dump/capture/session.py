@@ -1,5 +1,7 @@
-"""One dump output: ``<root>/rank{R}/<prefix>dump.pkl`` (a JSON Lines index, never a
-pickle) and ``<root>/rank{R}/<prefix>dump/tensors.bin`` (the payload pack).
+"""One dump output: ``<root>/rank{R}/<name>.pkl`` (a JSON Lines index, never a pickle)
+and ``<root>/rank{R}/<name>/tensors.bin`` (the payload pack) -- ``name`` is ``dump``,
+``api_stack_dump``... or, when ``set_dump_path`` named a file, that file's stem
+(``npu_dump``, ``api_stack_npu_dump``, ``Overflow_info_<time>``); see :mod:`.control`.
 
 A :class:`DumpSession` owns the files, the per-API call counters, the
 fingerprint cache and the order of records.  It can be closed (footer written,
@@ -23,26 +25,21 @@ from determ_backend.dump.capture.entries import FingerprintCache
 from determ_backend.dump.capture.pipeline import DumpPipeline
 from determ_backend.dump.capture.writer import PAYLOAD_FILE, IndexWriter
 
-__all__ = ["DumpSession", "index_name", "data_dir_name"]
+__all__ = ["DumpSession", "INDEX_SUFFIX"]
 
-
-def index_name(prefix: str) -> str:
-    return f"{prefix}dump.pkl"
-
-
-def data_dir_name(prefix: str) -> str:
-    return f"{prefix}dump"
+INDEX_SUFFIX = ".pkl"
+"""The index's file suffix: ptdbg's, kept so that existing compare scripts find the file."""
 
 
 class DumpSession:
-    """Files, counters and cache of one dump (one rank, one mode prefix)."""
+    """Files, counters and cache of one dump (one rank, one file name)."""
 
-    def __init__(self, rank_dir: Path, prefix: str, header: Dict[str, Any], tensors: bool,
+    def __init__(self, rank_dir: Path, name: str, header: Dict[str, Any], tensors: bool,
                  ring_bytes: Optional[int] = None):
         self.rank_dir = Path(rank_dir)
-        self.prefix = prefix
-        self.index_path = self.rank_dir / index_name(prefix)
-        self.data_dir = self.rank_dir / data_dir_name(prefix)
+        self.name = name
+        self.index_path = self.rank_dir / f"{name}{INDEX_SUFFIX}"
+        self.data_dir = self.rank_dir / name
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         self.index = IndexWriter(self.index_path, header)
         self.tensors = tensors

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from determ_backend import dump
 from determ_backend.dump.capture import hooks as dump_hooks
 from determ_backend.errors import ConfigError, DetermError, DeviceUnavailableError, TraceFormatError
-from dump_helpers import batch, compare_two, dump_run, make_net, names, train_step
+from dump_helpers import batch, compare_two, dump_run, make_net, names, overflow_index, train_step
 
 
 @pytest.fixture(autouse=True)
@@ -186,7 +186,7 @@ def test_overflow_check_finds_first_overflowing_api(tmp_path, nums, stops):
     else:
         _overflowing_step(make_net())
         dump.set_overflow_check_switch("OFF")
-    d = dump.read_dump(tmp_path / "ovf" / "rank0" / "overflow_dump.pkl")
+    d = dump.read_dump(overflow_index(tmp_path / "ovf" / "rank0"))
     expect = ["Torch_exp_0_forward"] if stops else ["Torch_exp_0_forward", "Torch_exp_1_forward"]
     assert [e["name"] for e in d.entries] == expect
     out = d.tensor(d.entries[0]["outputs"][0])
@@ -331,7 +331,7 @@ def test_msprobe_style_precision_debugger_dumps_selected_steps(tmp_path):
 
 @pytest.mark.parametrize("call, match", [
     (lambda p: dump.set_dump_switch("ON", summary_only="no"), "summary_only must be True or False, got 'no'"),
-    (lambda p: dump.set_dump_path(3), "set_dump_path: fpath must be a directory path"),
+    (lambda p: dump.set_dump_path(3), "set_dump_path: fpath must be a path"),
     (lambda p: dump.parse(p, 3), "parse: name_prefix must be a string"),
     (lambda p: dump.parse(3, "Functional"), "parse: pkl_file must be a path"),
     (lambda p: dump.compare({"npu_pkl_path": 3, "bench_pkl_path": str(p)}, p.parent / "out"),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from determ_backend import _torch_compat, dump
 from determ_backend.dump.capture import hooks as dump_hooks
-from dump_helpers import batch, compare_two, dump_run, make_net, names
+from dump_helpers import batch, compare_two, dump_run, make_net, names, overflow_index
 
 REGION = "Compiled_Net_0"  # named by the compiled module's class, not OptimizedModule
 
@@ -161,7 +161,7 @@ def test_overflow_inside_a_compiled_graph_names_the_node(tmp_path):
     dump.register_hook(make_net(), dump.overflow_check, overflow_nums=1)
     with pytest.raises(dump.DumpOverflowError, match=r"Compiled_lambda_0\.aot_forward\.exp_forward"):
         fn(batch()[0])
-    d = dump.read_dump(tmp_path / "ovf" / "rank0" / "overflow_dump.pkl")
+    d = dump.read_dump(overflow_index(tmp_path / "ovf" / "rank0"))
     assert [e["name"] for e in d.entries] == ["Compiled_lambda_0.aot_forward.exp_forward"]
 
 
