@@ -48,7 +48,7 @@ from determ_backend.dump.capture.session import INDEX_SUFFIX, DumpSession, defau
 from determ_backend.dump.capture.switch import DumpSettings
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
 
-__all__ = ["acc_cmp_dump", "overflow_check", "seed_all", "set_dump_path", "register_hook", "set_dump_switch",
+__all__ = ["acc_cmp_dump", "overflow_check", "current_rank", "seed_all", "set_dump_path", "register_hook", "set_dump_switch",
            "set_overflow_check_switch", "module_dump", "module_dump_end", "remove_hooks", "dump_parameters",
            "get_dump_dir", "records_written"]
 
@@ -75,6 +75,11 @@ def _needs_npu(what: str) -> None:
     if not devices.is_available("npu"):
         raise DeviceUnavailableError(msg + "; no NPU is available on this machine (use mode='all' or 'api_stack')")
     raise ConfigError(msg + "; determ does not drive ACL dumps: use the API-level modes, or msprobe's ACL dump")
+
+
+def current_rank() -> int:
+    """The rank this process dumps as: ``register_hook(..., rank=N)``, else the distributed rank, else 0."""
+    return _STATE.rank if _STATE.rank is not None else _current_rank()[0]
 
 
 def _current_rank() -> Tuple[int, int]:
@@ -154,11 +159,11 @@ class _Controller:
             name, n = f"{base}_{n}", n + 1
         return name
 
-    def switch_on(self, settings: DumpSettings) -> None:
+    def switch_on(self, settings: DumpSettings, online: Optional[Any] = None) -> None:
         self.switch_off()
         _register_exit_hook()
         session = self.session(self.file_name(settings.prefix), settings.task, settings.mode)
-        rec = ApiRecorder(session, settings)
+        rec = ApiRecorder(session, settings, online=online)
         self.installation = Installation(rec, self.models, self.regions)
         self.settings = settings
 
@@ -180,7 +185,13 @@ class _Controller:
             inst.remove()
             inst.rec.flusher.flush()
             inst.rec.active = False
-        self.close_sessions()
+        try:
+            self.close_sessions()
+        finally:
+            online = inst.rec.online if inst is not None else None
+            if online is not None:  # after the sessions: the writer has judged every entry
+                inst.rec.online = None
+                online.close(inst.rec.session.rank_dir)
 
     def close_sessions(self) -> None:
         errors = []
@@ -295,8 +306,11 @@ def register_hook(model: torch.nn.Module, hook: _HookKind, overflow_nums: int = 
 
 def set_dump_switch(switch: str, mode: str = "all", scope: Optional[Sequence[str]] = None,
                     api_list: Optional[Sequence[str]] = None, filter_switch: str = "ON",
-                    dump_mode: Union[None, str, Sequence[str]] = None, summary_only: bool = False) -> None:
-    """Start (``"ON"``) or stop (``"OFF"``) dumping; see :mod:`determ_backend.dump.capture.switch` for the modes.
+                    dump_mode: Union[None, str, Sequence[str]] = None, summary_only: bool = False,
+                    level: str = "L1", online: Optional[Any] = None) -> None:
+    """Start (``"ON"``) or stop (``"OFF"``) dumping; see :mod:`determ_backend.dump.capture.switch` for the modes
+    and msprobe's levels (``L1`` APIs, ``L0`` modules of the registered models, ``mix`` both).  ``online``: an
+    :class:`~determ_backend.dump.capture.online.OnlineBaseline` judging each record against a reference dump.
     Switching off flushes every payload and completes the index."""
     if switch not in ("ON", "OFF"):
         raise ConfigError(f"set_dump_switch: switch must be 'ON' or 'OFF', got {switch!r}")
@@ -307,8 +321,11 @@ def set_dump_switch(switch: str, mode: str = "all", scope: Optional[Sequence[str
         return
     if not isinstance(summary_only, bool):
         raise ConfigError(f"set_dump_switch: summary_only must be True or False, got {summary_only!r}")
-    settings = DumpSettings.build(mode, scope, api_list, filter_switch, dump_mode, summary_only)
-    _STATE.switch_on(settings)
+    settings = DumpSettings.build(mode, scope, api_list, filter_switch, dump_mode, summary_only, level)
+    if settings.modules and not _STATE.models:
+        raise ConfigError(f"set_dump_switch: level={level!r} records module boundaries: call register_hook(model, "
+                          f"acc_cmp_dump) first")
+    _STATE.switch_on(settings, online)
 
 
 def set_overflow_check_switch(switch: str, filter_switch: str = "OFF") -> None:

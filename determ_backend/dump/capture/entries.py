@@ -112,10 +112,12 @@ def _scalar_entry(name: str, v: Any) -> Optional[Dict[str, Any]]:
 
 
 def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data: bool = True,
-             keep_non_float: bool = True, pipeline=None) -> List[Dict[str, Any]]:
+             keep_non_float: bool = True, pipeline=None,
+             refs: Optional[Dict[int, torch.Tensor]] = None) -> List[Dict[str, Any]]:
     """Index entries for ``items``.  ``data=False``: dtype/shape only (stack mode).  Otherwise each new
     tensor is snapshotted by ``pipeline`` and its entry gets an ``_fp`` future (hash, stats, payload) that
-    the pipeline resolves before writing; tensors already seen (same object, same version) reuse theirs."""
+    the pipeline resolves before writing; tensors already seen (same object, same version) reuse theirs.
+    ``refs``: filled with ``{id(entry): tensor}`` for the tensors described (the online baseline keeps some)."""
     entries: List[Dict[str, Any]] = []
     for name, v in items:
         if isinstance(v, torch.Tensor):
@@ -132,6 +134,8 @@ def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data:
                     fp = pipeline.tensor(v)
                     cache.put(v, fp)
                 e["_fp"] = fp
+                if refs is not None:
+                    refs[id(e)] = v.detach()
             entries.append(e)
         elif keep_non_float:
             e2 = _scalar_entry(name, v)

@@ -91,7 +91,8 @@ def user_stack(limit: int = 30) -> List[str]:
 class ApiRecorder:
     """Writes the records of one dump session."""
 
-    def __init__(self, session: DumpSession, settings: DumpSettings, overflow: Optional[OverflowCounter] = None):
+    def __init__(self, session: DumpSession, settings: DumpSettings, overflow: Optional[OverflowCounter] = None,
+                 online: Optional[Any] = None):
         self.session = session
         self.settings = settings
         self.selector = Selector(settings)
@@ -100,13 +101,22 @@ class ApiRecorder:
         self.flusher = bw.BackwardFlusher()
         self._keep_non_float = settings.filter_switch == "OFF"
         self.active = True  # False once the dump is switched off: late backward hooks then record nothing
+        self.online = online
+        """An :class:`~.online.OnlineBaseline` judging each record as it is written, or None."""
+        self._refs: Optional[Dict[int, torch.Tensor]] = None
+        if online is not None:
+            online.start(session.header.get("device"))
+            if session.tensors:  # payloads are stored anyway: judged when the writer has resolved them
+                session.pipeline.on_entry = online.check
+            else:  # judged at once, while the tensors are at hand to keep those of the first divergences
+                self._refs = {}
 
     # ---- describing and writing ----------------------------------------------------------------
     def describe(self, items: Sequence[Tuple[str, Any]], io: str) -> List[Dict[str, Any]]:
         if self.overflow is None and io != "all" and not self.settings.keeps(io):
             return []
         return describe(items, self.session.cache, data=self.task != "stack", keep_non_float=self._keep_non_float,
-                        pipeline=self.session.pipeline)
+                        pipeline=self.session.pipeline, refs=self._refs)
 
     def describe_io(self, ins: Sequence[Tuple[str, Any]], outs: Sequence[Tuple[str, Any]]):
         """Inputs and outputs of one call in one fingerprint batch: ``(input entries, output entries)``."""
@@ -126,7 +136,26 @@ class ApiRecorder:
         if stack is not None:
             entry["stack"] = stack
         entry.update(extra)
+        if self._refs is not None:
+            try:
+                self._judge_online(entry)
+            except Exception as e:  # a failing check never costs the dump: reported once, then off
+                log.error("determ dump: the online baseline failed (%s: %s) and is off for this dump",
+                          type(e).__name__, e)
+                self._refs = None
         self.session.write(entry)
+
+    def _judge_online(self, entry: Dict[str, Any]) -> None:
+        """Statistics mode: judge ``entry`` against the baseline now (its fingerprints were computed when its
+        tensors were described) and keep the tensors of the first divergent records."""
+        refs, self._refs = self._refs, {}
+        for io in ("inputs", "outputs"):
+            for t in entry.get(io, ()):
+                fp = t.pop("_fp", None)
+                if fp is not None:
+                    t.update(fp.fields())
+        if self.online.check(entry) and self.online.wants_tensors():
+            self.online.store(self.session.data_dir, entry, refs)
 
     # ---- forward --------------------------------------------------------------------------------
     def api_call(self, info: ApiInfo, func: Callable, args: tuple, kwargs: Dict[str, Any]) -> Any:

@@ -10,6 +10,10 @@
   ``__torch_function__``, so they are wrapped while a dump is on; the records are
   named ``Distributed_all_reduce_<n>_forward``; the tensor's value before the call is
   the input, after it the output.
+* **Module boundaries** (levels ``L0`` and ``mix``): every submodule of a registered
+  model is recorded around its calls, ``Module_<path>.<Class>_<n>_forward`` (the model
+  itself is ``Module_<Class>_<n>``) and ``_backward`` (gradients of its outputs in,
+  of its inputs and parameters out); at ``L0`` no torch API call is recorded.
 * **Parameters**: before every ``optimizer.step()`` (a global optimizer pre-hook)
   each registered model's parameters (``Parameter_<name>_<step>_forward``) and
   gradients (``..._backward``) are recorded -- after any data-parallel all-reduce,
@@ -104,15 +108,20 @@ class Installation:
         self._unobserve: Optional[Callable[[], None]] = None
         try:
             self._install_regions(models, regions)
+            if recorder.overflow is None and recorder.settings.modules:
+                self._install_module_boundaries(models)
             self._install_compiled()
-            self._install_dist()
+            apis = recorder.overflow is not None or recorder.settings.apis
+            if apis:
+                self._install_dist()
             if models and recorder.overflow is None:
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
                 self._handles.append(register_optimizer_step_pre_hook(self._before_step))
-            self._mode = DumpMode(recorder)
-            self._mode.__enter__()
-            self.regions.mode = self._mode
+            if apis:
+                self._mode = DumpMode(recorder)
+                self._mode.__enter__()
+                self.regions.mode = self._mode
         except BaseException:
             self.remove()
             raise
@@ -124,6 +133,22 @@ class Installation:
             hooks = ModuleRegion(self.regions, ApiInfo("", label), compiled)
             self._handles.append(m.register_forward_pre_hook(hooks.pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(hooks.post, with_kwargs=True, always_call=True))
+
+    def _install_module_boundaries(self, models) -> None:
+        """Levels ``L0``/``mix``: hooks on every module of each registered model, except inside compiled modules
+        (those are regions of their own, whose inside the determ backends trace)."""
+        for model in models:
+            compiled: List[str] = []
+            for name, m in model.named_modules():
+                if _torch_compat.is_compiled_module(m):
+                    compiled.append(name)
+                if any(name == c or name.startswith(c + ".") or c == "" for c in compiled):
+                    continue
+                path = name.replace("_orig_mod.", "")
+                label = f"{path}.{type(m).__name__}" if path else type(m).__name__
+                hooks = ModuleRegion(self.regions, ApiInfo("Module", label), compiled=False, opaque=False)
+                self._handles.append(m.register_forward_pre_hook(hooks.pre, with_kwargs=True))
+                self._handles.append(m.register_forward_hook(hooks.post, with_kwargs=True, always_call=True))
 
     def _install_compiled(self) -> None:
         """Compiled callables no hook covers become regions; determ backends' traces become node entries."""

@@ -29,9 +29,10 @@ at :meth:`DumpPipeline.close`.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,6 +42,8 @@ from determ_backend.dump.capture.writer import DumpWriteError, IndexWriter
 from determ_backend.trace.store import PackWriter
 
 __all__ = ["Fingerprint", "DumpPipeline"]
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 16
 _DEFAULT_RING = 128 << 20
@@ -91,6 +94,9 @@ class DumpPipeline:
         self._busy = False
         self._closing = False
         self._thread: Optional[threading.Thread] = None
+        self.on_entry: Optional[Callable[[Dict[str, Any]], Any]] = None
+        """Called with each entry once its fingerprints are resolved, just before it is written (the online
+        baseline), on the writer's thread."""
 
     # ---- recording thread --------------------------------------------------------------------
     def tensor(self, t: torch.Tensor) -> Fingerprint:
@@ -214,6 +220,13 @@ class DumpPipeline:
                 fp = t.pop("_fp", None)
                 if fp is not None:
                     t.update(fp.fields())
+        if self.on_entry is not None:
+            try:
+                self.on_entry(entry)
+            except Exception as e:  # a failing check never costs the dump: reported once, then off
+                log.error("determ dump: the online baseline failed (%s: %s) and is off for this dump",
+                          type(e).__name__, e)
+                self.on_entry = None
         self.index_writer.write(entry)
 
     def _take(self) -> Optional[List[Tuple[str, Any]]]:

@@ -104,9 +104,10 @@ class Regions:
         stack = self._open()
         return stack[-1].region if stack else None
 
-    def begin(self, info: ApiInfo, args: tuple, kwargs: Dict[str, Any], params: Params, compiled: bool
-              ) -> Optional[_Open]:
-        """Start a region call (None when already inside a region or the dump machinery)."""
+    def begin(self, info: ApiInfo, args: tuple, kwargs: Dict[str, Any], params: Params, compiled: bool,
+              opaque: bool = True) -> Optional[_Open]:
+        """Start a region call (None when already inside a region or the dump machinery).  ``opaque=False``:
+        a module boundary of level ``L0``/``mix``, recorded around whatever is recorded inside it."""
         if passthrough() or torch.compiler.is_compiling():
             return None
         rec = self.rec
@@ -120,9 +121,10 @@ class Regions:
             stack = user_stack() if rec.settings.with_stack else None
             source = user_source()
             state = _Open(RegionCall(call, info, compiled, source), items, edges, min_seq, source, stack)
-        self._open().append(state)
-        enter_opaque()
-        state.suspended = self.mode is not None and _torch_compat.suspend_function_mode(self.mode)
+        if opaque:
+            self._open().append(state)
+            enter_opaque()
+            state.suspended = self.mode is not None and _torch_compat.suspend_function_mode(self.mode)
         return state
 
     def _leave(self, state: _Open) -> None:
@@ -189,15 +191,16 @@ def callable_label(fn: Any) -> Tuple[str, Optional[torch.nn.Module]]:
 
 
 class ModuleRegion:
-    """Forward pre/post hooks that record each call of one module as a region call."""
+    """Forward pre/post hooks that record each call of one module as a region call; ``opaque=False`` for the
+    module boundaries of levels ``L0``/``mix`` (what runs inside stays visible)."""
 
-    def __init__(self, regions: Regions, info: ApiInfo, compiled: bool):
-        self.regions, self.info, self.compiled = regions, info, compiled
+    def __init__(self, regions: Regions, info: ApiInfo, compiled: bool, opaque: bool = True):
+        self.regions, self.info, self.compiled, self.opaque = regions, info, compiled, opaque
         self._stack: List[Optional[_Open]] = []
 
     def pre(self, module, args, kwargs):
         params = lambda: [(f"input.{n.replace('_orig_mod.', '')}", p) for n, p in module.named_parameters()]
-        self._stack.append(self.regions.begin(self.info, args, kwargs, params, self.compiled))
+        self._stack.append(self.regions.begin(self.info, args, kwargs, params, self.compiled, self.opaque))
         return None
 
     def post(self, module, args, kwargs, output):

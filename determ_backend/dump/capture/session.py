@@ -41,6 +41,7 @@ class DumpSession:
         self.index_path = self.rank_dir / f"{name}{INDEX_SUFFIX}"
         self.data_dir = self.rank_dir / name
         self.rank_dir.mkdir(parents=True, exist_ok=True)
+        self.header = header
         self.index = IndexWriter(self.index_path, header)
         self.tensors = tensors
         self._ring_bytes = ring_bytes

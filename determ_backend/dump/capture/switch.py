@@ -15,6 +15,10 @@ Modes (ptdbg semantics):
   or whose prefix is the entry (``distributed``);
 * ``acl`` -- Ascend ACL operator dumps: needs an Ascend NPU and its driver.
 
+``level`` (msprobe's): ``L1`` records APIs (the default), ``L0`` module boundaries only
+(every submodule of the registered models, forward and backward:
+``Module_<path>.<Class>_<n>_forward``), ``mix`` both.
+
 ``filter_switch="ON"`` leaves out integer/bool tensors and Python scalars;
 ``dump_mode`` keeps only ``forward``/``backward`` records and/or ``input``/``output``
 tensors.  The controller using these lives in :mod:`.control`.
@@ -28,10 +32,11 @@ from typing import Iterable, Optional, Sequence, Tuple, Union
 from determ_backend.errors import ConfigError
 from determ_backend.dump.capture.apis import ApiInfo
 
-__all__ = ["MODES", "DUMP_MODES", "DumpSettings", "Selector"]
+__all__ = ["MODES", "DUMP_MODES", "LEVELS", "DumpSettings", "Selector"]
 
 MODES = ("all", "list", "range", "stack", "acl", "api_list", "api_stack")
 DUMP_MODES = ("all", "forward", "backward", "input", "output")
+LEVELS = ("L0", "L1", "mix")
 
 
 def _as_tuple(v: Union[None, str, Iterable[str]], what: str) -> Tuple[str, ...]:
@@ -68,7 +73,13 @@ class DumpSettings:
     summary_only: bool = False
     """Statistics and fingerprints only, no tensor payloads."""
 
+    level: str = "L1"
+    """One of :data:`LEVELS`: what is recorded -- APIs (``L1``), module boundaries (``L0``) or both (``mix``)."""
+
     def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ConfigError(f"set_dump_switch: level={self.level!r}; expected one of {', '.join(LEVELS)} "
+                              f"(L0: modules, L1: APIs, mix: both)")
         if self.mode not in MODES:
             raise ConfigError(f"set_dump_switch: mode={self.mode!r}; expected one of {', '.join(MODES)}")
         if self.filter_switch not in ("ON", "OFF"):
@@ -89,10 +100,20 @@ class DumpSettings:
     @classmethod
     def build(cls, mode: str = "all", scope: Optional[Sequence[str]] = None, api_list: Optional[Sequence[str]] = None,
               filter_switch: str = "ON", dump_mode: Union[None, str, Sequence[str]] = None,
-              summary_only: bool = False) -> "DumpSettings":
+              summary_only: bool = False, level: str = "L1") -> "DumpSettings":
         return cls(mode=mode, scope=_as_tuple(scope, "scope"), api_list=_as_tuple(api_list, "api_list"),
                    filter_switch=filter_switch, dump_mode=_as_tuple(dump_mode, "dump_mode") or ("all",),
-                   summary_only=bool(summary_only))
+                   summary_only=bool(summary_only), level=level)
+
+    @property
+    def apis(self) -> bool:
+        """Whether torch API calls are recorded (levels ``L1`` and ``mix``)."""
+        return self.level != "L0"
+
+    @property
+    def modules(self) -> bool:
+        """Whether module boundaries are recorded (levels ``L0`` and ``mix``)."""
+        return self.level != "L1"
 
     @property
     def prefix(self) -> str:

@@ -325,8 +325,8 @@ def test_msprobe_style_precision_debugger_dumps_selected_steps(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["step1"]
     got = names(tmp_path / "out" / "step1" / "rank0" / "api_list_dump.pkl")
     assert "Functional_linear_0_forward" in got and not any("conv2d" in n for n in got)
-    with pytest.raises(ConfigError, match="only 'L1'"):
-        dump.PrecisionDebugger(dump_path=str(tmp_path), level="L0")
+    with pytest.raises(ConfigError, match=r"level='L2' \(L2, kernel level, needs an Ascend NPU\)"):
+        dump.PrecisionDebugger(dump_path=str(tmp_path), level="L2")
 
 
 @pytest.mark.parametrize("call, match", [
@@ -400,7 +400,7 @@ def test_precision_debugger_warns_once_when_its_list_selects_nothing(tmp_path, c
 
 
 @pytest.mark.parametrize("config, match", [
-    ('{"dump_path": "OUT", "step": "1"}', "step must be an int or a list of ints, got '1'"),
+    ('{"dump_path": "OUT", "step": "1"}', "step must be an int or a list of ints and 'a-b' ranges, got '1'"),
     ('{"dump_path": "OUT", "statistics": {"list": [3]}}', r"statistics.list must be a string or a list of strings"),
     ('{"dump_path": "OUT", "statistics": {"data_mode": ["fwd"]}}', r"statistics.data_mode=\['fwd'\]"),
 ])

@@ -1,0 +1,142 @@
+"""msprobe's ``config.json`` under ``PrecisionDebugger``: levels L0 / L1 / mix, summary modes, step and rank
+selection, the online baseline (``bench_path``), and the one-line warnings and errors for its keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dump_helpers import batch, make_net
+from determ_backend import dump
+from determ_backend.errors import ConfigError
+
+_LOGGER = "determ_backend.dump.capture"
+
+
+def _run(tmp_path, out: str, config: dict, perturb=None, steps: int = 1, gelu: str = "none"):
+    """Train ``steps`` steps of the dump helpers' net under a PrecisionDebugger reading ``config``."""
+    cfg = tmp_path / f"{out}.json"
+    cfg.write_text(json.dumps(dict(config, dump_path=str(tmp_path / out))))
+    dbg = dump.PrecisionDebugger(config_path=str(cfg))
+    net = make_net(perturb=perturb)
+    x, t = batch()
+    for _ in range(steps):
+        dbg.start(net)
+        F.cross_entropy(F.gelu(net(x), approximate=gelu), t).backward()
+        dbg.stop()
+        dbg.step()
+    return tmp_path / out
+
+
+def _names(root, step=0):
+    return [e["name"] for e in dump.read_dump(root / f"step{step}" / "rank0").entries]
+
+
+def test_level_L0_records_module_boundaries_forward_and_backward_only(tmp_path):
+    root = _run(tmp_path, "l0", {"task": "statistics", "level": "L0", "statistics": {"summary_mode": "md5"}})
+    got = _names(root)
+    assert got == ["Module_conv.Conv2d_0_forward", "Module_fc1.Linear_0_forward", "Module_fc2.Linear_0_forward",
+                   "Module_Net_0_forward", "Module_fc2.Linear_0_backward", "Module_fc1.Linear_0_backward",
+                   "Module_conv.Conv2d_0_backward", "Module_Net_0_backward"]
+    d = dump.read_dump(root / "step0" / "rank0" / "dump.pkl")
+    fc1_bwd = next(e for e in d.entries if e["name"] == "Module_fc1.Linear_0_backward")
+    # gradient of the output in; gradients of the input and of both parameters out, each with a fingerprint
+    assert len(fc1_bwd["inputs"]) == 1 and len(fc1_bwd["outputs"]) == 3
+    assert all(t.get("hash") and t.get("stats") for t in fc1_bwd["inputs"] + fc1_bwd["outputs"])
+
+
+def test_level_L0_compare_names_the_module_whose_weight_differs(tmp_path):
+    cfg = {"task": "statistics", "level": "L0"}
+    a, b = _run(tmp_path, "a", cfg, perturb="fc1.weight"), _run(tmp_path, "b", cfg)
+    cmp = dump.compare({"npu_pkl_path": str(a / "step0" / "rank0" / "dump.pkl"),
+                        "bench_pkl_path": str(b / "step0" / "rank0" / "dump.pkl")}, tmp_path / "out")
+    assert cmp.root_causes[0].name == "Module_fc1.Linear_0_forward"
+
+
+def test_level_mix_records_modules_around_their_apis(tmp_path):
+    got = _names(_run(tmp_path, "mix", {"task": "statistics", "level": "mix"}))
+    i = got.index("Module_fc1.Linear_0_forward")
+    assert got[i - 1] == "Functional_linear_0_forward"  # the module's record follows the API inside it
+    assert "Functional_linear_0_backward" in got and "Module_fc1.Linear_0_backward" in got
+    assert got.index("Module_fc1.Linear_0_backward") > got.index("Functional_linear_0_backward")
+
+
+def test_module_names_in_msprobes_form_select_modules(tmp_path):
+    got = _names(_run(tmp_path, "sel", {"task": "statistics", "level": "L0",
+                                        "statistics": {"list": ["Module.fc1.Linear.forward.0"]}}))
+    assert got == ["Module_fc1.Linear_0_forward"]
+
+
+def test_step_ranges_and_rank_selection(tmp_path):
+    root = _run(tmp_path, "steps", {"task": "statistics", "step": ["1-2"]}, steps=4)
+    assert sorted(p.name for p in root.iterdir()) == ["step1", "step2"]
+    root = _run(tmp_path, "ranks", {"task": "statistics", "rank": [1]}, steps=1)
+    assert not root.exists()  # this process is rank 0
+
+
+def test_keys_determ_does_not_act_on_are_named_in_one_warning(tmp_path, caplog):
+    cfg = {"task": "statistics", "level": "L1", "extra_info": True, "async_dump": False, "my_key": 1,
+           "statistics": {"summary_mode": "statistics", "tensor_list": []}, "acc_check": {"white_list": []}}
+    with caplog.at_level("WARNING", logger=_LOGGER):
+        _run(tmp_path, "warn", cfg)
+    warnings = [r.getMessage() for r in caplog.records if "does not act on" in r.getMessage()]
+    assert warnings == ["PrecisionDebugger: determ does not act on these config keys: extra_info, async_dump, "
+                        "my_key, statistics.tensor_list"]
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"level": "L2"}, r"level='L2' \(L2, kernel level, needs an Ascend NPU\)"),
+    ({"level": "L3"}, r"level='L3'; supported: L0, L1, mix"),
+    ({"task": "acc_check"}, r"task='acc_check' is an msprobe task determ does not run"),
+    ({"statistics": {"summary_mode": "sha"}}, r"statistics.summary_mode='sha'; expected one of statistics, md5, xor"),
+    ({"statistics": {"bench_path": "/no/such/dump"}}, r"statistics.bench_path='/no/such/dump': expected the path"),
+    ({"statistics": {"diff_nums": "3"}}, r"statistics.diff_nums='3'; expected an int >= 0"),
+    ({"rank": "0"}, r"rank must be an int or a list of ints and 'a-b' ranges, got '0'"),
+    ({"step": ["3-1"]}, r"step must be an int or a list of ints and 'a-b' ranges"),
+    ({"statistics": {"data_mode": ["all", "forward"]}}, r"statistics.data_mode=\['all', 'forward'\]"),
+])
+def test_bad_values_of_known_keys_are_one_line_errors(tmp_path, config, match):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict({"dump_path": str(tmp_path / "out")}, **config)))
+    with pytest.raises(ConfigError, match=match):
+        dump.PrecisionDebugger(config_path=str(cfg))
+
+
+def test_level_L0_without_a_model_is_a_clear_error(tmp_path):
+    dbg = dump.PrecisionDebugger(dump_path=str(tmp_path / "o"), level="L0")
+    with pytest.raises(ConfigError, match="level='L0' records module boundaries: pass the model"):
+        dbg.start()
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_online_baseline_names_the_root_cause_while_dumping(tmp_path, task, caplog):
+    ref = _run(tmp_path, "ref", {"task": task}, steps=2)
+    cfg = {"task": task, task: {"bench_path": str(ref), "diff_nums": 1}}
+    with caplog.at_level("WARNING", logger=_LOGGER):
+        new = _run(tmp_path, "new", cfg, steps=2, gelu="tanh")  # the same model, one API computed differently
+    live = [r.getMessage() for r in caplog.records if r.getMessage().startswith("online baseline: root cause")]
+    assert len(live) == 2 and all("Functional_gelu_0_forward" in m for m in live)  # once per step, while running
+    for step in (0, 1):
+        report = json.loads((new / f"step{step}" / "rank0" / "online_compare.json").read_text())
+        assert report["root_cause"]["name"] == "Functional_gelu_0_forward"
+        assert report["first_divergences"][0]["name"] == "Functional_gelu_0_forward"
+        assert report["divergent"] > 1 and report["checked"] > report["divergent"]
+    d = dump.read_dump(new / "step0" / "rank0" / "dump.pkl")
+    stored = [e["name"] for e in d.entries if any("payload" in t for t in e["inputs"] + e["outputs"])]
+    if task == "statistics":  # only the first divergent record keeps its tensors (diff_nums=1)
+        assert stored == ["Functional_gelu_0_forward"]
+        gelu = d.by_name("Functional_gelu_0_forward")
+        assert torch.equal(d.tensor(gelu["outputs"][0]), F.gelu(d.tensor(gelu["inputs"][0]), approximate="tanh"))
+    else:
+        assert len(stored) == len(d.entries) - sum(1 for e in d.entries if not e["inputs"] + e["outputs"])
+
+
+def test_online_baseline_that_agrees_reports_nothing(tmp_path):
+    ref = _run(tmp_path, "ref", {"task": "statistics"})
+    new = _run(tmp_path, "new", {"task": "statistics", "statistics": {"bench_path": str(ref)}})
+    report = json.loads((new / "step0" / "rank0" / "online_compare.json").read_text())
+    assert report["divergent"] == 0 and report["root_cause"] is None and report["tensors_kept"] == 0
+    assert not (new / "step0" / "rank0" / "dump" / "tensors.bin").exists()
