@@ -12,6 +12,7 @@ from determ_backend.dump.comparison.dumps import (DumpComparison, auto_analyze, 
 from determ_backend.dump.capture.debugger import PrecisionDebugger
 from determ_backend.dump.capture.control import (acc_cmp_dump, dump_parameters, get_dump_dir, module_dump, module_dump_end, overflow_check, register_hook, remove_hooks, seed_all, set_dump_path, set_dump_switch, set_overflow_check_switch)
 from determ_backend.dump.capture.overflow import DumpOverflowError
+from determ_backend.dump.comparison.export import export_npy
 from determ_backend.dump.comparison.parse import Dump, parse, read_dump
 from determ_backend.dump.comparison.replicas import ReplicaReport, check_replicas
 from determ_backend.dump.capture.writer import DumpWriteError
@@ -21,5 +22,5 @@ __all__ = [
     "overflow_check", "compare", "compare_distributed", "parse", "module_dump", "module_dump_end",
     "remove_hooks", "dump_parameters", "get_dump_dir", "compare_dumps", "auto_analyze", "DumpComparison",
     "read_dump", "Dump", "check_replicas", "ReplicaReport", "DumpOverflowError", "DumpWriteError",
-    "PrecisionDebugger",
+    "PrecisionDebugger", "export_npy",
 ]

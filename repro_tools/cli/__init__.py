@@ -1,7 +1,8 @@
 """``repro-tools``: the command line.  Thin: parsing and dispatch only.
 
 Each subcommand lives in its own module exposing ``register(subparsers)``: the
-commands of this package (:mod:`.diff`, :mod:`.minify`, :mod:`.ranks`, :mod:`.demo`) and
+commands of this package (:mod:`.diff`, :mod:`.minify`, :mod:`.ranks`, :mod:`.compare`,
+:mod:`.dump_export`, :mod:`.demo`) and
 the command families' packages (:mod:`repro_tools.xdevice`, :mod:`repro_tools.bisect`,
 :mod:`repro_tools.minify.analyze`); that function adds the subparser and sets
 ``func=handler`` where ``handler(args) -> int`` returns the exit code
@@ -27,6 +28,8 @@ _COMMANDS = (
     "repro_tools.cli.diff",
     "repro_tools.cli.minify",
     "repro_tools.cli.ranks",
+    "repro_tools.cli.compare",
+    "repro_tools.cli.dump_export",
     "repro_tools.xdevice",
     "repro_tools.bisect",
     "repro_tools.cli.demo",

@@ -28,7 +28,7 @@ def _count(text: str) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ranks", help="check that data-parallel replicas agree (parameters, gradients, collectives)",
-                       description="Read DIR/rank<N>/*dump.pkl of every rank and check that the records every "
+                       description="Read the index DIR/rank<N>/*.pkl of every rank and check that the records every "
                                    "replica must share -- parameters, gradients after the all-reduce, results of "
                                    "all-reduce/broadcast/all-gather -- are bit-identical; name the first rank and "
                                    "API that disagree.  Exit 0: all agree; 1: a rank disagrees; 2: bad input.")
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true",
                    help="compare every record, not only the replica-invariant ones (when every rank gets the same data)")
     p.add_argument("--index", default=None, metavar="NAME",
-                   help="index file name inside each rank directory (default: the only *dump.pkl there)")
+                   help="index file name inside each rank directory (default: the only *.pkl there)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--limit", type=_count, default=10, help="disagreements to print (default 10; 0: none)")
     p.set_defaults(func=run_ranks)

@@ -48,7 +48,7 @@ from determ_backend.dump.capture.session import INDEX_SUFFIX, DumpSession, defau
 from determ_backend.dump.capture.switch import DumpSettings
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
 
-__all__ = ["acc_cmp_dump", "overflow_check", "current_rank", "seed_all", "set_dump_path", "register_hook", "set_dump_switch",
+__all__ = ["acc_cmp_dump", "overflow_check", "current_rank", "dump_open", "seed_all", "set_dump_path", "register_hook", "set_dump_switch",
            "set_overflow_check_switch", "module_dump", "module_dump_end", "remove_hooks", "dump_parameters",
            "get_dump_dir", "records_written"]
 
@@ -370,6 +370,12 @@ def dump_parameters() -> None:
     if _STATE.installation is None:
         raise ConfigError("dump_parameters: no dump is on (call set_dump_switch('ON') first)")
     _STATE.installation.snapshot_parameters()
+
+
+def dump_open(index: Union[str, os.PathLike]) -> bool:
+    """Whether this process is writing the dump index ``index`` now (switched on and not yet off)."""
+    target = Path(index).resolve()
+    return any(not s.closed and s.index_path.resolve() == target for s in _STATE.sessions.values())
 
 
 def records_written() -> int:

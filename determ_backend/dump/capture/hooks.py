@@ -137,12 +137,7 @@ class ApiRecorder:
             entry["stack"] = stack
         entry.update(extra)
         if self._refs is not None:
-            try:
-                self._judge_online(entry)
-            except Exception as e:  # a failing check never costs the dump: reported once, then off
-                log.error("determ dump: the online baseline failed (%s: %s) and is off for this dump",
-                          type(e).__name__, e)
-                self._refs = None
+            self._judge_online(entry)
         self.session.write(entry)
 
     def _judge_online(self, entry: Dict[str, Any]) -> None:

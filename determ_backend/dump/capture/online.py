@@ -29,19 +29,15 @@ import torch
 from determ_backend.compare import DEFAULT_TOL, dtype_tol, judge_records
 from determ_backend.errors import ConfigError, DetermError
 from determ_backend.trace.store import PackWriter
-from determ_backend.trace.stream import Record, atomic_write_text
+from determ_backend.trace.stream import atomic_write_text
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
+from determ_backend.dump.comparison.metrics import tensor_record
 
 __all__ = ["OnlineBaseline", "REPORT_FILE"]
 
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "online_compare.json"
-
-
-def _record(t: Dict[str, Any]) -> Record:
-    return Record(graph="", stage="", node=t.get("name", ""), op="", dtype=t.get("dtype"), shape=t.get("shape"),
-                  hash=t.get("hash"), stats=t.get("stats"))
 
 
 def _resolve_index(bench: Path, step: int, rank: int) -> Path:
@@ -72,6 +68,8 @@ class OnlineBaseline:
         self._device: Optional[str] = None
         self._pack: Optional[PackWriter] = None
         self._lock = threading.Lock()
+        self.off = False
+        """Set when the check itself failed (reported once): the dump goes on without it."""
 
     @classmethod
     def for_step(cls, bench_path: Union[str, Path], step: int, rank: int, keep: int = 5) -> "OnlineBaseline":
@@ -100,12 +98,28 @@ class OnlineBaseline:
                 continue
             if t.get("hash") is None and t.get("stats") is None:
                 continue  # stack-only records: nothing to judge
-            out.append(bool(judge_records(_record(t), _record(r), self._tol(t, r))[0]))
+            out.append(bool(judge_records(tensor_record(t), tensor_record(r), self._tol(t, r))[0]))
         return out
 
+    def _failed(self, e: BaseException) -> None:
+        """A failing check never costs the dump or the run: reported once, then the baseline is off."""
+        if not self.off:
+            self.off = True
+            log.error("determ dump: the online baseline failed (%s: %s) and is off for this dump",
+                      type(e).__name__, e)
+
     def check(self, entry: Dict[str, Any]) -> Optional[str]:
-        """``"root_cause"``, ``"diverged"`` or None (agrees, or no counterpart) for an entry whose tensors carry
-        their hash and statistics."""
+        """``"root_cause"``, ``"diverged"`` or None (agrees, no counterpart, or the baseline is off) for an entry
+        whose tensors carry their hash and statistics."""
+        if self.off:
+            return None
+        try:
+            return self._check(entry)
+        except Exception as e:
+            self._failed(e)
+            return None
+
+    def _check(self, entry: Dict[str, Any]) -> Optional[str]:
         ref = self.ref.get(entry["name"])
         with self._lock:
             self.checked += 1
@@ -127,10 +141,16 @@ class OnlineBaseline:
 
     def wants_tensors(self) -> bool:
         """Whether the next divergent record's tensors are still to be kept."""
-        return self.keep == -1 or self.kept < self.keep
+        return not self.off and (self.keep == -1 or self.kept < self.keep)
 
     def store(self, data_dir: Path, entry: Dict[str, Any], tensors: Dict[int, torch.Tensor]) -> None:
         """Keep the tensors of one divergent entry in ``data_dir/tensors.bin`` (statistics mode)."""
+        try:
+            self._store(data_dir, entry, tensors)
+        except Exception as e:  # a full disk, say: the entry keeps its statistics
+            self._failed(e)
+
+    def _store(self, data_dir: Path, entry: Dict[str, Any], tensors: Dict[int, torch.Tensor]) -> None:
         if self._pack is None:
             data_dir.mkdir(parents=True, exist_ok=True)
             self._pack = PackWriter(data_dir / PAYLOAD_FILE, append=(data_dir / PAYLOAD_FILE).is_file())

@@ -29,7 +29,6 @@ at :meth:`DumpPipeline.close`.
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -42,8 +41,6 @@ from determ_backend.dump.capture.writer import DumpWriteError, IndexWriter
 from determ_backend.trace.store import PackWriter
 
 __all__ = ["Fingerprint", "DumpPipeline"]
-
-log = logging.getLogger(__name__)
 
 _ALIGN = 16
 _DEFAULT_RING = 128 << 20
@@ -220,13 +217,8 @@ class DumpPipeline:
                 fp = t.pop("_fp", None)
                 if fp is not None:
                     t.update(fp.fields())
-        if self.on_entry is not None:
-            try:
-                self.on_entry(entry)
-            except Exception as e:  # a failing check never costs the dump: reported once, then off
-                log.error("determ dump: the online baseline failed (%s: %s) and is off for this dump",
-                          type(e).__name__, e)
-                self.on_entry = None
+        if self.on_entry is not None:  # never raises: see OnlineBaseline.check
+            self.on_entry(entry)
         self.index_writer.write(entry)
 
     def _take(self) -> Optional[List[Tuple[str, Any]]]:

@@ -14,8 +14,8 @@ divergence starts); for a backward record the inputs are the incoming
 gradients and the forward call's inputs.  "Match" is the core's verdict:
 bitwise when both dumps come from the same device type and ran the same dtypes
 (no paired tensor differs in dtype), otherwise :func:`~determ_backend.compare.judge`
-within :func:`~determ_backend.compare.dtype_tol` of the two dtypes (1e-3, or a
-few units in the last place of bf16/fp16; e.g. CPU vs NPU, bf16 vs fp32 -- also
+within :func:`~determ_backend.compare.dtype_tol` of the two dtypes (``tol``, 1e-3 by
+default, or a few units in the last place of bf16/fp16; e.g. CPU vs NPU, bf16 vs fp32 -- also
 for the ops after a ``.float()``, whose inputs carry the other dtype's
 rounding), on the payloads or, in a statistics dump, on the statistics.
 ptdbg's ``Accuracy Reached or Not`` column is filled as ptdbg defines it.
@@ -32,6 +32,8 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +43,13 @@ from determ_backend.compare import DEFAULT_TOL, Pair, align, dtype_tol, find_roo
 from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.stream import Record, atomic_write_text
 from determ_backend.dump.comparison import compiled as cc
-from determ_backend.dump.comparison.metrics import accuracy_reached, payload_metrics, stats_metrics
-from determ_backend.dump.comparison.parse import (Dump, check_path, check_rank, find_index, rank_dirs, read_dump, read_header)
+from determ_backend.dump.comparison.metrics import accuracy_reached, payload_metrics, stats_metrics, tensor_record
+from determ_backend.dump.comparison.parse import (Dump, check_path, check_rank, data_dir_of, find_index, open_dump,
+                                                  rank_dirs, read_header)
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
 
-__all__ = ["compare", "compare_dumps", "compare_distributed", "auto_analyze", "analyze", "DumpComparison", "CSV_COLUMNS"]
+__all__ = ["compare", "compare_dumps", "compare_distributed", "auto_analyze", "analyze", "analysis", "DumpComparison",
+           "CSV_COLUMNS"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,11 @@ class DumpComparison:
     pairs: List[ApiPair]
     exact: bool
     csv_path: Optional[Path] = None
+    advisor_path: Optional[Path] = None
+    analysis: Optional[str] = None
+    """The root-cause text :func:`compare` wrote to ``advisor_path`` (None without ``auto_analyze``)."""
+    rank: Optional[int] = None
+    """The rank :func:`compare_distributed` compared here (None for a single comparison)."""
 
     @property
     def rows(self) -> List[Dict[str, Any]]:
@@ -110,10 +119,12 @@ def _fmt(v: Any) -> Any:
     return "N/A" if v is None else v
 
 
-def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, db: Dump, exact: bool):
+def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, db: Dump, exact: bool,
+                tol: float = DEFAULT_TOL):
     """A CSV row, the metrics (None when a side is missing) and the verdict of one tensor pair: the core's
-    :func:`~determ_backend.compare.judge` (bitwise when ``exact``, else within the dtypes' tolerance) on
-    the payloads, or :func:`~determ_backend.compare.judge_records` on the statistics."""
+    :func:`~determ_backend.compare.judge` (bitwise when ``exact``, else within ``tol`` widened to the dtypes'
+    :func:`~determ_backend.compare.dtype_tol`) on the payloads, or :func:`~determ_backend.compare.judge_records`
+    on the statistics."""
     row: Dict[str, Any] = {c: "N/A" for c in CSV_COLUMNS}
     row.update({"NPU Name": name_a or "N/A", "Bench Name": name_b or "N/A", "Root Cause": "No", "Err_message": ""})
     for side, t in (("NPU", ta), ("Bench", tb)):
@@ -139,17 +150,18 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
         m["bitwise"] = ta["hash"] == tb["hash"] and m["same_dtype"]
     if ta.get("stats") and tb.get("stats"):
         m.update(stats_metrics(ta["stats"], tb["stats"]))
-    tol = None if exact else dtype_tol(DEFAULT_TOL, ta["dtype"], tb["dtype"])
+    tol_ = None if exact else dtype_tol(tol, ta["dtype"], tb["dtype"])
     verdict: Optional[bool]
     pair = _payloads(ta, tb, da, db)
     if pair is not None:
         va, vb = pair
         m.update(payload_metrics(va, vb))
-        verdict = judge(vb, va, tol=tol or 0.0, strict=True, bitwise=exact)
+        verdict = judge(vb, va, tol=tol_ or 0.0, strict=True, bitwise=exact)
     else:
         if "hash" in ta and "hash" in tb:
             row["Err_message"] = "statistics only"
-        verdict = judge_records(_as_record(ta), _as_record(tb), tol)[0] if (ta.get("hash") or ta.get("stats")) else None
+        verdict = (judge_records(tensor_record(ta), tensor_record(tb), tol_)[0] if (ta.get("hash") or ta.get("stats"))
+                   else None)
     for key, col in (("cosine", "Cosine"), ("max_abs", "MaxAbsErr"), ("max_rel", "MaxRelativeErr"),
                      ("one", "One Thousandth Err Ratio"), ("five", "Five Thousandths Err Ratio"),
                      ("max_diff", "Max diff"), ("min_diff", "Min diff"), ("mean_diff", "Mean diff"),
@@ -167,23 +179,18 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
 
 def _payloads(ta: Dict[str, Any], tb: Dict[str, Any], da: Dump, db: Dump):
     """Both stored tensors, or None: statistics only, or a payload past the end of a dump that was cut
-    (disk full) -- a damaged payload file of a complete dump is an error."""
+    (disk full) or whose writer was killed -- a damaged payload file of a complete dump is an error."""
     if not ("payload" in ta and "payload" in tb and da.has_payloads and db.has_payloads):
         return None
     try:
         return da.tensor(ta), db.tensor(tb)
     except TraceFormatError:
-        if da.cut or db.cut:
+        if da.cut or db.cut or da.partial or db.partial:
             return None
         raise
 
 
-def _as_record(t: Dict[str, Any]) -> Record:
-    return Record(graph="", stage="", node=t.get("name", ""), op="", dtype=t.get("dtype"), shape=t.get("shape"),
-                  hash=t.get("hash"), stats=t.get("stats"))
-
-
-def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool) -> Dict[str, List[Optional[bool]]]:
+def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> Dict[str, List[Optional[bool]]]:
     """Fill ``pa.rows``; returns the match verdicts of the (non-parameter) ``inputs`` and the ``outputs``.
 
     Bitwise verdicts only when ``exact`` and every paired tensor of the call has the same dtype on both sides:
@@ -202,7 +209,7 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool) -> Dict[str, Lis
     verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "outputs": []}
     for io_, n, ta, tb, param in found:
         row, _, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
-                                f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, api_exact)
+                                f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, api_exact, tol)
         row["_io"], row["_match"] = io_, v
         pa.rows.append(row)
         if not (io_ == "inputs" and param):
@@ -210,13 +217,25 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool) -> Dict[str, Lis
     return verdicts
 
 
-def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: Optional[bool] = None) -> DumpComparison:
+def check_tol(tol: Any, what: str = "tol") -> float:
+    """``tol`` as a float; a :class:`ConfigError` when it is not a finite number >= 0 (a NaN tolerance would
+    pass nothing, a negative one everything)."""
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not math.isfinite(tol) or tol < 0:
+        raise ConfigError(f"{what} must be a finite number >= 0, got {tol!r}")
+    return float(tol)
+
+
+def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: Optional[bool] = None,
+                  tol: float = DEFAULT_TOL) -> DumpComparison:
     """Align two dumps (``a`` is the NPU/test side, ``b`` the benchmark) and judge every tensor.
 
     ``exact`` (bitwise verdicts) defaults to True only when both dumps ran on the same device type in the same
-    dtypes; otherwise the verdicts are the core's within the dtypes' tolerance (module docstring)."""
-    da = a if isinstance(a, Dump) else read_dump(a)
-    db = b if isinstance(b, Dump) else read_dump(b)
+    dtypes; otherwise the verdicts are the core's within ``tol``, widened to the dtypes' tolerance (module
+    docstring).  A path is read by :func:`~.parse.open_dump`: a dump whose writer was killed compares up to its
+    last complete entry."""
+    tol = check_tol(tol, "compare: tol")
+    da = a if isinstance(a, Dump) else open_dump(a)
+    db = b if isinstance(b, Dump) else open_dump(b)
     for d in (da, db):
         _warn_missing_payloads(d)
     pairs = _aligned_pairs(da, db)
@@ -232,7 +251,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
                 if e is not None:
                     _unmatched_rows(pa, e, side)
             continue
-        v = _pair_tensors(pa, da, db, exact)
+        v = _pair_tensors(pa, da, db, exact, tol)
         ins = all(x is True for x in v["inputs"])
         if str(pa.a.get("op", "")).startswith("Parameter."):
             ins = not diverged_before  # a parameter or gradient read-out depends on everything before it
@@ -266,7 +285,7 @@ def _warn_missing_payloads(d: Dump) -> None:
     if d.has_payloads:
         return
     if any("payload" in t for e in d.entries for io_ in ("inputs", "outputs") for t in e.get(io_, [])):
-        where = (d.data_dir or d.path.parent / d.path.name[: -len(".pkl")]) / PAYLOAD_FILE
+        where = (d.data_dir or data_dir_of(d.path)) / PAYLOAD_FILE
         log.warning("compare: %s references tensor payloads, but %s is missing: comparing on statistics only",
                     d.path, where)
 
@@ -346,8 +365,8 @@ def write_csv(cmp: DumpComparison, path: Path, stack_mode: bool = False) -> Path
     return path
 
 
-def analyze(cmp: DumpComparison, out=None) -> str:
-    """Name the first root-cause API with its source and stack (printed, and returned)."""
+def analysis(cmp: DumpComparison) -> str:
+    """The first root-cause API with its source and stack, as text (what :func:`analyze` prints)."""
     roots = cmp.root_causes
     if roots:
         p = roots[0]
@@ -381,7 +400,12 @@ def analyze(cmp: DumpComparison, out=None) -> str:
     else:
         unmatched = sum(1 for p in cmp.pairs if p.a is None or p.b is None)
         lines = [f"no divergence: every paired API agrees ({unmatched} unpaired calls)"]
-    text = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def analyze(cmp: DumpComparison, out=None) -> str:
+    """Name the first root-cause API with its source and stack (printed, and returned)."""
+    text = analysis(cmp)
     print(text, file=out)
     return text
 
@@ -403,38 +427,59 @@ def _unique(path: Path) -> Path:
 
 def compare(input_param: Dict[str, Any], output_path: Union[str, Path], stack_mode: bool = False,
             auto_analyze: bool = True, suffix: str = "", fuzzy_match: bool = False,
-            exact: Optional[bool] = None) -> DumpComparison:
+            exact: Optional[bool] = None, tol: float = DEFAULT_TOL) -> DumpComparison:
     """ptdbg's ``compare``: writes ``compare_result{suffix}_{timestamp}.csv`` into ``output_path``.
 
     ``input_param``: ``npu_pkl_path`` and ``bench_pkl_path`` (index files or rank directories);
-    ``npu_dump_data_dir``/``bench_dump_data_dir`` are accepted and checked but not needed.  Pairing is
-    always by alignment, so ``fuzzy_match`` has no effect."""
+    ``npu_dump_data_dir``/``bench_dump_data_dir``: where that side's ``tensors.bin`` lies when it is not in the
+    directory named after its index (a dump moved or renamed); ``is_print_compare_log`` (default True): print
+    the analysis -- False still writes it to the advisor file.  ``exact``/``tol``: see :func:`compare_dumps`.
+    Pairing is always by alignment, so ``fuzzy_match`` has no effect."""
     if not isinstance(input_param, dict):
         raise ConfigError(f"compare: input_param must be a dict, got {type(input_param).__name__}")
     for key in ("npu_pkl_path", "bench_pkl_path"):
         if not input_param.get(key):
             raise ConfigError(f"compare: input_param needs {key!r} (a dump.pkl index or rank directory)")
         check_path(input_param[key], f"compare: input_param[{key!r}]")
+    data_dirs = []
     for key in ("npu_dump_data_dir", "bench_dump_data_dir"):
-        if input_param.get(key) and not check_path(input_param[key], f"compare: input_param[{key!r}]").is_dir():
-            raise TraceFormatError(f"compare: {key} {input_param[key]}: no such directory")
+        d = input_param.get(key)
+        if d and not check_path(d, f"compare: input_param[{key!r}]").is_dir():
+            raise TraceFormatError(f"compare: {key} {d}: no such directory")
+        data_dirs.append(d or None)
+    printing = input_param.get("is_print_compare_log", True)
+    if not isinstance(printing, bool):
+        raise ConfigError(f"compare: input_param['is_print_compare_log'] must be True or False, got {printing!r}")
     out = check_path(output_path, "compare: output_path")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"compare: output_path {out} is not a directory")
-    cmp = compare_dumps(find_index(input_param["npu_pkl_path"]), find_index(input_param["bench_pkl_path"]), exact)
+    tol = check_tol(tol, "compare: tol")
+    da = open_dump(input_param["npu_pkl_path"], data_dirs[0])
+    db = open_dump(input_param["bench_pkl_path"], data_dirs[1])
+    cmp = compare_dumps(da, db, exact, tol)
     out.mkdir(parents=True, exist_ok=True)
     ts = _timestamp()
     write_csv(cmp, _unique(out / f"compare_result{suffix}_{ts}.csv"), stack_mode)
     if auto_analyze:
-        text = analyze(cmp)
-        atomic_write_text(_unique(out / f"advisor{suffix}_{ts}.txt"), text + "\n")
+        cmp.analysis = analysis(cmp)
+        if printing:
+            print(cmp.analysis)
+        cmp.advisor_path = _unique(out / f"advisor{suffix}_{ts}.txt")
+        atomic_write_text(cmp.advisor_path, cmp.analysis + "\n")
     log.info("compare: wrote %s", cmp.csv_path)
     return cmp
 
 
 def compare_distributed(npu_dump_dir: Union[str, Path], bench_dump_dir: Union[str, Path],
                         output_path: Union[str, Path], **kwargs: Any) -> List[DumpComparison]:
-    """Compare rank by rank: ``<npu>/rank<N>`` with ``<bench>/rank<N>``; both runs must have the same ranks."""
+    """Compare rank by rank: ``<npu>/rank<N>`` with ``<bench>/rank<N>``; both runs must have the same ranks.
+
+    ``kwargs``: those of :func:`compare`, and ``is_print_compare_log`` (its ``input_param`` key); a ``suffix``
+    goes before each rank's own ``_rank<N>-rank<N>``."""
+    printing = kwargs.pop("is_print_compare_log", True)
+    suffix = kwargs.pop("suffix", "")
+    if not isinstance(suffix, str):
+        raise ConfigError(f"compare_distributed: suffix must be a string, got {type(suffix).__name__} {suffix!r}")
     ra, rb = rank_dirs(npu_dump_dir), rank_dirs(bench_dump_dir)
     if not ra:
         raise TraceFormatError(f"{npu_dump_dir}: no rank<N> directories")
@@ -446,6 +491,8 @@ def compare_distributed(npu_dump_dir: Union[str, Path], bench_dump_dir: Union[st
         pa, pb = find_index(ra[rank]), find_index(rb[rank])
         for index in (pa, pb):
             check_rank(index, read_header(index), rank)
-        param = {"npu_pkl_path": str(pa), "bench_pkl_path": str(pb)}
-        results.append(compare(param, output_path, suffix=f"_rank{rank}-rank{rank}", **kwargs))
+        param = {"npu_pkl_path": str(pa), "bench_pkl_path": str(pb), "is_print_compare_log": printing}
+        cmp = compare(param, output_path, suffix=f"{suffix}_rank{rank}-rank{rank}", **kwargs)
+        cmp.rank = rank
+        results.append(cmp)
     return results

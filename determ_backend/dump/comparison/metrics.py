@@ -18,8 +18,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from determ_backend.compare import EPS, tensor_metrics
+from determ_backend.trace.stream import Record
 
-__all__ = ["payload_metrics", "stats_metrics", "accuracy_reached", "STATS_RTOL", "STATS_ATOL"]
+__all__ = ["payload_metrics", "stats_metrics", "accuracy_reached", "tensor_record", "STATS_RTOL", "STATS_ATOL"]
 
 STATS_RTOL = 1e-2
 STATS_ATOL = 1e-3
@@ -79,3 +80,10 @@ def accuracy_reached(m: Dict[str, Any]) -> str:
     if "stats_close" in m:
         return "Yes" if m["stats_close"] else "No"
     return "N/A"
+
+
+def tensor_record(t: Dict[str, Any]) -> Record:
+    """A dump entry's tensor as the compare core's :class:`Record` (dtype, shape, hash, statistics), for
+    :func:`~determ_backend.compare.judge_records`."""
+    return Record(graph="", stage="", node=t.get("name", ""), op="", dtype=t.get("dtype"), shape=t.get("shape"),
+                  hash=t.get("hash"), stats=t.get("stats"))

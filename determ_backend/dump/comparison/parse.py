@@ -1,13 +1,19 @@
 """Reading a dump back: :func:`read_dump` and ptdbg's ``parse(pkl_file, name_prefix)``.
 
-A dump index (``dump.pkl``, ``api_stack_dump.pkl``...) is a JSON Lines stream of
+A dump index (``dump.pkl``, ``api_stack_dump.pkl``, or a name the user chose:
+``npu_dump.pkl``, ``Overflow_info_<time>.pkl``...) is a JSON Lines stream of
 format ``determ-dump`` (:data:`~determ_backend.dump.capture.writer.DUMP_STREAM`),
 read by the stream's rules (:func:`determ_backend.trace.jsonl.read_stream`: a
 missing footer, a cut last line, a footer cut on a full disk).  It is never
 unpickled; a ptdbg/msprobe pickle index is refused with a clear message.  Payloads
-are read from the dump's pack ``tensors.bin`` through the one tensor store
-(:meth:`determ_backend.trace.store.TensorStore.read_span`); writing a dump is
-:mod:`determ_backend.dump.capture`.
+are read from the dump's pack ``tensors.bin`` in the data directory named after
+the index (``npu_dump.pkl`` -> ``npu_dump/``), or one the caller names, through the
+one tensor store (:meth:`determ_backend.trace.store.TensorStore.read_span`); writing
+a dump is :mod:`determ_backend.dump.capture`.
+
+What compare and parse read is :func:`open_dump`: also a dump whose writer was
+killed (no footer, maybe a cut last line), up to its last complete entry, with one
+warning -- the entries before a kill are exactly what a user needs to compare.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import torch
 
 from determ_backend.errors import ConfigError, TraceFormatError
+from determ_backend.dump.capture.session import INDEX_SUFFIX
 from determ_backend.dump.capture.writer import DUMP_STREAM, PAYLOAD_FILE
 from determ_backend.trace import jsonl
 from determ_backend.trace.store import TensorStore
 
-__all__ = ["Dump", "read_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank", "read_header"]
+__all__ = ["Dump", "read_dump", "open_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank",
+           "read_header", "data_dir_of"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,12 @@ class Dump:
         return self.footer.get("complete") is False
 
     @property
+    def partial(self) -> bool:
+        """The writer stopped without closing the index (killed): the entries end at the last complete one,
+        and payloads written after it may be missing."""
+        return not self.footer
+
+    @property
     def has_payloads(self) -> bool:
         return self.data_dir is not None and (self.data_dir / PAYLOAD_FILE).is_file()
 
@@ -61,7 +75,7 @@ class Dump:
         if "payload" not in t:
             raise TraceFormatError(f"{self.path}: {t.get('name', 'tensor')} has no stored payload (statistics-only dump)")
         if not self.has_payloads:
-            where = (self.data_dir or self.path.parent / self.path.name[: -len(".pkl")]) / PAYLOAD_FILE
+            where = (self.data_dir or data_dir_of(self.path)) / PAYLOAD_FILE
             raise TraceFormatError(f"{where}: tensor payload file missing (was the dump written in statistics mode?)")
         if "dtype" not in t or not isinstance(t.get("shape"), list):
             raise TraceFormatError(f"{self.path}: {t.get('name', 'a tensor')} has a payload but no dtype and shape")
@@ -80,17 +94,24 @@ def check_path(value: Any, what: str) -> Path:
 
 
 def find_index(path: Union[str, Path]) -> Path:
-    """An index file, or a rank directory holding exactly one ``*dump.pkl``."""
+    """An index file, or a rank directory holding exactly one ``*.pkl`` file: the index may be named after the
+    user's file (``myDump.pkl``, ``Overflow_info_<time>.pkl``), so any ``.pkl`` there is a candidate."""
     p = check_path(path, "dump index path")
     if not p.exists():
         raise TraceFormatError(f"{path}: no such dump index or directory")
     if p.is_dir():
-        found = sorted(p.glob("*dump.pkl"))
+        found = sorted(f for f in p.glob(f"*{INDEX_SUFFIX}") if f.is_file())
         if len(found) != 1:
-            what = "no *dump.pkl index" if not found else f"several indexes ({', '.join(f.name for f in found)})"
+            what = (f"no *{INDEX_SUFFIX} index" if not found
+                    else f"several indexes ({', '.join(f.name for f in found)})")
             raise TraceFormatError(f"{path}: {what}; pass the index file itself")
         p = found[0]
     return p
+
+
+def data_dir_of(index: Path) -> Path:
+    """The data directory a dump's writer puts beside its index: the index's name without ``.pkl``."""
+    return index.with_suffix("")
 
 
 def _entry(p: Path, lineno: int, d: Dict[str, Any]) -> Dict[str, Any]:
@@ -99,18 +120,41 @@ def _entry(p: Path, lineno: int, d: Dict[str, Any]) -> Dict[str, Any]:
     return d
 
 
-def read_dump(path: Union[str, Path], allow_partial: bool = False) -> Dump:
+def read_dump(path: Union[str, Path], allow_partial: bool = False,
+              data_dir: Optional[Union[str, Path]] = None) -> Dump:
     """Load an index; raises :class:`TraceFormatError` naming the file (and line) when it is missing,
     truncated or corrupt.  ``allow_partial``: accept an index whose writer died (no footer; a cut last line
-    is dropped).  An index cut on a full disk, or whose payloads could not all be written, is read with one
-    warning."""
+    is dropped), with one warning.  An index cut on a full disk, or whose payloads could not all be written,
+    is read with one warning.  ``data_dir``: where its ``tensors.bin`` lies, when not beside the index
+    (moved, or ptdbg's ``npu_dump_data_dir``); it must exist."""
     p = find_index(path)
     s = jsonl.read_stream(p, DUMP_STREAM, allow_partial, _entry)
     if s.footer.get("complete") is False and not s.cut:
         log.warning("%s: incomplete dump: writing its tensor payloads failed (disk full?); tensors stored before "
                     "that are readable, later ones compare on their statistics", p)
-    data_dir = p.parent / p.name[: -len(".pkl")]
-    return Dump(p, s.header, s.records, s.footer, data_dir if data_dir.is_dir() else None)
+    if not s.footer:
+        log.warning("%s: incomplete dump: its writer stopped without closing it (killed?); reading the %d entries "
+                    "up to the last complete one", p, len(s.records))
+    if data_dir is not None:
+        d = check_path(data_dir, "dump data directory")
+        if not d.is_dir():
+            raise TraceFormatError(f"{data_dir}: no such dump data directory")
+    else:
+        d = data_dir_of(p)
+    return Dump(p, s.header, s.records, s.footer, d if d.is_dir() else None)
+
+
+def open_dump(path: Union[str, Path], data_dir: Optional[Union[str, Path]] = None) -> Dump:
+    """The dump as compare and parse read it: :func:`read_dump` accepting a dump whose writer was killed
+    (one warning), except one this very process is still writing -- a :class:`TraceFormatError` saying to
+    switch it off first."""
+    p = find_index(path)
+    from determ_backend.dump.capture.control import dump_open  # the writer's side: which dumps are on
+
+    if dump_open(p):
+        raise TraceFormatError(f"{p}: this dump is still switched on; call set_dump_switch('OFF') (or stop() the "
+                               f"PrecisionDebugger) before reading it")
+    return read_dump(p, allow_partial=True, data_dir=data_dir)
 
 
 def rank_dirs(root: Union[str, Path]) -> Dict[int, Path]:
@@ -165,7 +209,7 @@ def parse(pkl_file: Union[str, Path], name_prefix: str) -> List[str]:
     if not isinstance(name_prefix, str):
         raise ConfigError(f"parse: name_prefix must be a string such as 'Functional_linear_0_forward', got "
                           f"{type(name_prefix).__name__} {name_prefix!r}")
-    dump = read_dump(pkl_file)
+    dump = open_dump(pkl_file)
     hits = [e for e in dump.entries if e["name"].startswith(name_prefix)]
     if not hits:
         raise TraceFormatError(f"{dump.path}: no entry named {name_prefix!r}...")

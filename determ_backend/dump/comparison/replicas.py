@@ -3,7 +3,7 @@
 Under data parallelism every rank sees different data, so activations differ;
 but the parameters, the gradients after the all-reduce, and the results of
 all-reduce/broadcast/all-gather must be bit-identical on every rank.  The
-check reads ``DIR/rank<N>/*dump.pkl`` for every rank, walks the records that
+check reads ``DIR/rank<N>/*.pkl`` (the index) for every rank, walks the records that
 must agree (``Parameter_*`` and those collectives; every record with
 ``everything=True``, for runs that feed all ranks the same data) in rank 0's
 execution order, and reports the first record on which a rank departs from

@@ -104,7 +104,7 @@ def test_bad_rank_layouts_give_clear_errors(tmp_path, capsys):
     assert cli_main(["ranks", str(tmp_path / "b")]) == 2
     assert cli_main(["ranks", str(tmp_path / "a")]) == 2  # rank dirs without an index
     err = capsys.readouterr().err
-    assert "no such dump directory" in err and "needs at least two" in err and "no *dump.pkl index" in err
+    assert "no such dump directory" in err and "needs at least two" in err and "no *.pkl index" in err
     (tmp_path / "mk.py").write_text("")
     assert cli_main(["ranks", str(tmp_path / "mk.py")]) == 2
     assert "mk.py: not a directory" in capsys.readouterr().err

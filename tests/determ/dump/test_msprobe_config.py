@@ -140,3 +140,18 @@ def test_online_baseline_that_agrees_reports_nothing(tmp_path):
     report = json.loads((new / "step0" / "rank0" / "online_compare.json").read_text())
     assert report["divergent"] == 0 and report["root_cause"] is None and report["tensors_kept"] == 0
     assert not (new / "step0" / "rank0" / "dump" / "tensors.bin").exists()
+
+
+def test_a_failing_online_check_is_one_error_line_and_the_dump_goes_on(tmp_path, monkeypatch, caplog):
+    from determ_backend.dump.capture import online
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    ref = _run(tmp_path, "ref", {"task": "statistics"})
+    monkeypatch.setattr(online, "judge_records", broken)
+    with caplog.at_level("ERROR", logger=_LOGGER):
+        new = _run(tmp_path, "new", {"task": "statistics", "statistics": {"bench_path": str(ref)}}, gelu="tanh")
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ["determ dump: the online baseline failed (RuntimeError: boom) and is off for this dump"]
+    assert _names(new) == _names(ref)  # the dump itself is whole
