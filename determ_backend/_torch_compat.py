@@ -33,7 +33,7 @@ __all__ = [
     "tree_map", "tree_flatten", "tree_unflatten",
     # inductor instrumentation
     "boxed_nop", "aot_eager", "inductor_cache_dir", "compiled_source", "set_compiled_callable",
-    "capture_buffer_origins", "autograd_cache_disabled",
+    "capture_buffer_origins", "autograd_cache_disabled", "donated_buffers_disabled",
     # eager dispatch modes
     "eval_frame_setter", "dynamo_skip_code", "current_autograd_node_getter",
     # repro scripts and flows
@@ -278,6 +278,19 @@ def autograd_cache_disabled() -> Iterator[None]:
     import torch._functorch.config as fcfg
 
     with fcfg.patch(enable_autograd_cache=False):
+        yield
+
+
+@contextlib.contextmanager
+def donated_buffers_disabled() -> Iterator[None]:
+    """AOTAutograd lets inductor reuse a backward graph's saved-tensor inputs as scratch memory ("donated
+    buffers"); a check that replays the graph on its inputs after the call needs them intact."""
+    import torch._functorch.config as fcfg
+
+    if not hasattr(fcfg, "donated_buffer"):  # older torch: no donation
+        yield
+        return
+    with fcfg.patch(donated_buffer=False):
         yield
 
 

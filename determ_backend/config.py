@@ -17,7 +17,7 @@ from determ_backend.errors import ConfigError
 
 __all__ = ["DetermConfig", "load_config", "parse_bool", "CHECKS", "STAGES"]
 
-CHECKS = ("determinism", "accuracy")
+CHECKS = ("determinism", "accuracy", "nan")
 STAGES = ("eager", "aot_eager", "aot_eager_decomp_partition", "inductor")
 """The compiler stack from the bottom: dynamo only, + AOT autograd, + inductor's decompositions and partitioner, + inductor."""
 
@@ -56,7 +56,7 @@ class DetermConfig:
     """Also store each traced tensor's data, content-addressed by fingerprint (``DETERM_SAVE_TENSORS``)."""
 
     check: Tuple[str, ...] = ()
-    """Online checks: ``determinism`` and/or ``accuracy`` (``DETERM_CHECK``, comma-separated)."""
+    """Online checks: ``determinism``, ``accuracy``, ``nan`` (``DETERM_CHECK``, comma-separated)."""
 
     reference: Optional[str] = None
     """A trace file or run directory to compare this run against online (``DETERM_REFERENCE``)."""

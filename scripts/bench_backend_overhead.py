@@ -6,15 +6,18 @@ Two shapes: ``small`` is a 6-block residual MLP (width 256, batch 64; each block
 a small transformer (vocabulary 512, d_model 256, sequence 128, batch 8, 4 blocks).  Two modes:
 ``forward`` runs the model's forward under ``torch.no_grad()``, ``train`` runs forward +
 cross-entropy loss + backward + an SGD step.  Per shape and mode the variants are eager,
-aot_eager, determ_aot_eager with tracing off and on, inductor, determ_inductor with tracing off
-and on, and eager under PyTorch's ``DebugMode`` tensor hashing (skipped if this torch has none).
+aot_eager, determ_aot_eager with tracing off, on, and on with ``DETERM_CHECK=nan``, inductor,
+determ_inductor likewise, and eager under PyTorch's ``DebugMode`` tensor hashing (skipped if this
+torch has none).
 Every variant has its own model and compile and is measured in this one process, interleaved
 round-robin: a round runs each variant ``--steps`` steps, so machine noise hits all alike.  A
 variant's ratio is the median over rounds of (its time / its baseline's time in the same round);
-baselines: determ_aot_eager -> aot_eager, determ_inductor -> inductor, DebugMode -> eager.
+baselines: determ_aot_eager -> aot_eager, determ_inductor -> inductor, DebugMode -> eager, the
+``nan`` check -> the same backend with tracing on.
 
 Prints one table per (shape, mode), then PASS/FAIL per (shape, mode): a determ backend with
-tracing on <= 1.5x the backend it wraps, with tracing off <= 1.05x.  ``--memory-steps N`` then
+tracing on <= 1.5x the backend it wraps, with tracing off <= 1.05x, the ``nan`` check <= 1.05x
+tracing alone.  ``--memory-steps N`` then
 runs N training steps of the small shape under determ_aot_eager with tracing on, sampling the
 process RSS every N/10 steps: PASS if it ends at most 32 MiB above its value after the first
 tenth.  Exit status 0 when everything passes, 1 otherwise.  Results go to stdout, progress to
@@ -40,7 +43,7 @@ import torch
 from _bench_common import debug_mode_hashing, memory_check, print_table, ratio_to, time_rounds
 
 SMALL_WIDTH, SMALL_BATCH, SMALL_BLOCKS, CLASSES, VOCAB = 256, 64, 6, 10, 512
-TRACE_ON_LIMIT, TRACE_OFF_LIMIT, MEMORY_LIMIT_MIB = 1.5, 1.05, 32.0
+TRACE_ON_LIMIT, TRACE_OFF_LIMIT, NAN_LIMIT, MEMORY_LIMIT_MIB = 1.5, 1.05, 1.05, 32.0
 DEBUG_MODE = "eager + DebugMode(hash_tensor)"
 
 
@@ -147,25 +150,30 @@ def _step_fn(shape: _Shape, mode: str, model: torch.nn.Module, fn: Callable) -> 
     return train_step
 
 
-# name, backend (None: the eager model), determ run-id tag (None: not a determ backend), tracing, baseline
-_VARIANTS: List[Tuple[str, Optional[str], Optional[str], bool, Optional[str]]] = [
+# name, backend (None: the eager model), determ run-id tag (None: not a determ backend), tracing (a string:
+# tracing on with that DETERM_CHECK), baseline
+_VARIANTS: List[Tuple[str, Optional[str], Optional[str], object, Optional[str]]] = [
     ("eager", None, None, False, None),
     ("aot_eager", "aot_eager", None, False, None),
     ("determ_aot_eager[trace off]", "determ_aot_eager", "aot-off", False, "aot_eager"),
     ("determ_aot_eager[trace on]", "determ_aot_eager", "aot-on", True, "aot_eager"),
+    ("determ_aot_eager[trace+nan]", "determ_aot_eager", "aot-nan", "nan", "determ_aot_eager[trace on]"),
     ("inductor", "inductor", None, False, None),
     ("determ_inductor[trace off]", "determ_inductor", "ind-off", False, "inductor"),
     ("determ_inductor[trace on]", "determ_inductor", "ind-on", True, "inductor"),
+    ("determ_inductor[trace+nan]", "determ_inductor", "ind-nan", "nan", "determ_inductor[trace on]"),
 ]
 
 
-def _compiled(model: torch.nn.Module, backend: Optional[str], tag: Optional[str], trace: bool, out: str,
+def _compiled(model: torch.nn.Module, backend: Optional[str], tag: Optional[str], trace: object, out: str,
               run_id: str) -> Callable:
     if backend is None:
         return model
     if tag is None:
         return torch.compile(model, backend=backend)
     options = {"dir": out, "run_id": run_id} if trace else {"trace": False, "dir": out, "run_id": run_id}
+    if isinstance(trace, str):
+        options["check"] = trace
     return torch.compile(model, backend=backend, options=options)
 
 
@@ -238,7 +246,7 @@ def _report(args, shapes: Dict[str, _Shape], times: Dict[Tuple[str, str, str], L
             for name, ratio in ratios.items():
                 if not name.startswith("determ_"):
                     continue
-                limit = TRACE_ON_LIMIT if "trace on" in name else TRACE_OFF_LIMIT
+                limit = NAN_LIMIT if "+nan" in name else TRACE_ON_LIMIT if "trace on" in name else TRACE_OFF_LIMIT
                 ok = ratio <= limit
                 verdicts.append(ok)
                 print(f"{'PASS' if ok else 'FAIL'} {shape_name}/{mode}: {name} <= {limit:g}x {baselines[name]} "

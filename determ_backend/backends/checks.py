@@ -14,6 +14,12 @@ node), writes the records to the run's trace, and applies the configured checks:
   candidate is confirmed by replaying the eager graph with its compiled value
   substituted (a divergence that leaves the outputs within tolerance is masked).
   Inductor buffers that hold no node's value (``extra.holds``) are not judged.
+* ``nan``: the first record created non-finite -- NaN/Inf in its value while every input
+  is finite (:mod:`determ_backend.compare.nonfinite`, on the nan/inf counts the trace's
+  statistics already hold); records that only carry a NaN along are not findings.  When the
+  record is an inductor buffer that fused several nodes, the graph is replayed eagerly on the
+  call's inputs and the creating node of that region is named (or, when eager computes the
+  region finite, the compiled kernel itself is).
 * ``reference``: records are compared online with a trace from another run
   (:class:`~determ_backend.backends.run.ReferenceTrace`, read when the run is created):
   bitwise when both were recorded on the same device and dtype, else within
@@ -37,13 +43,17 @@ import torch.fx as fx
 from determ_backend import _torch_compat, devices
 from determ_backend.backends import narrow
 from determ_backend.compare import (Comparison, Pair, align, compare_traces, find_roots, is_float, judge, tensor_metrics)
+from determ_backend.compare import is_output
+from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError
 from determ_backend.backends.eager import replay
+from determ_backend.backends.instrument import node_source
 from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
 from determ_backend.clones import clone_inputs
-from determ_backend.trace.stream import Record
+from determ_backend.fingerprint.core import hash_tensors
+from determ_backend.trace.stream import Record, format_hash
 
 __all__ = ["GraphExec", "graph_in_dtype"]
 
@@ -94,6 +104,25 @@ def _ref_name(rec: Record) -> Optional[str]:
     if rec.kind == "output":
         return rec.node
     return rec.node if "#" not in rec.node else None
+
+
+def _inputs_intact(result: CallResult, args: List[Any]) -> bool:
+    """Whether the call's tensor inputs still hold what the trace recorded at its start (a compiled backward
+    may reuse its inputs' memory): their fingerprints against the input records', in order."""
+    recs = [r for r in result.records if r.kind in ("input", "param")]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if len(recs) != len(tensors) or any(r.hash is None for r in recs):
+        return False
+    return [format_hash(h) for h in hash_tensors(tensors)] == [r.hash for r in recs]
+
+
+def _has_random_ops(gm: fx.GraphModule) -> bool:
+    """Whether the graph draws random numbers (then a replay needs the call's RNG state)."""
+    for n in gm.graph.nodes:
+        tags = getattr(n.target, "tags", ()) if n.op == "call_function" else ()
+        if torch.Tag.nondeterministic_seeded in tags:
+            return True
+    return False
 
 
 _MAX_NARROW = 2
@@ -161,6 +190,8 @@ class GraphExec:
         self._gm64: Optional[fx.GraphModule] = None
         _torch_compat.set_boxed(self, boxed)
         self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
+        self._created: set = set()  # (graph, stage, node) already reported by the nan check
+        self._random = reference_gm is not None and _has_random_ops(reference_gm)
         recorder.keep_values = "accuracy" in config.check or config.save_tensors
 
     def _invoke(self, args: List[Any]) -> Any:
@@ -185,7 +216,9 @@ class GraphExec:
                 twin = self._guard("determinism", self._twin, args_list)
             finally:
                 devices.set_rng_state(rng)
-        rng_before = devices.get_rng_state() if eager_args is not None else None
+        # the nan check keeps references only: the inputs are replayed when a creation hides in a fused kernel
+        nan_args = list(args_list) if "nan" in checks else None
+        rng_before = devices.get_rng_state() if eager_args is not None or (nan_args and self._random) else None
         out = self._invoke(args_list)
         result = self.recorder.end_call()
         if self.config.save_tensors:
@@ -195,6 +228,8 @@ class GraphExec:
             self._guard("determinism", self._check_determinism, twin, result)
         if eager_args is not None:
             self._guard("accuracy", self._check_accuracy, eager_args, result, rng_before)
+        if nan_args is not None and result.nonfinite():
+            self._guard("nan", self._check_nan, result, nan_args, rng_before)
         if self.config.reference:
             self._guard("reference", self._check_reference, result)
         return out
@@ -247,6 +282,57 @@ class GraphExec:
             self.run.add_finding("accuracy", cmp.summary(["accuracy"]))
         elif cmp.masked:
             self.run.add_note("accuracy", cmp.summary(["accuracy"]))
+
+    def _check_nan(self, result: CallResult, args: List[Any], rng_state) -> None:
+        """The first record of this call created non-finite, once per node (later calls repeat it)."""
+        found, masked = causal_creations(result.records, is_output)
+        if masked and not found:
+            m = masked[0].record
+            key = ("masked", m.graph, m.stage, m.node)
+            if key not in self._created:
+                self._created.add(key)
+                self.run.add_note("nan", {"masked": [{"graph": m.graph, "stage": m.stage, "node": m.node, "op": m.op,
+                                                      "source": m.source, "note": "NaN/Inf created here reaches no "
+                                                      "output of the graph"}]})
+        if not found:
+            return
+        c = found[0]
+        rec = c.record
+        key = (rec.graph, rec.stage, rec.node)
+        if key in self._created:
+            return
+        self._created.add(key)
+        where = {"graph": rec.graph, "stage": rec.stage, "call": rec.call, "node": rec.node, "op": rec.op,
+                 "kind": rec.kind, "source": rec.source, "dtype": rec.dtype, "shape": rec.shape,
+                 "metrics": {"nan": c.nan, "inf": c.inf}, "inputs": c.inputs, "root_cause": True}
+        kernel = (rec.extra or {}).get("kernel")
+        if kernel and self.reference_gm is not None:
+            inside = self._created_inside(rec, result, args, rng_state)
+            if inside is not None:
+                where["inside"] = dict(inside, kernel=kernel)
+        self.run.add_finding("nan", {"checks": ["nan"], "divergent": True, "first_divergence": where,
+                                     "root_causes": [where], "creations": len(found) + len(masked)})
+
+    def _created_inside(self, rec: Record, result: CallResult, args: List[Any], rng_state) -> Optional[Dict[str, Any]]:
+        """The node of ``rec``'s fused region that creates the NaN/Inf in an eager replay of the graph on this
+        call's inputs; ``{"node": None}`` when eager computes the region finite (the compiled kernel is the
+        creator); None when the region is a single node."""
+        name = _ref_name(rec) or (rec.extra or {}).get("of")
+        judged = {n for n in (_ref_name(r) for r in result.records) if n}
+        region = narrow.region_of(self.reference_gm, name, judged - {name}) if name else []
+        if len(region) < 2:
+            return None
+        names = [n.name for n in region]
+        if not _inputs_intact(result, args):
+            return {"node": None, "region": names,
+                    "note": "not narrowed: the compiled graph reused its inputs' memory (a cached compile from "
+                            "before DETERM_CHECK=nan; clear TORCHINDUCTOR_CACHE_DIR to narrow)"}
+        values = replay(self.reference_gm, args, rng_state if rng_state is not None else devices.get_rng_state())
+        node = first_created(self.reference_gm, values, names)
+        if node is None:
+            return {"node": None, "region": names,
+                    "note": "eager computes this fused region finite: the compiled kernel creates the NaN/Inf"}
+        return {"node": node.name, "op": str(node.target), "source": node_source(node), "region": names}
 
     def _reference_gm64(self) -> fx.GraphModule:
         """The reference graph with its own float dtypes in float64 (built once, on the first check)."""

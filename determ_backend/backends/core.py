@@ -10,6 +10,7 @@ off the result is the wrapped backend's, unchanged.  Settings come from
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any, Callable, Dict, List, Optional
@@ -140,7 +141,10 @@ def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_c
         return compiled
 
     inner_compile = wrap_compiler(inner, "inductor") if wrap_compiler else inner
-    with _torch_compat.autograd_cache_disabled():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_torch_compat.autograd_cache_disabled())
+        if "nan" in cfg.check:  # a creation inside a fused kernel is found by replaying the call's inputs
+            stack.enter_context(_torch_compat.donated_buffers_disabled())
         return _torch_compat.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
 
 

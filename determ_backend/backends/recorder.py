@@ -54,6 +54,14 @@ class CallResult:
             self._records = [tpl.record(self.call, seq, *row) for seq, (tpl, *row) in enumerate(self._rows)]
         return self._records
 
+    def nonfinite(self) -> bool:
+        """Whether any captured value holds a NaN or an Inf (per its statistics): the nan check's cheap gate."""
+        for row in self._rows:
+            st = row[4]
+            if st is not None and (st.get("nan") or st.get("inf")):
+                return True
+        return False
+
     def lines(self) -> List[bytes]:
         """The trace lines of the records (as they are now, once built: a payload may have been added)."""
         if self._records is not None:

@@ -174,7 +174,16 @@ class Run:
         finding = {"check": check, **summary}
         with self._lock:
             self.findings.append(finding)
-        if fd:
+        if fd and check == "nan":
+            ins = fd.get("inside") or {}
+            inside = (f"; inside {ins.get('kernel')}: {ins.get('node')} ({ins.get('op')}) at {ins.get('source') or '?'}"
+                      if ins.get("node") else f"; {ins['note']}" if ins.get("note") else "")
+            ranges = ", ".join(f"{i['node']} in [{i.get('min')}, {i.get('max')}]" for i in fd.get("inputs") or [])
+            log.warning("determ nan: %s NaN and %s Inf created by graph=%s stage=%s node=%s op=%s at %s from finite "
+                        "inputs (%s)%s", fd["metrics"].get("nan"), fd["metrics"].get("inf"), fd.get("graph"),
+                        fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>",
+                        ranges or "no inputs", inside)
+        elif fd:
             m = fd.get("metrics") or {}
             metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
             k = fd.get("kernel") or {}

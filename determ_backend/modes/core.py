@@ -37,6 +37,7 @@ from determ_backend.modes._bitwise import BitwiseEquivalenceMode
 from determ_backend.modes.log import LogWriter, read_hash_log, read_hash_log_file
 from determ_backend.modes._record import OpEvent, OpRecorder
 from determ_backend.errors import ConfigError
+from determ_backend.compare.nonfinite import Creation, NonfiniteWatch
 from determ_backend.trace.stream import Record, TraceWriter
 
 __all__ = ["HashMode", "HashDebugTrace", "BitwiseEquivalenceMode", "read_hash_log", "read_hash_log_file"]
@@ -99,6 +100,9 @@ class HashMode(_compat.TorchDispatchMode):
         stack_depth: user frames kept per record (1 = the source line only).
         keep_records: keep the records in :attr:`records` (turn off for long streaming runs).
         batch: ops between fingerprint batches (one host sync each).
+        check_nan: name the ops that create a NaN/Inf from finite inputs (implies ``stats``): each creating
+            op is logged once, as the backends' ``DETERM_CHECK=nan`` does, and kept in :attr:`nan_creations`
+            (:class:`~determ_backend.compare.nonfinite.Creation`); ops that carry one along are not named.
 
     Use as a context manager, or :meth:`enable` / :meth:`disable` around regions and
     :meth:`close` at the end.  :attr:`records` is complete after :meth:`flush`.
@@ -106,11 +110,15 @@ class HashMode(_compat.TorchDispatchMode):
 
     def __init__(self, trace_path: Union[str, Path, None] = None, run: Optional[str] = None, stats: bool = False,
                  module: Optional[torch.nn.Module] = None, stack_depth: int = 1, keep_records: bool = True,
-                 batch: int = 512, _describe_args: bool = False):
+                 batch: int = 512, check_nan: bool = False, _describe_args: bool = False):
         super().__init__()
         _check_count("batch", batch, 1)
         _check_count("stack_depth", stack_depth, 0)
-        _check_bool(stats=stats, keep_records=keep_records)
+        _check_bool(stats=stats, keep_records=keep_records, check_nan=check_nan)
+        stats = stats or check_nan  # the rule reads the nan/inf counts of the statistics
+        self.nan_creations: List[Creation] = []
+        self._nan_watch: Optional[NonfiniteWatch] = NonfiniteWatch() if check_nan else None
+        self._nan_named: set = set()
         if run is not None and not isinstance(run, str):
             raise ConfigError(f"run={run!r}: expected a string or None")
         trace_path = _check_path("trace_path", trace_path, optional=True)
@@ -243,11 +251,26 @@ class HashMode(_compat.TorchDispatchMode):
 
     def _sink(self, events: List[OpEvent]) -> None:
         recs = [r for ev in events for r in ev.outs]
+        if self._nan_watch is not None:
+            self._note_creations(recs)
         if self.keep_records:
             self.records.extend(recs)
         if self._writer is not None:
             self._writer.write(recs)
         self._warn_compiled()
+
+    def _note_creations(self, recs: List[Record]) -> None:
+        """``check_nan``: the ops of this batch that created a NaN/Inf (op order; first-seen inputs are records too)."""
+        for c in self._nan_watch.feed(recs):
+            self.nan_creations.append(c)
+            r = c.record
+            site = (r.op, r.source)
+            if site in self._nan_named:  # the same op at the same line, later calls: counted, not logged again
+                continue
+            self._nan_named.add(site)
+            ranges = ", ".join(f"{i['node']} in [{i.get('min')}, {i.get('max')}]" for i in c.inputs)
+            logger.warning("%s: %d NaN and %d Inf created by %s (%s) at %s from finite inputs (%s)", type(self).__name__,
+                           c.nan, c.inf, r.node, r.op, r.source or "<unknown source>", ranges or "no inputs")
 
     def _warn_compiled(self) -> None:
         if self.compiled_ops and not self._warned_compiled:
@@ -263,7 +286,12 @@ class HashMode(_compat.TorchDispatchMode):
             self._writer = None
 
     def summary(self) -> List[str]:
-        return [f"records: {self._recorder.seq}"] + self._notes()
+        lines = [f"records: {self._recorder.seq}"]
+        if self._nan_watch is not None:
+            first = self.nan_creations[0].record if self.nan_creations else None
+            lines.append(f"NaN/Inf created by {len(self.nan_creations)} op(s)" +
+                         (f"; first: {first.node} ({first.op}) at {first.source}" if first else ""))
+        return lines + self._notes()
 
     def _notes(self) -> List[str]:
         if self.compiled_ops:

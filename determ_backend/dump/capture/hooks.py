@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from determ_backend._frames import FrameFilter, called_from_determ
+from determ_backend.compare.nonfinite import creates
 from determ_backend.dump.capture import backward as bw
 from determ_backend.dump.capture.apis import ApiInfo, api_table, is_inplace
 from determ_backend.dump.capture.entries import call_items, describe, output_items
@@ -227,7 +228,7 @@ class ApiRecorder:
     def _check_overflow(self, call: str, info: ApiInfo, direction: str, ins, outs, func, source) -> None:
         if not self.overflow.enabled:
             return
-        if not nonfinite([v for _, v in outs]) or nonfinite([v for _, v in ins]):
+        if not creates(nonfinite([v for _, v in outs]), [nonfinite([v for _, v in ins])]):
             return
         ins_e, outs_e = self.describe_io(ins, outs)
         self.write(call, info, direction, ins_e, outs_e, source, None, overflow=self.overflow.count + 1)

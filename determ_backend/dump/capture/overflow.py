@@ -1,4 +1,5 @@
-"""Overflow check: the first API whose output holds nan/inf while its inputs are finite.
+"""Overflow check: the first API whose output holds nan/inf while its inputs are finite
+(the creation rule of :mod:`determ_backend.compare.nonfinite`, shared with ``DETERM_CHECK=nan``).
 
 Works on any device: finiteness is read from ``aminmax`` (nan and +-inf show up
 in the minimum or maximum), one host transfer per batch.  After

@@ -1,5 +1,5 @@
 """The verdict on real Hugging Face architectures (small configs, no downloads): healthy models report
-no divergence and no checker error, an injected inductor bug is named at its op with the modeling
+no divergence, no NaN/Inf creation (``DETERM_CHECK=nan`` runs with the other checks) and no checker error, an injected inductor bug is named at its op with the modeling
 file's line, and a second sequence length (a recompile with symbolic shapes) is traced and checked."""
 
 import json
@@ -18,7 +18,7 @@ def _run(family, backend, out: Path, run_id: str, train: bool, seqs=(16,), confi
     torch._dynamo.reset()
     model, _ = real_models.build(family)
     model.train(train)
-    opts = {"dir": str(out), "run_id": run_id, "check": "determinism,accuracy"}
+    opts = {"dir": str(out), "run_id": run_id, "check": "determinism,accuracy,nan"}
     opts.update(options)
     f = torch.compile(model, backend=backend, options=opts, dynamic=None)
     with torch._inductor.config.patch(config or {}):

@@ -1,0 +1,159 @@
+"""Where did the first NaN/Inf come from: the creation rule, one home for every tool.
+
+A value is **created** non-finite when it holds a NaN or an Inf while every input of the
+operation that produced it is finite; an operation whose input already holds one only
+carries it along and is never blamed.  The backends' ``DETERM_CHECK=nan``, the eager
+modes' ``check_nan`` and the API dump's overflow check all decide with :func:`creates`.
+
+:func:`find_creations` applies the rule to the records of one traced graph call, in
+graph order, using the nan/inf counts the trace's statistics already hold (no extra pass
+over the data); :func:`causal_creations` keeps as root causes the creations whose NaN/Inf
+reaches a non-finite output of the graph (an intentional ``-inf`` attention mask that the
+softmax turns into zeros is a masked creation, not a finding).  :func:`first_created` applies it to the node values of an eager replay,
+to name the op inside a fused kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["creates", "nonfinite_count", "Creation", "NonfiniteWatch", "find_creations", "causal_creations",
+           "first_created", "value_range"]
+
+
+def nonfinite_count(stats: Optional[Mapping[str, Any]]) -> Optional[int]:
+    """NaN plus Inf elements per a record's statistics; None when the statistics are not known."""
+    if not stats or "nan" not in stats:
+        return None
+    return int(stats.get("nan") or 0) + int(stats.get("inf") or 0)
+
+
+def creates(output_nonfinite: bool, inputs_nonfinite: Iterable[Optional[bool]]) -> bool:
+    """The rule: an output holds NaN/Inf while every input is known to be finite (None: not known)."""
+    return bool(output_nonfinite) and all(x is False for x in inputs_nonfinite)
+
+
+@dataclass
+class Creation:
+    """A record whose value was created non-finite, with what its inputs held."""
+
+    record: Any
+    nan: int
+    inf: int
+    inputs: List[Dict[str, Any]] = field(default_factory=list)
+    """``{"node", "min", "max"}`` of each input record (their ranges show how the creation happened)."""
+
+
+def value_range(stats: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    return {"min": (stats or {}).get("min"), "max": (stats or {}).get("max")}
+
+
+class NonfiniteWatch:
+    """The creation rule over a stream of records (graph order, or op order for the eager modes).
+
+    A record whose inputs are all known and finite is a creation.  A record without statistics (a view,
+    whose data is its base's) holds what its inputs hold.  One with an input not known (not
+    traced, or produced so long ago that it was forgotten) is a creation only when nothing before it held
+    a NaN/Inf: it cannot have come from elsewhere.  Inputs that arrive non-finite (``input``/``param``
+    records) are not creations (the value came from outside).  Memory is bounded: the counts of the
+    most recent ``limit`` records are kept."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self.limit = limit
+        self._seen: Dict[str, Any] = {}  # node -> its statistics (None: not known), most recent last
+        self.seen_nonfinite = False
+
+    def feed(self, records: Iterable[Any]) -> List[Creation]:
+        """The creations among ``records`` (which follow the ones fed before)."""
+        out: List[Creation] = []
+        seen = self._seen
+        for r in records:
+            n = nonfinite_count(r.stats)
+            if n is None and r.inputs and r.kind not in ("input", "param"):
+                # no statistics: a view (its data is its base's) -- it holds what its inputs hold, when known
+                known = [nonfinite_count(seen.get(name)) for name in r.inputs]
+                if all(k is not None for k in known):
+                    seen[r.node] = {"nan": sum(known), "inf": 0}
+                    self.seen_nonfinite = self.seen_nonfinite or sum(known) > 0
+                    continue
+            seen[r.node] = r.stats
+            if not n:
+                continue
+            if r.kind in ("input", "param"):
+                self.seen_nonfinite = True
+                continue
+            known = [nonfinite_count(seen[name]) if name in seen else None for name in r.inputs]
+            if any(k for k in known):
+                self.seen_nonfinite = True
+                continue
+            if all(k == 0 for k in known) or not self.seen_nonfinite:
+                st = r.stats or {}
+                out.append(Creation(r, int(st.get("nan") or 0), int(st.get("inf") or 0),
+                                    [dict(node=name, **value_range(seen.get(name))) for name in r.inputs]))
+            self.seen_nonfinite = True
+        if len(seen) > self.limit:
+            for k in list(seen)[: len(seen) - self.limit // 2]:
+                del seen[k]
+        return out
+
+
+    def holds(self, node: str) -> Optional[int]:
+        """NaN plus Inf elements of a record fed (None: not known, or forgotten)."""
+        return nonfinite_count(self._seen.get(node))
+
+
+def find_creations(records: Sequence[Any]) -> List[Creation]:
+    """The creations among the records of one graph call (graph order)."""
+    return NonfiniteWatch(limit=max(1 << 16, 2 * len(records))).feed(records)
+
+
+def causal_creations(records: Sequence[Any], is_output: Callable[[Any], bool]) -> Tuple[List[Creation], List[Creation]]:
+    """``(roots, masked)``: the creations of one graph call whose NaN/Inf reaches a non-finite output of the
+    graph (walking back through records that hold one), and those that reach none -- an Inf that a softmax
+    turns into 0, a NaN a ``where`` drops: created, but harmless here."""
+    watch = NonfiniteWatch(limit=max(1 << 16, 2 * len(records)))
+    found = watch.feed(records)
+    by_node = {r.node: r for r in records}
+    live: set = set()
+    todo = [r.node for r in records if is_output(r) and watch.holds(r.node)]
+    while todo:
+        name = todo.pop()
+        if name in live:
+            continue
+        live.add(name)
+        r = by_node.get(name)
+        if r is not None:
+            todo.extend(i for i in r.inputs if watch.holds(i))
+    roots = [c for c in found if c.record.node in live]
+    return roots, [c for c in found if c.record.node not in live]
+
+
+def _nonfinite(v: Any) -> Optional[bool]:
+    if isinstance(v, torch.Tensor):
+        if not (v.is_floating_point() or v.is_complex()) or v.numel() == 0:
+            return False
+        return not bool(torch.isfinite(v).all())
+    if isinstance(v, (list, tuple)):
+        flags = [_nonfinite(x) for x in v]
+        return any(f for f in flags if f)
+    if isinstance(v, float):
+        return v != v or v in (float("inf"), float("-inf"))
+    return False
+
+
+def first_created(gm: Any, values: Mapping[str, Any], among: Optional[Iterable[str]] = None) -> Optional[Any]:
+    """The first FX node of ``gm`` (graph order; only nodes named in ``among`` when given) whose value in
+    ``values`` (an eager replay) was created non-finite by :func:`creates`; None when there is none."""
+    wanted = set(among) if among is not None else None
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or (wanted is not None and node.name not in wanted):
+            continue
+        if node.name not in values:
+            continue
+        ins = [values.get(a.name) for a in node.all_input_nodes]
+        if creates(_nonfinite(values[node.name]), (_nonfinite(v) for v in ins)):
+            return node
+    return None

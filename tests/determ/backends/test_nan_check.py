@@ -1,0 +1,127 @@
+"""DETERM_CHECK=nan: the first node that creates a NaN/Inf from finite inputs, forward and backward, under
+determ_aot_eager, determ_eager and determ_inductor (real compiles), named once and never its consumers."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from backend_helpers import compile_run, load
+from determ_backend.errors import AccuracyError
+
+
+class SqrtOfShifted(torch.nn.Module):
+    """``sqrt(h - 0.5)`` creates NaN in the forward wherever h < 0.5; everything after only carries it."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.l1(x)
+        h = torch.sqrt(h - 0.5)  # the creator
+        return self.l2(torch.relu(h) * 2)
+
+
+class SqrtOfZero(torch.nn.Module):
+    """``sqrt(sum((d - d.detach())**2))`` is 0 forward; its backward divides by 2*sqrt(0): Inf created in the
+    backward graph, then 0 * Inf = NaN reaches every gradient of ``l1`` -- at this forward line."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        d = self.l1(x)
+        r = torch.sqrt(((d - d.detach()) ** 2).sum(-1, keepdim=True))  # the backward creator
+        return self.l2(d) + r
+
+
+class MaskedInf(torch.nn.Module):
+    """An intentional -inf attention mask: created, but the softmax turns it into zeros -- no finding."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        s = self.q(x) @ x.t()
+        mask = torch.full_like(s, float("-inf")).triu(1)
+        return torch.softmax(s + mask, dim=-1) @ x
+
+
+def _line(cls, text: str) -> str:
+    src, start = inspect.getsourcelines(cls.forward)
+    return f"{inspect.getsourcefile(cls)}:{start + next(i for i, l in enumerate(src) if text in l)}"
+
+
+def _nan_findings(report):
+    return [f for f in report["findings"] if f["check"] == "nan"]
+
+
+def _run(model_cls, backend, tmp_path, run_id, **options):
+    torch.manual_seed(0)
+    _, run_dir = compile_run(model_cls(), (torch.randn(4, 8),), backend, tmp_path, run_id, backward=True,
+                             check="nan", **options)
+    return load(run_dir)[1]
+
+
+@pytest.mark.parametrize("backend, op", [("determ_aot_eager", "aten.sqrt.default"), ("determ_eager", "torch.sqrt")])
+def test_forward_creator_is_named_and_its_consumers_are_not(tmp_path, backend, op):
+    report = _run(SqrtOfShifted, backend, tmp_path, backend)
+    (f,) = _nan_findings(report)  # consumers (relu, mul, the linear, the backward) only carry it
+    fd = f["first_divergence"]
+    assert fd["op"] == op and fd["source"].startswith(_line(SqrtOfShifted, "# the creator"))
+    assert fd["metrics"]["nan"] > 0 and fd["metrics"]["inf"] == 0
+    (inp,) = fd["inputs"]
+    assert inp["min"] < 0.5 and inp["max"] is not None  # the input's range shows why
+    assert report["checker_errors"] == []
+
+
+def test_backward_creator_names_the_forward_line(tmp_path):
+    report = _run(SqrtOfZero, "determ_aot_eager", tmp_path, "bwd")
+    (f,) = _nan_findings(report)
+    fd = f["first_divergence"]
+    assert fd["stage"] == "aot_backward"
+    assert fd["source"].startswith(_line(SqrtOfZero, "# the backward creator"))
+    assert fd["metrics"]["inf"] > 0
+
+
+def test_an_inf_mask_the_softmax_absorbs_is_a_note_not_a_finding(tmp_path):
+    report = _run(MaskedInf, "determ_aot_eager", tmp_path, "mask")
+    assert _nan_findings(report) == [] and not report["divergent"]
+    notes = [n for n in report["notes"] if n["check"] == "nan"]
+    assert notes and notes[0]["masked"][0]["op"] in ("aten.full_like.default", "aten.full.default",
+                                                      "aten.triu.default")
+
+
+def test_healthy_model_has_no_nan_finding_and_raise_stops_at_the_creator(tmp_path):
+    class Healthy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.sqrt(torch.relu(self.l(x)) + 1.0)
+
+    report = _run(Healthy, "determ_aot_eager", tmp_path, "ok")
+    assert _nan_findings(report) == [] and report["checker_errors"] == []
+    with pytest.raises(AccuracyError, match=r"determ nan: .*sqrt"):
+        _run(SqrtOfShifted, "determ_aot_eager", tmp_path, "raise", raise_on_divergence=True)
+
+
+@pytest.mark.slow
+def test_inductor_names_the_creator_inside_the_fused_kernel_forward_and_backward(tmp_path):
+    report = _run(SqrtOfShifted, "determ_inductor", tmp_path, "ind")
+    by_stage = {f["first_divergence"]["stage"]: f["first_divergence"] for f in _nan_findings(report)}
+    fwd = by_stage["inductor_forward"]
+    # the buffer fuses sub, sqrt, relu, mul: the replay names sqrt and its line
+    assert fwd["inside"]["node"] == "sqrt" and fwd["inside"]["op"] == "aten.sqrt.default"
+    assert fwd["inside"]["source"].startswith(_line(SqrtOfShifted, "# the creator"))
+    assert fwd["inside"]["kernel"] and "sqrt" in fwd["inside"]["region"]
+    # inductor's partitioner recomputes sqrt in the backward: a creation there too, from finite inputs
+    bwd = by_stage["inductor_backward"]
+    assert bwd["inside"]["node"] == "sqrt" and bwd["source"].startswith(_line(SqrtOfShifted, "# the creator"))
+    assert report["checker_errors"] == []

@@ -1,0 +1,46 @@
+"""HashMode(check_nan=True): the eager op that creates a NaN/Inf from finite inputs, forward and backward, once per
+site; ops that only carry it along are not named (the rule shared with DETERM_CHECK=nan and the dump's overflow
+check)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from determ_backend.errors import ConfigError
+from determ_backend.modes import HashMode
+
+
+def test_hashmode_names_forward_and_backward_creators_once(caplog):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="determ_backend.modes.core"):
+        with HashMode(check_nan=True, batch=7) as m:  # small batches: creations span flushes
+            for _ in range(3):
+                h = lin(x)
+                y = torch.log(h - 0.2)  # forward creator: NaN where h < 0.2
+                z = (torch.sqrt(torch.relu(h)) + torch.nan_to_num(y)).sum()  # sqrt's backward: Inf at 0
+                z.backward()
+        m.flush()
+    ops = [c.record.op for c in m.nan_creations]
+    assert ops[:1] == ["aten.log.default"]
+    assert "aten.div.Tensor" in ops or "aten.mul.Tensor" in ops  # the backward of sqrt at relu == 0
+    assert all(c.record.op not in ("aten.relu.default", "aten.sum.default") for c in m.nan_creations)
+    log_lines = [r.getMessage() for r in caplog.records if "created by" in r.getMessage()]
+    assert len(log_lines) == len({(c.record.op, c.record.source) for c in m.nan_creations})  # once per site
+    assert len(m.nan_creations) == 3 * len(log_lines)  # every step counted
+    assert any("NaN/Inf created by" in s for s in m.summary())
+    log_creation = m.nan_creations[0]
+    assert log_creation.nan > 0 and log_creation.inputs[0]["min"] < 0.2
+
+
+def test_hashmode_healthy_run_names_nothing_and_bad_flag_is_a_config_error():
+    with HashMode(check_nan=True) as m:
+        torch.sqrt(torch.rand(16) + 1).sum()
+    m.flush()
+    assert m.nan_creations == []
+    with pytest.raises(ConfigError, match="check_nan"):
+        HashMode(check_nan="yes")
