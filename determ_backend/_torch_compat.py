@@ -33,7 +33,7 @@ __all__ = [
     "tree_map", "tree_flatten", "tree_unflatten",
     # inductor instrumentation
     "boxed_nop", "aot_eager", "inductor_cache_dir", "compiled_source", "set_compiled_callable",
-    "capture_buffer_origins", "autograd_cache_disabled", "donated_buffers_disabled",
+    "capture_buffer_origins", "autograd_cache_disabled", "donated_buffers_disabled", "sym_expr", "example_value",
     # eager dispatch modes
     "eval_frame_setter", "dynamo_skip_code", "current_autograd_node_getter",
     # repro scripts and flows
@@ -279,6 +279,18 @@ def autograd_cache_disabled() -> Iterator[None]:
 
     with fcfg.patch(enable_autograd_cache=False):
         yield
+
+
+def sym_expr(x: Any) -> Optional[Any]:
+    """The symbolic expression of a ``SymInt`` (a dynamic size, e.g. the batch ``s0``); None for a plain int."""
+    node = getattr(x, "node", None) if isinstance(x, torch.SymInt) else None
+    return getattr(node, "expr", None)
+
+
+def example_value(node: Any) -> Optional[Any]:
+    """The fake value an FX node was traced with (AOT/inductor graphs: ``val``; dynamo graphs: ``example_value``)."""
+    meta = getattr(node, "meta", {}) or {}
+    return meta.get("val", meta.get("example_value"))
 
 
 @contextlib.contextmanager

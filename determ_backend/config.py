@@ -17,7 +17,7 @@ from determ_backend.errors import ConfigError
 
 __all__ = ["DetermConfig", "load_config", "parse_bool", "CHECKS", "STAGES"]
 
-CHECKS = ("determinism", "accuracy", "nan")
+CHECKS = ("determinism", "accuracy", "nan", "batch_invariance")
 STAGES = ("eager", "aot_eager", "aot_eager_decomp_partition", "inductor")
 """The compiler stack from the bottom: dynamo only, + AOT autograd, + inductor's decompositions and partitioner, + inductor."""
 
@@ -56,7 +56,11 @@ class DetermConfig:
     """Also store each traced tensor's data, content-addressed by fingerprint (``DETERM_SAVE_TENSORS``)."""
 
     check: Tuple[str, ...] = ()
-    """Online checks: ``determinism``, ``accuracy``, ``nan`` (``DETERM_CHECK``, comma-separated)."""
+    """Online checks: ``determinism``, ``accuracy``, ``nan``, ``batch_invariance`` (``DETERM_CHECK``,
+    comma-separated)."""
+
+    batch_dim: int = 0
+    """The batch dimension of the graphs' inputs for ``batch_invariance`` (``DETERM_BATCH_DIM``)."""
 
     reference: Optional[str] = None
     """A trace file or run directory to compare this run against online (``DETERM_REFERENCE``)."""
@@ -117,6 +121,8 @@ class DetermConfig:
                 parse_device_spec(self.device)
             except ConfigError as e:
                 raise ConfigError(f"DETERM_DEVICE={self.device!r}: {e}") from None
+        if isinstance(self.batch_dim, bool) or not isinstance(self.batch_dim, int) or self.batch_dim < 0:
+            raise ConfigError(f"DETERM_BATCH_DIM={self.batch_dim!r}; expected a dimension index >= 0")
         if not self.fp64_multiplier > 0:
             raise ConfigError(f"DETERM_FP64_MULTIPLIER={str(self.fp64_multiplier)!r}; expected a positive number")
 
@@ -129,7 +135,7 @@ _ENV = {
     "save_tensors": "DETERM_SAVE_TENSORS", "check": "DETERM_CHECK", "reference": "DETERM_REFERENCE",
     "tol": "DETERM_TOL", "fp64_multiplier": "DETERM_FP64_MULTIPLIER", "raise_on_divergence": "DETERM_RAISE",
     "repro_after": "REPRO_AFTER", "repro_level": "REPRO_LEVEL", "minify": "DETERM_MINIFY", "strict": "DETERM_STRICT",
-    "device": "DETERM_DEVICE", "bisect_stage": "DETERM_BISECT_STAGE",
+    "device": "DETERM_DEVICE", "bisect_stage": "DETERM_BISECT_STAGE", "batch_dim": "DETERM_BATCH_DIM",
 }
 _BY_ENV = {v: k for k, v in _ENV.items()}
 

@@ -38,6 +38,44 @@ def _nd_backward(ctx, grad):
 nd_rowsum.register_autograd(_nd_backward, setup_context=_nd_setup)
 
 
+@torch.library.custom_op("determ_test::batch_dep_sum", mutates_args=())
+def batch_dep_sum(x: torch.Tensor) -> torch.Tensor:
+    """Row sums whose reduction is split into ``1 + batch % 3`` column chunks: a row's bits depend on the batch
+    size, as with a kernel that picks its blocking by M."""
+    return sum(p.sum(dim=1, keepdim=True) for p in x.chunk(1 + x.shape[0] % 3, dim=1))
+
+
+@batch_dep_sum.register_fake
+def _(x):
+    return x.new_empty(x.shape[0], 1)
+
+
+class BatchDependent(torch.nn.Module):
+    """relu -> scale -> batch_dep_sum -> linear: the custom op is the batch-invariance culprit."""
+
+    def __init__(self, d: int = 256):
+        super().__init__()
+        self.head = torch.nn.Linear(1, 4)
+
+    def forward(self, x):
+        h = torch.relu(x) * 100
+        return self.head(batch_dep_sum(h))  # the culprit
+
+
+class RowWise(torch.nn.Module):
+    """Only row-wise work (layer norm, gelu, a per-feature scale, softmax and sums over features): every row's
+    bits are the same whatever else is in the batch."""
+
+    def __init__(self, d: int = 256):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.scale = torch.nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.norm(x)) * self.scale
+        return torch.softmax(h, dim=-1).sum(-1, keepdim=True) + h.sum(-1, keepdim=True)
+
+
 class MLP(torch.nn.Module):
     def __init__(self, d_in: int = 8, d_hidden: int = 16, d_out: int = 4):
         super().__init__()

@@ -20,6 +20,13 @@ node), writes the records to the run's trace, and applies the configured checks:
   record is an inductor buffer that fused several nodes, the graph is replayed eagerly on the
   call's inputs and the creating node of that region is named (or, when eager computes the
   region finite, the compiled kernel itself is).
+* ``batch_invariance``: a forward graph whose inputs share a dynamic batch dimension (the size
+  symbol of ``DETERM_BATCH_DIM``, 0 by default) is run again on a copy of the call's inputs and on
+  sub-batches of them (the first half, then the first row) -- the same compiled code, the batch size
+  symbol changed -- and the matching rows of every traced node are compared bitwise; the root
+  cause is the first node whose input rows agree while its output rows do not (the causal rule of
+  :mod:`determ_backend.compare.roots`).  Graphs with no such dimension (a static batch size,
+  backward graphs) are skipped with a note.
 * ``reference``: records are compared online with a trace from another run
   (:class:`~determ_backend.backends.run.ReferenceTrace`, read when the run is created):
   bitwise when both were recorded on the same device and dtype, else within
@@ -41,8 +48,8 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
-from determ_backend.backends import narrow
-from determ_backend.compare import (Comparison, Pair, align, compare_traces, find_roots, is_float, judge, tensor_metrics)
+from determ_backend.backends import flows, narrow
+from determ_backend.compare import (Comparison, Pair, align, compare_traces, find_roots, is_float, judge, rows_agree, tensor_metrics)
 from determ_backend.compare import is_output
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
@@ -116,6 +123,20 @@ def _inputs_intact(result: CallResult, args: List[Any]) -> bool:
     return [format_hash(h) for h in hash_tensors(tensors)] == [r.hash for r in recs]
 
 
+def _row_pairs(full: CallResult, part: CallResult, batch: int, b: int) -> List[Pair]:
+    """The records of the two runs paired by node, judged on their matching rows (inputs agree by construction)."""
+    by_node = {r.node: r for r in part.records}
+    pairs = []
+    for r in full.records:
+        q = by_node.get(r.node)
+        p = Pair(r, q)
+        if q is not None:
+            p.equal = True if r.kind in ("input", "param") else \
+                rows_agree(full.values.get(r.node), part.values.get(r.node), batch, b)
+        pairs.append(p)
+    return pairs
+
+
 def _has_random_ops(gm: fx.GraphModule) -> bool:
     """Whether the graph draws random numbers (then a replay needs the call's RNG state)."""
     for n in gm.graph.nodes:
@@ -183,8 +204,10 @@ class GraphExec:
 
     def __init__(self, fn: Callable, recorder: Recorder, run: Run, config: DetermConfig,
                  reference_gm: Optional[fx.GraphModule] = None, boxed: bool = False,
-                 compile_region: Optional[Callable[[fx.GraphModule, List[Any]], Callable]] = None):
+                 compile_region: Optional[Callable[[fx.GraphModule, List[Any]], Callable]] = None,
+                 compiler: str = "eager"):
         self.fn, self.recorder, self.run, self.config = fn, recorder, run, config
+        self.compiler = compiler  # how a repro of this graph recompiles it: "eager" (FX as is) or "inductor"
         self.compile_region = compile_region  # the graph's compiler, to narrow a root inside a fused kernel
         self.reference_gm, self.boxed = reference_gm, boxed
         self._gm64: Optional[fx.GraphModule] = None
@@ -192,6 +215,7 @@ class GraphExec:
         self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
         self._created: set = set()  # (graph, stage, node) already reported by the nan check
         self._random = reference_gm is not None and _has_random_ops(reference_gm)
+        self._batch_plan: Any = None  # batch_invariance: None until the first call, False for a skipped graph
         recorder.keep_values = "accuracy" in config.check or config.save_tensors
 
     def _invoke(self, args: List[Any]) -> Any:
@@ -216,11 +240,20 @@ class GraphExec:
                 twin = self._guard("determinism", self._twin, args_list)
             finally:
                 devices.set_rng_state(rng)
+        batch_args = self._guard("batch_invariance", clone_inputs, args_list) \
+            if "batch_invariance" in checks and self._batch_plan is not False else None
         # the nan check keeps references only: the inputs are replayed when a creation hides in a fused kernel
         nan_args = list(args_list) if "nan" in checks else None
-        rng_before = devices.get_rng_state() if eager_args is not None or (nan_args and self._random) else None
-        out = self._invoke(args_list)
-        result = self.recorder.end_call()
+        rng_before = devices.get_rng_state() \
+            if eager_args is not None or batch_args is not None or (nan_args and self._random) else None
+        keep = self.recorder.keep_values
+        if batch_args is not None:  # the batch check's full-batch values: this very call's
+            self.recorder.keep_values = True
+        try:
+            out = self._invoke(args_list)
+        finally:
+            result = self.recorder.end_call()
+            self.recorder.keep_values = keep
         if self.config.save_tensors:
             self.run.store_payloads(result)
         self.run.write_call(result)
@@ -230,6 +263,8 @@ class GraphExec:
             self._guard("accuracy", self._check_accuracy, eager_args, result, rng_before)
         if nan_args is not None and result.nonfinite():
             self._guard("nan", self._check_nan, result, nan_args, rng_before)
+        if batch_args is not None:
+            self._guard("batch_invariance", self._check_batch, result, batch_args, rng_before)
         if self.config.reference:
             self._guard("reference", self._check_reference, result)
         return out
@@ -310,8 +345,11 @@ class GraphExec:
             inside = self._created_inside(rec, result, args, rng_state)
             if inside is not None:
                 where["inside"] = dict(inside, kernel=kernel)
-        self.run.add_finding("nan", {"checks": ["nan"], "divergent": True, "first_divergence": where,
-                                     "root_causes": [where], "creations": len(found) + len(masked)})
+        summary = {"checks": ["nan"], "divergent": True, "first_divergence": where, "root_causes": [where],
+                   "creations": len(found) + len(masked)}
+        if self.reference_gm is not None and _inputs_intact(result, args):
+            summary["repro"] = self._write_repro("nan", args)
+        self.run.add_finding("nan", summary)
 
     def _created_inside(self, rec: Record, result: CallResult, args: List[Any], rng_state) -> Optional[Dict[str, Any]]:
         """The node of ``rec``'s fused region that creates the NaN/Inf in an eager replay of the graph on this
@@ -333,6 +371,95 @@ class GraphExec:
             return {"node": None, "region": names,
                     "note": "eager computes this fused region finite: the compiled kernel creates the NaN/Inf"}
         return {"node": node.name, "op": str(node.target), "source": node_source(node), "region": names}
+
+    # -- batch invariance ----------------------------------------------------------------------------
+    def _plan_batch(self, result: CallResult, args: List[Any]) -> Any:
+        """``(B, tensor indices, size-argument indices)`` of the batch, or the reason the graph is skipped."""
+        r0 = result.records[0] if result.records else None
+        if r0 is None or "backward" in r0.stage:
+            return "backward graphs (their saved inputs mix parameters and activations)"
+        if self.reference_gm is None:
+            return "no FX graph to read the batch dimension from"
+        placeholders = [n for n in self.reference_gm.graph.nodes if n.op == "placeholder"]
+        kinds = iter([r.kind for r in result.records if r.kind in ("input", "param")])
+        if len(placeholders) != len(args):
+            return "its placeholders do not match its arguments"
+        dim = self.config.batch_dim
+        batch_sym, rows, sizes = None, [], []
+        for i, (n, a) in enumerate(zip(placeholders, args)):
+            kind = next(kinds, None) if isinstance(a, torch.Tensor) else None
+            val = _torch_compat.example_value(n)
+            if isinstance(a, torch.Tensor):
+                if kind != "input" or a.dim() <= dim or not isinstance(val, torch.Tensor):
+                    continue
+                expr = _torch_compat.sym_expr(val.shape[dim])
+                if batch_sym is None:
+                    if expr is None:
+                        return (f"graph {r0.graph}: its batch size {a.shape[dim]} (dimension {dim} of input {n.name}) is "
+                                f"static -- compile with dynamic=True or torch._dynamo.mark_dynamic(x, {dim})")
+                    batch_sym, batch = expr, a.shape[dim]
+                if expr is not None and expr == batch_sym:
+                    rows.append(i)
+            elif _torch_compat.sym_expr(val) is not None:
+                sizes.append((i, _torch_compat.sym_expr(val)))
+        if batch_sym is None:
+            return f"graph {r0.graph}: no input with a dimension {dim} (DETERM_BATCH_DIM)"
+        if batch < 2:
+            return f"graph {r0.graph}: batch size {batch}"
+        return batch, rows, [i for i, e in sizes if e == batch_sym]
+
+    def _run_for_values(self, args: List[Any], rng_state) -> CallResult:
+        """One extra execution of the compiled graph on ``args``, keeping every traced value."""
+        keep = self.recorder.keep_values
+        self.recorder.keep_values = True
+        current = devices.get_rng_state()
+        try:
+            if rng_state is not None:
+                devices.set_rng_state(rng_state)
+            try:
+                self._invoke(args)
+            finally:
+                res = self.recorder.end_call(count=False)
+        finally:
+            self.recorder.keep_values = keep
+            devices.set_rng_state(current)
+        return res
+
+    def _check_batch(self, result: CallResult, args: List[Any], rng_state) -> None:
+        if self._batch_plan is None:
+            plan = self._plan_batch(result, args)
+            if isinstance(plan, str):
+                self._batch_plan = False
+                self.run.add_skip("batch_invariance", plan)
+                return
+            self._batch_plan = plan
+        batch, rows, sizes = self._batch_plan
+        dim = self.config.batch_dim
+        full = result if result.values else self._run_for_values(clone_inputs(args), rng_state)
+        for b in sorted({batch // 2, 1} - {0, batch}, reverse=True):  # the first half, then the first row
+            sub = [a.narrow(dim, 0, b).clone() if i in rows else b if i in sizes else a
+                   for i, a in enumerate(clone_inputs(args))]
+            part = self._run_for_values(sub, rng_state)
+            cmp = find_roots(_row_pairs(full, part, batch, b), mode=f"batch_invariance rows 0..{b - 1} of {batch}",
+                             strict=True)
+            if cmp.divergent:
+                summary = cmp.summary(["batch_invariance"])
+                summary.update(batch=batch, sub_batch=b)
+                summary["repro"] = self._write_repro("batch_invariance", args, batch=batch,
+                                                     batch_dim=self.config.batch_dim)
+                self.run.add_finding("batch_invariance", summary)
+                return
+
+    def _write_repro(self, kind: str, args: List[Any], **meta: Any) -> Optional[str]:
+        """``<run dir>/<kind>_<graph>_<stage>/repro.py``: this graph on the call's inputs, for ``python repro.py``
+        and ``repro-tools minify`` (None, with a checker error, when it cannot be written)."""
+        r0 = self.recorder
+        path = self.run.dir / f"{kind}_{r0.graph}_{r0.stage}" / "repro.py"
+        try:
+            return str(flows.write_repro(self.reference_gm, args, path, dict(meta, kind=kind, compiler=self.compiler)))
+        except Exception as e:  # the finding stands without its repro
+            self.run.add_checker_error(kind, f"writing {path} failed: {type(e).__name__}: {_first_line(e)}")
+            return None
 
     def _reference_gm64(self) -> fx.GraphModule:
         """The reference graph with its own float dtypes in float64 (built once, on the first check)."""

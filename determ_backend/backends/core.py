@@ -135,7 +135,7 @@ def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_c
             return compiled
         if rec is None:
             return compiled
-        exec_ = GraphExec(compiled.current_callable, rec, run, cfg, reference_gm=fx_g, boxed=True,
+        exec_ = GraphExec(compiled.current_callable, rec, run, cfg, reference_gm=fx_g, boxed=True, compiler="inductor",
                           compile_region=functools.partial(_compile_region, patches=patches))
         _torch_compat.set_compiled_callable(compiled, exec_)
         return compiled

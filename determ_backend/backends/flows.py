@@ -1,11 +1,13 @@
-"""The repro flows as plug-ins: what ``REPRO_AFTER=dynamo|aot`` runs around a backend.
+"""The repro flows as plug-ins: what ``REPRO_AFTER=dynamo|aot`` runs around a backend, and the repro writer.
 
 The flows themselves (dumping a failing graph, minifying it, writing ``repro.py``)
 are offline tools and live in :mod:`repro_tools.flows`.  They register under the
 ``determ_flows`` entry-point group, one entry per ``REPRO_AFTER`` value, each naming
 a module: ``dynamo`` provides ``wrap_backend(backend, cfg, name)`` and ``aot``
-provides ``wrap_compiler(compiler, cfg, compiler_name)``.  Looking them up here
-keeps :mod:`determ_backend` free of imports of :mod:`repro_tools`.
+provides ``wrap_compiler(compiler, cfg, compiler_name)``; ``repro`` provides
+``write_repro(gm, inputs, path, meta=...)`` (a check that found a failure writes the
+graph as a ``repro.py`` for the minifier).  Looking them up here keeps
+:mod:`determ_backend` free of imports of :mod:`repro_tools`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from types import ModuleType
 
 from determ_backend.errors import ConfigError
 
-__all__ = ["GROUP", "load_flow"]
+__all__ = ["GROUP", "load_flow", "write_repro"]
 
 #: The entry-point group the repro flows register under.
 GROUP = "determ_flows"
@@ -34,3 +36,8 @@ def load_flow(name: str) -> ModuleType:
         raise ConfigError(f"REPRO_AFTER={name}: no repro flow of that name is installed "
                           f"(entry-point group {GROUP!r}; reinstall determ: pip install -e .)")
     return found[0].load()
+
+
+def write_repro(gm, inputs, path, meta):
+    """``gm`` on ``inputs`` as a standalone ``repro.py`` at ``path`` (the ``repro`` plug-in); returns its path."""
+    return load_flow("repro").write_repro(gm, inputs, path, meta=meta)

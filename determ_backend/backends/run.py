@@ -211,6 +211,15 @@ class Run:
                      n.get("node"), n.get("op"), n.get("source") or "")
         self._write_report()
 
+    def add_skip(self, check: str, detail: str) -> None:
+        """``check`` does not apply to a graph (say why, once): a note in ``report.json`` and one INFO line."""
+        with self._lock:
+            if len(self.notes) >= _MAX_NOTES:
+                return
+            self.notes.append({"check": check, "skipped": detail})
+        log.info("determ %s: skipped %s", check, detail)
+        self._write_report()
+
     def add_checker_error(self, check: str, message: str) -> None:
         with self._lock:
             self.checker_errors.append(f"{check}: {message}")

@@ -3,7 +3,7 @@
 * :mod:`.align`: :class:`Pair`, :func:`align` (pairs the records of two traces);
 * :mod:`.verdict`: :func:`judge` ("do these two values differ?", one meaning of
   ``tol``, ``fp64_multiplier``, ``strict`` and ``bitwise``), :func:`tensor_metrics`,
-  :func:`judge_records` (two trace records);
+  :func:`judge_records` (two trace records), :func:`rows_agree` (batch invariance of one value);
 * :mod:`.roots`: :func:`find_roots` (the causal root-cause rule: symptom, live
   divergences, masked notes), :class:`Comparison`, :func:`compare_traces`.
 
@@ -15,8 +15,8 @@ traces lives in :mod:`determ_backend.trace.stream`.
 
 from determ_backend.compare.align import Pair, align
 from determ_backend.compare.roots import Comparison, Confirm, compare_traces, describe, find_roots, is_output
-from determ_backend.compare.verdict import (DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, EPS, dtype_tol, is_float, judge, judge_records, rmse, stats_metrics, tensor_metrics)
+from determ_backend.compare.verdict import (DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, EPS, dtype_tol, is_float, judge, judge_records, rmse, rows_agree, stats_metrics, tensor_metrics)
 
 __all__ = ["Pair", "align", "Comparison", "Confirm", "compare_traces", "describe", "find_roots", "is_output",
            "DEFAULT_FP64_MULTIPLIER", "DEFAULT_TOL", "EPS", "dtype_tol", "is_float", "judge", "judge_records", "rmse",
-           "stats_metrics", "tensor_metrics"]
+           "rows_agree", "stats_metrics", "tensor_metrics"]

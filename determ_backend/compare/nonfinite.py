@@ -15,12 +15,13 @@ to name the op inside a fused kernel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["creates", "nonfinite_count", "Creation", "NonfiniteWatch", "find_creations", "causal_creations",
+__all__ = ["creates", "nonfinite", "nonfinite_count", "Creation", "NonfiniteWatch", "find_creations", "causal_creations",
            "first_created", "value_range"]
 
 
@@ -131,17 +132,35 @@ def causal_creations(records: Sequence[Any], is_output: Callable[[Any], bool]) -
     return roots, [c for c in found if c.record.node not in live]
 
 
-def _nonfinite(v: Any) -> Optional[bool]:
-    if isinstance(v, torch.Tensor):
-        if not (v.is_floating_point() or v.is_complex()) or v.numel() == 0:
-            return False
-        return not bool(torch.isfinite(v).all())
-    if isinstance(v, (list, tuple)):
-        flags = [_nonfinite(x) for x in v]
-        return any(f for f in flags if f)
-    if isinstance(v, float):
-        return v != v or v in (float("inf"), float("-inf"))
-    return False
+def _leaves(values: Iterable[Any], out: List[Any]) -> List[Any]:
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            _leaves(v, out)
+        else:
+            out.append(v)
+    return out
+
+
+def nonfinite(values: Iterable[Any]) -> bool:
+    """Whether any value (tensors on any device, nested lists/tuples, floats) holds a NaN or an Inf.  Tensors
+    are read with ``aminmax`` (a NaN or an Inf shows in the minimum or maximum): one host transfer per device."""
+    leaves = _leaves(values, [])
+    if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
+        return True
+    by_dev: Dict[Any, List[torch.Tensor]] = {}
+    for t in leaves:
+        if not (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel()
+                and t.layout == torch.strided and t.device.type != "meta"):
+            continue
+        x = t.detach()
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        if x.element_size() == 1:
+            x = x.float()
+        mn, mx = torch.aminmax(x.reshape(-1))
+        by_dev.setdefault(x.device, []).append(torch.stack([mn.double(), mx.double()]))
+    return any(not all(math.isfinite(v) for v in torch.stack(rs).reshape(-1).cpu().tolist())
+               for rs in by_dev.values())
 
 
 def first_created(gm: Any, values: Mapping[str, Any], among: Optional[Iterable[str]] = None) -> Optional[Any]:
@@ -154,6 +173,6 @@ def first_created(gm: Any, values: Mapping[str, Any], among: Optional[Iterable[s
         if node.name not in values:
             continue
         ins = [values.get(a.name) for a in node.all_input_nodes]
-        if creates(_nonfinite(values[node.name]), (_nonfinite(v) for v in ins)):
+        if creates(nonfinite([values[node.name]]), (nonfinite([v]) for v in ins)):
             return node
     return None

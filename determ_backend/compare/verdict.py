@@ -32,7 +32,7 @@ from determ_backend.fingerprint.core import hash_tensor, hash_tensors
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 
-__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse",
+__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse", "rows_agree",
            "stats_metrics", "judge_records", "dtype_tol"]
 
 DEFAULT_TOL = 1e-3
@@ -192,3 +192,19 @@ def judge_records(a: Record, b: Record, tol: Optional[float], store_a: Optional[
     if tol is None:
         return False, m
     return _stats_close(m, b, tol), m
+
+
+def rows_agree(full: Any, part: Any, batch: int, b: int) -> Optional[bool]:
+    """Batch invariance of one value: whether the first rows of ``full`` (computed for a batch of ``batch``) equal
+    ``part`` (the same value computed for the first ``b`` rows) bit for bit; None when the value has no batch
+    dimension to match (a parameter, a reduction over the batch).  The batch may be folded into a dimension
+    with others (``B*H`` rows after a reshape): the dimension whose size is ``batch*k`` in one and ``b*k`` in
+    the other while every other dimension agrees."""
+    if not isinstance(full, torch.Tensor) or not isinstance(part, torch.Tensor) or full.dim() != part.dim():
+        return None
+    for d in range(full.dim()):
+        n, m = full.shape[d], part.shape[d]
+        if n != m and n % batch == 0 and n // batch * b == m and \
+                all(full.shape[e] == part.shape[e] for e in range(full.dim()) if e != d):
+            return judge(full.narrow(d, 0, m), part, strict=True, bitwise=True)
+    return None

@@ -100,6 +100,8 @@ class _Session:
             m["devices"] = list(sp.devices)
         if sp.kind == "nondeterminism":
             m["runs"] = sp.runs
+        if sp.kind == "batch_invariance":
+            m["batch"], m["batch_dim"] = sp.batch, sp.batch_dim
         if sp.kind == "hang":
             m["timeout"] = sp.timeout
         return m

@@ -14,6 +14,12 @@ isolated worker) names the kind of failure and the compiler under test:
 * ``accuracy``: compiled vs eager with an fp64 reference, the ``same()`` criterion
   of :func:`determ_backend.compare.judge` (``strict``: non-float outputs count too);
 * ``nondeterminism``: two executions of one compiled graph differ bitwise;
+* ``batch_invariance``: the graph compiled for its inputs and for the first rows of its batched
+  inputs (those whose dimension ``batch_dim`` is ``batch``, or a multiple of it; size arguments equal
+  to ``batch`` follow) gives outputs whose matching rows differ bitwise
+  (:func:`determ_backend.compare.rows_agree`), for the first half or the first row;
+* ``nan``: the compiled graph creates a NaN/Inf -- an output holds one while every input is finite
+  (the rule of :mod:`determ_backend.compare.nonfinite`);
 * ``cross_device``: the graph on ``devices[0]`` vs ``devices[1]`` (specs such as
   ``cuda``, ``cpu:float64``; the graph's parameters, buffers and constants move
   with its inputs) differs beyond ``tol``.
@@ -41,7 +47,8 @@ import torch
 import torch.fx as fx
 
 from determ_backend.clones import clone_inputs
-from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge
+from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, rows_agree
+from determ_backend.compare.nonfinite import creates, nonfinite
 from determ_backend.devices import parse_device_spec
 from determ_backend.errors import ConfigError
 from determ_backend.fingerprint.core import hash_tensors
@@ -53,7 +60,8 @@ from repro_tools.minify.inductor_values import SUPPORTED, BufferValues
 __all__ = ["KINDS", "OracleSpec", "Signature", "Verdict", "check", "check_observed", "observe", "similar",
            "InProcessRunner", "leaf_differs", "reference_outputs"]
 
-KINDS = ("compile_error", "runtime_error", "error", "crash", "hang", "accuracy", "nondeterminism", "cross_device")
+KINDS = ("compile_error", "runtime_error", "error", "crash", "hang", "accuracy", "nondeterminism", "cross_device",
+         "batch_invariance", "nan")
 ISOLATED_ONLY = ("crash", "hang")
 _SEED = 1234
 
@@ -105,10 +113,17 @@ class OracleSpec:
     """Errors: minimum message similarity (0..1) to count as the same failure."""
     expected: Optional[Signature] = None
     """Errors / crashes: the input graph's failure, which candidates must match."""
+    batch: Optional[int] = None
+    """Batch invariance: the batch size of the repro's inputs."""
+    batch_dim: int = 0
+    """Batch invariance: the dimension that holds the batch."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"oracle kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+        if self.kind == "batch_invariance" and (not isinstance(self.batch, int) or self.batch < 2):
+            raise ConfigError(f"batch_invariance oracle needs the batch size of the inputs (batch >= 2), got "
+                              f"{self.batch!r}")
         if self.kind == "cross_device":
             if len(self.devices) != 2:
                 raise ConfigError(f"cross_device oracle needs two device specs, got {list(self.devices)}")
@@ -300,6 +315,48 @@ def _judge_outputs(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) 
     return Verdict(False, None, "devices agree")
 
 
+def sub_batch_inputs(inputs: Sequence[Any], batch: int, b: int, dim: int = 0) -> List[Any]:
+    """Clones of ``inputs`` cut to their first ``b`` rows: tensors whose dimension ``dim`` is ``batch`` (or a
+    multiple of it) keep ``b`` (times that multiple) rows, int sizes equal to ``batch`` become ``b``."""
+    out: List[Any] = []
+    for x in clone_inputs(inputs):
+        if isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] % batch == 0 and x.shape[dim]:
+            out.append(x.narrow(dim, 0, x.shape[dim] // batch * b).clone())
+        elif isinstance(x, int) and not isinstance(x, bool) and x == batch:
+            out.append(b)
+        else:
+            out.append(x)
+    return out
+
+
+def _judge_batch(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
+    try:
+        full = _compile_run(spec, gm, inputs)[0]
+    except Exception as e:  # a different failure
+        return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
+    for b in sorted({spec.batch // 2, 1} - {0, spec.batch}, reverse=True):
+        try:
+            part = _compile_run(spec, gm, sub_batch_inputs(inputs, spec.batch, b, spec.batch_dim))[0]
+        except Exception as e:  # the candidate cannot run on a sub-batch: not this failure
+            return Verdict(False, _error_signature("compile/run", e), f"candidate raised on a batch of {b}")
+        for i, (x, y) in enumerate(zip(full, part)):
+            if rows_agree(x, y, spec.batch, b) is False:
+                return Verdict(True, Signature("batch_invariance", "", f"output {i}: rows 0..{b - 1} differ between "
+                                                                      f"batch {spec.batch} and batch {b}"))
+    return Verdict(False, None, "rows agree")
+
+
+def _judge_nan(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
+    try:
+        outs = _compile_run(spec, gm, inputs)[0]
+    except Exception as e:  # a different failure
+        return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
+    bad = [i for i, o in enumerate(outs) if nonfinite([o])]
+    if creates(bool(bad), [nonfinite([x]) for x in inputs if isinstance(x, torch.Tensor)]):
+        return Verdict(True, Signature("nan", "", f"output {bad[0]} holds NaN/Inf from finite inputs"))
+    return Verdict(False, None, "no NaN/Inf created")
+
+
 def _judge_error(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
     sig = None
     with config_patch(_config(spec)):
@@ -330,6 +387,10 @@ def check(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdic
         return _timed(_oracle_accuracy, spec, gm, inputs)
     if spec.kind in ("nondeterminism", "cross_device"):
         return _timed(_judge_outputs, spec, gm, inputs)
+    if spec.kind == "batch_invariance":
+        return _timed(_judge_batch, spec, gm, inputs)
+    if spec.kind == "nan":
+        return _timed(_judge_nan, spec, gm, inputs)
     return _timed(_judge_error, spec, gm, inputs)
 
 

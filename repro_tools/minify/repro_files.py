@@ -83,7 +83,7 @@ def spec_from_meta(meta: Dict[str, Any], **overrides: Any) -> OracleSpec:
     if kind not in KINDS:
         raise ReproError(f"repro metadata: unknown failure kind {kind!r}; expected one of {', '.join(KINDS)}")
     base: Dict[str, Any] = {"kind": kind, "compiler": meta.get("compiler", "inductor")}
-    for key in ("tol", "multiplier", "strict", "timeout", "similarity", "runs"):
+    for key in ("tol", "multiplier", "strict", "timeout", "similarity", "runs", "batch", "batch_dim"):
         if meta.get(key) is not None:
             base[key] = meta[key]
     if isinstance(meta.get("config"), dict):

@@ -208,6 +208,50 @@ def _cross_device(mod, compiler, args, tol):
     return f"outputs {bad} differ beyond tol={tol:g} between {' and '.join(META.get('devices', []))}" if bad else None
 
 
+def _sub_batch(args, batch, b, dim):
+    """The first ``b`` rows of the batched inputs (the minifier's rule, repeated here: this runtime imports
+    torch alone): a tensor whose dimension ``dim`` is a multiple of ``batch`` keeps that multiple of ``b``
+    rows; an int size equal to ``batch`` becomes ``b``."""
+    out = []
+    for a in _clone(args):
+        if isinstance(a, torch.Tensor) and a.dim() > dim and a.shape[dim] and a.shape[dim] % batch == 0:
+            out.append(a.detach().narrow(dim, 0, a.shape[dim] // batch * b).clone())
+        elif isinstance(a, int) and not isinstance(a, bool) and a == batch:
+            out.append(b)
+        else:
+            out.append(a)
+    return out
+
+
+def _batch_invariance(mod, fn, compiler, args):
+    batch, dim = int(META["batch"]), int(META.get("batch_dim", 0))
+    with torch.no_grad():
+        full = [o for o in _flat(fn(_clone(args))) if isinstance(o, torch.Tensor)]
+        for b in sorted({batch // 2, 1} - {0, batch}, reverse=True):
+            sub = _sub_batch(args, batch, b, dim)
+            part = [o for o in _flat(compile_repro(mod, sub, compiler)(sub)) if isinstance(o, torch.Tensor)]
+            for i, (x, y) in enumerate(zip(full, part)):
+                rows = x.narrow(dim, 0, x.shape[dim] // batch * b) if x.dim() > dim and x.shape[dim] % batch == 0 \
+                    and x.shape[dim] != y.shape[dim] else None
+                if rows is not None and rows.shape == y.shape and not torch.equal(_bits(rows), _bits(y)):
+                    return f"output {i}: rows 0..{b - 1} differ bitwise between batch {batch} and batch {b}"
+    return None
+
+
+def _nonfinite(xs):
+    return any(isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and x.numel()
+               and not bool(torch.isfinite(x.detach()).all()) for x in xs)
+
+
+def _nan(fn, args):
+    if _nonfinite(args):
+        return None  # an input already holds one: nothing is created here
+    with torch.no_grad():
+        outs = [o for o in _flat(fn(_clone(args))) if isinstance(o, torch.Tensor)]
+    bad = [i for i, o in enumerate(outs) if _nonfinite([o])]
+    return f"outputs {bad} hold NaN/Inf created from finite inputs" if bad else None
+
+
 def _check(kind, mod, fn, compiler, args, ns):
     """A message when ``kind`` reproduces (errors propagate), else None."""
     if kind == "accuracy":
@@ -222,6 +266,10 @@ def _check(kind, mod, fn, compiler, args, ns):
         return None if same else "runs of the compiled graph on identical inputs differ bitwise"
     if kind == "cross_device":
         return _cross_device(mod, compiler, args, ns.tol)
+    if kind == "batch_invariance":
+        return _batch_invariance(mod, fn, compiler, args)
+    if kind == "nan":
+        return _nan(fn, args)
     fn(_clone(args))
     return None
 
@@ -366,7 +414,7 @@ def main(argv=None):
         p.add_argument("--force", action="store_true", help="replace --out when it exists")
     else:
         p.add_argument("--kind", choices=("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash",
-                                          "hang", "cross_device", "any"),
+                                          "hang", "cross_device", "batch_invariance", "nan", "any"),
                        help=f"failure to check for (default: the recorded one, {META.get('kind', 'any')})")
         p.add_argument("--tol", type=float, default=float(META.get("tol", 1e-3)), help="accuracy tolerance")
         p.add_argument("--strict", action="store_true", default=bool(META.get("strict")),

@@ -45,7 +45,8 @@ __all__ = ["write_repro", "load_repro", "read_meta", "add_sys_path", "import_scr
 
 log = logging.getLogger(__name__)
 
-FAILURE_KINDS = ("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash", "hang", "cross_device", "any")
+FAILURE_KINDS = ("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash", "hang", "cross_device",
+                 "batch_invariance", "nan", "any")
 """What ``run`` checks for; ``any`` = an error at compile or run time, or a crash (isolated)."""
 _ORACLE_KINDS = {"error": "any"}  # the minifier's oracle names that differ from ours
 _CONFIG_MODULES = ("inductor", "dynamo", "functorch")

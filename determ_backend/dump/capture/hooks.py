@@ -31,11 +31,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from determ_backend._frames import FrameFilter, called_from_determ
-from determ_backend.compare.nonfinite import creates
+from determ_backend.compare.nonfinite import creates, nonfinite
 from determ_backend.dump.capture import backward as bw
 from determ_backend.dump.capture.apis import ApiInfo, api_table, is_inplace
 from determ_backend.dump.capture.entries import call_items, describe, output_items
-from determ_backend.dump.capture.overflow import OverflowCounter, nonfinite
+from determ_backend.dump.capture.overflow import OverflowCounter
 from determ_backend.dump.capture.session import DumpSession
 from determ_backend.dump.capture.switch import DumpSettings, Selector
 

@@ -1,8 +1,8 @@
 """Overflow check: the first API whose output holds nan/inf while its inputs are finite
 (the creation rule of :mod:`determ_backend.compare.nonfinite`, shared with ``DETERM_CHECK=nan``).
 
-Works on any device: finiteness is read from ``aminmax`` (nan and +-inf show up
-in the minimum or maximum), one host transfer per batch.  After
+Works on any device: finiteness is :func:`determ_backend.compare.nonfinite.nonfinite`
+(``aminmax``, one host transfer per device).  After
 ``overflow_nums`` overflows the check raises :class:`DumpOverflowError`, which
 stops training as ptdbg does (``overflow_nums=-1``: never stop).
 
@@ -11,46 +11,15 @@ Recording of the overflowing call lives in :mod:`.hooks`.
 
 from __future__ import annotations
 
-import math
-from typing import List, Optional, Sequence, Tuple
-
-import torch
+from typing import Optional, Tuple
 
 from determ_backend.errors import ConfigError, DetermError
 
-__all__ = ["DumpOverflowError", "nonfinite", "OverflowCounter"]
+__all__ = ["DumpOverflowError", "OverflowCounter"]
 
 
 class DumpOverflowError(DetermError, ValueError):
     """The overflow check found ``overflow_nums`` overflowing APIs and stops the run."""
-
-
-def _float_tensors(ts: Sequence[object]) -> List[torch.Tensor]:
-    return [t for t in ts if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-            and t.numel() and t.layout == torch.strided and t.device.type != "meta"]
-
-
-def nonfinite(tensors: Sequence[object]) -> bool:
-    """True when any floating tensor in ``tensors`` holds a nan or inf."""
-    ts = _float_tensors(tensors)
-    if not ts:
-        return False
-    rows = []
-    for t in ts:
-        x = t.detach()
-        if x.is_complex():
-            x = torch.view_as_real(x)
-        if x.element_size() == 1:
-            x = x.float()
-        mn, mx = torch.aminmax(x.reshape(-1))
-        rows.append(torch.stack([mn.double(), mx.double()]))
-    by_dev = {}
-    for r in rows:
-        by_dev.setdefault(r.device, []).append(r)
-    for rs in by_dev.values():
-        if not all(math.isfinite(v) for v in torch.stack(rs).reshape(-1).cpu().tolist()):
-            return True
-    return False
 
 
 class OverflowCounter:

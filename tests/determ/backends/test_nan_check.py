@@ -125,3 +125,21 @@ def test_inductor_names_the_creator_inside_the_fused_kernel_forward_and_backward
     bwd = by_stage["inductor_backward"]
     assert bwd["inside"]["node"] == "sqrt" and bwd["source"].startswith(_line(SqrtOfShifted, "# the creator"))
     assert report["checker_errors"] == []
+
+
+def test_the_findings_repro_runs_and_minifies_to_the_creator(tmp_path):
+    import subprocess
+    import sys
+
+    from paths import ROOT
+
+    report = _run(SqrtOfShifted, "determ_aot_eager", tmp_path, "repro")
+    repro = _nan_findings(report)[0]["repro"]
+    run = subprocess.run([sys.executable, repro, "run"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 1 and "created from finite inputs" in run.stdout, run.stderr[-2000:]
+    out = tmp_path / "min"
+    m = subprocess.run([sys.executable, "-m", "repro_tools.cli", "minify", repro, "--out", str(out), "--in-process"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert m.returncode == 1, m.stderr[-3000:]
+    code = (out / "minimal" / "repro.py").read_text()
+    assert "torch.ops.aten.sqrt.default(" in code and "aten.addmm" not in code

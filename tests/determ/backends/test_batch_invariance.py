@@ -1,0 +1,102 @@
+"""DETERM_CHECK=batch_invariance: a compiled graph with a dynamic batch dimension is run again on sub-batches
+(the first half, the first row) and the first node whose input rows agree while its output rows do not is the
+root cause; its repro.py minifies with --kind batch_invariance.  Real compiles with dynamic=True."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import real_models
+from backend_helpers import BatchDependent, RowWise, load
+from determ_backend.backends import run as run_mod
+from paths import ROOT, TESTS
+
+
+def _run(model, backend, tmp_path, run_id, x=None, dynamic=True, train=False, **options):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    f = torch.compile(model, backend=backend, dynamic=dynamic,
+                      options=dict({"dir": str(tmp_path), "run_id": run_id, "check": "batch_invariance"}, **options))
+    x = torch.randn(8, 256) if x is None else x
+    if train:
+        f(x.requires_grad_()).sum().backward()
+    else:
+        with torch.no_grad():
+            f(x)
+    run_mod.finish_all()
+    return load(tmp_path / run_id)[1]
+
+
+def _culprit_line() -> str:
+    src, start = inspect.getsourcelines(BatchDependent.forward)
+    return f"{inspect.getsourcefile(BatchDependent)}:{start + next(i for i, l in enumerate(src) if '# the culprit' in l)}"
+
+
+@pytest.mark.parametrize("backend, node", [("determ_aot_eager", "batch_dep_sum"),
+                                           ("determ_eager", "batch_dep_sum_default")])
+def test_the_batch_dependent_op_is_the_root_cause(tmp_path, backend, node):
+    report = _run(BatchDependent(), backend, tmp_path, backend)
+    (f,) = [f for f in report["findings"] if f["check"] == "batch_invariance"]
+    fd = f["first_divergence"]
+    assert fd["node"] == node and fd["source"].startswith(_culprit_line())
+    assert (f["batch"], f["sub_batch"]) == (8, 4)  # 1 + 8 % 3 = 3 chunks vs 1 + 4 % 3 = 2
+    assert [r["node"] for r in f["root_causes"]] == [node]  # relu and the scale before it agree row for row
+    assert report["checker_errors"] == []
+
+
+def test_a_row_wise_model_passes(tmp_path):
+    report = _run(RowWise(), "determ_aot_eager", tmp_path, "rows")
+    assert report["findings"] == [] and report["checker_errors"] == []
+    assert not [n for n in report["notes"] if n.get("skipped")]  # checked, not skipped
+
+
+def test_static_graphs_and_backward_graphs_are_skipped_with_a_note(tmp_path):
+    report = _run(RowWise(), "determ_aot_eager", tmp_path, "static", dynamic=False)
+    (note,) = [n for n in report["notes"] if n["check"] == "batch_invariance"]
+    assert "static" in note["skipped"] and "dynamic=True" in note["skipped"]
+    report = _run(RowWise(), "determ_aot_eager", tmp_path, "train", train=True)
+    skipped = [n["skipped"] for n in report["notes"] if n["check"] == "batch_invariance"]
+    assert any("backward graphs" in s for s in skipped) and report["findings"] == []
+
+
+def test_the_findings_repro_minifies_to_the_culprit(tmp_path):
+    report = _run(BatchDependent(), "determ_aot_eager", tmp_path, "repro")
+    repro = report["findings"][0]["repro"]
+    env = dict(os.environ, PYTHONPATH=str(TESTS))  # the repro imports the module that defines the custom op
+    run = subprocess.run([sys.executable, repro, "run"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=env)
+    assert run.returncode == 1 and "differ bitwise between batch 8 and batch 4" in run.stdout, run.stderr[-2000:]
+    out = tmp_path / "min"
+    m = subprocess.run([sys.executable, "-m", "repro_tools.cli", "minify", repro, "--out", str(out), "--in-process"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert m.returncode == 1, m.stderr[-3000:]
+    code = (out / "minimal" / "repro.py").read_text()
+    assert "torch.ops.determ_test.batch_dep_sum.default(" in code and "aten.addmm" not in code  # the head is not needed
+    assert "'culprit': 'batch_dep_sum'" in code
+
+
+@pytest.mark.slow
+def test_inductor_names_the_culprit_and_a_real_model_passes(tmp_path):
+    report = _run(BatchDependent(), "determ_inductor", tmp_path, "ind")
+    (f,) = [f for f in report["findings"] if f["check"] == "batch_invariance"]
+    assert f["first_divergence"]["node"] == "batch_dep_sum" and report["checker_errors"] == []
+    if not real_models.available():
+        pytest.skip("transformers is not installed")
+    torch._dynamo.reset()
+    model, inputs = real_models.build("llama")
+    model.eval()
+    f = torch.compile(model, backend="determ_aot_eager", dynamic=True,
+                      options={"dir": str(tmp_path), "run_id": "llama", "check": "batch_invariance,nan"})
+    with torch.no_grad():
+        f(**inputs)
+    run_mod.finish_all()
+    report = json.loads((tmp_path / "llama" / "report.json").read_text())
+    assert report["findings"] == [] and report["checker_errors"] == []
+    assert not [n for n in report["notes"] if n.get("skipped")]
