@@ -50,6 +50,34 @@ def _(x):
     return x.new_empty(x.shape[0], 1)
 
 
+@torch.library.custom_op("determ_test::double_bdgrad", mutates_args=())
+def double_bdgrad(x: torch.Tensor) -> torch.Tensor:
+    """``2 x`` forward; its backward adds ``1e-3 *`` :func:`batch_dep_sum` of the gradient: batch invariant
+    forward, batch dependent backward."""
+    return x * 2
+
+
+@double_bdgrad.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _bd_backward(ctx, grad):
+    return grad * 2 + 1e-3 * batch_dep_sum(grad)
+
+
+double_bdgrad.register_autograd(_bd_backward)
+
+
+class BackwardBatchDependent(torch.nn.Module):
+    def __init__(self, d: int = 256):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        return torch.tanh(double_bdgrad(self.norm(x)))  # the backward culprit
+
+
 class BatchDependent(torch.nn.Module):
     """relu -> scale -> batch_dep_sum -> linear: the custom op is the batch-invariance culprit."""
 

@@ -20,13 +20,14 @@ node), writes the records to the run's trace, and applies the configured checks:
   record is an inductor buffer that fused several nodes, the graph is replayed eagerly on the
   call's inputs and the creating node of that region is named (or, when eager computes the
   region finite, the compiled kernel itself is).
-* ``batch_invariance``: a forward graph whose inputs share a dynamic batch dimension (the size
+* ``batch_invariance``: a graph whose inputs share a dynamic batch dimension (the size
   symbol of ``DETERM_BATCH_DIM``, 0 by default) is run again on a copy of the call's inputs and on
   sub-batches of them (the first half, then the first row) -- the same compiled code, the batch size
   symbol changed -- and the matching rows of every traced node are compared bitwise; the root
   cause is the first node whose input rows agree while its output rows do not (the causal rule of
-  :mod:`determ_backend.compare.roots`).  Graphs with no such dimension (a static batch size,
-  backward graphs) are skipped with a note.
+  :mod:`determ_backend.compare.roots`).  A backward graph is cut by its forward graph's batch
+  symbol (saved activations and incoming gradients; parameters stay whole).  Graphs with no such
+  dimension (a static batch size) are skipped with a note.
 * ``reference``: records are compared online with a trace from another run
   (:class:`~determ_backend.backends.run.ReferenceTrace`, read when the run is created):
   bitwise when both were recorded on the same device and dtype, else within
@@ -374,39 +375,48 @@ class GraphExec:
 
     # -- batch invariance ----------------------------------------------------------------------------
     def _plan_batch(self, result: CallResult, args: List[Any]) -> Any:
-        """``(B, tensor indices, size-argument indices)`` of the batch, or the reason the graph is skipped."""
+        """``(B, tensor indices, size-argument indices)`` of the batch, or the reason the graph is skipped.
+
+        The batch is a size symbol: in a forward graph, that of dimension ``DETERM_BATCH_DIM`` of its first
+        (non-parameter) input; a backward graph uses its forward graph's.  Tensors with that symbol in that
+        dimension are cut to their first rows, size arguments equal to it follow; parameters and other
+        tensors (static sizes, or other symbols) are left whole."""
         r0 = result.records[0] if result.records else None
-        if r0 is None or "backward" in r0.stage:
-            return "backward graphs (their saved inputs mix parameters and activations)"
-        if self.reference_gm is None:
-            return "no FX graph to read the batch dimension from"
+        if r0 is None or self.reference_gm is None:
+            return "a graph with no traced records or no FX graph"
         placeholders = [n for n in self.reference_gm.graph.nodes if n.op == "placeholder"]
-        kinds = iter([r.kind for r in result.records if r.kind in ("input", "param")])
         if len(placeholders) != len(args):
-            return "its placeholders do not match its arguments"
+            return f"graph {r0.graph} {r0.stage}: its placeholders do not match its arguments"
         dim = self.config.batch_dim
-        batch_sym, rows, sizes = None, [], []
-        for i, (n, a) in enumerate(zip(placeholders, args)):
-            kind = next(kinds, None) if isinstance(a, torch.Tensor) else None
-            val = _torch_compat.example_value(n)
-            if isinstance(a, torch.Tensor):
-                if kind != "input" or a.dim() <= dim or not isinstance(val, torch.Tensor):
-                    continue
-                expr = _torch_compat.sym_expr(val.shape[dim])
-                if batch_sym is None:
-                    if expr is None:
-                        return (f"graph {r0.graph}: its batch size {a.shape[dim]} (dimension {dim} of input {n.name}) is "
-                                f"static -- compile with dynamic=True or torch._dynamo.mark_dynamic(x, {dim})")
-                    batch_sym, batch = expr, a.shape[dim]
-                if expr is not None and expr == batch_sym:
-                    rows.append(i)
-            elif _torch_compat.sym_expr(val) is not None:
-                sizes.append((i, _torch_compat.sym_expr(val)))
-        if batch_sym is None:
-            return f"graph {r0.graph}: no input with a dimension {dim} (DETERM_BATCH_DIM)"
+        vals = [_torch_compat.example_value(n) for n in placeholders]
+        backward = "backward" in r0.stage
+        batch_sym = self.run.batch_symbols.get(r0.graph) if backward else None
+        if backward and batch_sym is None:
+            return f"graph {r0.graph} {r0.stage}: its forward graph was not checked for batch invariance"
+        if not backward:
+            kinds = iter([r.kind for r in result.records if r.kind in ("input", "param")])
+            for n, a, val in zip(placeholders, args, vals):
+                kind = next(kinds, None) if isinstance(a, torch.Tensor) else None
+                if kind == "input" and a.dim() > dim and isinstance(val, torch.Tensor):
+                    batch_sym = _torch_compat.sym_expr(val.shape[dim])
+                    if batch_sym is None:
+                        return (f"graph {r0.graph}: its batch size {a.shape[dim]} (dimension {dim} of input {n.name}) "
+                                f"is static -- compile with dynamic=True or torch._dynamo.mark_dynamic(x, {dim})")
+                    break
+            if batch_sym is None:
+                return f"graph {r0.graph}: no input with a dimension {dim} (DETERM_BATCH_DIM)"
+        rows = [i for i, (a, val) in enumerate(zip(args, vals)) if isinstance(a, torch.Tensor) and a.dim() > dim
+                and isinstance(val, torch.Tensor) and _torch_compat.sym_expr(val.shape[dim]) == batch_sym]
+        sizes = [i for i, (a, val) in enumerate(zip(args, vals))
+                 if not isinstance(a, torch.Tensor) and _torch_compat.sym_expr(val) == batch_sym]
+        if not rows:
+            return f"graph {r0.graph} {r0.stage}: no input holds the batch in dimension {dim}"
+        batch = args[rows[0]].shape[dim]
         if batch < 2:
-            return f"graph {r0.graph}: batch size {batch}"
-        return batch, rows, [i for i, e in sizes if e == batch_sym]
+            return f"graph {r0.graph} {r0.stage}: batch size {batch}"
+        if not backward:
+            self.run.batch_symbols[r0.graph] = batch_sym
+        return batch, rows, sizes
 
     def _run_for_values(self, args: List[Any], rng_state) -> CallResult:
         """One extra execution of the compiled graph on ``args``, keeping every traced value."""

@@ -123,6 +123,7 @@ class Run:
         self.findings: List[Dict[str, Any]] = []
         self.checker_errors: List[str] = []
         self.notes: List[Dict[str, Any]] = []
+        self.batch_symbols: Dict[str, Any] = {}  # graph id -> the batch size symbol its forward graph was checked with
         self._write_report()
 
     @property

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import real_models
-from backend_helpers import BatchDependent, RowWise, load
+from backend_helpers import BackwardBatchDependent, BatchDependent, RowWise, load
 from determ_backend.backends import run as run_mod
 from paths import ROOT, TESTS
 
@@ -57,13 +57,22 @@ def test_a_row_wise_model_passes(tmp_path):
     assert not [n for n in report["notes"] if n.get("skipped")]  # checked, not skipped
 
 
-def test_static_graphs_and_backward_graphs_are_skipped_with_a_note(tmp_path):
+def test_static_graphs_are_skipped_with_a_note_and_training_is_checked_forward_and_backward(tmp_path):
     report = _run(RowWise(), "determ_aot_eager", tmp_path, "static", dynamic=False)
     (note,) = [n for n in report["notes"] if n["check"] == "batch_invariance"]
     assert "static" in note["skipped"] and "dynamic=True" in note["skipped"]
     report = _run(RowWise(), "determ_aot_eager", tmp_path, "train", train=True)
-    skipped = [n["skipped"] for n in report["notes"] if n["check"] == "batch_invariance"]
-    assert any("backward graphs" in s for s in skipped) and report["findings"] == []
+    assert report["findings"] == [] and report["notes"] == [] and report["checker_errors"] == []
+
+
+def test_a_backward_only_culprit_is_named_in_the_backward_graph(tmp_path):
+    report = _run(BackwardBatchDependent(), "determ_aot_eager", tmp_path, "bwd", train=True)
+    (f,) = [f for f in report["findings"] if f["check"] == "batch_invariance"]
+    fd = f["first_divergence"]
+    assert fd["stage"] == "aot_backward" and "batch_dep_sum" in fd["node"]
+    src, start = inspect.getsourcelines(BackwardBatchDependent.forward)
+    assert fd["source"].startswith(f"{inspect.getsourcefile(BackwardBatchDependent)}:{start + 1}")
+    assert report["checker_errors"] == []
 
 
 def test_the_findings_repro_minifies_to_the_culprit(tmp_path):
