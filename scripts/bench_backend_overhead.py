@@ -6,7 +6,8 @@ Two shapes: ``small`` is a 6-block residual MLP (width 256, batch 64; each block
 a small transformer (vocabulary 512, d_model 256, sequence 128, batch 8, 4 blocks).  Two modes:
 ``forward`` runs the model's forward under ``torch.no_grad()``, ``train`` runs forward +
 cross-entropy loss + backward + an SGD step.  Per shape and mode the variants are eager,
-aot_eager, determ_aot_eager with tracing off, on, and on with ``DETERM_CHECK=nan``, inductor,
+aot_eager, determ_aot_eager with tracing off, on, on with ``DETERM_CHECK=nan``, and compiled with
+``dynamic=True`` with tracing and with ``DETERM_CHECK=batch_invariance``, inductor,
 determ_inductor likewise, and eager under PyTorch's ``DebugMode`` tensor hashing (skipped if this
 torch has none).
 Every variant has its own model and compile and is measured in this one process, interleaved
@@ -17,7 +18,9 @@ baselines: determ_aot_eager -> aot_eager, determ_inductor -> inductor, DebugMode
 
 Prints one table per (shape, mode), then PASS/FAIL per (shape, mode): a determ backend with
 tracing on <= 1.5x the backend it wraps, with tracing off <= 1.05x, the ``nan`` check <= 1.05x
-tracing alone.  ``--memory-steps N`` then
+tracing alone, the ``batch_invariance`` check (determ_aot_eager compiled with ``dynamic=True``: two
+extra traced executions, on the first half and the first row, plus a copy of the inputs and of the
+call's traced values) <= 4x tracing with the same dynamic compile.  ``--memory-steps N`` then
 runs N training steps of the small shape under determ_aot_eager with tracing on, sampling the
 process RSS every N/10 steps: PASS if it ends at most 32 MiB above its value after the first
 tenth.  Exit status 0 when everything passes, 1 otherwise.  Results go to stdout, progress to
@@ -43,7 +46,7 @@ import torch
 from _bench_common import debug_mode_hashing, memory_check, print_table, ratio_to, time_rounds
 
 SMALL_WIDTH, SMALL_BATCH, SMALL_BLOCKS, CLASSES, VOCAB = 256, 64, 6, 10, 512
-TRACE_ON_LIMIT, TRACE_OFF_LIMIT, NAN_LIMIT, MEMORY_LIMIT_MIB = 1.5, 1.05, 1.05, 32.0
+TRACE_ON_LIMIT, TRACE_OFF_LIMIT, NAN_LIMIT, BATCH_LIMIT, MEMORY_LIMIT_MIB = 1.5, 1.05, 1.05, 4.0, 32.0
 DEBUG_MODE = "eager + DebugMode(hash_tensor)"
 
 
@@ -158,6 +161,9 @@ _VARIANTS: List[Tuple[str, Optional[str], Optional[str], object, Optional[str]]]
     ("determ_aot_eager[trace off]", "determ_aot_eager", "aot-off", False, "aot_eager"),
     ("determ_aot_eager[trace on]", "determ_aot_eager", "aot-on", True, "aot_eager"),
     ("determ_aot_eager[trace+nan]", "determ_aot_eager", "aot-nan", "nan", "determ_aot_eager[trace on]"),
+    ("determ_aot_eager[trace, dynamic]", "determ_aot_eager", "aot-dyn", "dynamic", "aot_eager"),
+    ("determ_aot_eager[trace+batch_invariance]", "determ_aot_eager", "aot-bi", "batch_invariance",
+     "determ_aot_eager[trace, dynamic]"),
     ("inductor", "inductor", None, False, None),
     ("determ_inductor[trace off]", "determ_inductor", "ind-off", False, "inductor"),
     ("determ_inductor[trace on]", "determ_inductor", "ind-on", True, "inductor"),
@@ -172,9 +178,11 @@ def _compiled(model: torch.nn.Module, backend: Optional[str], tag: Optional[str]
     if tag is None:
         return torch.compile(model, backend=backend)
     options = {"dir": out, "run_id": run_id} if trace else {"trace": False, "dir": out, "run_id": run_id}
-    if isinstance(trace, str):
+    if isinstance(trace, str) and trace != "dynamic":
         options["check"] = trace
-    return torch.compile(model, backend=backend, options=options)
+    # batch_invariance needs a dynamic batch size; its baseline is tracing with the same dynamic compile
+    dynamic = trace in ("dynamic", "batch_invariance") or None
+    return torch.compile(model, backend=backend, options=options, dynamic=dynamic)
 
 
 def _with_debug_mode(step: Callable[[], None]) -> Callable[[], None]:
@@ -244,9 +252,10 @@ def _report(args, shapes: Dict[str, _Shape], times: Dict[Tuple[str, str, str], L
             what = "forward under no_grad" if mode == "forward" else "forward + cross-entropy + backward + SGD step"
             print_table(f"{shape_name}/{mode}: {shapes[shape_name].describe}; {what}", rows)
             for name, ratio in ratios.items():
-                if not name.startswith("determ_"):
+                if not name.startswith("determ_") or name.endswith(", dynamic]"):  # a baseline, not a target
                     continue
-                limit = NAN_LIMIT if "+nan" in name else TRACE_ON_LIMIT if "trace on" in name else TRACE_OFF_LIMIT
+                limit = (NAN_LIMIT if "+nan" in name else BATCH_LIMIT if "+batch" in name
+                         else TRACE_ON_LIMIT if "trace on" in name else TRACE_OFF_LIMIT)
                 ok = ratio <= limit
                 verdicts.append(ok)
                 print(f"{'PASS' if ok else 'FAIL'} {shape_name}/{mode}: {name} <= {limit:g}x {baselines[name]} "

@@ -4,7 +4,7 @@
 Every family of ``tests/real_models.py`` runs, in eval (a no-grad forward) and in train (forward,
 backward of ``loss_of(out)``, an SGD step), compiled with ``--backend``:
 
-- under each check (``DETERM_CHECK=determinism``, ``accuracy``): a healthy model must come out clean;
+- under each check (``DETERM_CHECK=determinism``, ``accuracy``, ``nan``): a healthy model must come out clean;
 - ``aot4``: the after-AOT level-4 flow (``REPRO_AFTER=aot REPRO_LEVEL=4``), which must stay quiet;
 - ``inject``: on families with a relu (``RELU_FAMILIES``) and ``determ_inductor`` only, inductor's
   ``cpp.inject_relu_bug_TESTING_ONLY="accuracy"`` under ``DETERM_CHECK=accuracy``: the root cause
@@ -50,7 +50,7 @@ log = logging.getLogger("corpus")
 
 BACKENDS = ("determ_inductor", "determ_aot_eager")
 MODES = ("eval", "train")
-CHECKS = ("determinism", "accuracy")
+CHECKS = ("determinism", "accuracy", "nan")
 FLOWS = ("aot4", "inject")
 QUICK_FAMILIES = ("llama", "opt", "resnet")
 ACCURACY_EXIT = 3  # the child's exit status when the level-4 flow raised AccuracyError (its finding is in report.json)

@@ -26,8 +26,9 @@ node), writes the records to the run's trace, and applies the configured checks:
   symbol changed -- and the matching rows of every traced node are compared bitwise; the root
   cause is the first node whose input rows agree while its output rows do not (the causal rule of
   :mod:`determ_backend.compare.roots`).  A backward graph is cut by its forward graph's batch
-  symbol (saved activations and incoming gradients; parameters stay whole).  Graphs with no such
-  dimension (a static batch size) are skipped with a note.
+  symbol (saved activations and incoming gradients; parameters stay whole).  Each root cause is
+  reported once (with its ``repro.py``).  Graphs with no such dimension (a static batch size) are
+  skipped with a note.
 * ``reference``: records are compared online with a trace from another run
   (:class:`~determ_backend.backends.run.ReferenceTrace`, read when the run is created):
   bitwise when both were recorded on the same device and dtype, else within
@@ -50,7 +51,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
 from determ_backend.backends import flows, narrow
-from determ_backend.compare import (Comparison, Pair, align, compare_traces, find_roots, is_float, judge, rows_agree, tensor_metrics)
+from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, find_roots, is_float, judge, tensor_metrics)
 from determ_backend.compare import is_output
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
@@ -125,16 +126,28 @@ def _inputs_intact(result: CallResult, args: List[Any]) -> bool:
 
 
 def _row_pairs(full: CallResult, part: CallResult, batch: int, b: int) -> List[Pair]:
-    """The records of the two runs paired by node, judged on their matching rows (inputs agree by construction)."""
+    """The records of the two runs paired by node, judged on their matching rows: the fingerprint of the first
+    rows of each full-batch value (kept by this call) against the sub-batch record's own fingerprint.  Inputs
+    agree by construction; values with no batch dimension are not judged."""
     by_node = {r.node: r for r in part.records}
-    pairs = []
+    pairs, slices, judged = [], [], []
     for r in full.records:
         q = by_node.get(r.node)
         p = Pair(r, q)
-        if q is not None:
-            p.equal = True if r.kind in ("input", "param") else \
-                rows_agree(full.values.get(r.node), part.values.get(r.node), batch, b)
         pairs.append(p)
+        if q is None:
+            continue
+        if r.kind in ("input", "param"):
+            p.equal = True
+            continue
+        v = full.values.get(r.node)
+        where = batch_rows(list(v.shape), q.shape, batch, b) \
+            if isinstance(v, torch.Tensor) and q.hash is not None and q.dtype == r.dtype else None
+        if where is not None:
+            slices.append(v.narrow(where[0], 0, where[1]))
+            judged.append(p)
+    for p, h in zip(judged, hash_tensors(slices) if slices else ()):
+        p.equal = format_hash(h) == p.b.hash
     return pairs
 
 
@@ -214,7 +227,7 @@ class GraphExec:
         self._gm64: Optional[fx.GraphModule] = None
         _torch_compat.set_boxed(self, boxed)
         self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
-        self._created: set = set()  # (graph, stage, node) already reported by the nan check
+        self._created: set = set()  # what the nan and batch_invariance checks already reported for this graph
         self._random = reference_gm is not None and _has_random_ops(reference_gm)
         self._batch_plan: Any = None  # batch_invariance: None until the first call, False for a skipped graph
         recorder.keep_values = "accuracy" in config.check or config.save_tensors
@@ -418,10 +431,8 @@ class GraphExec:
             self.run.batch_symbols[r0.graph] = batch_sym
         return batch, rows, sizes
 
-    def _run_for_values(self, args: List[Any], rng_state) -> CallResult:
-        """One extra execution of the compiled graph on ``args``, keeping every traced value."""
-        keep = self.recorder.keep_values
-        self.recorder.keep_values = True
+    def _run_extra(self, args: List[Any], rng_state) -> CallResult:
+        """One extra execution of the compiled graph on ``args`` (traced: its records carry fingerprints)."""
         current = devices.get_rng_state()
         try:
             if rng_state is not None:
@@ -431,7 +442,6 @@ class GraphExec:
             finally:
                 res = self.recorder.end_call(count=False)
         finally:
-            self.recorder.keep_values = keep
             devices.set_rng_state(current)
         return res
 
@@ -445,14 +455,19 @@ class GraphExec:
             self._batch_plan = plan
         batch, rows, sizes = self._batch_plan
         dim = self.config.batch_dim
-        full = result if result.values else self._run_for_values(clone_inputs(args), rng_state)
+        full = result
         for b in sorted({batch // 2, 1} - {0, batch}, reverse=True):  # the first half, then the first row
+            # ``args`` is already a copy taken before the call: the other inputs are shared, not copied again
             sub = [a.narrow(dim, 0, b).clone() if i in rows else b if i in sizes else a
-                   for i, a in enumerate(clone_inputs(args))]
-            part = self._run_for_values(sub, rng_state)
+                   for i, a in enumerate(args)]
+            part = self._run_extra(sub, rng_state)
             cmp = find_roots(_row_pairs(full, part, batch, b), mode=f"batch_invariance rows 0..{b - 1} of {batch}",
                              strict=True)
             if cmp.divergent:
+                key = ("batch_invariance",) + tuple(p.rec.node for p in cmp.root_causes)
+                if key in self._created:  # reported for an earlier call
+                    return
+                self._created.add(key)
                 summary = cmp.summary(["batch_invariance"])
                 summary.update(batch=batch, sub_batch=b)
                 summary["repro"] = self._write_repro("batch_invariance", args, batch=batch,

@@ -24,7 +24,7 @@ stored payloads or, failing those, their statistics.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ from determ_backend.fingerprint.core import hash_tensor, hash_tensors
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 
-__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse", "rows_agree",
+__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows",
            "stats_metrics", "judge_records", "dtype_tol"]
 
 DEFAULT_TOL = 1e-3
@@ -194,17 +194,27 @@ def judge_records(a: Record, b: Record, tol: Optional[float], store_a: Optional[
     return _stats_close(m, b, tol), m
 
 
+def batch_rows(full_shape: Sequence[int], part_shape: Sequence[int], batch: int, b: int) -> Optional[Tuple[int, int]]:
+    """``(dimension, rows)``: where the first ``b`` of ``batch`` rows lie in a value of shape ``full_shape`` whose
+    sub-batch counterpart has shape ``part_shape`` -- the dimension whose size is ``batch*k`` in one and ``b*k`` in
+    the other while every other dimension agrees (the batch may be folded with others, ``B*H`` rows after a
+    reshape); None when the value has no batch dimension to match (a parameter, a reduction over the batch)."""
+    if full_shape is None or part_shape is None or len(full_shape) != len(part_shape):
+        return None
+    for d, (n, m) in enumerate(zip(full_shape, part_shape)):
+        if n != m and n % batch == 0 and n // batch * b == m and \
+                all(x == y for e, (x, y) in enumerate(zip(full_shape, part_shape)) if e != d):
+            return d, m
+    return None
+
+
 def rows_agree(full: Any, part: Any, batch: int, b: int) -> Optional[bool]:
     """Batch invariance of one value: whether the first rows of ``full`` (computed for a batch of ``batch``) equal
     ``part`` (the same value computed for the first ``b`` rows) bit for bit; None when the value has no batch
-    dimension to match (a parameter, a reduction over the batch).  The batch may be folded into a dimension
-    with others (``B*H`` rows after a reshape): the dimension whose size is ``batch*k`` in one and ``b*k`` in
-    the other while every other dimension agrees."""
-    if not isinstance(full, torch.Tensor) or not isinstance(part, torch.Tensor) or full.dim() != part.dim():
+    dimension to match (:func:`batch_rows`)."""
+    if not isinstance(full, torch.Tensor) or not isinstance(part, torch.Tensor):
         return None
-    for d in range(full.dim()):
-        n, m = full.shape[d], part.shape[d]
-        if n != m and n % batch == 0 and n // batch * b == m and \
-                all(full.shape[e] == part.shape[e] for e in range(full.dim()) if e != d):
-            return judge(full.narrow(d, 0, m), part, strict=True, bitwise=True)
-    return None
+    where = batch_rows(list(full.shape), list(part.shape), batch, b)
+    if where is None:
+        return None
+    return judge(full.narrow(where[0], 0, where[1]), part, strict=True, bitwise=True)
