@@ -151,6 +151,11 @@ def _row_pairs(full: CallResult, part: CallResult, batch: int, b: int) -> List[P
     return pairs
 
 
+def _mentions(expr: Any, sym: Any) -> bool:
+    """Whether a size expression (None for a plain int) involves the symbol ``sym``."""
+    return expr is not None and (expr == sym or sym in getattr(expr, "free_symbols", ()))
+
+
 def _has_random_ops(gm: fx.GraphModule) -> bool:
     """Whether the graph draws random numbers (then a replay needs the call's RNG state)."""
     for n in gm.graph.nodes:
@@ -418,6 +423,11 @@ class GraphExec:
                     break
             if batch_sym is None:
                 return f"graph {r0.graph}: no input with a dimension {dim} (DETERM_BATCH_DIM)"
+        for n, val in zip(placeholders, vals):  # duck sizing: another dimension got the batch's symbol
+            if isinstance(val, torch.Tensor) and any(
+                    e != dim and _mentions(_torch_compat.sym_expr(size), batch_sym) for e, size in enumerate(val.shape)):
+                return (f"graph {r0.graph} {r0.stage}: the batch size is also the size of another dimension (input "
+                        f"{n.name} {list(val.shape)}); give the batch a size no other dimension has")
         rows = [i for i, (a, val) in enumerate(zip(args, vals)) if isinstance(a, torch.Tensor) and a.dim() > dim
                 and isinstance(val, torch.Tensor) and _torch_compat.sym_expr(val.shape[dim]) == batch_sym]
         sizes = [i for i, (a, val) in enumerate(zip(args, vals))

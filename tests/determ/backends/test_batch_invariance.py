@@ -109,3 +109,14 @@ def test_inductor_names_the_culprit_and_a_real_model_passes(tmp_path):
     report = json.loads((tmp_path / "llama" / "report.json").read_text())
     assert report["findings"] == [] and report["checker_errors"] == []
     assert not [n for n in report["notes"] if n.get("skipped")]
+
+
+def test_a_batch_size_shared_with_another_dimension_is_skipped_with_a_note(tmp_path):
+    class Square(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, -1) @ x.t()
+
+    report = _run(Square(), "determ_aot_eager", tmp_path, "duck", x=torch.randn(8, 8))  # dynamo gives both dims s0
+    (note,) = [n for n in report["notes"] if n["check"] == "batch_invariance"]
+    assert "also the size of another dimension" in note["skipped"]
+    assert report["findings"] == [] and report["checker_errors"] == []
