@@ -8,8 +8,8 @@ modes' ``check_nan`` and the API dump's overflow check all decide with :func:`cr
 :func:`find_creations` applies the rule to the records of one traced graph call, in
 graph order, using the nan/inf counts the trace's statistics already hold (no extra pass
 over the data); :func:`causal_creations` keeps as root causes the creations whose NaN/Inf
-reaches a non-finite output of the graph (an intentional ``-inf`` attention mask that the
-softmax turns into zeros is a masked creation, not a finding).  :func:`first_created` applies it to the node values of an eager replay,
+reaches an output of the graph holding a NaN (an intentional ``-inf`` attention mask, even one a
+training graph saves for its backward, is a masked creation, not a finding).  :func:`first_created` applies it to the node values of an eager replay,
 to name the op inside a fused kernel.
 """
 
@@ -75,10 +75,11 @@ class NonfiniteWatch:
             n = nonfinite_count(r.stats)
             if n is None and r.inputs and r.kind not in ("input", "param"):
                 # no statistics: a view (its data is its base's) -- it holds what its inputs hold, when known
-                known = [nonfinite_count(seen.get(name)) for name in r.inputs]
-                if all(k is not None for k in known):
-                    seen[r.node] = {"nan": sum(known), "inf": 0}
-                    self.seen_nonfinite = self.seen_nonfinite or sum(known) > 0
+                known = [seen.get(name) for name in r.inputs]
+                if all(nonfinite_count(k) is not None for k in known):
+                    seen[r.node] = {"nan": sum(int(k.get("nan") or 0) for k in known),
+                                    "inf": sum(int(k.get("inf") or 0) for k in known)}
+                    self.seen_nonfinite = self.seen_nonfinite or bool(nonfinite_count(seen[r.node]))
                     continue
             seen[r.node] = r.stats
             if not n:
@@ -105,6 +106,10 @@ class NonfiniteWatch:
         """NaN plus Inf elements of a record fed (None: not known, or forgotten)."""
         return nonfinite_count(self._seen.get(node))
 
+    def nans(self, node: str) -> int:
+        """NaN elements of a record fed (0 when not known)."""
+        return int((self._seen.get(node) or {}).get("nan") or 0)
+
 
 def find_creations(records: Sequence[Any]) -> List[Creation]:
     """The creations among the records of one graph call (graph order)."""
@@ -112,14 +117,17 @@ def find_creations(records: Sequence[Any]) -> List[Creation]:
 
 
 def causal_creations(records: Sequence[Any], is_output: Callable[[Any], bool]) -> Tuple[List[Creation], List[Creation]]:
-    """``(roots, masked)``: the creations of one graph call whose NaN/Inf reaches a non-finite output of the
-    graph (walking back through records that hold one), and those that reach none -- an Inf that a softmax
-    turns into 0, a NaN a ``where`` drops: created, but harmless here."""
+    """``(roots, masked)``: the creations of one graph call whose NaN/Inf reaches an output of the graph that
+    holds a NaN (walking back through records that hold a NaN or an Inf), and those that reach none -- an Inf
+    that a softmax turns into 0, a NaN a ``where`` drops, an Inf mask saved for the backward: created, but
+    harmless here."""
     watch = NonfiniteWatch(limit=max(1 << 16, 2 * len(records)))
     found = watch.feed(records)
     by_node = {r.node: r for r in records}
     live: set = set()
-    todo = [r.node for r in records if is_output(r) and watch.holds(r.node)]
+    # the symptom is a NaN at an output: an Inf alone is often meant (an attention mask a training graph saves
+    # for its backward); an Inf that turns into a NaN downstream is reached through that NaN
+    todo = [r.node for r in records if is_output(r) and watch.nans(r.node)]
     while todo:
         name = todo.pop()
         if name in live:

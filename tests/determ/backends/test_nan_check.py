@@ -52,6 +52,20 @@ class MaskedInf(torch.nn.Module):
         return torch.softmax(s + mask, dim=-1) @ x
 
 
+class SavedMask(torch.nn.Module):
+    """A causal ``-inf`` mask for attention: a training graph saves it for the backward (an output holding Inf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.q(x).unsqueeze(1)  # [B, 1, L, E]
+        n = x.shape[1]
+        mask = torch.where(torch.ones(n, n, dtype=torch.bool).tril(), 0.0, float("-inf"))
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum(1)
+
+
 def _line(cls, text: str) -> str:
     src, start = inspect.getsourcelines(cls.forward)
     return f"{inspect.getsourcefile(cls)}:{start + next(i for i, l in enumerate(src) if text in l)}"
@@ -143,3 +157,13 @@ def test_the_findings_repro_runs_and_minifies_to_the_creator(tmp_path):
     assert m.returncode == 1, m.stderr[-3000:]
     code = (out / "minimal" / "repro.py").read_text()
     assert "torch.ops.aten.sqrt.default(" in code and "aten.addmm" not in code
+
+
+def test_an_inf_mask_saved_for_the_backward_is_not_a_finding(tmp_path):
+    torch.manual_seed(0)
+    _, run_dir = compile_run(SavedMask(), (torch.randn(2, 5, 8),), "determ_aot_eager", tmp_path, "saved",
+                             backward=True, check="nan")
+    recs, report = load(run_dir)
+    fwd_outputs = [r for r in recs if r.stage == "aot_forward" and (r.extra or {}).get("outputs") is not None]
+    assert any((r.stats or {}).get("inf") for r in fwd_outputs)  # the mask leaves the forward graph
+    assert _nan_findings(report) == [] and not report["divergent"]
