@@ -51,8 +51,8 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
 from determ_backend.backends import flows, narrow
-from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, find_roots, is_float, judge, tensor_metrics)
-from determ_backend.compare import is_output
+from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, find_roots, is_float, is_output,
+                                     judge, sub_batches, tensor_metrics)
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError
@@ -359,28 +359,31 @@ class GraphExec:
         where = {"graph": rec.graph, "stage": rec.stage, "call": rec.call, "node": rec.node, "op": rec.op,
                  "kind": rec.kind, "source": rec.source, "dtype": rec.dtype, "shape": rec.shape,
                  "metrics": {"nan": c.nan, "inf": c.inf}, "inputs": c.inputs, "root_cause": True}
+        intact = self.reference_gm is not None and _inputs_intact(result, args)  # the replay and the repro read them
         kernel = (rec.extra or {}).get("kernel")
         if kernel and self.reference_gm is not None:
-            inside = self._created_inside(rec, result, args, rng_state)
+            inside = self._created_inside(rec, result, args, rng_state, intact)
             if inside is not None:
                 where["inside"] = dict(inside, kernel=kernel)
         summary = {"checks": ["nan"], "divergent": True, "first_divergence": where, "root_causes": [where],
                    "creations": len(found) + len(masked)}
-        if self.reference_gm is not None and _inputs_intact(result, args):
+        if intact:
             summary["repro"] = self._write_repro("nan", args)
         self.run.add_finding("nan", summary)
 
-    def _created_inside(self, rec: Record, result: CallResult, args: List[Any], rng_state) -> Optional[Dict[str, Any]]:
+    def _created_inside(self, rec: Record, result: CallResult, args: List[Any], rng_state,
+                        intact: bool) -> Optional[Dict[str, Any]]:
         """The node of ``rec``'s fused region that creates the NaN/Inf in an eager replay of the graph on this
-        call's inputs; ``{"node": None}`` when eager computes the region finite (the compiled kernel is the
-        creator); None when the region is a single node."""
+        call's inputs (``intact``: they still hold what the call read); ``{"node": None}`` when eager computes the
+        region finite (the compiled kernel is the creator) or the inputs changed; None when the region is a single
+        node."""
         name = _ref_name(rec) or (rec.extra or {}).get("of")
         judged = {n for n in (_ref_name(r) for r in result.records) if n}
         region = narrow.region_of(self.reference_gm, name, judged - {name}) if name else []
         if len(region) < 2:
             return None
         names = [n.name for n in region]
-        if not _inputs_intact(result, args):
+        if not intact:
             return {"node": None, "region": names,
                     "note": "not narrowed: the compiled graph reused its inputs' memory (a cached compile from "
                             "before DETERM_CHECK=nan; clear TORCHINDUCTOR_CACHE_DIR to narrow)"}
@@ -465,13 +468,12 @@ class GraphExec:
             self._batch_plan = plan
         batch, rows, sizes = self._batch_plan
         dim = self.config.batch_dim
-        full = result
-        for b in sorted({batch // 2, 1} - {0, batch}, reverse=True):  # the first half, then the first row
+        for b in sub_batches(batch):
             # ``args`` is already a copy taken before the call: the other inputs are shared, not copied again
             sub = [a.narrow(dim, 0, b).clone() if i in rows else b if i in sizes else a
                    for i, a in enumerate(args)]
             part = self._run_extra(sub, rng_state)
-            cmp = find_roots(_row_pairs(full, part, batch, b), mode=f"batch_invariance rows 0..{b - 1} of {batch}",
+            cmp = find_roots(_row_pairs(result, part, batch, b), mode=f"batch_invariance rows 0..{b - 1} of {batch}",
                              strict=True)
             if cmp.divergent:
                 key = ("batch_invariance",) + tuple(p.rec.node for p in cmp.root_causes)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from determ_backend.compare.nonfinite import input_ranges
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, ConfigError, TraceFormatError
 from determ_backend.trace.store import TensorStore
@@ -179,11 +180,11 @@ class Run:
             ins = fd.get("inside") or {}
             inside = (f"; inside {ins.get('kernel')}: {ins.get('node')} ({ins.get('op')}) at {ins.get('source') or '?'}"
                       if ins.get("node") else f"; {ins['note']}" if ins.get("note") else "")
-            ranges = ", ".join(f"{i['node']} in [{i.get('min')}, {i.get('max')}]" for i in fd.get("inputs") or [])
+            ranges = input_ranges(fd.get("inputs") or [])
             log.warning("determ nan: %s NaN and %s Inf created by graph=%s stage=%s node=%s op=%s at %s from finite "
                         "inputs (%s)%s", fd["metrics"].get("nan"), fd["metrics"].get("inf"), fd.get("graph"),
                         fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>",
-                        ranges or "no inputs", inside)
+                        ranges, inside)
         elif fd:
             m = fd.get("metrics") or {}
             metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())

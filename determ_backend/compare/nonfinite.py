@@ -5,12 +5,13 @@ operation that produced it is finite; an operation whose input already holds one
 carries it along and is never blamed.  The backends' ``DETERM_CHECK=nan``, the eager
 modes' ``check_nan`` and the API dump's overflow check all decide with :func:`creates`.
 
-:func:`find_creations` applies the rule to the records of one traced graph call, in
-graph order, using the nan/inf counts the trace's statistics already hold (no extra pass
-over the data); :func:`causal_creations` keeps as root causes the creations whose NaN/Inf
-reaches an output of the graph holding a NaN (an intentional ``-inf`` attention mask, even one a
-training graph saves for its backward, is a masked creation, not a finding).  :func:`first_created` applies it to the node values of an eager replay,
-to name the op inside a fused kernel.
+:class:`NonfiniteWatch` applies the rule to a stream of records (graph order, or op order),
+using the nan/inf counts the trace's statistics already hold (no extra pass over the data);
+:func:`causal_creations` keeps as root causes the creations of one graph call whose NaN/Inf
+reaches an output of the graph holding a NaN (an intentional ``-inf`` attention mask, even one
+a training graph saves for its backward, is a masked creation, not a finding).
+:func:`first_created` applies it to the node values of an eager replay, to name the op inside
+a fused kernel.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
-__all__ = ["creates", "nonfinite", "nonfinite_count", "Creation", "NonfiniteWatch", "find_creations", "causal_creations",
-           "first_created", "value_range"]
+__all__ = ["creates", "nonfinite", "nonfinite_count", "Creation", "NonfiniteWatch", "causal_creations",
+           "first_created", "value_range", "input_ranges"]
 
 
 def nonfinite_count(stats: Optional[Mapping[str, Any]]) -> Optional[int]:
@@ -50,6 +51,11 @@ class Creation:
 
 def value_range(stats: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     return {"min": (stats or {}).get("min"), "max": (stats or {}).get("max")}
+
+
+def input_ranges(inputs: Sequence[Mapping[str, Any]]) -> str:
+    """A creation's inputs for a log line: ``sub in [-1.3, 0.56], ...`` (``no inputs`` when it has none)."""
+    return ", ".join(f"{i['node']} in [{i.get('min')}, {i.get('max')}]" for i in inputs) or "no inputs"
 
 
 class NonfiniteWatch:
@@ -87,11 +93,11 @@ class NonfiniteWatch:
             if r.kind in ("input", "param"):
                 self.seen_nonfinite = True
                 continue
-            known = [nonfinite_count(seen[name]) if name in seen else None for name in r.inputs]
-            if any(k for k in known):
+            held = [None if k is None else k > 0 for k in (nonfinite_count(seen.get(name)) for name in r.inputs)]
+            if any(held):  # carried along from an input
                 self.seen_nonfinite = True
                 continue
-            if all(k == 0 for k in known) or not self.seen_nonfinite:
+            if creates(True, held) or not self.seen_nonfinite:
                 st = r.stats or {}
                 out.append(Creation(r, int(st.get("nan") or 0), int(st.get("inf") or 0),
                                     [dict(node=name, **value_range(seen.get(name))) for name in r.inputs]))
@@ -101,7 +107,6 @@ class NonfiniteWatch:
                 del seen[k]
         return out
 
-
     def holds(self, node: str) -> Optional[int]:
         """NaN plus Inf elements of a record fed (None: not known, or forgotten)."""
         return nonfinite_count(self._seen.get(node))
@@ -109,11 +114,6 @@ class NonfiniteWatch:
     def nans(self, node: str) -> int:
         """NaN elements of a record fed (0 when not known)."""
         return int((self._seen.get(node) or {}).get("nan") or 0)
-
-
-def find_creations(records: Sequence[Any]) -> List[Creation]:
-    """The creations among the records of one graph call (graph order)."""
-    return NonfiniteWatch(limit=max(1 << 16, 2 * len(records))).feed(records)
 
 
 def causal_creations(records: Sequence[Any], is_output: Callable[[Any], bool]) -> Tuple[List[Creation], List[Creation]]:

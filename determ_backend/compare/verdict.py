@@ -24,7 +24,7 @@ stored payloads or, failing those, their statistics.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ from determ_backend.fingerprint.core import hash_tensor, hash_tensors
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 
-__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows",
+__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows", "sub_batches",
            "stats_metrics", "judge_records", "dtype_tol"]
 
 DEFAULT_TOL = 1e-3
@@ -192,6 +192,11 @@ def judge_records(a: Record, b: Record, tol: Optional[float], store_a: Optional[
     if tol is None:
         return False, m
     return _stats_close(m, b, tol), m
+
+
+def sub_batches(batch: int) -> List[int]:
+    """The sub-batch sizes a batch-invariance check runs, in order: the first half, then the first row."""
+    return sorted({batch // 2, 1} - {0, batch}, reverse=True)
 
 
 def batch_rows(full_shape: Sequence[int], part_shape: Sequence[int], batch: int, b: int) -> Optional[Tuple[int, int]]:

@@ -37,7 +37,7 @@ from determ_backend.modes._bitwise import BitwiseEquivalenceMode
 from determ_backend.modes.log import LogWriter, read_hash_log, read_hash_log_file
 from determ_backend.modes._record import OpEvent, OpRecorder
 from determ_backend.errors import ConfigError
-from determ_backend.compare.nonfinite import Creation, NonfiniteWatch
+from determ_backend.compare.nonfinite import Creation, NonfiniteWatch, input_ranges
 from determ_backend.trace.stream import Record, TraceWriter
 
 __all__ = ["HashMode", "HashDebugTrace", "BitwiseEquivalenceMode", "read_hash_log", "read_hash_log_file"]
@@ -268,9 +268,8 @@ class HashMode(_compat.TorchDispatchMode):
             if site in self._nan_named:  # the same op at the same line, later calls: counted, not logged again
                 continue
             self._nan_named.add(site)
-            ranges = ", ".join(f"{i['node']} in [{i.get('min')}, {i.get('max')}]" for i in c.inputs)
             logger.warning("%s: %d NaN and %d Inf created by %s (%s) at %s from finite inputs (%s)", type(self).__name__,
-                           c.nan, c.inf, r.node, r.op, r.source or "<unknown source>", ranges or "no inputs")
+                           c.nan, c.inf, r.node, r.op, r.source or "<unknown source>", input_ranges(c.inputs))
 
     def _warn_compiled(self) -> None:
         if self.compiled_ops and not self._warned_compiled:

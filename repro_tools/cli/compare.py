@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from determ_backend.compare import DEFAULT_TOL
 from determ_backend.dump.comparison.dumps import DumpComparison, compare, compare_distributed
-from determ_backend.dump.comparison.parse import check_path, rank_dirs
+from determ_backend.dump.comparison.parse import check_path, holds_index, rank_dirs
 from determ_backend.errors import ConfigError
 
 __all__ = ["register", "run_compare"]
@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _check_single(path: str) -> None:
     """A directory of rank folders given without --distributed: say so, not just "no index here"."""
     p = check_path(path, "dump path")
-    if p.is_dir() and not any(f.is_file() for f in p.glob("*.pkl")) and rank_dirs(p):
+    if p.is_dir() and not holds_index(p) and rank_dirs(p):
         raise ConfigError(f"{path}: holds rank directories ({', '.join(d.name for d in rank_dirs(p).values())}); "
                           f"pass one rank's directory, or add --distributed")
 

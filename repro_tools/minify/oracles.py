@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend.clones import clone_inputs
-from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, rows_agree
+from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, rows_agree, sub_batches
 from determ_backend.compare.nonfinite import creates, nonfinite
 from determ_backend.devices import parse_device_spec
 from determ_backend.errors import ConfigError
@@ -334,7 +334,7 @@ def _judge_batch(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) ->
         full = _compile_run(spec, gm, inputs)[0]
     except Exception as e:  # a different failure
         return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
-    for b in sorted({spec.batch // 2, 1} - {0, spec.batch}, reverse=True):
+    for b in sub_batches(spec.batch):
         try:
             part = _compile_run(spec, gm, sub_batch_inputs(inputs, spec.batch, b, spec.batch_dim))[0]
         except Exception as e:  # the candidate cannot run on a sub-batch: not this failure

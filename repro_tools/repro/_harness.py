@@ -227,7 +227,7 @@ def _batch_invariance(mod, fn, compiler, args):
     batch, dim = int(META["batch"]), int(META.get("batch_dim", 0))
     with torch.no_grad():
         full = [o for o in _flat(fn(_clone(args))) if isinstance(o, torch.Tensor)]
-        for b in sorted({batch // 2, 1} - {0, batch}, reverse=True):
+        for b in sorted({batch // 2, 1} - {0, batch}, reverse=True):  # compare.sub_batches (torch alone here)
             sub = _sub_batch(args, batch, b, dim)
             part = [o for o in _flat(compile_repro(mod, sub, compiler)(sub)) if isinstance(o, torch.Tensor)]
             for i, (x, y) in enumerate(zip(full, part)):

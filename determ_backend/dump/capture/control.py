@@ -79,7 +79,7 @@ def _needs_npu(what: str) -> None:
 
 def current_rank() -> int:
     """The rank this process dumps as: ``register_hook(..., rank=N)``, else the distributed rank, else 0."""
-    return _STATE.rank if _STATE.rank is not None else _current_rank()[0]
+    return _STATE.dump_rank()
 
 
 def _current_rank() -> Tuple[int, int]:
@@ -112,8 +112,11 @@ class _Controller:
     def rank_dir(self) -> Path:
         if self.root is None:
             raise ConfigError("no dump path: call set_dump_path(fpath) before switching a dump on")
-        rank = self.rank if self.rank is not None else _current_rank()[0]
-        return self.root / f"rank{rank}"
+        return self.root / f"rank{self.dump_rank()}"
+
+    def dump_rank(self) -> int:
+        """``register_hook(..., rank=N)``'s rank, else the distributed rank, else 0."""
+        return self.rank if self.rank is not None else _current_rank()[0]
 
     def file_name(self, prefix: str) -> str:
         """The index's name without ``.pkl`` for a mode's ``prefix`` (``""``, ``"api_stack_"``...): ``<prefix>dump``
@@ -131,8 +134,7 @@ class _Controller:
         if s is not None:
             s.close()
         self._refuse_earlier_dump(rank_dir, name)
-        rank, world = _current_rank()
-        header = default_header(self.rank if self.rank is not None else rank, world, mode, task)
+        header = default_header(self.dump_rank(), _current_rank()[1], mode, task)
         header["device"] = _model_device(self.models)
         s = DumpSession(rank_dir, name, header, tensors=task in ("tensor", "overflow_check"),
                         ring_bytes=self.ring_bytes)

@@ -36,6 +36,7 @@ from determ_backend.dump.capture import backward as bw
 from determ_backend.dump.capture.apis import ApiInfo, api_table, is_inplace
 from determ_backend.dump.capture.entries import call_items, describe, output_items
 from determ_backend.dump.capture.overflow import OverflowCounter
+from determ_backend.dump.capture.pipeline import fill_fingerprints
 from determ_backend.dump.capture.session import DumpSession
 from determ_backend.dump.capture.switch import DumpSettings, Selector
 
@@ -145,11 +146,7 @@ class ApiRecorder:
         """Statistics mode: judge ``entry`` against the baseline now (its fingerprints were computed when its
         tensors were described) and keep the tensors of the first divergent records."""
         refs, self._refs = self._refs, {}
-        for io in ("inputs", "outputs"):
-            for t in entry.get(io, ()):
-                fp = t.pop("_fp", None)
-                if fp is not None:
-                    t.update(fp.fields())
+        fill_fingerprints(entry)
         if self.online.check(entry) and self.online.wants_tensors():
             self.online.store(self.session.data_dir, entry, refs)
 

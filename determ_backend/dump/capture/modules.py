@@ -130,9 +130,12 @@ class Installation:
         targets = [(f"Compiled_{n}", m, True) for model in models for n, m in compiled_modules(model)]
         targets += [(label, m, False) for label, m in regions]
         for label, m, compiled in targets:
-            hooks = ModuleRegion(self.regions, ApiInfo("", label), compiled)
-            self._handles.append(m.register_forward_pre_hook(hooks.pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(hooks.post, with_kwargs=True, always_call=True))
+            self._hook(m, ModuleRegion(self.regions, ApiInfo("", label), compiled))
+
+    def _hook(self, module: torch.nn.Module, hooks: ModuleRegion) -> None:
+        """Record ``module``'s calls through ``hooks`` (removed in :meth:`remove`)."""
+        self._handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True))
 
     def _install_module_boundaries(self, models) -> None:
         """Levels ``L0``/``mix``: hooks on every module of each registered model, except inside compiled modules
@@ -146,9 +149,7 @@ class Installation:
                     continue
                 path = name.replace("_orig_mod.", "")
                 label = f"{path}.{type(m).__name__}" if path else type(m).__name__
-                hooks = ModuleRegion(self.regions, ApiInfo("Module", label), compiled=False, opaque=False)
-                self._handles.append(m.register_forward_pre_hook(hooks.pre, with_kwargs=True))
-                self._handles.append(m.register_forward_hook(hooks.post, with_kwargs=True, always_call=True))
+                self._hook(m, ModuleRegion(self.regions, ApiInfo("Module", label), compiled=False, opaque=False))
 
     def _install_compiled(self) -> None:
         """Compiled callables no hook covers become regions; determ backends' traces become node entries."""

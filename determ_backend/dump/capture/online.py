@@ -38,15 +38,16 @@ __all__ = ["OnlineBaseline", "REPORT_FILE"]
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "online_compare.json"
+_FIRST = 20  # divergent records listed in the report
 
 
 def _resolve_index(bench: Path, step: int, rank: int) -> Path:
     """The reference index for ``step``/``rank`` under ``bench``: ``<bench>/step<N>/rank<R>``, ``<bench>/rank<R>``,
     or ``bench`` itself (a rank directory or an index file)."""
-    from determ_backend.dump.comparison.parse import find_index
+    from determ_backend.dump.comparison.parse import find_index, holds_index
 
     for cand in (bench / f"step{step}" / f"rank{rank}", bench / f"rank{rank}", bench):
-        if cand.is_file() or (cand.is_dir() and any(cand.glob("*.pkl"))):
+        if cand.is_file() or holds_index(cand):
             return find_index(cand)
     raise ConfigError(f"online baseline: {bench} holds no reference dump for step {step}, rank {rank} (expected "
                       f"{bench}/step{step}/rank{rank}/dump.pkl, a rank directory or an index file)")
@@ -63,7 +64,9 @@ class OnlineBaseline:
         self.kept = 0
         self.checked = 0
         self.unmatched = 0
-        self.divergent: List[Dict[str, Any]] = []
+        self.divergent = 0
+        self.first: List[Dict[str, Any]] = []
+        """The first :data:`_FIRST` divergent records (their count is :attr:`divergent`)."""
         self.root: Optional[Dict[str, Any]] = None
         self._device: Optional[str] = None
         self._pack: Optional[PackWriter] = None
@@ -132,7 +135,9 @@ class OnlineBaseline:
             ins = self._agree("inputs", entry, ref)
             verdict = "root_cause" if all(ins) else "diverged"
             finding = {"name": entry["name"], "verdict": verdict, "source": entry.get("source")}
-            self.divergent.append(finding)
+            self.divergent += 1
+            if len(self.first) < _FIRST:
+                self.first.append(finding)
             if verdict == "root_cause" and self.root is None:
                 self.root = finding
                 log.warning("online baseline: root cause %s at %s: its inputs match %s, its output does not",
@@ -166,7 +171,7 @@ class OnlineBaseline:
 
     def summary(self) -> Dict[str, Any]:
         return {"reference": str(self.reference_path), "checked": self.checked, "unmatched": self.unmatched,
-                "divergent": len(self.divergent), "root_cause": self.root, "first_divergences": self.divergent[:20],
+                "divergent": self.divergent, "root_cause": self.root, "first_divergences": self.first,
                 "tensors_kept": self.kept}
 
     def close(self, rank_dir: Path) -> None:

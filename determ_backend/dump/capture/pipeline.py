@@ -40,7 +40,7 @@ from determ_backend.trace.stream import format_hash
 from determ_backend.dump.capture.writer import DumpWriteError, IndexWriter
 from determ_backend.trace.store import PackWriter
 
-__all__ = ["Fingerprint", "DumpPipeline"]
+__all__ = ["Fingerprint", "DumpPipeline", "fill_fingerprints"]
 
 _ALIGN = 16
 _DEFAULT_RING = 128 << 20
@@ -65,6 +65,15 @@ class Fingerprint:
         if self.payload is not None:
             d["payload"] = self.payload
         return d
+
+
+def fill_fingerprints(entry: Dict[str, Any]) -> None:
+    """Replace each tensor's resolved ``_fp`` future in ``entry`` by its fields (``hash``, ``stats``, ``payload``)."""
+    for io in ("inputs", "outputs"):
+        for t in entry.get(io, ()):
+            fp = t.pop("_fp", None)
+            if fp is not None:
+                t.update(fp.fields())
 
 
 class DumpPipeline:
@@ -212,11 +221,7 @@ class DumpPipeline:
         return self._pack.size if self._pack is not None else 0
 
     def _write_entry(self, entry: Dict[str, Any]) -> None:
-        for io in ("inputs", "outputs"):
-            for t in entry.get(io, ()):
-                fp = t.pop("_fp", None)
-                if fp is not None:
-                    t.update(fp.fields())
+        fill_fingerprints(entry)
         if self.on_entry is not None:  # never raises: see OnlineBaseline.check
             self.on_entry(entry)
         self.index_writer.write(entry)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
-from determ_backend.dump.comparison.parse import Dump, check_path, data_dir_of, find_index, open_dump, rank_dirs
+from determ_backend.dump.comparison.parse import Dump, check_path, data_dir_of, find_index, holds_index, open_dump, rank_dirs
 from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.stream import atomic_path
 
@@ -46,7 +46,7 @@ def dump_sources(path: Union[str, Path]) -> List[Tuple[Optional[int], Path]]:
     """``[(rank, index)]`` of ``path``: an index file or rank directory (rank None), or a directory of
     ``rank<N>`` folders (each one's index)."""
     p = check_path(path, "dump path")
-    if p.is_dir() and not any(f.is_file() for f in p.glob("*.pkl")):
+    if p.is_dir() and not holds_index(p):
         ranks = rank_dirs(p)
         if ranks:
             return [(rank, find_index(d)) for rank, d in ranks.items()]

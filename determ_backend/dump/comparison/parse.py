@@ -33,7 +33,7 @@ from determ_backend.trace import jsonl
 from determ_backend.trace.store import TensorStore
 
 __all__ = ["Dump", "read_dump", "open_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank",
-           "read_header", "data_dir_of"]
+           "read_header", "data_dir_of", "holds_index"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,12 @@ def find_index(path: Union[str, Path]) -> Path:
             raise TraceFormatError(f"{path}: {what}; pass the index file itself")
         p = found[0]
     return p
+
+
+def holds_index(path: Path) -> bool:
+    """Whether ``path`` is a directory holding an index file (``*.pkl``) of its own -- a rank directory, not the
+    ``<dump_tag>`` directory of rank folders."""
+    return path.is_dir() and any(f.is_file() for f in path.glob(f"*{INDEX_SUFFIX}"))
 
 
 def data_dir_of(index: Path) -> Path:
