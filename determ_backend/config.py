@@ -71,6 +71,10 @@ class DetermConfig:
     fp64_multiplier: float = 2.0
     """Accuracy: compiled error vs fp64 may be at most this multiple of eager's own error (``DETERM_FP64_MULTIPLIER``)."""
 
+    report: bool = True
+    """Write ``report.html`` (the HTML report) next to ``report.json`` when a check finds a divergence
+    (``DETERM_REPORT``)."""
+
     raise_on_divergence: bool = False
     """Raise :class:`~determ_backend.errors.AccuracyError` when a check finds a divergence (``DETERM_RAISE``)."""
 
@@ -134,6 +138,7 @@ _ENV = {
     "dir": "DETERM_DIR", "run_id": "DETERM_RUN_ID", "trace": "DETERM_TRACE", "stats": "DETERM_STATS",
     "save_tensors": "DETERM_SAVE_TENSORS", "check": "DETERM_CHECK", "reference": "DETERM_REFERENCE",
     "tol": "DETERM_TOL", "fp64_multiplier": "DETERM_FP64_MULTIPLIER", "raise_on_divergence": "DETERM_RAISE",
+    "report": "DETERM_REPORT",
     "repro_after": "REPRO_AFTER", "repro_level": "REPRO_LEVEL", "minify": "DETERM_MINIFY", "strict": "DETERM_STRICT",
     "device": "DETERM_DEVICE", "bisect_stage": "DETERM_BISECT_STAGE", "batch_dim": "DETERM_BATCH_DIM",
 }

@@ -51,7 +51,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
 from determ_backend.backends import flows, narrow
-from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, find_roots, is_float, is_output,
+from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, find_roots, is_float, is_output, rmse,
                                      judge, sub_batches, tensor_metrics)
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
@@ -310,7 +310,7 @@ class GraphExec:
     def _check_determinism(self, twin: CallResult, result: CallResult) -> None:
         cmp = compare_traces(twin.records, result.records)
         if cmp.divergent:
-            self.run.add_finding("determinism", cmp.summary(["determinism"]))
+            self.run.add_finding("determinism", cmp.summary(["determinism"]), cmp.pairs)
         elif cmp.masked:
             self.run.add_note("determinism", cmp.summary(["determinism"]))
 
@@ -333,7 +333,7 @@ class GraphExec:
         if cmp.divergent and self.compile_region is not None:
             self._narrow(cmp, ref, ref64)
         if cmp.divergent:
-            self.run.add_finding("accuracy", cmp.summary(["accuracy"]))
+            self.run.add_finding("accuracy", cmp.summary(["accuracy"]), cmp.pairs)
         elif cmp.masked:
             self.run.add_note("accuracy", cmp.summary(["accuracy"]))
 
@@ -484,7 +484,7 @@ class GraphExec:
                 summary.update(batch=batch, sub_batch=b)
                 summary["repro"] = self._write_repro("batch_invariance", args, batch=batch,
                                                      batch_dim=self.config.batch_dim)
-                self.run.add_finding("batch_invariance", summary)
+                self.run.add_finding("batch_invariance", summary, cmp.pairs)
                 return
 
     def _write_repro(self, kind: str, args: List[Any], **meta: Any) -> Optional[str]:
@@ -555,6 +555,10 @@ class GraphExec:
             p.equal = self._judge(exp, got, e64)
             if p.equal is False:
                 p.metrics = _accuracy_metrics(got, exp, e64)
+            if got.is_floating_point() and exp.is_floating_point():  # every node's error, for the report's error plot
+                p.metrics["rmse"] = rmse(got, exp)
+                if isinstance(e64, torch.Tensor):
+                    p.metrics["eager_rmse_vs_fp64"] = rmse(exp, e64)
         return pairs
 
     def _check_reference(self, result: CallResult) -> None:
@@ -574,7 +578,7 @@ class GraphExec:
         store = self.run.tensors if self.config.save_tensors else None
         cmp = compare_traces(group, result.records, tol=tol, store_a=ref.store, store_b=store, pairs=pairs)
         if cmp.divergent:
-            self.run.add_finding("reference", cmp.summary(["reference"]))
+            self.run.add_finding("reference", cmp.summary(["reference"]), cmp.pairs)
         elif cmp.masked:
             self.run.add_note("reference", cmp.summary(["reference"]))
 

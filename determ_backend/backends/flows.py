@@ -6,7 +6,8 @@ are offline tools and live in :mod:`repro_tools.flows`.  They register under the
 a module: ``dynamo`` provides ``wrap_backend(backend, cfg, name)`` and ``aot``
 provides ``wrap_compiler(compiler, cfg, compiler_name)``; ``repro`` provides
 ``write_repro(gm, inputs, path, meta=...)`` (a check that found a failure writes the
-graph as a ``repro.py`` for the minifier).  Looking them up here keeps
+graph as a ``repro.py`` for the minifier); ``report`` provides ``write_run_report(run_dir)``
+(a run with a finding writes its ``report.html``).  Looking them up here keeps
 :mod:`determ_backend` free of imports of :mod:`repro_tools`.
 """
 
@@ -18,7 +19,7 @@ from types import ModuleType
 
 from determ_backend.errors import ConfigError
 
-__all__ = ["GROUP", "load_flow", "write_repro"]
+__all__ = ["GROUP", "load_flow", "write_repro", "write_report"]
 
 #: The entry-point group the repro flows register under.
 GROUP = "determ_flows"
@@ -41,3 +42,9 @@ def load_flow(name: str) -> ModuleType:
 def write_repro(gm, inputs, path, meta):
     """``gm`` on ``inputs`` as a standalone ``repro.py`` at ``path`` (the ``repro`` plug-in); returns its path."""
     return load_flow("repro").write_repro(gm, inputs, path, meta=meta)
+
+
+def write_report(run_dir):
+    """The HTML report of the run in ``run_dir``, written there as ``report.html`` (the ``report`` plug-in);
+    returns its path."""
+    return load_flow("report").write_run_report(run_dir)

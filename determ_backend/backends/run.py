@@ -22,15 +22,19 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from determ_backend.compare.nonfinite import input_ranges
+from determ_backend.compare.roots import pair_row
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, ConfigError, TraceFormatError
 from determ_backend.trace.store import TensorStore
-from determ_backend.trace.stream import (TRACE_NAME, Record, TraceWriter, atomic_write_text, read_trace_file)
+from determ_backend.trace.stream import (TRACE_NAME, Record, TraceWriter, atomic_write_text, encode,
+                                         read_trace_file)
 
 __all__ = ["Run", "ReferenceTrace", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
 
 log = logging.getLogger(__name__)
 _MAX_NOTES = 50  # masked-divergence notes kept in report.json
+_MAX_PAIR_FILES = 3  # findings whose every judged pair is kept (pairs-<k>.jsonl), for the HTML report
+REPORT_HTML = "report.html"
 
 
 def current_rank() -> int:
@@ -167,39 +171,73 @@ class Run:
             if value is not None and rec.hash is not None:
                 rec.payload = self.tensors.put(rec.hash, value)
 
-    def add_finding(self, check: str, summary: Dict[str, Any]) -> None:
+    def add_finding(self, check: str, summary: Dict[str, Any], pairs: Optional[List[Any]] = None) -> None:
         """Record a divergence found by ``check``; log one line; raise if configured to.
 
         ``summary``: a :meth:`~determ_backend.compare.Comparison.summary`, or (a divergence found
-        without per-node records, e.g. by a repro flow) a dict with a one-line ``detail``."""
+        without per-node records, e.g. by a repro flow) a dict with a one-line ``detail``.  ``pairs``:
+        the comparison's judged pairs, kept in ``pairs-<k>.jsonl`` (the first findings only) for the
+        HTML report, which is written (``report.html``, unless ``DETERM_REPORT=0``) before the line."""
         fd = summary.get("first_divergence") or {}
         finding = {"check": check, **summary}
         with self._lock:
+            k = len(self.findings)
             self.findings.append(finding)
+        if pairs is not None and k < _MAX_PAIR_FILES:
+            finding["pairs"] = self._write_pairs(k, pairs)
+        html = self._write_html() if k < _MAX_PAIR_FILES else self._write_report()
+        where = f"; report: {html}" if html else ""
         if fd and check == "nan":
             ins = fd.get("inside") or {}
             inside = (f"; inside {ins.get('kernel')}: {ins.get('node')} ({ins.get('op')}) at {ins.get('source') or '?'}"
                       if ins.get("node") else f"; {ins['note']}" if ins.get("note") else "")
             ranges = input_ranges(fd.get("inputs") or [])
             log.warning("determ nan: %s NaN and %s Inf created by graph=%s stage=%s node=%s op=%s at %s from finite "
-                        "inputs (%s)%s", fd["metrics"].get("nan"), fd["metrics"].get("inf"), fd.get("graph"),
+                        "inputs (%s)%s%s", fd["metrics"].get("nan"), fd["metrics"].get("inf"), fd.get("graph"),
                         fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>",
-                        ranges, inside)
+                        ranges, inside, where)
         elif fd:
             m = fd.get("metrics") or {}
             metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
             k = fd.get("kernel") or {}
             inside = f" inside {k.get('name')} (its buffer {k.get('record')})" if k.get("record_metrics") else ""
-            log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s%s %s", check, fd.get("graph"),
+            log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s%s %s%s", check, fd.get("graph"),
                         fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>", inside,
-                        metrics)
+                        metrics, where)
         else:
-            log.warning("determ %s divergence: %s", check, summary.get("detail") or "(no details)")
-        self._write_report()
+            log.warning("determ %s divergence: %s%s", check, summary.get("detail") or "(no details)", where)
         if self.config.raise_on_divergence:
             where = (f"first divergence at node {fd.get('node')} ({fd.get('op')}) {fd.get('source') or ''}" if fd
                      else str(summary.get("detail") or "divergence"))
             raise AccuracyError(f"determ {check}: {where}; report: {self.dir / 'report.json'}")
+
+    def _write_pairs(self, k: int, pairs: List[Any]) -> Optional[str]:
+        """Every judged pair of finding ``k`` as JSON lines in ``pairs-<k>.jsonl``; its file name."""
+        name = f"pairs-{k}.jsonl"
+        try:
+            atomic_write_text(self.dir / name, "".join(encode(pair_row(p)).decode("utf-8") + "\n" for p in pairs))
+        except (OSError, TypeError, ValueError) as e:
+            self.add_checker_error("report", f"writing {name}: {type(e).__name__}: {e}")
+            return None
+        return name
+
+    def _write_html(self) -> Optional[Path]:
+        """``report.json`` now, then ``report.html`` beside it (the ``report`` plug-in) unless ``DETERM_REPORT=0``;
+        a failure of the report is a checker error, never the model's."""
+        self._write_report()
+        if not self.config.report:
+            return None
+        if self._writer is not None:
+            self._writer.flush()
+        try:
+            from determ_backend.backends.flows import write_report
+
+            return Path(write_report(self.dir))
+        except Exception as e:
+            log.debug("determ report failed", exc_info=True)
+            self.add_checker_error("report", f"writing {REPORT_HTML}: {type(e).__name__}: "
+                                             f"{(str(e).strip().splitlines() or [''])[0]}")
+            return None
 
     def add_note(self, check: str, summary: Dict[str, Any]) -> None:
         """Record divergences ``check`` found that reach no failing output (masked): no finding, no raise."""
@@ -248,7 +286,10 @@ class Run:
         with self._lock:
             if self._writer is not None:
                 self._writer.close()
-        self._write_report()
+        if self.findings:  # the page again, with every record the trace now holds
+            self._write_html()
+        else:
+            self._write_report()
 
 
 class RecordListeners:

@@ -33,6 +33,9 @@ class Pair:
     inside: Optional[Dict[str, Any]] = None
     """A root narrowed inside its fused kernel (:mod:`determ_backend.backends.narrow`): ``kernel``, ``region`` and,
     when one node of the region diverges alone, its ``node``, ``op``, ``source`` and ``metrics``."""
+    reaches_output: Optional[bool] = None
+    """For a differing pair in a graph with dependency links, set by the root-cause rule: whether a chain of
+    differing (or unjudged) values leads from it to a failing output (False: a masked divergence)."""
 
     @property
     def rec(self) -> Record:

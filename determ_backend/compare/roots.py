@@ -29,7 +29,7 @@ from determ_backend.trace.stream import Record
 from determ_backend.compare.align import Pair, align
 from determ_backend.compare.verdict import is_float, judge_records
 
-__all__ = ["Comparison", "describe", "find_roots", "compare_traces", "is_output", "Confirm", "MAX_CONFIRM"]
+__all__ = ["Comparison", "describe", "pair_row", "find_roots", "compare_traces", "is_output", "Confirm", "MAX_CONFIRM"]
 
 Confirm = Callable[[List[Pair]], List[Optional[bool]]]
 """Given candidate root pairs, for each: True (its value alone makes an output fail), False (it
@@ -107,6 +107,31 @@ def describe(p: Pair) -> Dict[str, Any]:
             d.update({k: ins[k] for k in ("node", "op", "source", "metrics", "dtype", "shape") if k in ins})
     if other is not None and other.node != r.node:
         d["node_b"] = other.node
+    return d
+
+
+def pair_row(p: Pair) -> Dict[str, Any]:
+    """Every pair of a comparison as one row (a finding's pairs file, the HTML report): the record's identity,
+    its inputs, the verdict, the metrics, both fingerprints, and whether a divergence reaches a failing output.
+    Unlike :func:`describe`, a root narrowed inside its kernel keeps the buffer's name (``inside`` names the node)."""
+    r = p.rec
+    d: Dict[str, Any] = {"graph": r.graph, "stage": r.stage, "call": r.call, "node": r.node, "op": r.op,
+                         "kind": r.kind, "source": r.source, "dtype": r.dtype, "shape": r.shape,
+                         "inputs": list(r.inputs), "equal": p.equal, "metrics": p.metrics,
+                         "root_cause": p.root_cause, "paired": p.paired,
+                         "hash_a": p.a.hash if p.a is not None else None,
+                         "hash_b": p.b.hash if p.b is not None else None}
+    if p.reaches_output is not None:
+        d["reaches_output"] = p.reaches_output
+    if is_output(r):
+        d["output"] = True
+    label = (r.extra or {}).get("holds")
+    if label:
+        d["holds"] = label
+    if p.inside:
+        d["inside"] = {k: p.inside[k] for k in ("kernel", "node", "op", "source", "metrics") if k in p.inside}
+    if p.paired and p.b.node != r.node:
+        d["node_b"] = p.b.node
     return d
 
 
@@ -220,6 +245,9 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
         bad = [p for p in g.outputs() if _counts(p, strict)]
         symptoms.extend(bad)
         live = g.live(bad) if bad else set()
+        for p in group:
+            if p.equal is False:
+                p.reaches_output = id(p) in live
         here = [p for p in firsts if id(p) in live]
         masked.extend(p for p in firsts if id(p) not in live)
         if bad and not here:
@@ -230,6 +258,7 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
         p.root_cause = True
     for p in masked:
         p.metrics.setdefault("masked", True)
+        p.reaches_output = False
     order = {id(p): i for i, p in enumerate(pairs)}
     masked.sort(key=lambda p: order[id(p)])
     return Comparison(pairs, roots, mode, masked=masked, symptoms=symptoms)

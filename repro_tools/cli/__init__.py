@@ -2,7 +2,7 @@
 
 Each subcommand lives in its own module exposing ``register(subparsers)``: the
 commands of this package (:mod:`.diff`, :mod:`.minify`, :mod:`.ranks`, :mod:`.compare`,
-:mod:`.dump_export`, :mod:`.demo`) and
+:mod:`.dump_export`, :mod:`.demo`, :mod:`.report`) and
 the command families' packages (:mod:`repro_tools.xdevice`, :mod:`repro_tools.bisect`,
 :mod:`repro_tools.minify.analyze`); that function adds the subparser and sets
 ``func=handler`` where ``handler(args) -> int`` returns the exit code
@@ -34,6 +34,7 @@ _COMMANDS = (
     "repro_tools.bisect",
     "repro_tools.cli.demo",
     "repro_tools.minify.analyze",
+    "repro_tools.cli.report",
 )
 
 

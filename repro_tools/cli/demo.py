@@ -9,6 +9,11 @@
 3. A nondeterministic op (:func:`determ_backend.demo_model.nondeterministic_op`)
    is caught by ``determ_aot_eager``'s determinism check, which names it as the
    root cause.
+4. The same accuracy bug under ``determ_inductor``'s accuracy check
+   (``DETERM_CHECK=accuracy``): every buffer judged against eager with an fp64
+   reference, the relu named inside its fused kernel, and the run's HTML report
+   (``report.html``: the error along the graph, the root cause at its line of the
+   demo model) written; its path is printed last.
 
 Everything goes to ``--out`` (default ``./determ_demo``).  Exit 0 when every
 step found what it should, 1 otherwise.  The model lives in
@@ -32,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from determ_backend import _torch_compat as tc
+from determ_backend.backends.run import find_run, finish_all
 from determ_backend.demo_model import DemoTransformer, demo_inputs
 from determ_backend.errors import AccuracyError
 
@@ -43,11 +49,13 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="catch, minify and reproduce a real inductor bug, then a nondeterministic op",
+    p = subparsers.add_parser("demo", help="catch, minify and reproduce a real inductor bug, catch a nondeterministic "
+                                           "op, and write the HTML report",
                               description="Run the determ demo on a small transformer: an injected inductor accuracy "
                                           "bug is caught at REPRO_LEVEL=4, minified to the faulty relu and written as "
                                           "a standalone repro.py; then a nondeterministic op is caught by the "
-                                          "determinism check. Exit 0 when every step found what it should.")
+                                          "determinism check; last, the accuracy check writes the run's HTML report. "
+                                          "Exit 0 when every step found what it should.")
     p.add_argument("--out", default="determ_demo", help="directory for everything the demo writes (default: ./determ_demo)")
     p.set_defaults(func=run)
 
@@ -105,6 +113,26 @@ def _nondeterminism(out: Path) -> Dict[str, Any]:
     return {"caught": bool(report.get("divergent")), "first": report.get("first_divergence") or {}, "report": report_path}
 
 
+def _accuracy_report(out: Path) -> Dict[str, Any]:
+    """Step 4: determ_inductor's accuracy check on the injected relu bug; the run writes its report.html."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = DemoTransformer().eval()
+    (x,) = demo_inputs()
+    options = {"check": "accuracy", "dir": str(out / "runs"), "run_id": "accuracy_check"}
+    compiled = torch.compile(model, backend="determ_inductor", options=options)
+    with tc.inductor_config_patch({"cpp.inject_relu_bug_TESTING_ONLY": "accuracy", "force_disable_caches": True}):
+        with torch.no_grad():
+            compiled(x)
+    run = find_run("accuracy_check")
+    run_dir = run.dir if run is not None else out / "runs" / "accuracy_check"  # -2, -3... when rerun in place
+    finish_all()  # closes the run: its report.html again, with the whole trace
+    report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").is_file() else {}
+    page = run_dir / "report.html"
+    return {"caught": bool(report.get("divergent")), "first": report.get("first_divergence") or {},
+            "page": page if page.is_file() else None}
+
+
 def _forward_lines(repro: Path) -> str:
     text = repro.read_text()
     body = text[text.index("    def forward("):]
@@ -117,8 +145,10 @@ def _forward_lines(repro: Path) -> str:
     return "\n".join(f"      {ln}" for ln in lines)
 
 
-def _summary(acc: Dict[str, Any], rep: Dict[str, Any], nd: Dict[str, Any], out: Path, seconds: float) -> bool:
-    ok = bool(acc.get("caught") and acc.get("repro") and rep.get("rc") == 1 and nd.get("caught"))
+def _summary(acc: Dict[str, Any], rep: Dict[str, Any], nd: Dict[str, Any], page: Dict[str, Any], out: Path,
+             seconds: float) -> bool:
+    ok = bool(acc.get("caught") and acc.get("repro") and rep.get("rc") == 1 and nd.get("caught")
+              and page.get("page"))
     print(f"determ demo ({seconds:.0f} s): {'every step found what it should' if ok else 'SOMETHING WAS NOT FOUND'}")
     print(f"  1. accuracy bug caught at REPRO_LEVEL=4: {'yes' if acc.get('caught') else 'NO'}"
           + (f" ({acc.get('message')})" if acc.get("message") else ""))
@@ -129,9 +159,12 @@ def _summary(acc: Dict[str, Any], rep: Dict[str, Any], nd: Dict[str, Any], out: 
     f = nd.get("first", {})
     print(f"  3. nondeterminism caught: {'yes' if nd.get('caught') else 'NO'}; root cause: node {f.get('node')} "
           f"op {f.get('op')} at {f.get('source')}")
+    f = page.get("first", {})
+    print(f"  4. accuracy check's report: root cause: node {f.get('node')} op {f.get('op')} at {f.get('source')}")
     if acc.get("repro"):
         print(f"  repro: {acc['repro']}  (run it: python {acc['repro']}; analyze it: python {acc['repro']} analyze)")
     print(f"  all files: {out} (runs/accuracy/repro/: launcher, checkpoints, minimal; runs/determinism/report.json)")
+    print(f"  report: {page.get('page') or 'NOT WRITTEN'}  (open it in a browser)")
     return ok
 
 
@@ -139,18 +172,21 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    bar = tqdm(total=3, desc="demo", unit="step", file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=4, desc="demo", unit="step", file=sys.stderr, dynamic_ncols=True)
     rep: Dict[str, Any] = {}
     with _chdir(out):
-        bar.set_postfix_str("1/3 inductor accuracy bug at REPRO_LEVEL=4")
+        bar.set_postfix_str("1/4 inductor accuracy bug at REPRO_LEVEL=4")
         acc = _accuracy_bug(out)
         bar.update()
-        bar.set_postfix_str("2/3 running repro.py")
+        bar.set_postfix_str("2/4 running repro.py")
         if acc.get("repro"):
             rep = _reproduce(acc["repro"])
         bar.update()
-        bar.set_postfix_str("3/3 determinism check")
+        bar.set_postfix_str("3/4 determinism check")
         nd = _nondeterminism(out)
         bar.update()
+        bar.set_postfix_str("4/4 accuracy check and its report")
+        page = _accuracy_report(out)
+        bar.update()
     bar.close()
-    return 0 if _summary(acc, rep, nd, out, time.perf_counter() - t0) else 1
+    return 0 if _summary(acc, rep, nd, page, out, time.perf_counter() - t0) else 1

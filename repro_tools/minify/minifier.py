@@ -42,10 +42,12 @@ from repro_tools.minify.repro_files import inherited_meta, load_repro_any, spec_
 from repro_tools.minify.subgraph import Candidate, GraphView, source_line
 from repro_tools.repro.script import add_sys_path
 
-__all__ = ["minify", "minify_repro", "MinifyResult", "STATE_FILE"]
+__all__ = ["minify", "minify_repro", "MinifyResult", "STATE_FILE", "SUMMARY_FILE"]
 
 log = logging.getLogger(__name__)
 STATE_FILE = "minify_state.json"
+SUMMARY_FILE = "summary.json"
+"""The finished minification's summary (before/after, queries, culprit), next to the state."""
 _STATE_FORMAT = "determ-minify-state"
 _ERROR_KINDS = ("compile_error", "runtime_error", "error", "crash", "hang")
 _FLAKY_KINDS = ("nondeterminism", "hang")  # their final result is always asked again
@@ -342,4 +344,6 @@ def _minify(view, spec, runner, out, budget, localize, resume, progress, meta) -
                "cache_hits": r.cache_hits, "seconds": round(s.seconds(), 3), "localized": r.localized,
                "budget_exhausted": exhausted, "culprit": _culprit_info(view, r),
                "failure": final.signature.short() if final.signature else final.detail, "repro_path": repro_path}
+    if out is not None:  # what the HTML report of this directory shows
+        atomic_write_text(out / SUMMARY_FILE, json.dumps(summary, indent=2, default=str))
     return MinifyResult(gm_f, in_f, summary)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from backend_helpers import MLP, compile_run, load
+from repro_tools.report import build as build_report
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +96,15 @@ def test_accuracy_check_names_injected_relu_bug_inside_its_fused_kernel(tmp_path
     assert fd["kernel"]["record"] == "tanh" and fd["kernel"]["region"] == ["mul", "relu", "add", "tanh"]
     assert fd["kernel"]["name"].startswith("cpp_fused") and report["checker_errors"] == []
     assert "determ accuracy divergence" in r.stderr and "node=relu" in r.stderr
+    # the page: every traced buffer with its error against eager and eager's own against fp64, the root at
+    # the kernel's buffer with the relu named inside it, the user's line in the header
+    assert f"report: {tmp_path / 'acc' / 'report.html'}" in r.stderr
+    rep = build_report([str(tmp_path / "acc")])
+    root = rep.rows[rep.root["row"]]
+    assert rep.root["node"] == "relu" and root["n"] == "tanh" and root["v"] == "root" and root["inside"]["node"] == "relu"
+    assert root["e"] > 0.01 and root["r"] is not None and root["r"] < 1e-5
+    assert all(r["e"] is not None for r in rep.rows if r["k"] in ("node", "output"))
+    assert rep.snippet["line"] == 10 and "torch.relu" in dict(rep.snippet["lines"])[10]
 
 
 def test_inductor_determinism_check_names_the_nondeterministic_fallback_kernel(tmp_path):

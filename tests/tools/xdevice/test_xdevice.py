@@ -28,6 +28,7 @@ from determ_backend.errors import ConfigError
 from repro_tools.minify import oracles
 from repro_tools.cli import main
 from repro_tools.minify.repro_files import load_repro_any
+from repro_tools.report import build as build_report
 from repro_tools.repro.script import import_script, write_repro
 from paths import TESTS
 
@@ -132,6 +133,10 @@ def test_minify_writes_a_repro_that_still_diverges(repro, capsys, tmp_path):
     spec = oracles.OracleSpec(kind="cross_device", compiler="eager", devices=("cpu", "cpu:float64"))
     assert oracles.check(spec, gm, inputs).fails
     assert import_script(m["repro_path"]).main(["run"]) == 1 and "reproduced cross_device" in capsys.readouterr().out
+    rep = build_report([str(Path(m["repro_path"]).parent.parent)])  # the minify output directory
+    assert rep.kind == "minify" and rep.root["node"] == "sub" and rep.minify["culprit"]["node"] == "sub"
+    assert (rep.minify["nodes_before"], rep.minify["nodes_after"]) == (m["nodes_before"], m["nodes_after"])
+    assert rep.minify["code"].startswith("class Repro(") and "sub" in rep.minify["code"]
 
 
 @pytest.mark.slow
@@ -142,6 +147,16 @@ def test_user_script_localizes_the_cancellation(script_runs):
     assert s["first_divergence"]["source"].endswith("(f)")  # the user's line, through the backend's trace
     report = json.loads((out / "side1_cpu_float64" / "report.json").read_text())
     assert report["divergent"] is False  # no check ran; the comparison is xdevice's
+
+
+@pytest.mark.slow
+def test_report_of_the_xdevice_output(script_runs, tmp_path, capsys):
+    _, _, out = script_runs
+    assert main(["report", str(out), "-o", str(tmp_path / "x.html")]) == 1
+    rep = build_report([str(out)])
+    assert rep.kind == "xdevice" and rep.root["node"] == "sub" and rep.rows[rep.root["row"]]["v"] == "root"
+    assert rep.rows[rep.root["row"]]["e"] > 1.0  # exact metrics from the saved tensors
+    assert rep.root["source"].endswith("(f)") and "sub" in (tmp_path / "x.html").read_text()
 
 
 @pytest.mark.slow

@@ -1,0 +1,40 @@
+"""``repro-tools report PATH... [-o report.html]``: one self-contained HTML page of a result.
+
+PATH is a run directory, a trace, two traces or run directories, an ``xdevice`` output, two API
+dumps, a compare output directory or CSV, or a minify output (:mod:`repro_tools.report.sources`).
+The page's path goes to stdout.  Exit 0: written, nothing diverges; 1: written, the result
+diverges; 2: bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from repro_tools.report import build, write_html
+
+__all__ = ["register", "run_report"]
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="write a self-contained HTML page of a result (plot, root cause, node table)",
+                       description="Render any determ result as one HTML page that opens from file:// with no "
+                                   "network: the verdict and root cause with its source lines, the error along the "
+                                   "graph, the root cause's producers and consumers, and a filterable node table. "
+                                   "Exit 0: nothing diverges; 1: the result diverges; 2: bad input.")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="a run directory (report.json), a trace, two traces or run directories, an xdevice output, "
+                        "two API dumps, a compare output (directory or CSV), or a minify output directory")
+    p.add_argument("-o", "--output", default="report.html", metavar="OUT",
+                   help="the page to write (default ./report.html)")
+    p.set_defaults(func=run_report)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    rep = build(args.paths)
+    out = write_html(rep, args.output)
+    log.info("%s report: %s", rep.kind, rep.verdict)
+    print(out)
+    return 1 if rep.divergent else 0

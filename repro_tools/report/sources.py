@@ -1,0 +1,398 @@
+"""Every kind of result determ writes, read into a :class:`~.model.Report`: :func:`build` tells them apart.
+
+* a **run directory** (``report.json``, ``trace.jsonl``, the findings' ``pairs-<k>.jsonl``; a repro flow's
+  finding points at its minify output);
+* a **single trace** (a ``trace.jsonl`` with no report);
+* **two traces** or run directories: compared here as ``repro-tools diff`` does;
+* an **xdevice output** (``side0_*`` and ``side1_*`` run directories, as ``repro-tools xdevice`` writes them);
+* **two API dumps** (indexes or rank directories), compared as ``repro-tools compare`` does, or a **compare
+  output** directory (the ptdbg CSV and advisor text ``compare`` wrote);
+* a **minify output** (``minify_state.json``, ``summary.json``, ``minimal/repro.py``).
+
+Verdicts always come from the compare core; this module only reads files.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from determ_backend.compare import compare_traces, pair_row
+from determ_backend.errors import ConfigError, TraceFormatError
+from determ_backend.trace.store import store_for
+from determ_backend.trace.stream import TRACE_NAME
+
+from repro_tools.minify.minifier import STATE_FILE, SUMMARY_FILE
+from repro_tools.report.model import (Report, find_row, limit_rows, rows_from_pairs, rows_from_records,
+                                      source_snippet)
+
+__all__ = ["build", "detect"]
+
+log = logging.getLogger(__name__)
+
+_STATE = STATE_FILE
+_SUMMARY = SUMMARY_FILE
+_CSV_GLOB = "compare_result*.csv"
+_DUMP_COLUMNS = ["NPU Name", "Bench Name", "NPU Tensor Dtype", "NPU Tensor Shape", "Cosine", "MaxAbsErr",
+                 "MaxRelativeErr", "Bitwise Equal", "Accuracy Reached or Not", "Root Cause", "Err_message"]
+
+
+def _is_dump(p: Path) -> bool:
+    from determ_backend.dump.comparison.parse import INDEX_SUFFIX, holds_index
+
+    return (p.is_file() and p.name.endswith(INDEX_SUFFIX)) or holds_index(p)
+
+
+def _sides(p: Path) -> List[Path]:
+    return sorted(d for d in p.glob("side[01]_*") if d.is_dir()) if p.is_dir() else []
+
+
+def detect(paths: Sequence[str]) -> str:
+    """The kind of result ``paths`` hold (see the module docstring); a :class:`ConfigError` naming the path
+    and what was expected otherwise."""
+    ps = [Path(p) for p in paths]
+    for p, text in zip(ps, paths):
+        if not p.exists():
+            raise ConfigError(f"{text}: no such file or directory")
+    if len(ps) == 2:
+        dumps = [_is_dump(p) for p in ps]
+        if all(dumps):
+            return "dump"
+        if any(dumps):
+            raise ConfigError(f"{paths[0]} and {paths[1]}: one is an API dump, the other is not; expected two "
+                              "dumps or two traces")
+        return "diff"
+    if len(ps) != 1:
+        raise ConfigError(f"expected one result (a run, xdevice, compare or minify directory) or two traces or "
+                          f"dumps, got {len(ps)} paths")
+    p = ps[0]
+    if p.is_dir():
+        if (p / "report.json").is_file():
+            return "run"
+        if (p / _STATE).is_file() or (p / _SUMMARY).is_file():
+            return "minify"
+        if len(_sides(p)) == 2:
+            return "xdevice"
+        if any(p.glob(_CSV_GLOB)):
+            return "compare"
+        if (p / TRACE_NAME).is_file():
+            return "trace"
+    elif p.suffix == ".csv":
+        return "compare"
+    elif p.suffix == ".jsonl":
+        return "trace"
+    if _is_dump(p):
+        raise ConfigError(f"{paths[0]}: one API dump; expected two (the dump under test and the benchmark) or a "
+                          "compare output directory")
+    raise ConfigError(f"{paths[0]}: not a determ result; expected a run directory (report.json), a trace, an "
+                      "xdevice, compare or minify output directory, or two traces or dumps")
+
+
+def build(paths: Sequence[str]) -> Report:
+    """The report of ``paths`` (any kind :func:`detect` knows)."""
+    kind = detect(paths)
+    return _LOADERS[kind]([str(p) for p in paths])
+
+
+# ------------------------------------------------------------------------ runs and traces
+
+def _read_json(p: Path) -> Dict[str, Any]:
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TraceFormatError(f"{p}: not readable as JSON ({e}); expected determ's {p.name}") from None
+
+
+def _read_pairs(p: Path) -> List[Dict[str, Any]]:
+    out = []
+    try:
+        with open(p, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    out.append(json.loads(line))
+    except (OSError, ValueError) as e:
+        raise TraceFormatError(f"{p}:{i}: not a pairs file line ({e})") from None
+    return out
+
+
+def _where(fd: Dict[str, Any]) -> str:
+    if not fd or not fd.get("node"):
+        return ""
+    return f"{fd.get('node')} ({fd.get('op')}) in graph {fd.get('graph')} {fd.get('stage')}"
+
+
+def _root_of(fd: Optional[Dict[str, Any]], rows: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    if not fd or not fd.get("node"):
+        return None
+    root = {k: fd.get(k) for k in ("graph", "stage", "call", "node", "op", "source", "metrics", "dtype", "shape")}
+    if fd.get("kernel"):
+        root["kernel"] = fd["kernel"]
+    if fd.get("inside"):  # the nan check names the op inside a fused kernel here
+        ins = fd["inside"]
+        root["kernel"] = {"name": ins.get("kernel"), "record": fd.get("node")}
+        if ins.get("node"):
+            root.update(node=ins["node"], op=ins.get("op"), source=ins.get("source") or fd.get("source"))
+    root["row"] = find_row(rows, fd)
+    return root
+
+
+def _finish(rep: Report) -> Report:
+    root_row = rep.root.get("row") if rep.root else None
+    rep.rows, rep.table_note = limit_rows(rep.rows, root_row)
+    if rep.root:
+        if rep.table_note:  # ids were renumbered: find the root again
+            rep.root["row"] = next((r["id"] for r in rep.rows if r["v"] == "root"), rep.root.get("row"))
+        rep.snippet = source_snippet(rep.root.get("source"))
+    return rep
+
+
+def _trace_records(run_dir: Path, fd: Dict[str, Any]):
+    from repro_tools.cli.trace_formats import load_file
+
+    tf = load_file(str(run_dir), allow_partial=True)
+    call = fd.get("call") if fd else None
+    call = 0 if call is None else call
+    return [r for r in tf.records if r.call == call]
+
+
+def _minify_dirs(repro_dir: Optional[str]) -> List[Path]:
+    if not repro_dir or not Path(repro_dir).is_dir():
+        return []
+    return sorted(p.parent for p in Path(repro_dir).glob("**/" + _STATE))
+
+
+def _load_run(paths: List[str]) -> Report:
+    d = Path(paths[0])
+    rep_json = _read_json(d / "report.json")
+    findings = rep_json.get("findings") or []
+    checks = rep_json.get("checks") or []
+    first = findings[0] if findings else {}
+    fd = first.get("first_divergence") or {}
+    pair_rows = [r for f in findings if f.get("pairs") and (d / f["pairs"]).is_file()
+                 for r in _read_pairs(d / f["pairs"])]
+    series = ["compiled vs eager (RMSE)", "eager vs fp64 (RMSE)"] if first.get("check") == "accuracy" else \
+        ["difference", "reference vs fp64"]
+    if pair_rows:
+        rows = rows_from_pairs(pair_rows)
+    elif (d / TRACE_NAME).is_file():
+        verdicts = {}
+        for f in findings:
+            for rc in f.get("root_causes") or []:
+                verdicts[(rc.get("graph"), rc.get("stage"), rc.get("call"), rc.get("node"))] = "root"
+        rows = rows_from_records(_trace_records(d, fd), verdicts)
+        series = ["difference", "reference vs fp64"]
+    else:
+        rows = []
+    what = ", ".join(checks) or (first.get("check") if first else "") or "tracing only"
+    rep = Report(kind="run", title=f"determ run {rep_json.get('run')}", inputs=paths,
+                 checked=f"checks: {what}" + (f"; {rep_json['graphs']} graph(s) compiled" if rep_json.get("graphs") else "")
+                 + f"; rank {rep_json.get('rank')}",
+                 divergent=bool(rep_json.get("divergent")), verdict="", rows=rows, series=series)
+    rep.errors = list(rep_json.get("checker_errors") or [])
+    for f in findings:
+        where = _where(f.get("first_divergence") or {})
+        rep.findings.append({"check": f.get("check"), "where": where,
+                             "detail": f.get("detail") or _metrics_text((f.get("first_divergence") or {}).get("metrics")),
+                             "repro": f.get("repro")})
+    for n in rep_json.get("notes") or []:
+        if n.get("skipped"):
+            rep.notes.append(f"{n.get('check')}: skipped {n['skipped']}")
+        for m in n.get("masked") or []:
+            rep.notes.append(f"{n.get('check')}: masked divergence at {m.get('node')} ({m.get('op')}) "
+                             f"{m.get('source') or ''}: reaches no failing output")
+    rep.root = _root_of(fd, rows)
+    for mdir in _minify_dirs(first.get("repro")):
+        rep.minify = _minify_info(mdir)
+        culprit = rep.minify.get("culprit") or {}
+        if rep.root is None and culprit.get("node"):
+            rep.root = {"node": culprit["node"], "op": culprit.get("op"), "source": culprit.get("source"),
+                        "graph": None, "stage": "minified graph", "metrics": None, "row": None}
+        break
+    if rep.divergent:
+        where = f": root cause {rep.root['node']} ({rep.root.get('op')})" if rep.root else ""
+        rep.verdict = f"divergent ({first.get('check')}){where}"
+    else:
+        rep.verdict = "no divergence found"
+    return _finish(rep)
+
+
+def _metrics_text(m: Optional[Dict[str, Any]]) -> str:
+    if not m:
+        return ""
+    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+def _load_trace(paths: List[str]) -> Report:
+    from repro_tools.cli.trace_formats import load_file
+
+    tf = load_file(paths[0], allow_partial=True)
+    rows = rows_from_records(tf.records)
+    return _finish(Report(kind="trace", title=f"determ trace {tf.path}", inputs=paths,
+                          checked=f"one trace, {len(tf.records)} records: nothing compared",
+                          divergent=False, verdict="one trace: compare it with another (two paths) for a verdict",
+                          rows=rows, series=["difference", "reference vs fp64"]))
+
+
+def _comparison_report(kind: str, a: str, b: str, tol: Optional[float], title: str, checked: str) -> Report:
+    from repro_tools.cli.trace_formats import load_any
+
+    cmp = compare_traces(load_any(a, allow_partial=True), load_any(b, allow_partial=True), tol=tol,
+                         store_a=store_for(a), store_b=store_for(b))
+    rows = rows_from_pairs([pair_row(p) for p in cmp.pairs])
+    fd = cmp.summary().get("first_divergence")
+    rep = Report(kind=kind, title=title, inputs=[a, b], checked=checked, divergent=cmp.divergent, verdict="",
+                 rows=rows, series=["difference (a vs b)", "b vs fp64"])
+    rep.root = _root_of(fd, rows)
+    if cmp.divergent:
+        where = f": root cause {rep.root['node']} ({rep.root.get('op')})" if rep.root else ""
+        rep.verdict = f"divergent ({cmp.mode}){where}"
+    else:
+        rep.verdict = "identical" if cmp.identical else f"no output differs ({cmp.mode})"
+    unpaired = sum(1 for p in cmp.pairs if not p.paired)
+    if unpaired:
+        rep.notes.append(f"{unpaired} records pair with nothing in the other trace")
+    for p in cmp.masked[:20]:
+        rep.notes.append(f"masked divergence at {p.rec.node} ({p.rec.op}): reaches no failing output")
+    return _finish(rep)
+
+
+def _load_diff(paths: List[str]) -> Report:
+    return _comparison_report("diff", paths[0], paths[1], None, f"determ diff {paths[0]} vs {paths[1]}",
+                              "two traces, bitwise (fingerprints)")
+
+
+def _load_xdevice(paths: List[str]) -> Report:
+    a, b = _sides(Path(paths[0]))
+    tol = 1e-3
+    rep = _comparison_report("xdevice", str(a), str(b), tol, f"determ xdevice {paths[0]}",
+                             f"{a.name[6:]} vs {b.name[6:]} within tol={tol:g}")
+    rep.inputs = paths
+    return rep
+
+
+# ------------------------------------------------------------------------ dumps
+
+def _dump_rows(csv_rows: List[Dict[str, str]]) -> List[Dict[str, Any]]:
+    rows = []
+    for i, r in enumerate(csv_rows):
+        bad = r.get("Root Cause") == "Yes"
+        acc = r.get("Accuracy Reached or Not", "")
+        verdict = "root" if bad else ("differs" if acc == "No" else "equal" if acc == "Yes" else "unpaired"
+                                      if "N/A" in (r.get("NPU Name"), r.get("Bench Name")) else "unjudged")
+        err = None
+        try:
+            err = float(r.get("MaxAbsErr", ""))
+        except ValueError:
+            pass
+        row = {"id": i, "n": r.get("NPU Name"), "v": verdict, "e": err, "r": None, "in": [], "ins": []}
+        row.update({f"c{j}": r.get(c, "") for j, c in enumerate(_DUMP_COLUMNS)})
+        rows.append(row)
+    return rows
+
+
+def _dump_report(kind: str, csv_rows: List[Dict[str, str]], advisor: str, paths: List[str], checked: str) -> Report:
+    rows = _dump_rows(csv_rows)
+    root_id = next((r["id"] for r in rows if r["v"] == "root"), None)
+    divergent = any(r["v"] in ("root", "differs") for r in rows)
+    rep = Report(kind=kind, title=f"determ API dump compare {' vs '.join(paths)}", inputs=paths, checked=checked,
+                 divergent=divergent, verdict="", rows=rows,
+                 columns=[[f"c{j}", c] for j, c in enumerate(_DUMP_COLUMNS)] + [["v", "verdict"]],
+                 series=["MaxAbsErr", ""])
+    if root_id is not None:
+        r = csv_rows[root_id]
+        src = None
+        for line in advisor.splitlines():
+            if line.strip().startswith("at "):
+                src = line.strip()[3:]
+                break
+        rep.root = {"node": r.get("NPU Name"), "op": r.get("Bench Name"), "source": src, "graph": None,
+                    "stage": "api", "metrics": {k: r.get(k) for k in ("Cosine", "MaxAbsErr", "MaxRelativeErr",
+                                                                      "Bitwise Equal")}, "row": root_id}
+    rep.verdict = (f"divergent: root cause {rep.root['node']}" if rep.root else
+                   "divergent: no root cause among the paired APIs" if divergent else "no divergence")
+    if advisor:
+        rep.notes.extend(line for line in advisor.splitlines() if line.strip())
+    return _finish(rep)
+
+
+def _load_dump(paths: List[str]) -> Report:
+    from determ_backend.dump.comparison.dumps import analysis, compare_dumps
+
+    cmp = compare_dumps(paths[0], paths[1])
+    csv_rows = [{k: str(v) for k, v in r.items() if not k.startswith("_")} for r in cmp.rows]
+    return _dump_report("dump", csv_rows, analysis(cmp), paths,
+                        "two API dumps, " + ("bitwise" if cmp.exact else "within tolerance"))
+
+
+def _load_compare(paths: List[str]) -> Report:
+    p = Path(paths[0])
+    if p.is_dir():
+        found = sorted(p.glob(_CSV_GLOB), key=lambda f: f.stat().st_mtime)
+        csv_path = found[-1]
+    else:
+        csv_path = p
+    try:
+        with open(csv_path, newline="", encoding="utf-8") as f:
+            csv_rows = list(csv.DictReader(f))
+    except (OSError, csv.Error, UnicodeDecodeError) as e:
+        raise TraceFormatError(f"{csv_path}: not readable as a compare_result CSV ({e})") from None
+    if csv_rows and "NPU Name" not in csv_rows[0]:
+        raise TraceFormatError(f"{csv_path}: no 'NPU Name' column; expected a compare_result CSV")
+    advisor = ""
+    adv = sorted(csv_path.parent.glob("advisor" + csv_path.stem[len("compare_result"):] + ".txt"))
+    if adv:
+        advisor = adv[-1].read_text(encoding="utf-8", errors="replace")
+    return _dump_report("compare", csv_rows, advisor, [str(csv_path)], f"ptdbg compare result {csv_path.name}")
+
+
+# ------------------------------------------------------------------------ minify
+
+def _graph_code(repro: Path) -> str:
+    """The ``class Repro`` block of a repro script (the minimal graph), or the whole file."""
+    try:
+        text = repro.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("class Repro(")), None)
+    if start is None:
+        return text
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    return "\n".join(lines[start:end]).rstrip()
+
+
+def _minify_info(d: Path) -> Dict[str, Any]:
+    state = _read_json(d / _STATE) if (d / _STATE).is_file() else {}
+    summary = _read_json(d / _SUMMARY) if (d / _SUMMARY).is_file() else {}
+    info = {"dir": str(d), "kind": summary.get("kind") or (state.get("spec") or {}).get("kind"),
+            "compiler": summary.get("compiler") or (state.get("spec") or {}).get("compiler"),
+            "nodes_before": summary.get("nodes_before"), "nodes_after": summary.get("nodes_after"),
+            "ops_before": summary.get("ops_before"), "ops_after": summary.get("ops_after"),
+            "queries": summary.get("queries", state.get("queries")), "seconds": summary.get("seconds", state.get("seconds")),
+            "localized": summary.get("localized", state.get("localized")), "failure": summary.get("failure"),
+            "culprit": summary.get("culprit") or ({"node": state["culprit"]} if state.get("culprit") else None)}
+    repro = d / "minimal" / "repro.py"
+    info["repro"] = str(repro) if repro.is_file() else None
+    info["code"] = _graph_code(repro) if repro.is_file() else ""
+    return info
+
+
+def _load_minify(paths: List[str]) -> Report:
+    info = _minify_info(Path(paths[0]))
+    culprit = info.get("culprit") or {}
+    rep = Report(kind="minify", title=f"determ minify {paths[0]}", inputs=paths,
+                 checked=f"minified with the {info.get('kind')} oracle ({info.get('compiler')})",
+                 divergent=True, verdict=f"minimal repro of {info.get('failure') or info.get('kind')}")
+    rep.minify = info
+    if culprit.get("node"):
+        rep.root = {"node": culprit["node"], "op": culprit.get("op"), "source": culprit.get("source"),
+                    "graph": None, "stage": "minified graph", "metrics": None, "row": None}
+        rep.verdict += f": culprit {culprit['node']} ({culprit.get('op')})"
+    return _finish(rep)
+
+
+_LOADERS = {"run": _load_run, "trace": _load_trace, "diff": _load_diff, "xdevice": _load_xdevice,
+            "dump": _load_dump, "compare": _load_compare, "minify": _load_minify}

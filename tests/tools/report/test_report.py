@@ -1,0 +1,167 @@
+"""repro-tools report and report.html: every kind of result read into a page, the run's own page on a finding.
+
+The results are real: determ backends' runs (determinism and nan checks under determ_aot_eager), two traces,
+two API dumps and their compare output.  The xdevice and minify outputs are covered in
+``tests/tools/xdevice/test_xdevice.py`` next to the runs that make them, the accuracy check's page in
+``tests/determ/backends/test_backends_inductor.py``; the rendered pages in a browser in
+``test_report_browser.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import dump_helpers as dh
+from backend_helpers import NondetModel, compile_run
+
+import repro_tools.report as report_pkg
+from repro_tools.cli import main
+from repro_tools.report import build, render
+from repro_tools.report.model import Report
+
+
+def _determinism_run(tmp_path: Path, run_id: str = "nd", **options) -> Path:
+    torch.manual_seed(0)
+    options.setdefault("check", "determinism")
+    _, run_dir = compile_run(NondetModel(), (torch.randn(4, 64),), "determ_aot_eager", tmp_path, run_id, **options)
+    return run_dir
+
+
+class NanModel(torch.nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x - 1.0).sum(-1) + x.mean()
+
+
+def _pairs(run_dir: Path):
+    return [json.loads(ln) for ln in (run_dir / "pairs-0.jsonl").read_text().splitlines()]
+
+
+def test_a_finding_writes_its_page_and_says_where(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="determ_backend.backends.run"):
+        run_dir = _determinism_run(tmp_path)
+    page = run_dir / "report.html"
+    assert page.is_file()
+    line = next(r.getMessage() for r in caplog.records if "determinism divergence" in r.getMessage())
+    assert line.endswith(f"; report: {page}")
+    rj = json.loads((run_dir / "report.json").read_text())
+    fd = rj["first_divergence"]
+    assert rj["findings"][0]["pairs"] == "pairs-0.jsonl"
+    pairs = _pairs(run_dir)
+    assert [p["node"] for p in pairs if p["root_cause"]] == [fd["node"]]
+    rep = build([str(run_dir)])
+    assert rep.kind == "run" and rep.divergent and rep.root["node"] == fd["node"] == "nd_rowsum"
+    assert len(rep.rows) == len(pairs)  # one row (one plot point) per judged record
+    root = rep.rows[rep.root["row"]]
+    assert root["v"] == "root" and root["n"] == fd["node"]
+    # the producers agree; nd_rowsum is saved for the backward (an output), and its consumer mul_1 differs
+    # but tanh saturates: a masked divergence, told apart from the root and from what reaches an output
+    assert {rep.rows[i]["v"] for i in root["in"] if i is not None} == {"equal"}
+    assert [(r["n"], r["v"]) for r in rep.rows if rep.root["row"] in r["in"]] == [("mul_1", "masked")]
+    assert {r["n"]: r["v"] for r in rep.rows}["tanh"] == "equal"
+    assert rep.snippet and fd["source"].startswith(f"{rep.snippet['path']}:{rep.snippet['line']}")
+    assert rep.snippet["line"] == 124 and "nd_rowsum(h * 1000.0)" in dict(rep.snippet["lines"])[124]
+    html = page.read_text()
+    assert fd["node"] in html and "<script" in html and "http://" not in html.replace("http://www.w3.org", "")
+
+
+def test_determ_report_0_writes_no_page(tmp_path, monkeypatch):
+    monkeypatch.setenv("DETERM_REPORT", "0")
+    run_dir = _determinism_run(tmp_path)
+    assert json.loads((run_dir / "report.json").read_text())["divergent"]
+    assert not (run_dir / "report.html").exists()
+
+
+def test_a_failing_report_is_a_checker_error_and_the_model_goes_on(tmp_path, monkeypatch):
+    def broken(run_dir):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(report_pkg, "write_run_report", broken)
+    run_dir = _determinism_run(tmp_path)
+    rj = json.loads((run_dir / "report.json").read_text())
+    assert rj["divergent"] and any(e.startswith("report: writing report.html: RuntimeError: disk on fire")
+                                   for e in rj["checker_errors"])
+
+
+def test_a_nan_finding_page_shows_the_trace_rows(tmp_path):
+    x = torch.rand(4, 8) * 2.0
+    _, run_dir = compile_run(NanModel(), (x,), "determ_aot_eager", tmp_path, "nan", check="nan")
+    rep = build([str(run_dir)])
+    assert rep.divergent and rep.root["node"] == "sqrt" and rep.rows[rep.root["row"]]["n"] == "sqrt"
+    assert rep.rows[rep.root["row"]]["v"] == "root" and rep.rows[rep.root["row"]]["m"]["nan"] > 0
+
+
+def test_two_traces_are_compared_like_diff(tmp_path, capsys):
+    a = _determinism_run(tmp_path, "a", check="")
+    b = _determinism_run(tmp_path, "b", check="")
+    out = tmp_path / "diff.html"
+    code = main(["report", str(a), str(b), "-o", str(out)])
+    assert code == 1 and capsys.readouterr().out.strip() == str(out)
+    rep = build([str(a), str(b)])
+    assert rep.kind == "diff" and rep.root["node"] == "nd_rowsum" and rep.rows[rep.root["row"]]["v"] == "root"
+    assert "nd_rowsum" in out.read_text()
+    same = build([str(a), str(a)])
+    assert not same.divergent and same.verdict == "identical" and {r["v"] for r in same.rows} <= {"equal", "unjudged"}
+
+
+def test_a_single_trace_renders_without_a_verdict(tmp_path):
+    a = _determinism_run(tmp_path, "a", check="")
+    rep = build([str(a / "trace.jsonl")])
+    assert rep.kind == "trace" and not rep.divergent and rep.rows and rep.root is None
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dumps")
+    a = dh.dump_run(d, "npu", dh.make_net(perturb="fc1.weight", scale=0.5))
+    b = dh.dump_run(d, "bench", dh.make_net())
+    cmp = dh.compare_two(a, b, d / "cmp")
+    return a, b, d / "cmp", cmp
+
+
+def test_a_dump_pair_and_its_compare_output(dumps, tmp_path):
+    a, b, out, cmp = dumps
+    want = cmp.root_causes[0].a["name"]
+    for paths, kind in (([a, b], "dump"), ([a.parent, b.parent], "dump"), ([out], "compare"),
+                        ([cmp.csv_path], "compare")):
+        rep = build([str(p) for p in paths])
+        assert rep.kind == kind and rep.divergent and rep.root["node"].startswith(want[: want.rindex("_")])
+        row = rep.rows[rep.root["row"]]
+        assert row["v"] == "root" and dict(rep.columns)["c9"] == "Root Cause" and row["c9"] == "Yes"
+        assert "NPU Name" in render(rep)
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: p / "missing", "no such file or directory"),
+    (lambda p: p, "not a determ result"),
+    (lambda p: (p / "x.txt").write_text("hi") and p / "x.txt", "not a determ result"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make, needle):
+    target = make(tmp_path)
+    assert main(["report", str(target), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and not (tmp_path / "r.html").exists()
+
+
+def test_one_dump_asks_for_its_pair(dumps, capsys, tmp_path):
+    a = dumps[0]
+    assert main(["report", str(a), "-o", str(tmp_path / "r.html")]) == 2
+    assert "one API dump; expected two" in capsys.readouterr().err
+
+
+def test_values_cannot_break_out_of_the_page():
+    evil = "</script><script>alert(1)</script><b>x</b>"
+    rep = Report(kind="run", title=evil, inputs=[evil], checked=evil, divergent=True, verdict=evil,
+                 root={"node": evil, "op": evil, "source": evil, "metrics": {evil: evil}, "row": 0},
+                 rows=[{"id": 0, "n": evil, "op": evil, "v": "root", "e": float("nan"), "r": float("inf"),
+                        "in": [], "ins": [evil]}])
+    html = render(rep)
+    assert evil not in html and "<script>alert(1)" not in html
+    assert html.count("<script") == 2  # the data and the page's own script
+    data = html.split('<script id="report-data" type="application/json">', 1)[1].split("</script>", 1)[0]
+    parsed = json.loads(data)
+    assert parsed["rows"][0]["n"] == evil and parsed["rows"][0]["e"] == "nan" and parsed["rows"][0]["r"] == "inf"
