@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: the HTML report of large traces -- its size, the time to write it, the time a browser takes.
 
-A chain of ``n`` steps of three ops each with a nondeterministic row sum near its end is compiled with
+A chain of ``n`` steps of four ops each with a nondeterministic row sum near its end is compiled with
 ``determ_eager`` and the determinism check (a real run, a real finding), for about 2,000 and 10,000
 traced nodes; ``report.html`` is written as the run writes it, then loaded ``--loads`` times in headless
 Chromium (from ``file://``, until its script has drawn the plot, the neighbourhood and the first table
@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import pytest  # noqa: E402  (the browser helper skips through pytest)
 import torch  # noqa: E402
 
-from backend_helpers import nd_rowsum  # noqa: E402
+from backend_helpers import DeepChain  # noqa: E402
 from determ_backend.backends import run as run_mod  # noqa: E402
 from repro_tools.report import write_run_report  # noqa: E402
 
@@ -37,24 +37,11 @@ LOAD_TARGET_S = 2.0  # for the 2,000-node page
 SIZE_TARGET_MB = 8.0
 
 
-class Deep(torch.nn.Module):
-    def __init__(self, n: int):
-        super().__init__()
-        self.n = n
-
-    def forward(self, x):
-        for i in range(self.n):
-            x = x * 0.999 + torch.sin(x) * 0.01
-            if i == self.n * 9 // 10:
-                x = x + nd_rowsum(x * 1000.0)
-        return x
-
-
 def _run(nodes: int, out: Path) -> Path:
     torch.compiler.reset()
     torch.manual_seed(0)
     steps = max(1, nodes // 4)  # four records per step: two muls, the sin and the add
-    f = torch.compile(Deep(steps), backend="determ_eager",
+    f = torch.compile(DeepChain(steps, at=0.9), backend="determ_eager",
                       options={"dir": str(out), "run_id": f"n{nodes}", "check": "determinism", "report": False})
     f(torch.randn(4, 16))
     run_mod.finish_all()

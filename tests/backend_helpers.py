@@ -125,6 +125,22 @@ class NondetModel(torch.nn.Module):
         return (h * s).tanh() + 1.0
 
 
+class DeepChain(torch.nn.Module):
+    """``n`` steps of four traced ops each (``x * 0.999 + sin(x) * 0.01``); after step ``int(n * at)`` a
+    nondeterministic row sum is added in (a long graph with one determinism finding)."""
+
+    def __init__(self, n: int, at: float = 0.5):
+        super().__init__()
+        self.n, self.at = n, int(n * at)
+
+    def forward(self, x):
+        for i in range(self.n):
+            x = x * 0.999 + torch.sin(x) * 0.01
+            if i == self.at:
+                x = x + nd_rowsum(x * 1000.0)
+        return x
+
+
 class BreakModel(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -13,11 +13,7 @@ from pathlib import Path
 
 import pytest
 
-_BINARIES = ("chromium", "chromium-browser", "google-chrome")
-
-
-def _find(names) -> str:
-    return next((p for p in (shutil.which(n) for n in names) if p), "")
+from repro_tools.report.screenshot import find_chromium
 
 
 def open_browser(width: int = 1300, height: int = 1400):
@@ -27,7 +23,7 @@ def open_browser(width: int = 1300, height: int = 1400):
         from selenium.webdriver.chrome.service import Service
     except ImportError:
         pytest.skip("selenium is not installed (pip install -e '.[test]')")
-    binary, driver = _find(_BINARIES), _find(("chromedriver",))
+    binary, driver = find_chromium(), shutil.which("chromedriver")
     if not binary or not driver:
         pytest.skip("chromium and chromedriver are not installed (apt-get install chromium chromium-driver)")
     opts = webdriver.ChromeOptions()

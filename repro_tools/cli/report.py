@@ -2,7 +2,7 @@
 
 PATH is a run directory, a trace, two traces or run directories, an ``xdevice`` output, two API
 dumps, a compare output directory or CSV, or a minify output (:mod:`repro_tools.report.sources`).
-The page's path goes to stdout.  Exit 0: written, nothing diverges; 1: written, the result
+The page's path goes to stdout (with ``--screenshot PNG``, the picture's path after it).  Exit 0: written, nothing diverges; 1: written, the result
 diverges; 2: bad input.
 """
 
@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import logging
 
+from determ_backend.errors import ConfigError
+
 from repro_tools.report import build, write_html
+from repro_tools.report.screenshot import screenshot
 
 __all__ = ["register", "run_report"]
 
@@ -29,12 +32,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "two API dumps, a compare output (directory or CSV), or a minify output directory")
     p.add_argument("-o", "--output", default="report.html", metavar="OUT",
                    help="the page to write (default ./report.html)")
+    p.add_argument("--screenshot", metavar="PNG",
+                   help="also render the page in headless Chromium and save a PNG of its top (needs chromium)")
+    p.add_argument("--size", default="1100x1180", metavar="WxH",
+                   help="the screenshot's window size in pixels (default 1100x1180)")
     p.set_defaults(func=run_report)
 
 
+def _size(text: str):
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--size {text!r}: expected WIDTHxHEIGHT in pixels, e.g. 1100x1180") from None
+    return w, h
+
+
 def run_report(args: argparse.Namespace) -> int:
+    size = _size(args.size) if args.screenshot else None
     rep = build(args.paths)
     out = write_html(rep, args.output)
     log.info("%s report: %s", rep.kind, rep.verdict)
     print(out)
+    if args.screenshot:
+        print(screenshot(out, args.screenshot, *size))
     return 1 if rep.divergent else 0

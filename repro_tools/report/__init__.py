@@ -3,7 +3,8 @@
 * :mod:`.sources`: :func:`build` reads a run directory, a trace, two traces, an ``xdevice``
   output, two API dumps, a compare output or a minify output into a :class:`~.model.Report`;
 * :mod:`.model`: the report and its node rows (verdicts from the compare core);
-* :mod:`.render`: the page (jinja2, autoescaped; styles and script inlined).
+* :mod:`.render`: the page (jinja2, autoescaped; styles and script inlined);
+* :mod:`.screenshot`: a PNG of a page, by headless Chromium.
 
 :func:`write_run_report` is the ``report`` plug-in of the ``determ_flows`` entry-point group: a run with
 a finding writes ``report.html`` next to its ``report.json`` through it.  The command is

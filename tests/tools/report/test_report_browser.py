@@ -6,7 +6,6 @@ and a 2,000+ node dynamo graph under determ_eager.  Skipped where chromium/chrom
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from pathlib import Path
@@ -14,25 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend_helpers import NondetModel, compile_run, nd_rowsum
+from backend_helpers import DeepChain, NondetModel, compile_run
 from browser_helpers import load, open_browser, script_errors
 
 pytestmark = pytest.mark.browser
-
-
-class Deep(torch.nn.Module):
-    """``n`` steps of three ops each; half way, a nondeterministic row sum is added in."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.n = n
-
-    def forward(self, x):
-        for i in range(self.n):
-            x = x * 0.999 + torch.sin(x) * 0.01
-            if i == self.n // 2:
-                x = x + nd_rowsum(x * 1000.0)
-        return x
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +37,7 @@ def small_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def big_run(tmp_path_factory) -> Path:
     torch.manual_seed(0)
-    _, run_dir = compile_run(Deep(667), (torch.randn(4, 16),), "determ_eager", tmp_path_factory.mktemp("big"), "deep",
+    _, run_dir = compile_run(DeepChain(667), (torch.randn(4, 16),), "determ_eager", tmp_path_factory.mktemp("big"), "deep",
                              check="determinism")
     return run_dir
 
@@ -131,19 +115,22 @@ def test_filter_sort_and_producer_links(browser, small_run):
     assert script_errors(d) == []
 
 
-def test_screenshot_is_not_blank(browser, small_run, tmp_path):
+def test_screenshot_is_not_blank(small_run, tmp_path, capsys):
+    """``repro-tools report --screenshot``: headless Chromium's picture of the page's top."""
     from PIL import Image
 
-    d = browser
-    load(d, small_run / "report.html")
-    png = d.get_screenshot_as_png()
-    (tmp_path / "shot.png").write_bytes(png)
-    img = Image.open(io.BytesIO(png)).convert("RGB")
+    from repro_tools.cli import main
+
+    page, png = tmp_path / "r.html", tmp_path / "r.png"
+    assert main(["report", str(small_run), "-o", str(page), "--screenshot", str(png), "--size", "1000x900"]) == 1
+    assert capsys.readouterr().out.split() == [str(page), str(png)]
+    img = Image.open(png).convert("RGB")
+    assert img.size == (1000, 900)
     colors = img.getcolors(maxcolors=1 << 20)
-    assert img.size[0] > 600 and len(colors) > 50
+    assert len(colors) > 50
     white = sum(n for n, c in colors if c == (255, 255, 255))
     assert white < 0.95 * img.size[0] * img.size[1]
-    reds = sum(n for n, c in colors if c[0] > 180 and c[1] < 80 and c[2] < 100)  # the root-cause marks
+    reds = sum(n for n, c in colors if c[0] > 180 and c[1] < 80 and c[2] < 100)  # the root-cause border and marks
     assert reds > 20
 
 
@@ -162,3 +149,23 @@ def test_a_2000_node_page(browser, big_run):
     assert len(_shown(d)) == 1
     assert script_errors(d) == []
     print(f"2000-node page: {len(rows)} rows loaded and drawn in {seconds:.2f} s")
+
+
+def test_a_dump_compare_page(browser, tmp_path):
+    """The ptdbg CSV's columns, the root-cause API's row marked, no script error (dumps have no data-flow links)."""
+    import dump_helpers as dh
+
+    from repro_tools.report import build, write_html
+
+    a = dh.dump_run(tmp_path, "npu", dh.make_net(perturb="fc1.weight", scale=0.5))
+    b = dh.dump_run(tmp_path, "bench", dh.make_net())
+    rep = build([str(a), str(b)])
+    page = write_html(rep, tmp_path / "dump.html")
+    d = browser
+    load(d, page)
+    heads = [h.text for h in _css(d, "#nodes thead th")]
+    assert heads[:2] == ["NPU Name", "Bench Name"] and "Root Cause" in heads
+    marked = _css(d, "#nodes tbody tr.v-root")
+    assert len(marked) >= 1 and marked[0].find_element("css selector", "td.c-c0").text == rep.root["node"]
+    assert _css(d, "#root-node")[0].text == rep.root["node"]
+    assert len(_css(d, "#plot circle.pt")) == len(rep.rows) and script_errors(d) == []
