@@ -132,10 +132,19 @@ def _order(items: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         t[1].get("call") or 0, _stage_rank(t[1].get("stage")), str(t[1].get("graph")), t[0]))]
 
 
-def rows_from_pairs(pair_rows: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Node rows from :func:`determ_backend.compare.pair_row` dicts (a pairs file, a comparison)."""
+def rows_from_pairs(pair_rows: Iterable[Dict[str, Any]], records: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+    """Node rows from :func:`determ_backend.compare.pair_row` dicts (a pairs file, a comparison), and from
+    the trace ``records`` of graph calls no pair covers (not judged: e.g. the backward graph of a step
+    whose forward graph holds the finding), all in graph order."""
+    items = [dict(d, _pair=True) for d in pair_rows]
+    covered = {(d.get("graph"), d.get("stage"), d.get("call")) for d in items}
+    items += [{"graph": r.graph, "stage": r.stage, "call": r.call, "rec": r} for r in records
+              if (r.graph, r.stage, r.call) not in covered]
     rows = []
-    for d in _order(list(pair_rows)):
+    for d in _order(items):
+        if "rec" in d:
+            rows.append(_record_row(d["rec"], "unjudged"))
+            continue
         m = dict(d.get("metrics") or {})
         v = _verdict(d)
         row = {"g": d.get("graph"), "s": d.get("stage"), "c": d.get("call"), "n": d.get("node"), "op": d.get("op"),
@@ -154,17 +163,15 @@ def rows_from_records(records: Sequence[Any], verdicts: Optional[Dict[tuple, str
     """Node rows from trace records with no comparison (a run whose check names its root without pairs):
     statistics as the metrics, ``verdicts`` (by ``(graph, stage, call, node)``) where known."""
     items = [{"graph": r.graph, "stage": r.stage, "call": r.call, "rec": r} for r in records]
-    rows = []
-    for it in _order(items):
-        r = it["rec"]
-        st = dict(r.stats or {})
-        row = {"g": r.graph, "s": r.stage, "c": r.call, "n": r.node, "op": r.op, "k": r.kind, "src": r.source,
-               "dt": r.dtype, "sh": r.shape, "v": (verdicts or {}).get(r.key, "unjudged"), "e": None, "r": None,
-               "ha": r.hash, "ins": list(r.inputs)}
-        if st:
-            row["m"] = st
-        rows.append(row)
-    return _link(rows)
+    return _link([_record_row(it["rec"], (verdicts or {}).get(it["rec"].key, "unjudged")) for it in _order(items)])
+
+
+def _record_row(r: Any, verdict: str) -> Dict[str, Any]:
+    row = {"g": r.graph, "s": r.stage, "c": r.call, "n": r.node, "op": r.op, "k": r.kind, "src": r.source,
+           "dt": r.dtype, "sh": r.shape, "v": verdict, "e": None, "r": None, "ha": r.hash, "ins": list(r.inputs)}
+    if r.stats:
+        row["m"] = dict(r.stats)
+    return row
 
 
 def _link(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -149,10 +149,13 @@ def _finish(rep: Report) -> Report:
     return rep
 
 
-def _trace_records(run_dir: Path, fd: Dict[str, Any]):
+def _trace_records(run_dir: Path, fd: Optional[Dict[str, Any]]):
+    """The run's trace records: of the finding's call (call 0 without one), or all when ``fd`` is None."""
     from repro_tools.cli.trace_formats import load_file
 
     tf = load_file(str(run_dir), allow_partial=True)
+    if fd is None:
+        return tf.records
     call = fd.get("call") if fd else None
     call = 0 if call is None else call
     return [r for r in tf.records if r.call == call]
@@ -176,7 +179,9 @@ def _load_run(paths: List[str]) -> Report:
     series = ["compiled vs eager (RMSE)", "eager vs fp64 (RMSE)"] if first.get("check") == "accuracy" else \
         ["difference", "reference vs fp64"]
     if pair_rows:
-        rows = rows_from_pairs(pair_rows)
+        calls = {r.get("call") for r in pair_rows}  # the trace's other graphs of those calls, not judged
+        records = [r for r in _trace_records(d, None) if r.call in calls] if (d / TRACE_NAME).is_file() else []
+        rows = rows_from_pairs(pair_rows, records)
     elif (d / TRACE_NAME).is_file():
         verdicts = {}
         for f in findings:

@@ -20,6 +20,7 @@ import dump_helpers as dh
 from backend_helpers import NondetModel, compile_run
 
 import repro_tools.report as report_pkg
+from determ_backend.trace.stream import read_trace
 from repro_tools.cli import main
 from repro_tools.report import build, render
 from repro_tools.report.model import Report
@@ -67,6 +68,20 @@ def test_a_finding_writes_its_page_and_says_where(tmp_path, caplog):
     assert rep.snippet["line"] == 124 and "nd_rowsum(h * 1000.0)" in dict(rep.snippet["lines"])[124]
     html = page.read_text()
     assert fd["node"] in html and "<script" in html and "http://" not in html.replace("http://www.w3.org", "")
+
+
+def test_a_training_step_page_holds_forward_then_backward(tmp_path):
+    """The finding is in the forward graph; the backward graph of the same step follows it, not judged."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    _, run_dir = compile_run(NondetModel(), (x,), "determ_aot_eager", tmp_path, "train", backward=True,
+                             check="determinism")
+    rep = build([str(run_dir)])
+    stages = [r["s"] for r in rep.rows]
+    k = stages.index("aot_backward")
+    assert set(stages[:k]) == {"aot_forward"} and set(stages[k:]) == {"aot_backward"}
+    assert len(rep.rows) - k == sum(1 for r in read_trace(run_dir) if r.stage == "aot_backward")
+    assert {r["v"] for r in rep.rows[k:]} == {"unjudged"} and rep.rows[rep.root["row"]]["s"] == "aot_forward"
 
 
 def test_determ_report_0_writes_no_page(tmp_path, monkeypatch):
