@@ -294,12 +294,18 @@ def read_header(path: Union[str, Path], fmt: StreamFormat) -> Dict[str, Any]:
 
 
 def read_stream(path: Union[str, Path], fmt: StreamFormat, allow_partial: bool = False,
-                parse: Optional[Callable[[Path, int, Dict[str, Any]], Any]] = None) -> Stream:
+                parse: Optional[Callable[[Path, int, Dict[str, Any]], Any]] = None,
+                skip: Optional[Callable[[bytes], bool]] = None) -> Stream:
     """Read a stream by the rules in this module's docstring; ``parse(path, lineno, obj)`` turns each record
     object into the consumer's record (and raises :class:`TraceFormatError` for a bad one).  Every error is a
-    one-line :class:`TraceFormatError` naming the file (and line)."""
+    one-line :class:`TraceFormatError` naming the file (and line).
+
+    ``skip(raw line)``: True for a record line the caller does not want, decided on the raw bytes before any
+    JSON is decoded (a quick reject; the caller still filters what it keeps).  Skipped lines count for the
+    footer, so the file is checked whole, but are not decoded: a corrupt line among them goes unnoticed."""
     p = Path(path)
     records: List[Any] = []
+    skipped = 0
     footer: Dict[str, Any] = {}
     cut: Optional[int] = None  # line number of an undecodable line, tolerated only if nothing follows it
     with open(p, "rb") as f:
@@ -312,6 +318,9 @@ def read_stream(path: Union[str, Path], fmt: StreamFormat, allow_partial: bool =
                                        f"truncated last line is accepted, with allow_partial/--allow-partial)")
             if footer:
                 raise TraceFormatError(f"{p}:{lineno}: data after the end line")
+            if skip is not None and skip(raw) and not raw.startswith(b'{"end"'):
+                skipped += 1
+                continue
             try:
                 d = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
@@ -322,8 +331,9 @@ def read_stream(path: Union[str, Path], fmt: StreamFormat, allow_partial: bool =
             if not isinstance(d, dict):
                 raise TraceFormatError(f"{p}:{lineno}: expected a JSON object, got {type(d).__name__}")
             if d.get("end") is True:
-                if d.get("count") != len(records):
-                    raise TraceFormatError(f"{p}: end line says {d.get('count')} {fmt.items}, found {len(records)}")
+                if d.get("count") != len(records) + skipped:
+                    raise TraceFormatError(f"{p}: end line says {d.get('count')} {fmt.items}, found "
+                                           f"{len(records) + skipped}")
                 footer = d
                 continue
             records.append(parse(p, lineno, d) if parse is not None else d)

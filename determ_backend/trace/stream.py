@@ -295,12 +295,24 @@ def read_trace(path: Union[str, Path], allow_partial: bool = False) -> List[Reco
     return read_trace_file(path, allow_partial).records
 
 
-def read_trace_file(path: Union[str, Path], allow_partial: bool = False) -> TraceFile:
+def read_trace_file(path: Union[str, Path], allow_partial: bool = False,
+                    calls: Optional[Iterable[int]] = None) -> TraceFile:
     """:func:`read_trace` plus completeness, by the reading rules of :mod:`.jsonl`: ``allow_partial`` accepts a
     trace whose producer died (no end line; a corrupt, cut last line is dropped); a corrupt line anywhere else is
-    an error; a trace its writer cut on a full disk is read (one warning) and reported incomplete."""
-    s = read_stream(resolve_trace_path(path), TRACE_FORMAT, allow_partial, _parse_record)
-    return TraceFile(s.path, s.records, complete=s.complete, header=s.header)
+    an error; a trace its writer cut on a full disk is read (one warning) and reported incomplete.
+
+    ``calls``: keep only the records of these graph calls; the others are rejected on their raw text, never
+    decoded (a long run's trace holds thousands of calls: reading one costs a scan, not a parse of them all)."""
+    skip = None
+    if calls is not None:
+        wanted = {int(c) for c in calls}
+        marks = tuple(b'"call":%d,' % c for c in wanted)
+
+        def skip(raw: bytes) -> bool:  # a line written otherwise (spaces, no call key) is decoded and judged
+            return b'"call":' in raw and b'"call": ' not in raw and not any(m in raw for m in marks)
+    s = read_stream(resolve_trace_path(path), TRACE_FORMAT, allow_partial, _parse_record, skip)
+    records = s.records if calls is None else [r for r in s.records if r.call in wanted]
+    return TraceFile(s.path, records, complete=s.complete, header=s.header)
 
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")

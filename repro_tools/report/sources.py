@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from determ_backend.compare import compare_traces, pair_row
 from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.store import store_for
-from determ_backend.trace.stream import TRACE_NAME
+from determ_backend.trace.stream import TRACE_NAME, read_trace_file
 
 from repro_tools.minify.minifier import STATE_FILE, SUMMARY_FILE
 from repro_tools.report.model import (Report, find_row, limit_rows, rows_from_pairs, rows_from_records,
@@ -149,16 +149,10 @@ def _finish(rep: Report) -> Report:
     return rep
 
 
-def _trace_records(run_dir: Path, fd: Optional[Dict[str, Any]]):
-    """The run's trace records: of the finding's call (call 0 without one), or all when ``fd`` is None."""
-    from repro_tools.cli.trace_formats import load_file
-
-    tf = load_file(str(run_dir), allow_partial=True)
-    if fd is None:
-        return tf.records
-    call = fd.get("call") if fd else None
-    call = 0 if call is None else call
-    return [r for r in tf.records if r.call == call]
+def _trace_records(run_dir: Path, calls: Sequence[Optional[int]]):
+    """The run's trace records of these graph calls (None: call 0), read without decoding the other calls'
+    lines: a long run's trace is a scan here, not a parse (the page is written inside the user's process)."""
+    return read_trace_file(run_dir, allow_partial=True, calls={0 if c is None else c for c in calls}).records
 
 
 def _minify_dirs(repro_dir: Optional[str]) -> List[Path]:
@@ -180,14 +174,14 @@ def _load_run(paths: List[str]) -> Report:
         ["difference", "reference vs fp64"]
     if pair_rows:
         calls = {r.get("call") for r in pair_rows}  # the trace's other graphs of those calls, not judged
-        records = [r for r in _trace_records(d, None) if r.call in calls] if (d / TRACE_NAME).is_file() else []
+        records = _trace_records(d, calls) if (d / TRACE_NAME).is_file() else []
         rows = rows_from_pairs(pair_rows, records)
     elif (d / TRACE_NAME).is_file():
         verdicts = {}
         for f in findings:
             for rc in f.get("root_causes") or []:
                 verdicts[(rc.get("graph"), rc.get("stage"), rc.get("call"), rc.get("node"))] = "root"
-        rows = rows_from_records(_trace_records(d, fd), verdicts)
+        rows = rows_from_records(_trace_records(d, [fd.get("call")]), verdicts)
         series = ["difference", "reference vs fp64"]
     else:
         rows = []

@@ -262,3 +262,22 @@ def test_record_templates_write_what_records_write():
             rec = tpl.record(*args)
             assert tpl.line(*args) == rec.to_line()
             assert json.loads(tpl.line(*args))["node"] == "n.1"
+
+
+def test_reading_some_calls_scans_the_others_without_decoding_them(tmp_path):
+    """``read_trace_file(calls=...)`` keeps exactly those calls (1 is not 10 or 11), still checks the footer's count,
+    and decodes a line written in another form (spaces) to judge it."""
+    w = TraceWriter(tmp_path / "trace.jsonl", run="r")
+    w.write([Record(graph="g0", stage="aot_forward", node=f"n{i}", op="aten.add.Tensor", call=c, seq=i)
+             for c in (0, 1, 10, 11) for i in range(3)])
+    w.close()
+    tf = read_trace_file(tmp_path, calls=[1])
+    assert [(r.call, r.node) for r in tf.records] == [(1, "n0"), (1, "n1"), (1, "n2")] and tf.complete
+    assert {r.call for r in read_trace_file(tmp_path, calls=[0, 11]).records} == {0, 11}
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    spaced = json.dumps(dict(json.loads(lines[1]), call=1))  # '"call": 1' with a space: decoded, kept
+    (tmp_path / "trace.jsonl").write_text("\n".join([lines[0], spaced] + lines[2:]) + "\n")
+    assert [r.node for r in read_trace_file(tmp_path, calls=[1]).records] == ["n0", "n0", "n1", "n2"]
+    (tmp_path / "trace.jsonl").write_text("\n".join(lines[:-2] + [lines[-1]]) + "\n")  # a record short
+    with pytest.raises(TraceFormatError, match="end line says 12 records, found 11"):
+        read_trace_file(tmp_path, calls=[1])
