@@ -34,8 +34,9 @@ def load_flow(name: str) -> ModuleType:
     else:  # Python 3.9: a dict of group -> entry points
         found = [e for e in eps.get(GROUP, ()) if e.name == name]
     if not found:
-        raise ConfigError(f"REPRO_AFTER={name}: no repro flow of that name is installed "
-                          f"(entry-point group {GROUP!r}; reinstall determ: pip install -e .)")
+        what = f"REPRO_AFTER={name}: no repro flow of that name" if name in ("dynamo", "aot") else \
+            f"no {name!r} plug-in"
+        raise ConfigError(f"{what} is installed (entry-point group {GROUP!r}; reinstall determ: pip install -e .)")
     return found[0].load()
 
 
