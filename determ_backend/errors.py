@@ -17,7 +17,14 @@ __all__ = [
     "AccuracyError",
     "OracleError",
     "NondeterminismError",
+    "first_line",
 ]
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (a checker error is one line), or "" when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 class DetermError(Exception):

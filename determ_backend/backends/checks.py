@@ -55,7 +55,7 @@ from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare
                                      judge, sub_batches, tensor_metrics)
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
-from determ_backend.errors import AccuracyError
+from determ_backend.errors import AccuracyError, first_line
 from determ_backend.backends.eager import replay
 from determ_backend.backends.instrument import node_source
 from determ_backend.backends.recorder import CallResult, Recorder
@@ -167,11 +167,6 @@ def _has_random_ops(gm: fx.GraphModule) -> bool:
 
 _MAX_NARROW = 2
 """Roots narrowed inside their fused kernel per graph call (one compile each)."""
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.Tensor]) -> Dict[str, Any]:
@@ -304,7 +299,7 @@ class GraphExec:
         except AccuracyError:
             raise
         except Exception as e:
-            self.run.add_checker_error(check, f"{type(e).__name__}: {_first_line(e)} (in {getattr(fn, '__name__', 'check')})")
+            self.run.add_checker_error(check, f"{type(e).__name__}: {first_line(e)} (in {getattr(fn, '__name__', 'check')})")
             return None
 
     def _check_determinism(self, twin: CallResult, result: CallResult) -> None:
@@ -319,7 +314,7 @@ class GraphExec:
             ref = replay(self.reference_gm, eager_args, rng_state)
         except Exception as e:
             log.debug("determ accuracy: eager reference run failed", exc_info=True)
-            self.run.add_checker_error("accuracy", f"eager reference run failed: {type(e).__name__}: {_first_line(e)}")
+            self.run.add_checker_error("accuracy", f"eager reference run failed: {type(e).__name__}: {first_line(e)}")
             return
         try:
             ref64 = replay(self._reference_gm64(), _to64(eager_args), rng_state)
@@ -495,7 +490,7 @@ class GraphExec:
         try:
             return str(flows.write_repro(self.reference_gm, args, path, dict(meta, kind=kind, compiler=self.compiler)))
         except Exception as e:  # the finding stands without its repro
-            self.run.add_checker_error(kind, f"writing {path} failed: {type(e).__name__}: {_first_line(e)}")
+            self.run.add_checker_error(kind, f"writing {path} failed: {type(e).__name__}: {first_line(e)}")
             return None
 
     def _reference_gm64(self) -> fx.GraphModule:
@@ -519,7 +514,7 @@ class GraphExec:
                                            self._judge)
             except Exception as e:  # the region could not be compiled or run alone: the buffer stays the answer
                 self.run.add_checker_error("accuracy", f"narrowing {rec.node} inside {kernel} failed: "
-                                                       f"{type(e).__name__}: {_first_line(e)}")
+                                                       f"{type(e).__name__}: {first_line(e)}")
                 continue
             if found is None:
                 continue

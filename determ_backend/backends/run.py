@@ -23,8 +23,9 @@ import torch
 
 from determ_backend.compare.nonfinite import input_ranges
 from determ_backend.compare.roots import pair_row
+from determ_backend.compare.verdict import metrics_text
 from determ_backend.config import DetermConfig
-from determ_backend.errors import AccuracyError, ConfigError, TraceFormatError
+from determ_backend.errors import AccuracyError, ConfigError, TraceFormatError, first_line
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import (TRACE_NAME, Record, TraceWriter, atomic_write_text, encode,
                                          read_trace_file)
@@ -197,8 +198,7 @@ class Run:
                         fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>",
                         ranges, inside, where)
         elif fd:
-            m = fd.get("metrics") or {}
-            metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+            metrics = metrics_text(fd.get("metrics"))
             k = fd.get("kernel") or {}
             inside = f" inside {k.get('name')} (its buffer {k.get('record')})" if k.get("record_metrics") else ""
             log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s%s %s%s", check, fd.get("graph"),
@@ -216,8 +216,8 @@ class Run:
         name = f"pairs-{k}.jsonl"
         try:
             atomic_write_text(self.dir / name, "".join(encode(pair_row(p)).decode("utf-8") + "\n" for p in pairs))
-        except (OSError, TypeError, ValueError) as e:
-            self.add_checker_error("report", f"writing {name}: {type(e).__name__}: {e}")
+        except Exception as e:  # the report's bookkeeping never breaks the model
+            self.add_checker_error("report", f"writing {name}: {type(e).__name__}: {first_line(e)}")
             return None
         return name
 
@@ -235,8 +235,7 @@ class Run:
             return Path(write_report(self.dir))
         except Exception as e:
             log.debug("determ report failed", exc_info=True)
-            self.add_checker_error("report", f"writing {REPORT_HTML}: {type(e).__name__}: "
-                                             f"{(str(e).strip().splitlines() or [''])[0]}")
+            self.add_checker_error("report", f"writing {REPORT_HTML}: {type(e).__name__}: {first_line(e)}")
             return None
 
     def add_note(self, check: str, summary: Dict[str, Any]) -> None:

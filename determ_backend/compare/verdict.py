@@ -33,7 +33,7 @@ from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 
 __all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows", "sub_batches",
-           "stats_metrics", "judge_records", "dtype_tol"]
+           "stats_metrics", "judge_records", "dtype_tol", "metrics_text"]
 
 DEFAULT_TOL = 1e-3
 """The default tolerance of every verdict (``DETERM_TOL``, ``--tol``)."""
@@ -145,6 +145,11 @@ def tensor_metrics(a: torch.Tensor, b: torch.Tensor, ref64: Optional[torch.Tenso
         out["err_a_vs_fp64"] = rmse(a, ref64)
         out["err_b_vs_fp64"] = rmse(b, ref64)
     return out
+
+
+def metrics_text(m: Optional[Dict[str, Any]]) -> str:
+    """Metrics as one line: ``key=value`` pairs, floats to 3 significant digits."""
+    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in (m or {}).items())
 
 
 def stats_metrics(a: Record, b: Record) -> Dict[str, Any]:

@@ -19,10 +19,10 @@ from determ_backend.dump.comparison.dumps import DumpComparison, compare, compar
 from determ_backend.dump.comparison.parse import check_path, holds_index, rank_dirs
 from determ_backend.errors import ConfigError
 
-__all__ = ["register", "run_compare"]
+__all__ = ["register", "run_compare", "tol_arg"]
 
 
-def _tol(text: str) -> float:
+def tol_arg(text: str) -> float:
     """``--tol``: a finite number >= 0 (argparse turns the error into a usage line and exit 2)."""
     try:
         v = float(text)
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="directory for the CSV and advisor files (default ./compare_output)")
     p.add_argument("--stack", action="store_true", help="add the NPU_Stack_Info column (stack_mode)")
     verdict = p.add_mutually_exclusive_group()
-    verdict.add_argument("--tol", type=_tol, default=DEFAULT_TOL,
+    verdict.add_argument("--tol", type=tol_arg, default=DEFAULT_TOL,
                          help=f"tolerance of the verdicts when they are not bitwise -- dumps of two device types "
                               f"or dtypes (default {DEFAULT_TOL}; widened to 4 units in the last place of "
                               f"bf16/fp16)")

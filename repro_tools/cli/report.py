@@ -13,6 +13,7 @@ import logging
 
 from determ_backend.errors import ConfigError
 
+from repro_tools.cli.compare import tol_arg
 from repro_tools.report import build, write_html
 from repro_tools.report.screenshot import screenshot
 
@@ -32,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "two API dumps, a compare output (directory or CSV), or a minify output directory")
     p.add_argument("-o", "--output", default="report.html", metavar="OUT",
                    help="the page to write (default ./report.html)")
+    p.add_argument("--tol", type=tol_arg, default=None,
+                   help="two traces: judge within TOL instead of bitwise; an xdevice output: the tolerance its "
+                        "devices are judged with (default: xdevice's own, 1e-3)")
     p.add_argument("--screenshot", metavar="PNG",
                    help="also render the page in headless Chromium and save a PNG of its top (needs chromium)")
     p.add_argument("--size", default="1100x1180", metavar="WxH",
@@ -49,8 +53,12 @@ def _size(text: str):
 
 def run_report(args: argparse.Namespace) -> int:
     size = _size(args.size) if args.screenshot else None
-    rep = build(args.paths)
-    out = write_html(rep, args.output)
+    rep = build(args.paths, tol=args.tol)
+    try:
+        out = write_html(rep, args.output)
+    except OSError as e:
+        raise ConfigError(f"-o {args.output}: cannot write the page ({e.strerror or e}); expected a writable "
+                          "file path") from None
     log.info("%s report: %s", rep.kind, rep.verdict)
     print(out)
     if args.screenshot:

@@ -38,10 +38,11 @@ import torch
 from determ_backend import _torch_compat as tc
 from determ_backend.clones import clone_inputs
 from determ_backend.config import CHECKS
+from determ_backend.compare import metrics_text
 from determ_backend.errors import DetermError
 
 from repro_tools.minify.accuracy import call_maybe_boxed, flatten, same_two_models
-from repro_tools.repro.script import add_sys_path, load_repro
+from repro_tools.repro.script import add_sys_path, load_repro, repro_class_span
 
 __all__ = ["register", "run", "analyze_repro"]
 
@@ -71,8 +72,7 @@ def _repro_line(path: Path, node: Optional[str], op: Optional[str]) -> Optional[
     """``repro.py:N: code`` of the statement in ``Repro.forward`` computing ``node``: by name, else the
     only statement calling ``op`` (names may differ once the graph is traced again)."""
     lines = path.read_text().splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("class Repro(")), 0)
-    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    start, end = repro_class_span(lines) or (0, len(lines))
     body = [(i, lines[i]) for i in range(start, end) if not lines[i].strip().startswith("#")]
     by_name = re.compile(rf"^\s+{re.escape(node or '')}(\s*:[^=]*)?\s*=\s")
     hits = [i for i, ln in body if node and by_name.match(ln)]
@@ -205,8 +205,7 @@ def _print(r: Dict[str, Any], full_traceback: bool = False) -> None:
         if not mine:
             print(f"  {c}: no divergence")
         for f in mine:
-            m = f.get("metrics") or {}
-            metrics = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+            metrics = metrics_text(f.get("metrics"))
             if f.get("node") == "<outputs>":
                 print(f"  {c}: the outputs diverge ({f.get('detail')})")
                 continue

@@ -126,10 +126,19 @@ def _stage_rank(stage: Optional[str]) -> int:
     return _STAGE_ORDER.index(stage) if stage in _STAGE_ORDER else len(_STAGE_ORDER)
 
 
+_GRAPH_ID = re.compile(r"^g(\d+)$")
+
+
+def _graph_rank(graph: Any) -> tuple:
+    """Graph ids in compile order (``g2`` before ``g10``); other names after them, by name."""
+    m = _GRAPH_ID.match(str(graph))
+    return (0, int(m.group(1)), "") if m else (1, 0, str(graph))
+
+
 def _order(items: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Graph order: forward stages before backward ones, then graph and call, then as recorded."""
+    """Graph order: by call, forward stages before backward ones, then graph, then as recorded."""
     return [d for _, d in sorted(enumerate(items), key=lambda t: (
-        t[1].get("call") or 0, _stage_rank(t[1].get("stage")), str(t[1].get("graph")), t[0]))]
+        t[1].get("call") or 0, _stage_rank(t[1].get("stage")), _graph_rank(t[1].get("graph")), t[0]))]
 
 
 def rows_from_pairs(pair_rows: Iterable[Dict[str, Any]], records: Sequence[Any] = ()) -> List[Dict[str, Any]]:
@@ -167,10 +176,14 @@ def rows_from_records(records: Sequence[Any], verdicts: Optional[Dict[tuple, str
 
 
 def _record_row(r: Any, verdict: str) -> Dict[str, Any]:
+    """A trace record with no comparison: plotted at its count of NaN and Inf values (the statistics')."""
+    st = r.stats or {}
+    counts = [st.get(k) for k in ("nan", "inf")]
+    e = float(sum(counts)) if all(isinstance(c, int) for c in counts) else None
     row = {"g": r.graph, "s": r.stage, "c": r.call, "n": r.node, "op": r.op, "k": r.kind, "src": r.source,
-           "dt": r.dtype, "sh": r.shape, "v": verdict, "e": None, "r": None, "ha": r.hash, "ins": list(r.inputs)}
-    if r.stats:
-        row["m"] = dict(r.stats)
+           "dt": r.dtype, "sh": r.shape, "v": verdict, "e": e, "r": None, "ha": r.hash, "ins": list(r.inputs)}
+    if st:
+        row["m"] = dict(st)
     return row
 
 
@@ -185,17 +198,24 @@ def _link(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return rows
 
 
-def limit_rows(rows: List[Dict[str, Any]], root: Optional[int]) -> tuple:
-    """At most :data:`MAX_ROWS` rows: the first ones, every non-equal one and the root's neighbours; ids kept.
-    Returns ``(rows, note or None)``."""
-    if len(rows) <= MAX_ROWS:
-        return rows, None
-    keep = set(range(MAX_ROWS // 2))
-    keep |= {r["id"] for r in rows if r["v"] not in ("equal", "unjudged")}
+def limit_rows(rows: List[Dict[str, Any]], root: Optional[int], limit: int = MAX_ROWS) -> tuple:
+    """At most ``limit`` rows: the root cause and its neighbours, then the first rows up to half the limit,
+    then the divergent rows in graph order, renumbered (links to rows left out become unknown producers).
+    Returns ``(rows, the root's new id, note or None)``."""
+    if len(rows) <= limit:
+        return rows, root, None
+    keep: List[int] = []
     if root is not None:
-        keep |= {root} | {i for i in rows[root]["in"] if i is not None}
-        keep |= {r["id"] for r in rows if root in r["in"]}
-    kept = sorted(keep)[:MAX_ROWS]
+        keep += [root] + [i for i in rows[root]["in"] if i is not None] + [r["id"] for r in rows if root in r["in"]]
+    chosen = set(keep)
+    for r in rows[: limit // 2]:
+        chosen.add(r["id"])
+    for r in rows:
+        if len(chosen) >= limit:
+            break
+        if r["v"] not in ("equal", "unjudged"):
+            chosen.add(r["id"])
+    kept = sorted(chosen)  # the limit, or a few more when the root has more neighbours than half of it
     index = {old: new for new, old in enumerate(kept)}
     out = []
     for old in kept:
@@ -203,8 +223,9 @@ def limit_rows(rows: List[Dict[str, Any]], root: Optional[int]) -> tuple:
         row["id"] = index[old]
         row["in"] = [index.get(i) if i is not None else None for i in row["in"]]
         out.append(row)
-    return out, (f"{len(rows)} records: the table and plot show {len(out)} of them (the first "
-                 f"{MAX_ROWS // 2}, every divergent one and the root cause's neighbours)")
+    return out, index.get(root) if root is not None else None, (
+        f"{len(rows)} records: the table and plot show {len(out)} of them (the root cause and its neighbours, the "
+        f"first {limit // 2} and the divergent ones in graph order)")
 
 
 def source_snippet(source: Optional[str], context: int = 3) -> Optional[Dict[str, Any]]:

@@ -20,12 +20,12 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from determ_backend.compare import compare_traces, pair_row
+from determ_backend.compare import DEFAULT_TOL, metrics_text, pair_row
 from determ_backend.errors import ConfigError, TraceFormatError
-from determ_backend.trace.store import store_for
 from determ_backend.trace.stream import TRACE_NAME, read_trace_file
 
 from repro_tools.minify.minifier import STATE_FILE, SUMMARY_FILE
+from repro_tools.repro.script import repro_class_span
 from repro_tools.report.model import (Report, find_row, limit_rows, rows_from_pairs, rows_from_records,
                                       source_snippet)
 
@@ -91,10 +91,13 @@ def detect(paths: Sequence[str]) -> str:
                       "xdevice, compare or minify output directory, or two traces or dumps")
 
 
-def build(paths: Sequence[str]) -> Report:
-    """The report of ``paths`` (any kind :func:`detect` knows)."""
+def build(paths: Sequence[str], tol: Optional[float] = None) -> Report:
+    """The report of ``paths`` (any kind :func:`detect` knows).  ``tol``: the verdicts' tolerance where this
+    module compares (two traces: default bitwise; an xdevice output: default ``xdevice``'s)."""
     kind = detect(paths)
-    return _LOADERS[kind]([str(p) for p in paths])
+    paths = [str(p) for p in paths]
+    return _load_diff(paths, tol) if kind == "diff" else _load_xdevice(paths, tol) if kind == "xdevice" \
+        else _LOADERS[kind](paths)
 
 
 # ------------------------------------------------------------------------ runs and traces
@@ -108,13 +111,30 @@ def _read_json(p: Path) -> Dict[str, Any]:
 
 def _read_pairs(p: Path) -> List[Dict[str, Any]]:
     out = []
+    i = 0
     try:
         with open(p, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
                     out.append(json.loads(line))
     except (OSError, ValueError) as e:
-        raise TraceFormatError(f"{p}:{i}: not a pairs file line ({e})") from None
+        raise TraceFormatError(f"{p}:{i}: not readable as a pairs file ({e}); expected one JSON object per line") \
+            from None
+    return out
+
+
+def _findings_pairs(d: Path, findings: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The judged pairs the findings kept, each graph call once: a call two checks judged (accuracy and
+    determinism on one call) shows the first finding's verdicts."""
+    out: List[Dict[str, Any]] = []
+    seen: set = set()
+    for f in findings:
+        if not f.get("pairs") or not (d / f["pairs"]).is_file():
+            continue
+        rows = _read_pairs(d / f["pairs"])
+        groups = {(r.get("graph"), r.get("stage"), r.get("call")) for r in rows}
+        out += [r for r in rows if (r.get("graph"), r.get("stage"), r.get("call")) not in seen]
+        seen |= groups
     return out
 
 
@@ -141,10 +161,9 @@ def _root_of(fd: Optional[Dict[str, Any]], rows: List[Dict[str, Any]]) -> Option
 
 def _finish(rep: Report) -> Report:
     root_row = rep.root.get("row") if rep.root else None
-    rep.rows, rep.table_note = limit_rows(rep.rows, root_row)
+    rep.rows, root_row, rep.table_note = limit_rows(rep.rows, root_row)
     if rep.root:
-        if rep.table_note:  # ids were renumbered: find the root again
-            rep.root["row"] = next((r["id"] for r in rep.rows if r["v"] == "root"), rep.root.get("row"))
+        rep.root["row"] = root_row
         rep.snippet = source_snippet(rep.root.get("source"))
     return rep
 
@@ -155,10 +174,14 @@ def _trace_records(run_dir: Path, calls: Sequence[Optional[int]]):
     return read_trace_file(run_dir, allow_partial=True, calls={0 if c is None else c for c in calls}).records
 
 
-def _minify_dirs(repro_dir: Optional[str]) -> List[Path]:
-    if not repro_dir or not Path(repro_dir).is_dir():
+def _minify_dirs(run_dir: Path, repro_dir: Optional[str]) -> List[Path]:
+    """The minify outputs under a finding's repro directory (a relative one is the run directory's)."""
+    if not repro_dir:
         return []
-    return sorted(p.parent for p in Path(repro_dir).glob("**/" + _STATE))
+    p = Path(repro_dir)
+    if not p.is_absolute() and not p.is_dir():
+        p = run_dir / p
+    return sorted(q.parent for q in p.glob("**/" + _STATE)) if p.is_dir() else []
 
 
 def _load_run(paths: List[str]) -> Report:
@@ -168,8 +191,7 @@ def _load_run(paths: List[str]) -> Report:
     checks = rep_json.get("checks") or []
     first = findings[0] if findings else {}
     fd = first.get("first_divergence") or {}
-    pair_rows = [r for f in findings if f.get("pairs") and (d / f["pairs"]).is_file()
-                 for r in _read_pairs(d / f["pairs"])]
+    pair_rows = _findings_pairs(d, findings)
     series = ["compiled vs eager (RMSE)", "eager vs fp64 (RMSE)"] if first.get("check") == "accuracy" else \
         ["difference", "reference vs fp64"]
     if pair_rows:
@@ -182,7 +204,7 @@ def _load_run(paths: List[str]) -> Report:
             for rc in f.get("root_causes") or []:
                 verdicts[(rc.get("graph"), rc.get("stage"), rc.get("call"), rc.get("node"))] = "root"
         rows = rows_from_records(_trace_records(d, [fd.get("call")]), verdicts)
-        series = ["difference", "reference vs fp64"]
+        series = ["NaN + Inf values (statistics)", ""]
     else:
         rows = []
     what = ", ".join(checks) or (first.get("check") if first else "") or "tracing only"
@@ -194,7 +216,7 @@ def _load_run(paths: List[str]) -> Report:
     for f in findings:
         where = _where(f.get("first_divergence") or {})
         rep.findings.append({"check": f.get("check"), "where": where,
-                             "detail": f.get("detail") or _metrics_text((f.get("first_divergence") or {}).get("metrics")),
+                             "detail": f.get("detail") or metrics_text((f.get("first_divergence") or {}).get("metrics")),
                              "repro": f.get("repro")})
     for n in rep_json.get("notes") or []:
         if n.get("skipped"):
@@ -203,7 +225,7 @@ def _load_run(paths: List[str]) -> Report:
             rep.notes.append(f"{n.get('check')}: masked divergence at {m.get('node')} ({m.get('op')}) "
                              f"{m.get('source') or ''}: reaches no failing output")
     rep.root = _root_of(fd, rows)
-    for mdir in _minify_dirs(first.get("repro")):
+    for mdir in _minify_dirs(d, first.get("repro")):
         rep.minify = _minify_info(mdir)
         culprit = rep.minify.get("culprit") or {}
         if rep.root is None and culprit.get("node"):
@@ -218,12 +240,6 @@ def _load_run(paths: List[str]) -> Report:
     return _finish(rep)
 
 
-def _metrics_text(m: Optional[Dict[str, Any]]) -> str:
-    if not m:
-        return ""
-    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
-
-
 def _load_trace(paths: List[str]) -> Report:
     from repro_tools.cli.trace_formats import load_file
 
@@ -232,14 +248,13 @@ def _load_trace(paths: List[str]) -> Report:
     return _finish(Report(kind="trace", title=f"determ trace {tf.path}", inputs=paths,
                           checked=f"one trace, {len(tf.records)} records: nothing compared",
                           divergent=False, verdict="one trace: compare it with another (two paths) for a verdict",
-                          rows=rows, series=["difference", "reference vs fp64"]))
+                          rows=rows, series=["NaN + Inf values (statistics)", ""]))
 
 
 def _comparison_report(kind: str, a: str, b: str, tol: Optional[float], title: str, checked: str) -> Report:
-    from repro_tools.cli.trace_formats import load_any
+    from repro_tools.xdevice.core import compare_trace_pair
 
-    cmp = compare_traces(load_any(a, allow_partial=True), load_any(b, allow_partial=True), tol=tol,
-                         store_a=store_for(a), store_b=store_for(b))
+    cmp = compare_trace_pair(a, b, tol)
     rows = rows_from_pairs([pair_row(p) for p in cmp.pairs])
     fd = cmp.summary().get("first_divergence")
     rep = Report(kind=kind, title=title, inputs=[a, b], checked=checked, divergent=cmp.divergent, verdict="",
@@ -258,14 +273,15 @@ def _comparison_report(kind: str, a: str, b: str, tol: Optional[float], title: s
     return _finish(rep)
 
 
-def _load_diff(paths: List[str]) -> Report:
-    return _comparison_report("diff", paths[0], paths[1], None, f"determ diff {paths[0]} vs {paths[1]}",
-                              "two traces, bitwise (fingerprints)")
+def _load_diff(paths: List[str], tol: Optional[float]) -> Report:
+    how = "bitwise (fingerprints)" if tol is None else f"within tol={tol:g}"
+    return _comparison_report("diff", paths[0], paths[1], tol, f"determ diff {paths[0]} vs {paths[1]}",
+                              f"two traces, {how}")
 
 
-def _load_xdevice(paths: List[str]) -> Report:
+def _load_xdevice(paths: List[str], tol: Optional[float]) -> Report:
     a, b = _sides(Path(paths[0]))
-    tol = 1e-3
+    tol = DEFAULT_TOL if tol is None else tol  # what `repro-tools xdevice` judges with unless told
     rep = _comparison_report("xdevice", str(a), str(b), tol, f"determ xdevice {paths[0]}",
                              f"{a.name[6:]} vs {b.name[6:]} within tol={tol:g}")
     rep.inputs = paths
@@ -283,16 +299,17 @@ def _dump_rows(csv_rows: List[Dict[str, str]]) -> List[Dict[str, Any]]:
                                       if "N/A" in (r.get("NPU Name"), r.get("Bench Name")) else "unjudged")
         err = None
         try:
-            err = float(r.get("MaxAbsErr", ""))
+            err = float(r.get("MaxAbsErr") or "")
         except ValueError:
             pass
         row = {"id": i, "n": r.get("NPU Name"), "v": verdict, "e": err, "r": None, "in": [], "ins": []}
-        row.update({f"c{j}": r.get(c, "") for j, c in enumerate(_DUMP_COLUMNS)})
+        row.update({f"c{j}": r.get(c) or "" for j, c in enumerate(_DUMP_COLUMNS)})
         rows.append(row)
     return rows
 
 
-def _dump_report(kind: str, csv_rows: List[Dict[str, str]], advisor: str, paths: List[str], checked: str) -> Report:
+def _dump_report(kind: str, csv_rows: List[Dict[str, str]], advisor: str, paths: List[str], checked: str,
+                 source: Optional[str] = None) -> Report:
     rows = _dump_rows(csv_rows)
     root_id = next((r["id"] for r in rows if r["v"] == "root"), None)
     divergent = any(r["v"] in ("root", "differs") for r in rows)
@@ -302,14 +319,11 @@ def _dump_report(kind: str, csv_rows: List[Dict[str, str]], advisor: str, paths:
                  series=["MaxAbsErr", ""])
     if root_id is not None:
         r = csv_rows[root_id]
-        src = None
-        for line in advisor.splitlines():
-            if line.strip().startswith("at "):
-                src = line.strip()[3:]
-                break
-        rep.root = {"node": r.get("NPU Name"), "op": r.get("Bench Name"), "source": src, "graph": None,
-                    "stage": "api", "metrics": {k: r.get(k) for k in ("Cosine", "MaxAbsErr", "MaxRelativeErr",
-                                                                      "Bitwise Equal")}, "row": root_id}
+        if source is None:  # a compare output keeps the source in the advisor text only
+            source = next((ln.strip()[3:] for ln in advisor.splitlines() if ln.strip().startswith("at ")), None)
+        rep.root = {"node": r.get("NPU Name"), "op": None, "source": source, "graph": None, "stage": "api",
+                    "metrics": {k: r.get(k) for k in ("Bench Name", "Cosine", "MaxAbsErr", "MaxRelativeErr",
+                                                      "Bitwise Equal")}, "row": root_id}
     rep.verdict = (f"divergent: root cause {rep.root['node']}" if rep.root else
                    "divergent: no root cause among the paired APIs" if divergent else "no divergence")
     if advisor:
@@ -322,8 +336,9 @@ def _load_dump(paths: List[str]) -> Report:
 
     cmp = compare_dumps(paths[0], paths[1])
     csv_rows = [{k: str(v) for k, v in r.items() if not k.startswith("_")} for r in cmp.rows]
+    source = (cmp.root_causes[0].a or {}).get("source") if cmp.root_causes else None
     return _dump_report("dump", csv_rows, analysis(cmp), paths,
-                        "two API dumps, " + ("bitwise" if cmp.exact else "within tolerance"))
+                        "two API dumps, " + ("bitwise" if cmp.exact else "within tolerance"), source)
 
 
 def _load_compare(paths: List[str]) -> Report:
@@ -356,11 +371,8 @@ def _graph_code(repro: Path) -> str:
     except OSError:
         return ""
     lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("class Repro(")), None)
-    if start is None:
-        return text
-    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
-    return "\n".join(lines[start:end]).rstrip()
+    span = repro_class_span(lines)
+    return "\n".join(lines[span[0]:span[1]]).rstrip() if span else text
 
 
 def _minify_info(d: Path) -> Dict[str, Any]:
@@ -369,7 +381,8 @@ def _minify_info(d: Path) -> Dict[str, Any]:
     info = {"dir": str(d), "kind": summary.get("kind") or (state.get("spec") or {}).get("kind"),
             "compiler": summary.get("compiler") or (state.get("spec") or {}).get("compiler"),
             "nodes_before": summary.get("nodes_before"), "nodes_after": summary.get("nodes_after"),
-            "ops_before": summary.get("ops_before"), "ops_after": summary.get("ops_after"),
+            "ops_before": summary.get("ops_before"),
+            "ops_after": summary.get("ops_after", len((state.get("current") or {}).get("keep") or []) or None),
             "queries": summary.get("queries", state.get("queries")), "seconds": summary.get("seconds", state.get("seconds")),
             "localized": summary.get("localized", state.get("localized")), "failure": summary.get("failure"),
             "culprit": summary.get("culprit") or ({"node": state["culprit"]} if state.get("culprit") else None)}
@@ -393,5 +406,5 @@ def _load_minify(paths: List[str]) -> Report:
     return _finish(rep)
 
 
-_LOADERS = {"run": _load_run, "trace": _load_trace, "diff": _load_diff, "xdevice": _load_xdevice,
-            "dump": _load_dump, "compare": _load_compare, "minify": _load_minify}
+_LOADERS = {"run": _load_run, "trace": _load_trace, "dump": _load_dump, "compare": _load_compare,
+            "minify": _load_minify}

@@ -40,7 +40,7 @@ from determ_backend.trace.stream import atomic_write_text
 from repro_tools.repro.codegen import CodeWriter, script_text
 from repro_tools.repro.store import STORE_NAME, StoreWriter, copy_store_files, describe_value, json_safe
 
-__all__ = ["write_repro", "load_repro", "read_meta", "add_sys_path", "import_script", "copy_repro", "capture_compile_config", "capture_env",
+__all__ = ["write_repro", "load_repro", "read_meta", "repro_class_span", "add_sys_path", "import_script", "copy_repro", "capture_compile_config", "capture_env",
            "compiler_ref", "FAILURE_KINDS", "STORE_NAME"]
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,16 @@ def write_repro(gm: fx.GraphModule, inputs: Sequence[Any], path: Union[str, Path
 
 
 # ------------------------------------------------------------------ reading
+
+def repro_class_span(lines: List[str]) -> Optional[Tuple[int, int]]:
+    """``(first, end)`` line indices of the ``class Repro`` block of a repro script's ``lines`` (the graph), or
+    None when the script has none."""
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("class Repro(")), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    return start, end
+
 
 def read_meta(path: Union[str, Path]) -> Dict[str, Any]:
     """``META`` of a repro script, read without executing it."""

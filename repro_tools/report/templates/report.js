@@ -14,7 +14,15 @@
     if (text !== undefined) e.textContent = text;
     return e;
   }
-  function num(v) { return typeof v === "number" ? v : (v === "inf" ? Infinity : v === "nan" ? NaN : null); }
+  function num(v) {
+    if (typeof v === "number") return v;
+    return v === "inf" ? Infinity : v === "-inf" ? -Infinity : v === "nan" ? NaN : null;
+  }
+  function asNumber(v) {  /* a sortable number for a cell's value, or null */
+    var x = num(v);
+    if (x === null && typeof v === "string" && v !== "" && isFinite(+v)) x = +v;
+    return x === null || isNaN(x) ? null : x;
+  }
   function fmt(v) {
     if (v === null || v === undefined) return "";
     if (typeof v === "number") return Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-3) ? v.toExponential(3) : String(+v.toPrecision(4));
@@ -29,19 +37,26 @@
     if (!box) return;
     var W = Math.max(box.clientWidth || 900, 300), H = 280, L = 56, R = 12, T = 14, B = 30;
     var svg = el("svg", { viewBox: "0 0 " + W + " " + H, id: "plot-svg", preserveAspectRatio: "none" });
-    var vals = [];
-    rows.forEach(function (r) { [num(r.e), num(r.r)].forEach(function (v) { if (v > 0 && isFinite(v)) vals.push(v); }); });
-    var lo = vals.length ? Math.floor(Math.log10(Math.min.apply(null, vals))) : -8;
-    var hi = vals.length ? Math.ceil(Math.log10(Math.max.apply(null, vals))) : 0;
+    var vmin = Infinity, vmax = -Infinity, nonfinite = false;
+    rows.forEach(function (r) {
+      [num(r.e), num(r.r)].forEach(function (v) {
+        if (v === null) return;
+        if (!isFinite(v)) { nonfinite = true; return; }
+        if (v > 0) { if (v < vmin) vmin = v; if (v > vmax) vmax = v; }
+      });
+    });
+    var lo = vmax > 0 ? Math.floor(Math.log10(vmin)) : -8;
+    var hi = vmax > 0 ? Math.ceil(Math.log10(vmax)) : 0;
     if (hi <= lo) hi = lo + 1;
-    var zeroY = H - B + 8 - 8, n = Math.max(rows.length - 1, 1);
+    var top = nonfinite ? T + 14 : T;  /* a band above the scale for NaN and Inf */
+    var zeroY = H - B, n = Math.max(rows.length - 1, 1);
     function x(i) { return L + (W - L - R) * (rows.length > 1 ? i / n : 0.5); }
     function y(v) {
       v = num(v);
-      if (v === null || isNaN(v)) return zeroY;
-      if (!isFinite(v)) return T;
+      if (v === null) return zeroY;
+      if (isNaN(v) || !isFinite(v)) return T;  /* NaN or Inf: the top band, never the zero line */
       if (v <= 0) return zeroY;
-      return T + (H - B - 8 - T) * (hi - Math.log10(v)) / (hi - lo);
+      return top + (H - B - 8 - top) * (hi - Math.log10(v)) / (hi - lo);
     }
     svg.appendChild(el("line", { x1: L, x2: W - R, y1: zeroY, y2: zeroY, "class": "axis" }));
     for (var p = lo; p <= hi; p++) {
@@ -50,6 +65,7 @@
       svg.appendChild(el("text", { x: 4, y: yy + 4 }, "1e" + p));
     }
     svg.appendChild(el("text", { x: 4, y: zeroY + 4 }, "0"));
+    if (nonfinite) svg.appendChild(el("text", { x: 4, y: T + 4, id: "nonfinite-band" }, "nan/inf"));
     var prev = null;
     rows.forEach(function (r, i) {
       var stage = (r.g || "") + " " + (r.s || "");
@@ -137,11 +153,15 @@
     if (key === "e" || key === "r") return fmt(num(v));
     return fmt(v);
   }
+  var ALIASES = { node: "n", verdict: "v", stage: "s", kind: "k", source: "src", dtype: "dt", shape: "sh", graph: "g",
+                  inputs: "in", error: "e" };
+  var KEYS = {};
+  cols.forEach(function (c) { KEYS[c[0].toLowerCase()] = c[0]; });
+  function columnOf(word) { return ALIASES[word] || KEYS[word] || null; }
   function matches(r, terms) {
     for (var t = 0; t < terms.length; t++) {
-      var term = terms[t], m = term.match(/^(\w+):(.*)$/), hit = false;
-      if (m) {
-        var key = m[1] === "node" ? "n" : m[1] === "verdict" ? "v" : m[1] === "stage" ? "s" : m[1] === "kind" ? "k" : m[1] === "source" ? "src" : m[1];
+      var term = terms[t], m = term.match(/^(\w+):(.*)$/), hit = false, key = m ? columnOf(m[1]) : null;
+      if (key) {  /* column:text; any other word with a colon (module:fc1) is plain text */
         hit = cellText(r, key).toLowerCase().indexOf(m[2]) >= 0;
       } else {
         for (var c = 0; c < cols.length && !hit; c++) hit = cellText(r, cols[c][0]).toLowerCase().indexOf(term) >= 0;
@@ -156,10 +176,13 @@
     if (state.sortKey) {
       var k = state.sortKey, d = state.sortDir;
       view = view.slice().sort(function (a, b) {
-        var x = k === "e" || k === "r" ? num(a[k]) : cellText(a, k), y = k === "e" || k === "r" ? num(b[k]) : cellText(b, k);
+        var xa = asNumber(a[k]), xb = asNumber(b[k]), x, y;
+        if (xa !== null && xb !== null) { x = xa; y = xb; }  /* both numbers: compared as numbers */
+        else if (xa !== null || xb !== null) return xa === null ? 1 : -1;  /* numbers before text and blanks */
+        else { x = cellText(a, k); y = cellText(b, k); }
         if (x === y) return a.id - b.id;
-        if (x === null || x === "") return 1;
-        if (y === null || y === "") return -1;
+        if (x === "") return 1;
+        if (y === "") return -1;
         return (x < y ? -1 : 1) * d;
       });
     }
@@ -234,8 +257,14 @@
   }
   window.determReport = { goTo: goTo, rows: rows };
 
+  function redrawPlot() {
+    var box = document.getElementById("plot");
+    if (box) { box.textContent = ""; drawPlot(); }
+  }
   function init() {
     drawPlot();
+    var resized = null;
+    window.addEventListener("resize", function () { clearTimeout(resized); resized = setTimeout(redrawPlot, 150); });
     drawNeighbourhood();
     if (document.getElementById("nodes")) {
       buildHead(); recompute(); renderTable();

@@ -23,7 +23,7 @@ import repro_tools.report as report_pkg
 from determ_backend.trace.stream import read_trace
 from repro_tools.cli import main
 from repro_tools.report import build, render
-from repro_tools.report.model import Report
+from repro_tools.report.model import Report, limit_rows, rows_from_pairs
 
 
 def _determinism_run(tmp_path: Path, run_id: str = "nd", **options) -> Path:
@@ -180,3 +180,44 @@ def test_values_cannot_break_out_of_the_page():
     data = html.split('<script id="report-data" type="application/json">', 1)[1].split("</script>", 1)[0]
     parsed = json.loads(data)
     assert parsed["rows"][0]["n"] == evil and parsed["rows"][0]["e"] == "nan" and parsed["rows"][0]["r"] == "inf"
+
+
+def _chain(n: int, divergent_from: int, root: int):
+    """``n`` pair rows of one graph call, each consuming the previous; rows from ``divergent_from`` on differ."""
+    rows = []
+    for i in range(n):
+        rows.append({"graph": "g0", "stage": "aot_forward", "call": 0, "node": f"n{i}", "op": "aten.sin.default",
+                     "kind": "node", "inputs": [f"n{i - 1}"] if i else [], "equal": i < divergent_from,
+                     "root_cause": i == root, "metrics": {"rmse": 1.0} if i >= divergent_from else {}})
+    return rows
+
+
+def test_a_page_past_the_row_limit_keeps_the_root_and_its_links():
+    rows = rows_from_pairs(_chain(40, 5, 30))  # the root lies past the first half of the limit
+    kept, root, note = limit_rows(rows, 30, limit=10)
+    assert note and kept[root]["n"] == "n30" and kept[root]["v"] == "root"
+    by_name = {r["n"]: r for r in kept}
+    assert {"n29", "n31"} <= set(by_name) and by_name["n29"]["id"] in kept[root]["in"]
+    assert [r["id"] for r in kept] == list(range(len(kept)))
+    assert all(i is None or kept[i]["n"] == f"n{int(r['n'][1:]) - 1}" for r in kept for i in r["in"])
+    assert limit_rows(rows, 30, limit=100) == (rows, 30, None)
+
+
+def test_graphs_come_in_compile_order_and_forward_before_backward():
+    pairs = []
+    for g in ("g10", "g2", "g1"):
+        for stage in ("aot_backward", "aot_forward"):
+            pairs.append({"graph": g, "stage": stage, "call": 0, "node": "x", "op": "aten.sin.default", "inputs": [],
+                          "equal": True})
+    rows = rows_from_pairs(pairs)
+    assert [(r["s"], r["g"]) for r in rows] == [("aot_forward", "g1"), ("aot_forward", "g2"), ("aot_forward", "g10"),
+                                               ("aot_backward", "g1"), ("aot_backward", "g2"), ("aot_backward", "g10")]
+
+
+def test_two_findings_on_one_call_show_its_nodes_once(tmp_path):
+    run_dir = _determinism_run(tmp_path)
+    rj = json.loads((run_dir / "report.json").read_text())
+    rj["findings"].append(dict(rj["findings"][0], check="accuracy"))  # a second check judging the same call
+    (run_dir / "report.json").write_text(json.dumps(rj))
+    rep = build([str(run_dir)])
+    assert len(rep.rows) == len(_pairs(run_dir)) and sum(r["v"] == "root" for r in rep.rows) == 1

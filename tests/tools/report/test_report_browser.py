@@ -169,3 +169,31 @@ def test_a_dump_compare_page(browser, tmp_path):
     assert len(marked) >= 1 and marked[0].find_element("css selector", "td.c-c0").text == rep.root["node"]
     assert _css(d, "#root-node")[0].text == rep.root["node"]
     assert len(_css(d, "#plot circle.pt")) == len(rep.rows) and script_errors(d) == []
+
+
+def test_edge_values_render_without_script_errors(browser, tmp_path):
+    """Non-finite errors sit in a band above the scale (never on the zero line); unknown producers are plain text;
+    a word with a colon that names no column is searched as text; numbers sort as numbers."""
+    from repro_tools.report import render
+    from repro_tools.report.model import Report
+
+    values = [float("nan"), float("inf"), float("-inf"), None, 0.0, 1e-6, 2.5, 10.0]
+    rows = [{"id": i, "n": f"n{i}", "op": "module:fc1" if i == 3 else "aten.add", "v": "differs", "e": v, "r": None,
+             "in": [None], "ins": ["outside"]} for i, v in enumerate(values)]
+    page = tmp_path / "edge.html"
+    page.write_text(render(Report(kind="diff", title="edge", inputs=[], checked="", divergent=True, verdict="x",
+                                  rows=rows)))
+    d = browser
+    load(d, page)
+    ys = {c.get_attribute("data-row"): float(c.get_attribute("cy")) for c in _css(d, "#plot circle.pt")}
+    band = float(_css(d, "#nonfinite-band")[0].get_attribute("y")) - 4
+    assert ys["0"] == ys["1"] == ys["2"] == band and ys["3"] == ys["4"] > ys["5"] > ys["6"] > ys["7"] > band
+    assert _css(d, "#nodes tbody tr td.c-in a") == [] and "outside" in _css(d, "#nodes tbody tr td.c-in")[0].text
+    _type(d, "module:fc1")
+    assert _shown(d) == ["3"]
+    _type(d, "")
+    th = [h for h in _css(d, "#nodes thead th") if h.text == "error"][0]
+    th.click()
+    # -inf, 0, 1e-6, 2.5, 10, inf in numeric order, then NaN and the unmeasured
+    assert _shown(d)[:6] == ["2", "4", "5", "6", "7", "1"] and set(_shown(d)[6:]) == {"0", "3"}
+    assert script_errors(d) == []
