@@ -36,11 +36,15 @@ from determ_backend.trace.stream import Record, format_hash
 __all__ = ["PendingHashes", "hashable", "derived_hash", "view_geometry"]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def hashable(t: torch.Tensor) -> Optional[str]:
-    """None if ``t`` can be fingerprinted, else why not."""
-    if t.layout != torch.strided or t.device.type == "meta" or type(t) not in (torch.Tensor, torch.nn.Parameter):
-        return f"{t.layout}/{t.device.type}/{type(t).__name__}"
-    return None
+    """None if ``t`` can be fingerprinted, else why not.  (Called for every recorded tensor: the common case
+    is three cheap attribute checks.)"""
+    if type(t) in _PLAIN and t.layout is torch.strided and not t.is_meta:
+        return None
+    return f"{t.layout}/{t.device.type}/{type(t).__name__}"
 
 
 def derived_hash(base_hash: Optional[str], geometry: tuple) -> Optional[str]:
@@ -77,9 +81,8 @@ class PendingHashes:
     def _add(self, rec: Record, t) -> None:
         if not isinstance(t, torch.Tensor):
             t = torch.tensor(t, dtype=torch.float64 if isinstance(t, float) else None)
-        t = t.detach()
-        self._items.append((rec, self._batch.add(t)))
-        self.nbytes += t.numel() * t.element_size()
+        self._items.append((rec, self._batch.add(t)))  # the batch detaches what it keeps; the native path reads now
+        self.nbytes += t.nbytes
 
     def add_same(self, rec: Record, src: Record) -> None:
         """``rec`` holds the same logical values (dtype, shape, elements) as ``src``: same fingerprint."""

@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._hashing import PendingHashes, hashable
 from determ_backend._frames import FrameFilter
-from determ_backend.modes.ops import (COPIES, iter_args, mem_key, returns_view, same_layout, schema_writes, uninitialized, uninitialized_hash, version, written_tensors)
+from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, returns_view, same_layout, schema_writes, uninitialized, uninitialized_hash, version, written_tensors)
 from determ_backend.trace.stream import Record, dtype_name
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
@@ -177,7 +177,7 @@ class OpRecorder:
         source, loc, stack = self._where(frame)
         if fwd is not None:  # name backward ops after the forward line that created their node
             source, loc = fwd
-        found = iter_args(args, kwargs, [], self.describe_args)
+        found = iter_args(args, kwargs, [], True) if self.describe_args else tensor_args(args, kwargs)
         in_recs, arg_desc, events = [], [], []
         grad_on = node is None and torch.is_grad_enabled()
         for path, t in found:

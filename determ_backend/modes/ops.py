@@ -25,7 +25,7 @@ import torch
 from determ_backend import _torch_compat
 from determ_backend.trace.stream import Record, format_hash
 
-__all__ = ["iter_args", "written_tensors", "schema_writes", "returns_view",
+__all__ = ["iter_args", "tensor_args", "written_tensors", "schema_writes", "returns_view",
            "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key", "unseen"]
 
 
@@ -36,6 +36,23 @@ def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bo
         _walk(f"args[{i}]", a, out, with_values)
     for k, v in kwargs.items():
         _walk(f"{k}=", v, out, with_values)
+    return out
+
+
+def tensor_args(args: Sequence, kwargs: Dict[str, Any]) -> list:
+    """``(None, tensor)`` for every tensor in ``args``/``kwargs`` (also inside lists and tuples), in
+    :func:`iter_args`' order, without building paths: what a mode that describes no arguments needs per op."""
+    out: list = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((None, a))
+        elif isinstance(a, (list, tuple)) and a and not isinstance(a, torch.Size):
+            _walk("", a, out, False)
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            out.append((None, v))
+        elif isinstance(v, (list, tuple)) and v and not isinstance(v, torch.Size):
+            _walk("", v, out, False)
     return out
 
 
