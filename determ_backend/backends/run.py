@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from determ_backend.backends.flows import write_report
 from determ_backend.compare.nonfinite import input_ranges
 from determ_backend.compare.roots import pair_row
 from determ_backend.compare.verdict import metrics_text
@@ -230,8 +231,6 @@ class Run:
         if self._writer is not None:
             self._writer.flush()
         try:
-            from determ_backend.backends.flows import write_report
-
             return Path(write_report(self.dir))
         except Exception as e:
             log.debug("determ report failed", exc_info=True)

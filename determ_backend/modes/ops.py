@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -43,16 +44,11 @@ def tensor_args(args: Sequence, kwargs: Dict[str, Any]) -> list:
     """``(None, tensor)`` for every tensor in ``args``/``kwargs`` (also inside lists and tuples), in
     :func:`iter_args`' order, without building paths: what a mode that describes no arguments needs per op."""
     out: list = []
-    for a in args:
+    for a in itertools.chain(args, kwargs.values()):
         if isinstance(a, torch.Tensor):
             out.append((None, a))
         elif isinstance(a, (list, tuple)) and a and not isinstance(a, torch.Size):
             _walk("", a, out, False)
-    for v in kwargs.values():
-        if isinstance(v, torch.Tensor):
-            out.append((None, v))
-        elif isinstance(v, (list, tuple)) and v and not isinstance(v, torch.Size):
-            _walk("", v, out, False)
     return out
 
 

@@ -16,13 +16,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from determ_backend.backends.run import REPORT_HTML
+
 from repro_tools.report.model import Report
 from repro_tools.report.render import render, write_html
 from repro_tools.report.sources import build, detect
 
 __all__ = ["Report", "build", "detect", "render", "write", "write_run_report", "REPORT_NAME"]
 
-REPORT_NAME = "report.html"
+REPORT_NAME = REPORT_HTML  # the run's own page is named by the run
 
 
 def write(paths: Sequence[Union[str, Path]], out: Optional[Union[str, Path]] = None) -> Path:

@@ -30,7 +30,7 @@ MAX_ROWS = 20_000
 _STAGE_ORDER = ("dynamo", "aot_forward", "inductor_forward", "forward", "api", "minify", "aot_backward",
                 "inductor_backward", "backward")
 _ERROR_KEYS = ("rmse", "max_abs", "l2_diff", "mean_diff", "max_diff")
-_REF_KEYS = ("eager_rmse_vs_fp64", "err_eager_vs_fp64", "err_b_vs_fp64")
+_REF_KEYS = ("err_eager_vs_fp64", "err_b_vs_fp64")
 _SOURCE = re.compile(r"^(?P<path>.+?):(?P<line>\d+)(?::|\s|$)")
 
 

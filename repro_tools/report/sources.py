@@ -33,8 +33,6 @@ __all__ = ["build", "detect"]
 
 log = logging.getLogger(__name__)
 
-_STATE = STATE_FILE
-_SUMMARY = SUMMARY_FILE
 _CSV_GLOB = "compare_result*.csv"
 _DUMP_COLUMNS = ["NPU Name", "Bench Name", "NPU Tensor Dtype", "NPU Tensor Shape", "Cosine", "MaxAbsErr",
                  "MaxRelativeErr", "Bitwise Equal", "Accuracy Reached or Not", "Root Cause", "Err_message"]
@@ -72,7 +70,7 @@ def detect(paths: Sequence[str]) -> str:
     if p.is_dir():
         if (p / "report.json").is_file():
             return "run"
-        if (p / _STATE).is_file() or (p / _SUMMARY).is_file():
+        if (p / STATE_FILE).is_file() or (p / SUMMARY_FILE).is_file():
             return "minify"
         if len(_sides(p)) == 2:
             return "xdevice"
@@ -181,7 +179,7 @@ def _minify_dirs(run_dir: Path, repro_dir: Optional[str]) -> List[Path]:
     p = Path(repro_dir)
     if not p.is_absolute() and not p.is_dir():
         p = run_dir / p
-    return sorted(q.parent for q in p.glob("**/" + _STATE)) if p.is_dir() else []
+    return sorted(q.parent for q in p.glob("**/" + STATE_FILE)) if p.is_dir() else []
 
 
 def _load_run(paths: List[str]) -> Report:
@@ -376,8 +374,8 @@ def _graph_code(repro: Path) -> str:
 
 
 def _minify_info(d: Path) -> Dict[str, Any]:
-    state = _read_json(d / _STATE) if (d / _STATE).is_file() else {}
-    summary = _read_json(d / _SUMMARY) if (d / _SUMMARY).is_file() else {}
+    state = _read_json(d / STATE_FILE) if (d / STATE_FILE).is_file() else {}
+    summary = _read_json(d / SUMMARY_FILE) if (d / SUMMARY_FILE).is_file() else {}
     info = {"dir": str(d), "kind": summary.get("kind") or (state.get("spec") or {}).get("kind"),
             "compiler": summary.get("compiler") or (state.get("spec") or {}).get("compiler"),
             "nodes_before": summary.get("nodes_before"), "nodes_after": summary.get("nodes_after"),
