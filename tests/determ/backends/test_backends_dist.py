@@ -29,6 +29,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         from determ_backend.backends import run as run_mod
 
         run_mod.finish_all()
+        dist.barrier()  # torch's gloo group can abort a rank that tears down while its peer still talks
     finally:
         dist.destroy_process_group()
 

@@ -47,6 +47,7 @@ def _worker(rank: int, port: int, root: str) -> None:
                 opt.zero_grad()
             dump.set_dump_switch("OFF")
             dump.remove_hooks()
+        dist.barrier()  # torch's gloo group can abort a rank that tears down while its peer still talks
     finally:
         dist.destroy_process_group()
 

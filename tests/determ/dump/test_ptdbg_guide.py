@@ -156,6 +156,7 @@ def worker(rank, port):
     set_dump_switch("ON")
     train_step(model, step=rank)
     set_dump_switch("OFF")
+    dist.barrier()   # torch's gloo group can abort a rank that tears down while its peer still talks
     dist.destroy_process_group()
 
 
