@@ -36,19 +36,34 @@ class FrameFilter:
 
     def __init__(self, stdlib: bool = True) -> None:
         self._roots = (_TORCH_ROOT, _DETERM_ROOT) + (_STDLIB_ROOTS if stdlib else ())
-        self._cache: Dict[Any, bool] = {}
+        # id(code) -> internal?  By id: hashing a code object hashes its bytecode and constants every time.
+        # The codes are kept alive in _codes, so an id is not reused while it is cached.
+        self._cache: Dict[int, bool] = {}
+        self._codes: List[Any] = []
+        self._walk: Any = ...  # the native walk past frames known to be internal; looked up at the first use
 
     def user_frames(self, frame, depth: int) -> list:
         """The first ``depth`` user frames from ``frame`` outwards (innermost first)."""
         out = []
         cache = self._cache
+        walk = self._walk
+        if walk is ...:
+            from determ_backend.fingerprint._native import frame_walker  # builds the kernel: not at import
+
+            walk = self._walk = frame_walker()
         while frame is not None:
+            if walk is not None:  # skips, in one C loop, the frames already known to be internal
+                frame = walk(frame, cache)
+                if frame is None:
+                    break
             code = frame.f_code
-            internal = cache.get(code)
+            internal = cache.get(id(code))
             if internal is None:
                 if len(cache) >= _CACHE_LIMIT:
                     cache.clear()
-                internal = cache[code] = code.co_filename.startswith(self._roots)
+                    self._codes.clear()
+                self._codes.append(code)
+                internal = cache[id(code)] = code.co_filename.startswith(self._roots)
             if not internal:
                 out.append(frame)
                 if len(out) >= depth:

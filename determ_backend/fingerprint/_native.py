@@ -151,7 +151,12 @@ def _ctypes_call(lib: ctypes.CDLL) -> _Call:
     return call
 
 
-def _load(path: Path) -> _Call:
+class _Loaded(NamedTuple):
+    call: _Call
+    walk: Optional[Callable]  # first_listed_not(frame, internal) of the extension module; None through ctypes
+
+
+def _load(path: Path) -> _Loaded:
     """The kernel at ``path``, its row weights set; OSError when it does not load."""
     from determ_backend.fingerprint._words import row_weights
 
@@ -164,7 +169,7 @@ def _load(path: Path) -> _Call:
     init.argtypes, init.restype = [ctypes.c_void_p], None
     init(row_weights("cpu").data_ptr())
     if not hasattr(lib, f"PyInit_{_MODULE}"):
-        return _ctypes_call(lib)
+        return _Loaded(_ctypes_call(lib), None)
     try:
         loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
         spec = importlib.util.spec_from_file_location(_MODULE, str(path), loader=loader)
@@ -172,11 +177,11 @@ def _load(path: Path) -> _Call:
         loader.exec_module(module)
     except ImportError as e:
         log.info("native kernel %s does not import as a module (%s); calling it through ctypes", path, e)
-        return _ctypes_call(lib)
-    return module.fingerprint
+        return _Loaded(_ctypes_call(lib), None)
+    return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None))
 
 
-def _build_and_load(path: Path) -> Optional[_Call]:
+def _build_and_load(path: Path) -> Optional[_Loaded]:
     """Load the cached build; build it first when missing, rebuild it once when the cached file does not load."""
     cc = _compiler()
     if path.exists():
@@ -194,7 +199,7 @@ def _build_and_load(path: Path) -> Optional[_Call]:
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_call() -> Optional[_Call]:
+def _cached() -> Optional[_Loaded]:
     try:
         return _build_and_load(_library_path())
     except (OSError, subprocess.SubprocessError) as e:
@@ -223,11 +228,21 @@ def kernel() -> Optional[Kernel]:
     count), or None when it is switched off or not built.  Batchers look it up once and reuse it."""
     if not _enabled(os.environ.get("DETERM_NATIVE", "1")):
         return None
-    call = _cached_call()
-    if call is None:
+    loaded = _cached()
+    if loaded is None:
         return None
     text = os.environ.get("DETERM_NATIVE_THREADS", "").strip()
-    return Kernel(call, _parse_threads(text) if text else max(1, torch.get_num_threads()))
+    return Kernel(loaded.call, _parse_threads(text) if text else max(1, torch.get_num_threads()))
+
+
+def frame_walker() -> Optional[Callable]:
+    """``first_listed_not(frame, internal)``: from ``frame`` outwards, the first frame whose code object's
+    ``id`` the dict ``internal`` does not map to True (None past the outermost), walked in C; None when the
+    kernel is off, not built, or loaded through ctypes (then walk in Python)."""
+    if not _enabled(os.environ.get("DETERM_NATIVE", "1")):
+        return None
+    loaded = _cached()
+    return None if loaded is None else loaded.walk
 
 
 def available() -> bool:

@@ -514,6 +514,7 @@ int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, uint64_
 #ifdef DETERM_PYEXT
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <frameobject.h>
 
 #define RELEASE_GIL_BYTES (256 * 1024) /* below that, releasing and taking back the GIL costs more */
 
@@ -567,7 +568,53 @@ static PyObject *py_init(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* first_listed_not(frame, internal) -> frame | None
+ * From frame outwards, the first frame whose code object's id() internal does not map to True: a
+ * user frame (mapped to False) or one not classified yet (absent), which the caller classifies.
+ * Keyed by id because hashing a code object hashes its bytecode and constants each time.  The walk
+ * behind every user source line (determ_backend/_frames.py), one C loop instead of a Python loop
+ * per frame. */
+static PyObject *py_first_listed_not(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "first_listed_not(frame, dict)");
+        return NULL;
+    }
+    PyObject *internal = args[1];
+    if (args[0] == Py_None) Py_RETURN_NONE;
+    if (!PyFrame_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "first_listed_not: expected a frame");
+        return NULL;
+    }
+    PyFrameObject *f = (PyFrameObject *)args[0];
+    Py_INCREF(f);
+    while (f != NULL) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        PyObject *key = PyLong_FromVoidPtr(code);
+        Py_DECREF(code);
+        if (key == NULL) {
+            Py_DECREF(f);
+            return NULL;
+        }
+        PyObject *v = PyDict_GetItemWithError(internal, key);
+        Py_DECREF(key);
+        if (v != Py_True) {
+            if (v == NULL && PyErr_Occurred()) {
+                Py_DECREF(f);
+                return NULL;
+            }
+            return (PyObject *)f;
+        }
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"first_listed_not", (PyCFunction)(void (*)(void))py_first_listed_not, METH_FASTCALL,
+     "first_listed_not(frame, internal)"},
     {"fingerprint", (PyCFunction)(void (*)(void))py_fingerprint, METH_FASTCALL,
      "fingerprint(data_ptr, nbytes, kind, numel, key, nthreads, stats)"},
     {"init", py_init, METH_O, "init(weights_ptr)"},

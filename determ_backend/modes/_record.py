@@ -72,13 +72,14 @@ class OpRecorder:
         self.lock = threading.RLock()
         self._frames = FrameFilter()
         self._producers: Dict[tuple, tuple] = {}  # memory key -> (StorageWeakRef, Record, version)
+        self._by_object: Dict[int, tuple] = {}  # id(tensor) -> (weakref to it, Record, version): the fast path
         self._counts: Dict[tuple, int] = {}
         self._writes: Dict[Any, tuple] = {}
         self._hashes = PendingHashes(stats)
         self._events: List[OpEvent] = []
         self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
         self._autograd_node = _compat.current_autograd_node_getter()
-        self._lines: Dict[tuple, tuple] = {}  # (code, line) -> (source, name location)
+        self._lines: Dict[tuple, tuple] = {}  # (id(code), line) -> (source, name location, code)
 
     # -- source lines --------------------------------------------------------------------------
     def _where(self, frame) -> Tuple[Optional[str], str, Optional[List[str]]]:
@@ -90,13 +91,13 @@ class OpRecorder:
         if not frames:
             return None, "?", None
         f = frames[0]
-        key = (f.f_code, f.f_lineno)
+        code = f.f_code
+        key = (id(code), f.f_lineno)  # not the code itself: hashing a code object hashes its bytecode
         where = self._lines.get(key)
-        if where is None:
-            code = f.f_code
+        if where is None or where[2] is not code:
             where = self._lines[key] = (f"{code.co_filename}:{f.f_lineno}", f"{os.path.basename(code.co_filename)}:"
-                                        f"{code.co_name}+{f.f_lineno - code.co_firstlineno}")
-        source, loc = where
+                                        f"{code.co_name}+{f.f_lineno - code.co_firstlineno}", code)
+        source, loc, _ = where
         if self.stack_depth == 1:
             return source, loc, None
         return source, loc, [f"{g.f_code.co_filename}:{g.f_lineno} in {g.f_code.co_name}" for g in frames]
@@ -111,14 +112,28 @@ class OpRecorder:
     # Keyed by memory (address, dtype, shape, strides, device) rather than by Python object: a
     # tensor made inside a C++ kernel (``weight.t()`` in ``linear``) reaches the next op as a new
     # Python object.  An entry is valid while its storage is alive and its version is unchanged.
+    # Most inputs are the very Python objects an earlier op returned: those are found by identity
+    # first (a live weak reference to the same object, same version), which gives what the memory key
+    # would (views share their base's version counter, so a write through any alias is seen).
     def producer(self, t: torch.Tensor) -> Optional[Record]:
         if self._unsettled:
             self._settle()
+        v = version(t)
+        ent = self._by_object.get(id(t))
+        if ent is not None and ent[2] == v and ent[0]() is t:
+            return ent[1]
         key = mem_key(t)
         ent = self._producers.get(key) if key is not None else None
-        if ent is not None and ent[2] == version(t) and not ent[0].expired():
+        if ent is not None and ent[2] == v and not ent[0].expired():
+            self._remember(t, ent[1], v)
             return ent[1]
         return None
+
+    def _remember(self, t: torch.Tensor, rec: Record, v: int) -> None:
+        try:
+            self._by_object[id(t)] = (weakref.ref(t), rec, v)
+        except TypeError:  # a tensor subclass without weak references: the memory key alone
+            pass
 
     def set_producer(self, t: torch.Tensor, rec: Record, view: bool = False) -> None:
         """``view``: ``t`` shares memory with an input, so an entry still valid for the same memory
@@ -130,8 +145,10 @@ class OpRecorder:
         if view:
             ent = self._producers.get(key)
             if ent is not None and ent[2] == v and not ent[0].expired():
+                self._remember(t, ent[1], v)
                 return
         self._producers[key] = (StorageWeakRef(t.untyped_storage()), rec, v)
+        self._remember(t, rec, v)
 
     def _settle(self) -> None:
         """Register the last op's outputs.  Deferred to the next op because autograd bumps the version
@@ -206,11 +223,11 @@ class OpRecorder:
     def end(self, ctx: tuple, result, args, kwargs, nondeterministic: bool = False) -> List[Record]:
         """After the op ran: one record per tensor (or Python scalar) it produced."""
         func, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
-        info = self._writes.get(func)
-        if info is None:
-            info = self._writes[func] = (schema_writes(func), returns_view(func), uninitialized(func),
-                                         COPIES.get(_compat.op_schema_name(func)), str(func))
-        writes, is_view, uninit, copy_arg, op = info
+        info = self._writes.get(id(func))  # by id: OpOverload's __hash__ is Python code
+        if info is None or info[5] is not func:
+            info = self._writes[id(func)] = (schema_writes(func), returns_view(func), uninitialized(func),
+                                             COPIES.get(_compat.op_schema_name(func)), str(func), func)
+        writes, is_view, uninit, copy_arg, op, _ = info
         outs = written_tensors(result, writes, args, kwargs)
         base = self._name(op, loc, "/bw" if backward else "")
         extra = self._extra(stack, backward, compiled, nondeterministic)
@@ -303,3 +320,4 @@ class OpRecorder:
         """Drop the entries of freed storages at every flush: kept, they held on to the memory of the
         tensors they named (a mode left on grew by a step's activations every step)."""
         self._producers = {k: v for k, v in self._producers.items() if not v[0].expired()}
+        self._by_object = {k: v for k, v in self._by_object.items() if v[0]() is not None}

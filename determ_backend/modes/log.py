@@ -24,12 +24,14 @@ records, all of them even when the log is limited.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
 from typing import IO, List, Optional, Union
 
 from determ_backend.errors import TraceFormatError
+from determ_backend.trace.jsonl import encode, open_fresh
 from determ_backend.trace.stream import Record, TraceFile
 
 __all__ = ["LogWriter", "read_hash_log", "read_hash_log_file", "MAGIC"]
@@ -61,7 +63,7 @@ class LogWriter:
                  max_ops: Optional[int] = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: Optional[IO[str]] = open(self.path, "w", encoding="utf-8")
+        self._f: Optional[IO[str]] = os.fdopen(open_fresh(self.path), "w", encoding="utf-8")
         self.echo, self.max_ops = echo, max_ops
         self.ops = self.records = 0
         self.limited = False
@@ -107,9 +109,9 @@ class LogWriter:
             line = f"    out {r.node} = {_value(r, device)} kind={r.kind}"
             for key in _RECORD_FLAGS:
                 if r.extra and key in r.extra:
-                    line += f" {key}={json.dumps(r.extra[key], separators=(',', ':'))}"
+                    line += f" {key}={encode(r.extra[key]).decode()}"
             if r.stats:
-                line += " stats=" + json.dumps(r.stats, separators=(",", ":"))
+                line += " stats=" + encode(r.stats).decode()
             out.append(line)
         out.append(_RULE)
         return out

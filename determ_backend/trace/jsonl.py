@@ -42,6 +42,7 @@ import collections
 import json
 import logging
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,7 @@ except ImportError:  # declared as a dependency; the standard library gives the 
     _orjson = None
 
 __all__ = ["StreamFormat", "StreamWriter", "StreamWriteError", "Stream", "read_stream", "read_header", "write_all",
-           "encode", "encode_exact"]
+           "open_fresh", "encode", "encode_exact"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,24 @@ class StreamFormat:
     what: str
     items: str = "records"
     died: str = "the producing process may have died"
+
+
+def open_fresh(path: Union[str, Path], flags: int = 0) -> int:
+    """A descriptor open for writing on an empty ``path``: ``O_WRONLY | O_CREAT | flags``, as ``O_TRUNC`` would give.
+
+    An existing regular file is unlinked and created again rather than truncated: on ext4 a file
+    truncated from non-zero size is flushed to disk when closed (its ``auto_da_alloc``), about 130 us
+    each time here, against 20 us for a new file -- a stream opened once per step paid that every step.
+    A symbolic link (or anything not a regular file) is truncated through, as ``O_TRUNC`` does."""
+    path = os.fspath(path)
+    base = os.O_WRONLY | os.O_CREAT | flags
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+            return os.open(path, base | os.O_EXCL, 0o644)
+    except (FileNotFoundError, FileExistsError):  # gone already, or made again in between: truncate below
+        pass
+    return os.open(path, base | os.O_TRUNC, 0o644)
 
 
 def write_all(fd: int, data: Union[bytes, memoryview, Sequence[Any]]) -> None:
@@ -140,7 +159,7 @@ class StreamWriter:
         self.fmt = fmt
         self._error = error
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd: Optional[int] = open_fresh(self.path)
         self._pos = 0  # bytes on disk: whole lines only
         self.count = 0
         self._footer_at: Optional[int] = None

@@ -51,7 +51,7 @@ import torch
 
 from determ_backend.errors import TraceFormatError
 from determ_backend.fingerprint import hash_tensor
-from determ_backend.trace.jsonl import write_all
+from determ_backend.trace.jsonl import open_fresh, write_all
 from determ_backend.trace.stream import atomic_path, format_hash, resolve_trace_path
 
 __all__ = ["TensorStore", "PackWriter", "save_tensor_file", "load_tensor_file", "is_safetensors", "load_legacy",
@@ -379,8 +379,8 @@ class PackWriter:
         if not append:
             self.index.clear()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
-        self._fd: Optional[int] = os.open(self.path, flags, 0o644)
+        self._fd: Optional[int] = (os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if append
+                                   else open_fresh(self.path, os.O_APPEND))
         self._end = os.fstat(self._fd).st_size if append else 0
         self.size = sum(n for _, n in self.index.values())
         """Tensor bytes stored (each key once; shard headers not counted)."""

@@ -154,6 +154,23 @@ def test_in_place_updates_are_followed():
     assert add.in_hashes[0] != add.hash  # the input hash is the value before the update
 
 
+def test_a_write_through_an_alias_is_followed_for_every_alias():
+    """An input found as the very object an earlier op returned is still re-linked after a write through
+    another view of its memory (views share the version counter), and a tensor made by no op is an input."""
+    def body():
+        y = torch.ones(2, 3) * 2
+        v = y.view(2, 3)  # a second Python object over the same memory
+        v.add_(1)
+        return y.sum(), torch.ones(3).new_zeros(2).mul(4)
+
+    recs = _records(body)
+    add = next(r for r in recs if r.op == "aten.add_.Tensor")
+    total = next(r for r in recs if r.op == "aten.sum.default")
+    assert total.inputs == [add.node] and total.in_hashes == [add.hash]
+    mul4 = next(r for r in recs if r.op == "aten.mul.Tensor" and r.inputs[0].startswith("aten.new_zeros"))
+    assert mul4.in_hashes == [next(r.hash for r in recs if r.node == mul4.inputs[0])]
+
+
 @pytest.mark.parametrize("make_value", [lambda: torch.tensor([0.0, -0.0]), lambda: torch.tensor([float("nan")] * 2)])
 def test_fingerprints_see_signed_zeros_and_nan_payloads(make_value):
     def body():

@@ -3,6 +3,7 @@ files of earlier releases, partial reads (no footer, a cut last line, a footer c
 
 from __future__ import annotations
 
+import os
 import errno
 import json
 import logging
@@ -281,3 +282,30 @@ def test_reading_some_calls_scans_the_others_without_decoding_them(tmp_path):
     (tmp_path / "trace.jsonl").write_text("\n".join(lines[:-2] + [lines[-1]]) + "\n")  # a record short
     with pytest.raises(TraceFormatError, match="end line says 12 records, found 11"):
         read_trace_file(tmp_path, calls=[1])
+
+
+def test_open_fresh_replaces_a_file_and_writes_through_a_link(tmp_path):
+    from determ_backend.trace.jsonl import open_fresh
+
+    p = tmp_path / "t.jsonl"
+    p.write_text("old contents\n")
+    os.link(p, tmp_path / "hard.jsonl")
+    fd = open_fresh(p)
+    os.write(fd, b"new\n")
+    os.close(fd)
+    assert p.read_text() == "new\n"
+    assert (tmp_path / "hard.jsonl").read_text() == "old contents\n"  # a new file, not the old one truncated
+
+    target = tmp_path / "target.jsonl"
+    target.write_text("old\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    fd = open_fresh(link)
+    os.write(fd, b"x\n")
+    os.close(fd)
+    assert link.is_symlink() and target.read_text() == "x\n"  # written through, as O_TRUNC does
+
+    fd = open_fresh(tmp_path / "missing.jsonl", os.O_APPEND)
+    os.write(fd, b"y\n")
+    os.close(fd)
+    assert (tmp_path / "missing.jsonl").read_text() == "y\n"
