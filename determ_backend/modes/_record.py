@@ -41,8 +41,17 @@ from determ_backend.trace.stream import Record, dtype_name
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
 
+# Facts that depend only on code objects and operators, shared by every recorder of the process (a mode
+# made per step starts warm): which frames are user code, each user line's names, each op's schema facts.
+_FRAMES = FrameFilter()
+_LINES: Dict[tuple, tuple] = {}  # (id(code), line) -> (source, name location, code); the code keeps its id
+_OP_INFO: Dict[int, tuple] = {}  # id(op) -> (writes, is view, uninitialized, copied arg, name, op)
+_LINES_LIMIT = 1 << 16  # user lines remembered (generated code makes new ones)
+
 FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, name location) of its forward op
 _FLUSH_BYTES = 256 << 20  # also finish the fingerprint batch once this much data was captured
+
+
 class OpEvent:
     """One op (or one first-seen input) as the log prints it."""
 
@@ -70,16 +79,13 @@ class OpRecorder:
         self.seq = 0
         self.compiled_ops = 0
         self.lock = threading.RLock()
-        self._frames = FrameFilter()
         self._producers: Dict[tuple, tuple] = {}  # memory key -> (StorageWeakRef, Record, version)
         self._by_object: Dict[int, tuple] = {}  # id(tensor) -> (weakref to it, Record, version): the fast path
         self._counts: Dict[tuple, int] = {}
-        self._writes: Dict[Any, tuple] = {}
         self._hashes = PendingHashes(stats)
         self._events: List[OpEvent] = []
         self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
         self._autograd_node = _compat.current_autograd_node_getter()
-        self._lines: Dict[tuple, tuple] = {}  # (id(code), line) -> (source, name location, code)
 
     # -- source lines --------------------------------------------------------------------------
     def _where(self, frame) -> Tuple[Optional[str], str, Optional[List[str]]]:
@@ -87,15 +93,17 @@ class OpRecorder:
 
         The location is ``file:function+offset`` (line relative to the function's first
         line), so names survive lines added or removed in other functions."""
-        frames = self._frames.user_frames(frame, self.stack_depth)
+        frames = _FRAMES.user_frames(frame, self.stack_depth)
         if not frames:
             return None, "?", None
         f = frames[0]
         code = f.f_code
         key = (id(code), f.f_lineno)  # not the code itself: hashing a code object hashes its bytecode
-        where = self._lines.get(key)
+        where = _LINES.get(key)
         if where is None or where[2] is not code:
-            where = self._lines[key] = (f"{code.co_filename}:{f.f_lineno}", f"{os.path.basename(code.co_filename)}:"
+            if len(_LINES) >= _LINES_LIMIT:
+                _LINES.clear()
+            where = _LINES[key] = (f"{code.co_filename}:{f.f_lineno}", f"{os.path.basename(code.co_filename)}:"
                                         f"{code.co_name}+{f.f_lineno - code.co_firstlineno}", code)
         source, loc, _ = where
         if self.stack_depth == 1:
@@ -223,9 +231,9 @@ class OpRecorder:
     def end(self, ctx: tuple, result, args, kwargs, nondeterministic: bool = False) -> List[Record]:
         """After the op ran: one record per tensor (or Python scalar) it produced."""
         func, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
-        info = self._writes.get(id(func))  # by id: OpOverload's __hash__ is Python code
+        info = _OP_INFO.get(id(func))  # by id: OpOverload's __hash__ is Python code
         if info is None or info[5] is not func:
-            info = self._writes[id(func)] = (schema_writes(func), returns_view(func), uninitialized(func),
+            info = _OP_INFO[id(func)] = (schema_writes(func), returns_view(func), uninitialized(func),
                                              COPIES.get(_compat.op_schema_name(func)), str(func), func)
         writes, is_view, uninit, copy_arg, op, _ = info
         outs = written_tensors(result, writes, args, kwargs)

@@ -89,11 +89,19 @@ def open_fresh(path: Union[str, Path], flags: int = 0) -> int:
     path = os.fspath(path)
     base = os.O_WRONLY | os.O_CREAT | flags
     try:
-        if stat.S_ISREG(os.lstat(path).st_mode):
+        regular = stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        regular = False
+    if regular:
+        try:
             os.unlink(path)
-            return os.open(path, base | os.O_EXCL, 0o644)
-    except (FileNotFoundError, FileExistsError):  # gone already, or made again in between: truncate below
-        pass
+        except OSError:  # e.g. a directory this user may not change, holding a file it may write: truncate it
+            pass
+        else:
+            try:
+                return os.open(path, base | os.O_EXCL, 0o644)
+            except FileExistsError:  # made again in between: truncate that one
+                pass
     return os.open(path, base | os.O_TRUNC, 0o644)
 
 

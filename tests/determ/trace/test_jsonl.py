@@ -309,3 +309,20 @@ def test_open_fresh_replaces_a_file_and_writes_through_a_link(tmp_path):
     os.write(fd, b"y\n")
     os.close(fd)
     assert (tmp_path / "missing.jsonl").read_text() == "y\n"
+
+
+def test_open_fresh_truncates_where_the_file_cannot_be_unlinked(tmp_path, monkeypatch):
+    """A writable file in a directory the user may not change (unlink refused) is truncated in place."""
+    from determ_backend.trace import jsonl
+
+    p = tmp_path / "t.log"
+    p.write_text("old contents\n")
+
+    def refuse(path, *a, **k):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(jsonl.os, "unlink", refuse)
+    fd = jsonl.open_fresh(p)
+    os.write(fd, b"new\n")
+    os.close(fd)
+    assert p.read_text() == "new\n"
