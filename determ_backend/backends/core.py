@@ -37,14 +37,16 @@ def _active(cfg: DetermConfig) -> bool:
     return bool(cfg.trace or cfg.check or cfg.reference)
 
 
-def _recorder(run: Run, cfg: DetermConfig, graph: str, stage: str, infos: List[NodeInfo]) -> Recorder:
-    return Recorder(graph, stage, infos, stats=cfg.stats, rank=run.rank, run=run.id)
+def _recorder(run: Run, cfg: DetermConfig, graph: str, stage: str, infos: List[NodeInfo],
+              eager_writes: bool = False) -> Recorder:
+    return Recorder(graph, stage, infos, stats=cfg.stats, rank=run.rank, run=run.id, memo=run.memo,
+                    eager_writes=eager_writes)
 
 
 def _fx_exec(gm: fx.GraphModule, run: Run, cfg: DetermConfig, graph: str, stage: str,
              display: Dict[str, str], boxed: bool) -> GraphExec:
     infos, index = graph_node_infos(gm, display)
-    rec = _recorder(run, cfg, graph, stage, infos)
+    rec = _recorder(run, cfg, graph, stage, infos, eager_writes=True)  # the FX graph runs op by op
     inst = instrument_graph(gm, rec, index)
     fn = _torch_compat.boxed_nop(inst, []) if boxed else inst.forward
     return GraphExec(fn, rec, run, cfg, reference_gm=gm, boxed=boxed)

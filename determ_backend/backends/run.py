@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from determ_backend.backends.flows import write_report
+from determ_backend.backends.recorder import ValueMemo
 from determ_backend.compare.nonfinite import input_ranges
 from determ_backend.compare.roots import pair_row
 from determ_backend.compare.verdict import metrics_text
@@ -124,6 +125,7 @@ class Run:
         self.dir = _claim_dir(Path(config.dir), self.id, rank_part, config.dir)
         self.device: Optional[str] = None  # where the graphs compute (set by the first graph call)
         self.tensors = TensorStore(self.dir / "tensors")  # DETERM_SAVE_TENSORS payloads
+        self.memo = ValueMemo()  # fingerprints of the values forward graphs returned, for their backward graphs
         self._writer: Optional[TraceWriter] = None
         self._lock = threading.Lock()
         self._graphs = 0

@@ -154,6 +154,7 @@ def _ctypes_call(lib: ctypes.CDLL) -> _Call:
 class _Loaded(NamedTuple):
     call: _Call
     walk: Optional[Callable]  # first_listed_not(frame, internal) of the extension module; None through ctypes
+    lines: Optional[Callable] = None  # trace_lines(call, rows) of the extension module; None through ctypes
 
 
 def _load(path: Path) -> _Loaded:
@@ -178,7 +179,7 @@ def _load(path: Path) -> _Loaded:
     except ImportError as e:
         log.info("native kernel %s does not import as a module (%s); calling it through ctypes", path, e)
         return _Loaded(_ctypes_call(lib), None)
-    return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None))
+    return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None), getattr(module, "trace_lines", None))
 
 
 def _build_and_load(path: Path) -> Optional[_Loaded]:
@@ -233,6 +234,17 @@ def kernel() -> Optional[Kernel]:
         return None
     text = os.environ.get("DETERM_NATIVE_THREADS", "").strip()
     return Kernel(loaded.call, _parse_threads(text) if text else max(1, torch.get_num_threads()))
+
+
+def line_encoder() -> Optional[Callable]:
+    """``trace_lines(call, rows, dumps)``: a graph call's trace lines, as
+    :meth:`~determ_backend.trace.stream.RecordTemplate.line` writes them, in one C loop (``dumps``: orjson's,
+    for the statistics); None when the kernel is off, not built, or loaded through ctypes (then each line is
+    encoded in Python)."""
+    if not _enabled(os.environ.get("DETERM_NATIVE", "1")):
+        return None
+    loaded = _cached()
+    return None if loaded is None else loaded.lines
 
 
 def frame_walker() -> Optional[Callable]:

@@ -17,9 +17,10 @@
  *
  * Built on first use by determ_backend/fingerprint/_native.py with the system C
  * compiler.  Built with DETERM_PYEXT it is also a CPython extension module
- * (determ_fp.fingerprint: one call of a few hundred nanoseconds); without
- * Python's headers it is loaded with ctypes; without a compiler determ uses the
- * torch path.
+ * (determ_fp.fingerprint: one call of a few hundred nanoseconds; with it two
+ * loops of the tracing hot path: the user-frame walk and a graph call's trace
+ * lines); without Python's headers it is loaded with ctypes; without a
+ * compiler determ uses the torch path (and Python for the two loops).
  */
 #include <math.h>
 #include <stdint.h>
@@ -612,12 +613,207 @@ static PyObject *py_first_listed_not(PyObject *self, PyObject *const *args, Py_s
     Py_RETURN_NONE;
 }
 
+/* ---- trace lines ------------------------------------------------------------------------------
+ * trace_lines(call, rows, dumps) -> [bytes]: the JSON Lines text of a graph call's records, one line (no
+ * newline) per row, byte for byte what RecordTemplate.line (determ_backend/trace/stream.py) gives.  A row
+ * is (template, dtype str | None, shape list | None, hash int | None, stats dict | None); the template's
+ * _frags is (head, source, mid, extra): its fixed fragments, bytes or None.  The statistics are written by
+ * dumps (orjson's, as the trace encoder does).  A row holding anything this encoder does not write the
+ * way the trace encoder would (a string that needs escaping, statistics orjson writes with a null...) is
+ * encoded by template.line(...) instead. */
+
+typedef struct {
+    char *p;
+    Py_ssize_t n, cap;
+} sbuf;
+
+static int sb_grow(sbuf *b, Py_ssize_t more) {
+    if (b->n + more <= b->cap) return 0;
+    Py_ssize_t cap = b->cap ? b->cap : 512;
+    while (cap < b->n + more) cap *= 2;
+    char *q = (char *)PyMem_Realloc(b->p, (size_t)cap);
+    if (!q) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->p = q;
+    b->cap = cap;
+    return 0;
+}
+
+static int sb_put(sbuf *b, const char *s, Py_ssize_t n) {
+    if (sb_grow(b, n) < 0) return -1;
+    memcpy(b->p + b->n, s, (size_t)n);
+    b->n += n;
+    return 0;
+}
+
+static int sb_str(sbuf *b, const char *s) { return sb_put(b, s, (Py_ssize_t)strlen(s)); }
+
+static int sb_bytes(sbuf *b, PyObject *o) { /* o: bytes */
+    return sb_put(b, PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o));
+}
+
+/* A JSON string of plain printable ASCII; 1 when the text needs escaping (the caller falls back). */
+static int sb_plain_string(sbuf *b, PyObject *u) {
+    if (!PyUnicode_Check(u) || !PyUnicode_IS_ASCII(u)) return 1;
+    const char *s = (const char *)PyUnicode_DATA(u);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(u);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (s[i] < 0x20 || s[i] == '"' || s[i] == '\\' || s[i] == 0x7f) return 1;
+    if (sb_grow(b, n + 2) < 0) return -1;
+    b->p[b->n++] = '"';
+    memcpy(b->p + b->n, s, (size_t)n);
+    b->n += n;
+    b->p[b->n++] = '"';
+    return 0;
+}
+
+/* Whether the text holds "null" (orjson's NaN, infinity or None: the standard library writes those). */
+static int has_null(const char *s, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i + 4 <= n; i++)
+        if (s[i] == 'n' && memcmp(s + i, "null", 4) == 0) return 1;
+    return 0;
+}
+
+/* One row into b (emptied first); 1 when the row must be encoded by the template instead.  dumps: orjson's
+ * dumps, which writes the statistics (a line where it writes null or raises is the template's). */
+static int encode_row(sbuf *b, long long call, Py_ssize_t seq, PyObject *row, PyObject *frags_name, PyObject *dumps) {
+    b->n = 0;
+    if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 5) return 1;
+    PyObject *frags = PyObject_GetAttr(PyTuple_GET_ITEM(row, 0), frags_name);
+    if (!frags) return -1;
+    int rc = 1;
+    if (!PyTuple_Check(frags) || PyTuple_GET_SIZE(frags) != 4 || !PyBytes_Check(PyTuple_GET_ITEM(frags, 0))) goto done;
+    PyObject *dtype = PyTuple_GET_ITEM(row, 1), *shape = PyTuple_GET_ITEM(row, 2);
+    PyObject *hash = PyTuple_GET_ITEM(row, 3), *stats = PyTuple_GET_ITEM(row, 4);
+    char t[64];
+    if ((rc = sb_bytes(b, PyTuple_GET_ITEM(frags, 0))) != 0) goto done;
+    if ((rc = sb_put(b, t, snprintf(t, sizeof t, ",\"call\":%lld,\"seq\":%zd", call, seq))) != 0) goto done;
+    PyObject *source = PyTuple_GET_ITEM(frags, 1);
+    if (source != Py_None) {
+        rc = 1;
+        if (!PyBytes_Check(source)) goto done;
+        if ((rc = sb_put(b, ",", 1)) != 0 || (rc = sb_bytes(b, source)) != 0) goto done;
+    }
+    if (dtype != Py_None) {
+        if ((rc = sb_str(b, ",\"dtype\":")) != 0 || (rc = sb_plain_string(b, dtype)) != 0) goto done;
+    }
+    if (shape != Py_None) {
+        rc = 1;
+        if (!PyList_Check(shape)) goto done;
+        if ((rc = sb_str(b, ",\"shape\":[")) != 0) goto done;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(shape); i++) {
+            PyObject *v = PyList_GET_ITEM(shape, i);
+            rc = 1;
+            if (!PyLong_CheckExact(v)) goto done;
+            int overflow = 0;
+            long long n = PyLong_AsLongLongAndOverflow(v, &overflow);
+            if (overflow) goto done;
+            if (n == -1 && PyErr_Occurred()) {
+                rc = -1;
+                goto done;
+            }
+            if ((rc = sb_put(b, t, snprintf(t, sizeof t, i ? ",%lld" : "%lld", n))) != 0) goto done;
+        }
+        if ((rc = sb_put(b, "]", 1)) != 0) goto done;
+    }
+    if (hash != Py_None) {
+        rc = 1;
+        if (!PyLong_Check(hash)) goto done;
+        unsigned long long h = PyLong_AsUnsignedLongLongMask(hash);
+        if (h == (unsigned long long)-1 && PyErr_Occurred()) {
+            rc = -1;
+            goto done;
+        }
+        if ((rc = sb_put(b, t, snprintf(t, sizeof t, ",\"hash\":\"%016llx\"", h))) != 0) goto done;
+    }
+    if (stats != Py_None) {
+        rc = 1;
+        if (!PyDict_Check(stats)) goto done;
+        if (PyDict_GET_SIZE(stats) > 0) {
+            PyObject *enc = PyObject_CallOneArg(dumps, stats);
+            if (!enc) {
+                if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    rc = -1;
+                    goto done;
+                }
+                PyErr_Clear(); /* a value orjson does not write */
+                goto done;
+            }
+            int ok = PyBytes_Check(enc) && !has_null(PyBytes_AS_STRING(enc), PyBytes_GET_SIZE(enc));
+            if (ok) rc = sb_str(b, ",\"stats\":");
+            if (ok && rc == 0) rc = sb_bytes(b, enc);
+            Py_DECREF(enc);
+            if (!ok || rc != 0) goto done;
+        }
+    }
+    for (int j = 2; j < 4; j++) {
+        PyObject *f = PyTuple_GET_ITEM(frags, j);
+        if (f == Py_None) continue;
+        rc = 1;
+        if (!PyBytes_Check(f)) goto done;
+        if ((rc = sb_put(b, ",", 1)) != 0 || (rc = sb_bytes(b, f)) != 0) goto done;
+    }
+    rc = sb_put(b, "}", 1);
+done:
+    Py_DECREF(frags);
+    return rc;
+}
+
+static PyObject *py_trace_lines(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3 || !PyList_Check(args[1]) || !PyCallable_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "trace_lines(call, rows: list, dumps)");
+        return NULL;
+    }
+    long long call = PyLong_AsLongLong(args[0]);
+    if (call == -1 && PyErr_Occurred()) return NULL;
+    static PyObject *frags_name = NULL, *line_name = NULL;
+    if (!frags_name && !(frags_name = PyUnicode_InternFromString("_frags"))) return NULL;
+    if (!line_name && !(line_name = PyUnicode_InternFromString("line"))) return NULL;
+    PyObject *rows = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(rows);
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    sbuf b = {NULL, 0, 0};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        int rc = encode_row(&b, call, i, row, frags_name, args[2]);
+        PyObject *line;
+        if (rc < 0) goto fail;
+        if (rc == 0) {
+            line = PyBytes_FromStringAndSize(b.p, b.n);
+        } else { /* template.line(call, seq, dtype, shape, hash, stats) */
+            if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 5) {
+                PyErr_SetString(PyExc_TypeError, "trace_lines: a row is (template, dtype, shape, hash, stats)");
+                goto fail;
+            }
+            PyObject *seq = PyLong_FromSsize_t(i);
+            if (!seq) goto fail;
+            line = PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(row, 0), line_name, args[0], seq,
+                                              PyTuple_GET_ITEM(row, 1), PyTuple_GET_ITEM(row, 2),
+                                              PyTuple_GET_ITEM(row, 3), PyTuple_GET_ITEM(row, 4), NULL);
+            Py_DECREF(seq);
+        }
+        if (!line) goto fail;
+        PyList_SET_ITEM(out, i, line);
+    }
+    PyMem_Free(b.p);
+    return out;
+fail:
+    PyMem_Free(b.p);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"first_listed_not", (PyCFunction)(void (*)(void))py_first_listed_not, METH_FASTCALL,
      "first_listed_not(frame, internal)"},
     {"fingerprint", (PyCFunction)(void (*)(void))py_fingerprint, METH_FASTCALL,
      "fingerprint(data_ptr, nbytes, kind, numel, key, nthreads, stats)"},
     {"init", py_init, METH_O, "init(weights_ptr)"},
+    {"trace_lines", (PyCFunction)(void (*)(void))py_trace_lines, METH_FASTCALL, "trace_lines(call, rows, dumps)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -464,6 +464,12 @@ class FingerprintBatch:
             self._pending.append((i, dev, t) if self._stable else (i, dev, *self._capture_stats(t)))
         return i
 
+    def add_known(self, hash: int, stats: Optional[dict] = None) -> int:
+        """A tensor whose fingerprint (and statistics, of this batch's kind) the caller already has: it is
+        returned as given, in its place.  Returns its position in :meth:`resolve`'s result."""
+        self._out.append((hash, stats if self._want else None))
+        return len(self._out) - 1
+
     def _capture_stats(self, t: torch.Tensor) -> tuple:
         """``(how, device vector or small tensor, tensor whose nan/inf may need counting)`` for ``t``."""
         kind = self.stats

@@ -149,6 +149,12 @@ def _encode_exact(obj: Any) -> bytes:
     return _STDLIB.encode(obj).encode("utf-8")
 
 
+def fast_dumps() -> Optional[Callable[[Any], bytes]]:
+    """orjson's ``dumps``, which :func:`encode` tries first (its output stands unless it holds a ``null``), or
+    None when orjson is not installed."""
+    return _orjson.dumps if _orjson is not None else None
+
+
 encode_exact = _orjson.dumps if _orjson is not None else _encode_exact
 """:func:`encode` for values holding no float and no None (a shape, a name): no check needed, so faster."""
 
@@ -180,18 +186,31 @@ class StreamWriter:
     def _append(self, lines: Sequence[Union[str, bytes]], records: bool = True) -> None:
         """Write ``lines`` (each ending in a newline) in one go; when that fails, cut the file and raise."""
         data = [line if isinstance(line, bytes) else line.encode("utf-8") for line in lines]
+        self._write(b"".join(data), [len(d) for d in data] if records else None)
+
+    def _write(self, blob: bytes, sizes: Optional[Sequence[int]]) -> None:
+        """Write ``blob``, whole lines of ``sizes`` bytes each (None: not records); when that fails, cut the
+        file and raise."""
         try:
-            write_all(self._fd, data)
+            write_all(self._fd, blob)
         except OSError as e:
             kept = self._cut(e)
             raise self._error(f"{self.path}: cannot write the {self.fmt.what} ({e.strerror or e}); it keeps the "
                               f"{kept} {self.fmt.items} written before and is marked cut") from e
-        for d in data:
-            if records:
-                self._starts.append(self._pos)
-            self._pos += len(d)
-        if records:
-            self.count += len(data)
+        if sizes is None:
+            self._pos += len(blob)
+            return
+        pos = self._pos
+        # only the last line starts are kept (the deque's length): the others are never looked at
+        skip = max(0, len(sizes) - self._KEEP_STARTS)
+        if skip:
+            pos += sum(sizes[:skip])
+        starts = self._starts
+        for n in sizes[skip:]:
+            starts.append(pos)
+            pos += n
+        self._pos = pos
+        self.count += len(sizes)
 
     def _cut(self, e: OSError) -> int:
         """Back to the last whole line, a footer saying why if it fits, and closed; the records kept."""
@@ -236,7 +255,10 @@ class StreamWriter:
             return
         with self._lock:
             self._check_open()
-            self._append([line + (b"\n" if isinstance(line, bytes) else "\n") for line in lines])
+            if all(type(line) is bytes for line in lines):  # one join, and the newlines go in with it
+                self._write(b"\n".join(lines) + b"\n", [len(line) + 1 for line in lines])
+            else:
+                self._append([line + (b"\n" if isinstance(line, bytes) else "\n") for line in lines])
 
     def close(self, **footer: Any) -> None:
         """Write the footer ``{"end": true, "count": N, **footer}`` and close; a no-op once closed."""

@@ -32,12 +32,13 @@ import tempfile
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
 from determ_backend.errors import TraceFormatError
-from determ_backend.trace.jsonl import StreamFormat, StreamWriter, encode, encode_exact, read_stream
+from determ_backend.fingerprint import _native
+from determ_backend.trace.jsonl import StreamFormat, StreamWriter, encode, encode_exact, fast_dumps, read_stream
 
 __all__ = ["Record", "RecordTemplate", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path",
            "atomic_write_text", "atomic_path", "dir_problem", "format_hash", "dtype_name", "TRACE_NAME", "TRACE_FORMAT"]
@@ -136,7 +137,7 @@ class RecordTemplate:
     writes its traces through these, so a traced tensor costs well under a microsecond of encoding."""
 
     __slots__ = ("graph", "stage", "node", "op", "kind", "source", "inputs", "rank", "run", "extra", "_head",
-                 "_source", "_mid", "_extra")
+                 "_source", "_mid", "_extra", "_frags")
 
     def __init__(self, graph: str, stage: str, node: str, op: str, kind: str = "node", source: Optional[str] = None,
                  inputs: Iterable[str] = (), rank: int = 0, run: Optional[str] = None,
@@ -150,6 +151,7 @@ class RecordTemplate:
         mid.update({k: v for k, v in (("rank", rank), ("run", run)) if v is not None})
         self._mid = _fragment(mid) if mid else None
         self._extra = _fragment({"extra": extra}) if extra else None
+        self._frags = (self._head, self._source, self._mid, self._extra)  # what the native encoder reads
 
     def record(self, call: int, seq: int, dtype: Optional[str], shape: Optional[List[int]], hash: Optional[int],
                stats: Optional[Dict[str, Any]]) -> Record:
@@ -180,6 +182,17 @@ class RecordTemplate:
         if self._extra is not None:
             parts.append(self._extra)
         return b",".join(parts) + b"}"
+
+
+def template_lines(call: int, rows: Sequence[tuple]) -> List[bytes]:
+    """The lines of one call's records from ``(template, dtype, shape, hash, stats)`` rows, the ``seq`` of a
+    row being its position: ``[tpl.line(call, seq, ...)]``, encoded in one C loop where the native extension
+    is built (the statistics by orjson, as :func:`~determ_backend.trace.jsonl.encode` does)."""
+    dumps = fast_dumps()
+    native = _native.line_encoder() if dumps is not None else None
+    if native is not None:
+        return native(call, rows if isinstance(rows, list) else list(rows), dumps)
+    return [tpl.line(call, seq, *row) for seq, (tpl, *row) in enumerate(rows)]
 
 
 @functools.lru_cache(maxsize=1)

@@ -232,3 +232,24 @@ def test_recompiles_with_dynamic_shapes_are_traced(tmp_path):
     assert len({r.graph for r in recs}) == 2  # static first compile, then a dynamic-shape recompile
     batch_shapes = {tuple(r.shape) for r in recs if r.kind == "input" and len(r.shape) == 2 and r.shape[1] == 8}
     assert batch_shapes == {(3, 8), (5, 8), (7, 8)}
+
+
+def test_backward_inputs_saved_by_the_forward_are_not_read_again_and_trace_the_same(tmp_path, monkeypatch):
+    from determ_backend.backends.recorder import ValueMemo
+    from determ_backend.fingerprint import core
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(5, 8)
+    read = []
+    real = core.fingerprint_now
+    monkeypatch.setattr(core, "fingerprint_now", lambda t, *a, **k: read.append(t.shape) or real(t, *a, **k))
+    _, on = compile_run(m, (x,), "determ_aot_eager", tmp_path, "memo", backward=True)
+    reads_on = len(read)
+    monkeypatch.setattr(ValueMemo, "get", lambda self, t, stats: None)
+    _, off = compile_run(m, (x,), "determ_aot_eager", tmp_path, "nomemo", backward=True)
+    (recs_on, _), (recs_off, _) = load(on), load(off)
+    reads_off = len(read) - reads_on
+    fw = {r.hash for r in recs_off if r.stage == "aot_forward"}
+    saved = [r for r in recs_off if r.stage == "aot_backward" and r.kind in ("input", "param") and r.hash in fw]
+    assert len(saved) >= 2 and reads_off - reads_on == len(saved)  # what the forward returned was not read again
+    fields = lambda recs: [(r.graph, r.stage, r.node, r.hash, r.stats, r.shape) for r in recs]
+    assert fields(recs_on) == fields(recs_off)

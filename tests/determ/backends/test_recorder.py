@@ -9,7 +9,7 @@ import torch
 
 from determ_backend.fingerprint import _native
 from determ_backend.fingerprint.core import hash_tensors
-from determ_backend.backends.recorder import NodeInfo, Recorder
+from determ_backend.backends.recorder import NodeInfo, Recorder, ValueMemo
 
 
 def _record(tensors):
@@ -78,3 +78,51 @@ def test_an_output_proved_unchanged_reuses_its_capture_and_anything_else_is_read
     assert int(recs["a"].hash, 16) == int(recs["output.0"].hash, 16) == ha
     assert recs["output.0"].stats == recs["a"].stats
     assert int(recs["output.1"].hash, 16) == hb
+
+
+def _forward_backward(memo, returned, taken, stats=True):
+    """A forward recorder returning ``returned``, then a backward recorder taking ``taken`` as inputs."""
+    fw = Recorder("g", "aot_forward", [NodeInfo(f"output.{i}", "output", kind="output") for i in range(len(returned))],
+                  stats=stats, memo=memo)
+    fw.begin_call()
+    for i, t in enumerate(returned):
+        fw.capture(i, t)
+    fw_recs = fw.end_call().records
+    bw = Recorder("g", "aot_backward", [NodeInfo(f"in{i}", "input", kind="input") for i in range(len(taken))],
+                  stats=stats, memo=memo)
+    return fw_recs, bw
+
+
+def test_a_backward_input_the_forward_returned_takes_its_fingerprint_unless_anything_wrote_it(monkeypatch):
+    from determ_backend.fingerprint import core
+    memo = ValueMemo()
+    saved, viewed, changed = torch.randn(1000), torch.randn(1000), torch.randn(1000)
+    fw_recs, bw = _forward_backward(memo, [saved, viewed, changed], [saved, viewed, changed, saved.view(10, 100)])
+    viewed[:10].mul_(2)  # a write through a view bumps the base's version
+    changed.add_(1)
+    read = []
+    real = core.fingerprint_now
+    monkeypatch.setattr(core, "fingerprint_now", lambda t, *a, **k: read.append(t) or real(t, *a, **k))
+    bw.begin_call()
+    for i, t in enumerate([saved, viewed, changed, saved.view(10, 100)]):
+        bw.capture(i, t)
+    recs = bw.end_call().records
+    seen = list(read)
+    expected = hash_tensors([saved, viewed, changed, saved.view(10, 100)])
+    assert [int(r.hash, 16) for r in recs] == expected  # every hash is the value's as it is now
+    assert recs[0].hash == fw_recs[0].hash and recs[0].stats == fw_recs[0].stats
+    assert recs[1].hash != fw_recs[1].hash and recs[2].hash != fw_recs[2].hash
+    assert len(seen) == 3 and seen[0] is viewed and seen[1] is changed  # the unchanged saved tensor was not read
+    assert recs[0].stats is not fw_recs[0].stats  # a copy: a record's statistics are its own
+
+
+def test_the_memo_needs_statistics_when_the_backward_records_them_and_forgets_dead_tensors():
+    memo = ValueMemo()
+    t = torch.randn(50)
+    _, bw = _forward_backward(memo, [t], [t], stats=False)
+    assert memo.get(t, stats=False) is not None and memo.get(t, stats=True) is None
+    ref_id = id(t)
+    del t
+    assert all(v[0]() is not None for k, v in memo._entries.items() if k != ref_id)
+    u = torch.randn(50)
+    assert memo.get(u, stats=False) is None  # a new tensor (possibly at the dead one's id) is never taken

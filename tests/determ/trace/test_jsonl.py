@@ -265,6 +265,56 @@ def test_record_templates_write_what_records_write():
             assert json.loads(tpl.line(*args))["node"] == "n.1"
 
 
+def _edge_floats():
+    import random
+    import struct
+    rng = random.Random(0)
+    vals = [0.0, -0.0, 1.0, 2.0, -2.5, 0.1, 1e-5, 1.5e-5, 9.99e-6, 1e-6, 1e-4, 1e15, 1e16, 9.999999999999998e15,
+            1234567890123456.8, 12345678901234567.0, 1e22, 1.7976931348623157e308, 5e-324, 2.2250738585072014e-308,
+            123456789.123, 0.00012345, -0.00001, 1e-7, 1e100, 3.0e16]
+    vals += [struct.unpack("<d", struct.pack("<Q", rng.getrandbits(64)))[0] for _ in range(3000)]
+    vals += [rng.uniform(-1, 1) * 10.0 ** rng.randint(-30, 30) for _ in range(3000)]
+    vals += [float(rng.randint(-10 ** 17, 10 ** 17)) for _ in range(500)]
+    return vals
+
+
+def test_native_trace_lines_are_the_templates_lines_byte_for_byte():
+    """The backends encode a call's lines in C: the same bytes as RecordTemplate.line for any float (orjson
+    writes the statistics in both), and the template's own line for anything the C loop does not write."""
+    from determ_backend.fingerprint import _native
+    from determ_backend.trace.stream import RecordTemplate
+
+    native = _native.line_encoder()
+    if native is None or jsonl.fast_dumps() is None:
+        pytest.skip("the native extension is not built, or orjson is not installed")
+    tpls = [RecordTemplate("g0", "aot_forward", "n.1", "aten.mm.default", source='m.py:3 ("f")', inputs=["a"],
+                           run="r", extra={"buffer": "buf1"}),
+            RecordTemplate("g1", "inductor_backward", "output.0", "output", kind="output", rank=None, run=None)]
+    floats = [f for f in _edge_floats() if f == f]
+    rows = []
+    for i in range(0, len(floats) - 4, 4):
+        a, b, c, d = floats[i:i + 4]
+        rows.append((tpls[i % 2], "float32", [i, 3, 0], i * 7919 % 2 ** 64,
+                     {"min": a, "max": b, "mean": c, "l2": d, "nan": 0, "inf": i}))
+    weird = {"min": float("nan"), "max": float("inf"), "mean": -float("inf"), "l2": None, "nan": 3, "inf": None}
+    rows += [(tpls[0], None, None, None, None), (tpls[1], "bool", [], 0, {}), (tpls[0], "float16", [2], 2 ** 64 - 1, weird),
+             (tpls[1], "float32", [1], 5, {"min": 1.0, "max": 1e-5, "mean": None, "l2": 2.0, "nan": 0, "inf": 0}),
+             (tpls[0], 'd"type', [1], 5, None),
+             (tpls[0], "float32", [1], 5, {"min": True, "x\n": 1.0}), (tpls[1], "é", [1], None, {"k": 2 ** 80})]
+    fallback = []
+    real = RecordTemplate.line
+    RecordTemplate.line = lambda self, *a: fallback.append(a[1]) or real(self, *a)
+    try:
+        got = native(17, rows, jsonl.fast_dumps())
+    finally:
+        RecordTemplate.line = real
+    want = [tpl.line(17, seq, *row) for seq, (tpl, *row) in enumerate(rows)]
+    assert got == want
+    n = len(rows)  # C hands over only statistics orjson writes with a null (NaN, infinity, None) and odd strings
+    assert fallback == [n - 5, n - 4, n - 3, n - 1]
+    assert all(json.loads(line)["call"] == 17 for line in got)
+
+
 def test_reading_some_calls_scans_the_others_without_decoding_them(tmp_path):
     """``read_trace_file(calls=...)`` keeps exactly those calls (1 is not 10 or 11), still checks the footer's count,
     and decodes a line written in another form (spaces) to judge it."""
