@@ -92,6 +92,7 @@ typedef __m512d vdbl;
 #define V_LOADF(p) _mm512_loadu_ps(p)
 #define V_ADD64 _mm512_add_epi64
 #define V_ADD32 _mm512_add_epi32
+#define V_SET1_32 _mm512_set1_epi32
 #define V_MUL32X64 _mm512_mul_epi32
 #define V_MULLO32 _mm512_mullo_epi32
 #define V_SRL64 _mm512_srli_epi64
@@ -123,6 +124,7 @@ typedef __m256d vdbl;
 #define V_LOADF(p) _mm256_loadu_ps(p)
 #define V_ADD64 _mm256_add_epi64
 #define V_ADD32 _mm256_add_epi32
+#define V_SET1_32 _mm256_set1_epi32
 #define V_MUL32X64 _mm256_mul_epi32
 #define V_MULLO32 _mm256_mullo_epi32
 #define V_SRL64 _mm256_srli_epi64
@@ -263,8 +265,12 @@ static inline __attribute__((always_inline)) uint64_t row_pass(const int32_t *w,
     vint ae = V_ZEROI(), ao = V_ZEROI(), bb = V_ZEROI();
     vstats_t vs;
     if (f32) vstats_init(&vs);
-    for (; c + VLANES <= n; c += VLANES) {
-        vint W = V_LOADI(w + c), L = V_LOADW(KL + c), H = V_LOADW(KH + c);
+    /* KL[c] is the low word of (2c+1) * M1: one lane-wise add steps it VLANES columns on, where a load
+     * would double the weights read per data byte (the loads, not the arithmetic, bound the loop once the
+     * data comes from memory) */
+    vint L = V_LOADW(KL), LSTEP = V_SET1_32((int32_t)(uint32_t)(2u * VLANES * (uint32_t)M1));
+    for (; c + VLANES <= n; c += VLANES, L = V_ADD32(L, LSTEP)) {
+        vint W = V_LOADI(w + c), H = V_LOADW(KH + c);
         ae = V_ADD64(ae, V_MUL32X64(W, L));                           /* even words */
         ao = V_ADD64(ao, V_MUL32X64(V_SRL64(W, 32), V_SRL64(L, 32))); /* odd words */
         bb = V_ADD32(bb, V_MULLO32(W, H));
