@@ -17,7 +17,9 @@ from repro_tools.report import build as build_report
 pytestmark = pytest.mark.slow
 
 
-def test_inductor_trace_is_bit_identical_and_names_buffers_by_fx_node(tmp_path):
+def test_inductor_trace_is_bit_identical_and_names_buffers_by_fx_node(tmp_path, monkeypatch):
+    from determ_backend.backends.recorder import ValueMemo
+    from determ_backend.fingerprint.core import hash_tensor
     torch.manual_seed(0)
     m, x = MLP(), torch.randn(5, 8)
     torch._dynamo.reset()
@@ -25,7 +27,15 @@ def test_inductor_trace_is_bit_identical_and_names_buffers_by_fx_node(tmp_path):
     ref.sum().backward()
     ref_grads = [p.grad.clone() for p in m.parameters()]
     m.zero_grad(set_to_none=True)
+    taken = []
+    real_get = ValueMemo.get
+    monkeypatch.setattr(ValueMemo, "get", lambda self, t, stats: taken.append(real_get(self, t, stats)) or taken[-1])
     y, run_dir = compile_run(m, (x,), "determ_inductor", tmp_path, "ind", backward=True)
+    # the backward's saved weights took the fingerprints the forward's outputs computed: the weights' own
+    params = dict(m.named_parameters())
+    saved = [r for r in load(run_dir)[0] if r.stage == "inductor_backward" and r.kind == "param"]
+    assert saved and all(int(r.hash, 16) == hash_tensor(params[r.node]) for r in saved)
+    assert sum(t is not None for t in taken) >= len(saved)
     assert torch.equal(y, ref)
     assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), ref_grads))
     recs, report = load(run_dir)
