@@ -55,6 +55,11 @@ class DetermConfig:
     save_tensors: bool = False
     """Also store each traced tensor's data, content-addressed by fingerprint (``DETERM_SAVE_TENSORS``)."""
 
+    reuse_saved: bool = True
+    """A backward graph's inputs that its forward returned, unchanged by version counter, take the forward's
+    fingerprints instead of being read again (``DETERM_REUSE_SAVED``; 0 reads them: a write between forward
+    and backward that bypasses the version counter, through ``tensor.data``, is then seen)."""
+
     check: Tuple[str, ...] = ()
     """Online checks: ``determinism``, ``accuracy``, ``nan``, ``batch_invariance`` (``DETERM_CHECK``,
     comma-separated)."""
@@ -136,7 +141,7 @@ class DetermConfig:
 
 _ENV = {
     "dir": "DETERM_DIR", "run_id": "DETERM_RUN_ID", "trace": "DETERM_TRACE", "stats": "DETERM_STATS",
-    "save_tensors": "DETERM_SAVE_TENSORS", "check": "DETERM_CHECK", "reference": "DETERM_REFERENCE",
+    "save_tensors": "DETERM_SAVE_TENSORS", "reuse_saved": "DETERM_REUSE_SAVED", "check": "DETERM_CHECK", "reference": "DETERM_REFERENCE",
     "tol": "DETERM_TOL", "fp64_multiplier": "DETERM_FP64_MULTIPLIER", "raise_on_divergence": "DETERM_RAISE",
     "report": "DETERM_REPORT",
     "repro_after": "REPRO_AFTER", "repro_level": "REPRO_LEVEL", "minify": "DETERM_MINIFY", "strict": "DETERM_STRICT",

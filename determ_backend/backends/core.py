@@ -39,8 +39,8 @@ def _active(cfg: DetermConfig) -> bool:
 
 def _recorder(run: Run, cfg: DetermConfig, graph: str, stage: str, infos: List[NodeInfo],
               eager_writes: bool = False) -> Recorder:
-    return Recorder(graph, stage, infos, stats=cfg.stats, rank=run.rank, run=run.id, memo=run.memo,
-                    eager_writes=eager_writes)
+    return Recorder(graph, stage, infos, stats=cfg.stats, rank=run.rank, run=run.id,
+                    memo=run.memo if cfg.reuse_saved else None, eager_writes=eager_writes)
 
 
 def _fx_exec(gm: fx.GraphModule, run: Run, cfg: DetermConfig, graph: str, stage: str,

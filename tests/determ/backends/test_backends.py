@@ -235,7 +235,6 @@ def test_recompiles_with_dynamic_shapes_are_traced(tmp_path):
 
 
 def test_backward_inputs_saved_by_the_forward_are_not_read_again_and_trace_the_same(tmp_path, monkeypatch):
-    from determ_backend.backends.recorder import ValueMemo
     from determ_backend.fingerprint import core
     torch.manual_seed(0)
     m, x = MLP(), torch.randn(5, 8)
@@ -244,8 +243,7 @@ def test_backward_inputs_saved_by_the_forward_are_not_read_again_and_trace_the_s
     monkeypatch.setattr(core, "fingerprint_now", lambda t, *a, **k: read.append(t.shape) or real(t, *a, **k))
     _, on = compile_run(m, (x,), "determ_aot_eager", tmp_path, "memo", backward=True)
     reads_on = len(read)
-    monkeypatch.setattr(ValueMemo, "get", lambda self, t, stats: None)
-    _, off = compile_run(m, (x,), "determ_aot_eager", tmp_path, "nomemo", backward=True)
+    _, off = compile_run(m, (x,), "determ_aot_eager", tmp_path, "nomemo", backward=True, reuse_saved=False)
     (recs_on, _), (recs_off, _) = load(on), load(off)
     reads_off = len(read) - reads_on
     fw = {r.hash for r in recs_off if r.stage == "aot_forward"}
@@ -253,3 +251,26 @@ def test_backward_inputs_saved_by_the_forward_are_not_read_again_and_trace_the_s
     assert len(saved) >= 2 and reads_off - reads_on == len(saved)  # what the forward returned was not read again
     fields = lambda recs: [(r.graph, r.stage, r.node, r.hash, r.stats, r.shape) for r in recs]
     assert fields(recs_on) == fields(recs_off)
+
+
+def test_a_write_through_data_between_forward_and_backward_is_seen_only_with_reuse_off(tmp_path):
+    """``tensor.data`` writes bypass the version counter: autograd does not see them, and neither does the reuse
+    of the forward's fingerprints; ``DETERM_REUSE_SAVED=0`` reads the saved tensors again and does."""
+    from determ_backend.backends import run as run_mod
+    from determ_backend.fingerprint.core import hash_tensor
+    seen = {}
+    for reuse in (True, False):
+        torch.manual_seed(0)
+        m, x = MLP(), torch.randn(5, 8)
+        torch._dynamo.reset()
+        opts = {"dir": str(tmp_path), "run_id": f"reuse{reuse}", "reuse_saved": reuse}
+        y = torch.compile(m, backend="determ_aot_eager", options=opts)(x)
+        before = hash_tensor(m.layers[2].weight)
+        m.layers[2].weight.data.mul_(2.0)  # the saved weight changes; its version counter does not
+        y.sum().backward()
+        run_mod.finish_all()
+        recs, _ = load(tmp_path / f"reuse{reuse}")
+        (w,) = [r for r in recs if r.stage == "aot_backward" and r.node == "layers.2.weight"]
+        seen[reuse] = (int(w.hash, 16), before, hash_tensor(m.layers[2].weight))
+    assert seen[True][0] == seen[True][1]  # the forward's fingerprint: the write is not seen
+    assert seen[False][0] == seen[False][2] != seen[False][1]  # read again: the doubled weight
