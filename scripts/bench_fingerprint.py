@@ -14,7 +14,13 @@ minimum over several repetitions in this one process:
 Targets: ``hash_tensor`` <= 1.5x ``clone`` and >= 5x faster than ``host md5``.  A last
 line gives the per-tensor cost of fingerprinting small tensors, alone and batched.
 
-Usage: ``.venv/bin/python scripts/bench_fingerprint.py [--size-mib 256] [--reps 5] [--threads N]``
+``--traced`` adds what tracing meets: 512 KiB float32 tensors (a weight of the backends' small
+benchmark) captured one by one as the recorders do (``FingerprintBatch``, with and without
+statistics), next to torch's ``sum`` and ``clone`` of the same tensors, once in cache (the same
+tensor again and again) and once from memory (cycling through 128 MiB of them), in GB/s; one
+thread.
+
+Usage: ``.venv/bin/python scripts/bench_fingerprint.py [--size-mib 256] [--reps 5] [--threads N] [--traced]``
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from determ_backend.fingerprint.core import hash_tensor, hash_tensors
+from determ_backend.fingerprint.core import FingerprintBatch, hash_tensor, hash_tensors
 
 HASH_VS_CLONE_MAX = 1.5
 MD5_VS_HASH_MIN = 5.0
@@ -124,11 +130,45 @@ def bench_small(reps: int) -> None:
           f"hash_tensors(256 x 10 elements) {batched * 1e6:.1f} us/tensor")
 
 
+def _each(fn: Callable[[torch.Tensor], object], ts: List[torch.Tensor]) -> None:
+    for t in ts:  # each result dropped at once, as a traced step drops its buffers
+        fn(t)
+
+
+def bench_traced(reps: int) -> None:
+    """512 KiB float32 tensors captured one at a time, in cache and from memory (see the module doc)."""
+    torch.set_num_threads(1)
+    size = 512 * 1024
+    hot = [torch.randn(size // 4)]
+    cold = [torch.randn(size // 4) for _ in range((128 << 20) // size)]
+
+    def capture(stats: Optional[str], ts: List[torch.Tensor]) -> Callable[[], object]:
+        def run():
+            batch = FingerprintBatch(stats)
+            for t in ts:
+                batch.add(t)
+            return batch.resolve()
+        return run
+
+    print(f"\ntraced tensors: 512 KiB float32, one thread, GB/s (min over {reps} rounds)")
+    print(f"  {'method':<24}{'in cache':>10}{'from memory':>13}")
+    for name, make in (("fingerprint + stats", lambda ts: capture("trace", ts)),
+                       ("fingerprint", lambda ts: capture(None, ts)),
+                       ("torch sum", lambda ts: lambda: _each(torch.sum, ts)),
+                       ("torch clone", lambda ts: lambda: _each(torch.clone, ts))):
+        hot_many = hot * len(cold)  # the same number of captures, of one tensor that stays in cache
+        best = best_times({"hot": make(hot_many), "cold": make(cold)}, reps)
+        rate = {k: size * len(cold) / v / 1e9 for k, v in best.items()}
+        print(f"  {name:<24}{rate['hot']:>10.1f}{rate['cold']:>13.1f}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Time determ's hash_tensor against clone, torch.hash_tensor, XOR and md5.")
     p.add_argument("--size-mib", type=int, default=256, help="size of each large test tensor in MiB (default 256)")
     p.add_argument("--reps", type=int, default=5, help="repetitions per method; the minimum is reported (default 5)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--traced", action="store_true",
+                   help="also time 512 KiB float32 tensors captured as tracing does, in cache and from memory")
     args = p.parse_args(argv)
     if args.size_mib < 1 or args.reps < 1 or (args.threads is not None and args.threads < 1):
         p.error("--size-mib, --reps and --threads must be >= 1")
@@ -138,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for dtype in (torch.float32, torch.bfloat16):
         failures += print_table(dtype, args.size_mib, bench_large(dtype, args.size_mib, args.reps))
     bench_small(args.reps)
+    if args.traced:
+        bench_traced(args.reps)
     print("\nPASS" if not failures else "\nFAIL: " + "; ".join(failures))
     return 0 if not failures else 1
 
