@@ -224,12 +224,18 @@ def _parse_threads(text: str) -> int:
     return n
 
 
+def _loaded() -> Optional[_Loaded]:
+    """The loaded library, or None when ``DETERM_NATIVE`` switches it off or it is not built (read at each call:
+    the setting may change between runs)."""
+    if not _enabled(os.environ.get("DETERM_NATIVE", "1")):
+        return None
+    return _cached()
+
+
 def kernel() -> Optional[Kernel]:
     """The kernel with this moment's settings (``DETERM_NATIVE``, ``DETERM_NATIVE_THREADS``, torch's thread
     count), or None when it is switched off or not built.  Batchers look it up once and reuse it."""
-    if not _enabled(os.environ.get("DETERM_NATIVE", "1")):
-        return None
-    loaded = _cached()
+    loaded = _loaded()
     if loaded is None:
         return None
     text = os.environ.get("DETERM_NATIVE_THREADS", "").strip()
@@ -241,9 +247,7 @@ def line_encoder() -> Optional[Callable]:
     :meth:`~determ_backend.trace.stream.RecordTemplate.line` writes them, in one C loop (``dumps``: orjson's,
     for the statistics); None when the kernel is off, not built, or loaded through ctypes (then each line is
     encoded in Python)."""
-    if not _enabled(os.environ.get("DETERM_NATIVE", "1")):
-        return None
-    loaded = _cached()
+    loaded = _loaded()
     return None if loaded is None else loaded.lines
 
 
@@ -251,9 +255,7 @@ def frame_walker() -> Optional[Callable]:
     """``first_listed_not(frame, internal)``: from ``frame`` outwards, the first frame whose code object's
     ``id`` the dict ``internal`` does not map to True (None past the outermost), walked in C; None when the
     kernel is off, not built, or loaded through ctypes (then walk in Python)."""
-    if not _enabled(os.environ.get("DETERM_NATIVE", "1")):
-        return None
-    loaded = _cached()
+    loaded = _loaded()
     return None if loaded is None else loaded.walk
 
 

@@ -136,8 +136,7 @@ class RecordTemplate:
     order) without building the record; :meth:`record` builds it.  The compile backends' recorder
     writes its traces through these, so a traced tensor costs well under a microsecond of encoding."""
 
-    __slots__ = ("graph", "stage", "node", "op", "kind", "source", "inputs", "rank", "run", "extra", "_head",
-                 "_source", "_mid", "_extra", "_frags")
+    __slots__ = ("graph", "stage", "node", "op", "kind", "source", "inputs", "rank", "run", "extra", "_frags")
 
     def __init__(self, graph: str, stage: str, node: str, op: str, kind: str = "node", source: Optional[str] = None,
                  inputs: Iterable[str] = (), rank: int = 0, run: Optional[str] = None,
@@ -145,13 +144,14 @@ class RecordTemplate:
         self.graph, self.stage, self.node, self.op, self.kind = graph, stage, node, op, kind
         self.source, self.inputs, self.rank, self.run, self.extra = source, list(inputs), rank, run, extra
         head = {"graph": graph, "stage": stage, "node": node, "op": op, "kind": kind}
-        self._head = b"{" + _fragment({k: v for k, v in head.items() if v is not None})
-        self._source = _fragment({"source": source}) if source is not None else None
         mid = {"inputs": self.inputs} if self.inputs else {}
         mid.update({k: v for k, v in (("rank", rank), ("run", run)) if v is not None})
-        self._mid = _fragment(mid) if mid else None
-        self._extra = _fragment({"extra": extra}) if extra else None
-        self._frags = (self._head, self._source, self._mid, self._extra)  # what the native encoder reads
+        # the fixed fragments, in line order around the per-call fields: (head, source, mid, extra), the last
+        # three None when absent; line() and the native encoder (stream.template_lines) read them
+        self._frags = (b"{" + _fragment({k: v for k, v in head.items() if v is not None}),
+                       _fragment({"source": source}) if source is not None else None,
+                       _fragment(mid) if mid else None,
+                       _fragment({"extra": extra}) if extra else None)
 
     def record(self, call: int, seq: int, dtype: Optional[str], shape: Optional[List[int]], hash: Optional[int],
                stats: Optional[Dict[str, Any]]) -> Record:
@@ -163,9 +163,10 @@ class RecordTemplate:
     def line(self, call: int, seq: int, dtype: Optional[str], shape: Optional[List[int]], hash: Optional[int],
              stats: Optional[Dict[str, Any]]) -> bytes:
         """``self.record(...).to_line()``, encoded from the fixed fragments."""
-        parts = [self._head, b'"call":%d,"seq":%d' % (call, seq)]
-        if self._source is not None:
-            parts.append(self._source)
+        head, source, mid, extra = self._frags
+        parts = [head, b'"call":%d,"seq":%d' % (call, seq)]
+        if source is not None:
+            parts.append(source)
         if dtype is not None:
             frag = _DTYPE_FRAGMENTS.get(dtype)
             if frag is None:
@@ -177,10 +178,10 @@ class RecordTemplate:
             parts.append(b'"hash":"%016x"' % (hash & 0xFFFFFFFFFFFFFFFF))
         if stats:
             parts.append(b'"stats":' + encode(stats))
-        if self._mid is not None:
-            parts.append(self._mid)
-        if self._extra is not None:
-            parts.append(self._extra)
+        if mid is not None:
+            parts.append(mid)
+        if extra is not None:
+            parts.append(extra)
         return b",".join(parts) + b"}"
 
 
