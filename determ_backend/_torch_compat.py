@@ -162,6 +162,23 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
+def storage_weak_ref(t: torch.Tensor) -> int:
+    """A weak reference to ``t``'s storage, as a number (``UntypedStorage._weak_ref``; a fraction of the cost of
+    a ``StorageWeakRef`` object): test it with :func:`storage_expired`, and give it back exactly once with
+    :func:`storage_release`."""
+    return t.untyped_storage()._weak_ref()
+
+
+def storage_expired(ref: int) -> bool:
+    """Whether the storage of a :func:`storage_weak_ref` was freed."""
+    return torch.UntypedStorage._expired(ref)
+
+
+def storage_release(ref: int) -> None:
+    """Give back a :func:`storage_weak_ref` (once; it must not be used afterwards)."""
+    torch.UntypedStorage._free_weak_ref(ref)
+
+
 def is_boxed(fn) -> bool:
     """Whether a compiled graph takes AOTAutograd's boxed calling convention (one list argument)."""
     return bool(getattr(fn, "_boxed_call", False))

@@ -105,15 +105,16 @@ def _segment_sums(word_lists: List[torch.Tensor], k: torch.Tensor) -> torch.Tens
     return out.index_add_(0, seg, flat * k[pos])
 
 
-def fingerprint_now(t: torch.Tensor, stats: bool = False,
-                    kernel: Optional[_native.Kernel] = None) -> Optional[Tuple[int, Optional[Sequence[float]]]]:
+def fingerprint_now(t: torch.Tensor, stats: bool = False, kernel: Optional[_native.Kernel] = None,
+                    copy: bool = True) -> Optional[Tuple[int, Optional[Sequence[float]]]]:
     """CPU fast path: ``(hash, stats vector | None)`` of ``t`` computed right now in one pass by the
     native kernel (:mod:`determ_backend.fingerprint._native`), or None when it does not apply (not a plain CPU
     tensor, kernel not built, or statistics asked for a dtype it has none for) -- then use the
     torch path, which gives the same hash.  The stats vector is ``[min, max, mean, l2, nan, inf,
     numel]`` as :func:`tensor_stats` reports it.  ``kernel``: the kernel as
     :func:`~determ_backend.fingerprint._native.kernel` gave it, when the caller looked it up already.
-    Called once per traced tensor: every check here is one cheap attribute."""
+    ``copy=False``: None for a non-contiguous tensor instead of reading a contiguous copy (then no torch op
+    runs here at all).  Called once per traced tensor: every check here is one cheap attribute."""
     if not t.is_cpu or t.layout is not torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
         return None
     dtype = t.dtype
@@ -127,6 +128,8 @@ def fingerprint_now(t: torch.Tensor, stats: bool = False,
     n = t.numel()
     x = t
     if not x.is_contiguous():  # statistics need the dtype; the hash only the bytes (any dtype copies as ints)
+        if not copy:
+            return None
         x = x.detach().contiguous() if stats else same_size_int(x.detach()).contiguous()
     return kernel.call(x.data_ptr() if n else 0, n * x.element_size(), kind, n, key(dtype, t.shape), kernel.threads,
                        stats)
@@ -442,11 +445,7 @@ class FingerprintBatch:
         i = len(self._out)
         want = self._want
         if cpu:
-            if not self._looked_up:  # once per batch: the settings may change between runs
-                self._kernel, self._looked_up = _native.kernel(), True
-            nat = fingerprint_now(t, want, self._kernel) if self._kernel is not None else None
-            if nat is not None:  # hash and statistics in one pass, right now
-                self._out.append((nat[0], _stats_dict(nat[1], self._max_first) if want else None))
+            if self._now(t, True) is not None:
                 return i
         elif t.is_meta:
             check_tensor(t)  # raises
@@ -463,6 +462,26 @@ class FingerprintBatch:
         else:
             self._pending.append((i, dev, t) if self._stable else (i, dev, *self._capture_stats(t)))
         return i
+
+    def add_now(self, t: torch.Tensor) -> Optional[int]:
+        """:meth:`add` for a contiguous CPU tensor the native kernel reads right now, without running any torch
+        op (so without a dispatch mode to step around): its position, or None when that does not apply (then
+        call :meth:`add`)."""
+        return self._now(t, False) if t.is_cpu else None
+
+    def _now(self, t: torch.Tensor, copy: bool) -> Optional[int]:
+        """The native one-pass kernel on CPU tensor ``t``, right now: its position, or None (kernel off or
+        not built, a layout or dtype it does not read, or ``copy=False`` and ``t`` not contiguous)."""
+        if not self._looked_up:  # once per batch: the settings may change between runs
+            self._kernel, self._looked_up = _native.kernel(), True
+        if self._kernel is None:
+            return None
+        want = self._want
+        nat = fingerprint_now(t, want, self._kernel, copy)
+        if nat is None:
+            return None
+        self._out.append((nat[0], _stats_dict(nat[1], self._max_first) if want else None))  # hash and statistics
+        return len(self._out) - 1
 
     def add_known(self, hash: int, stats: Optional[dict] = None) -> int:
         """A tensor whose fingerprint (and statistics, of this batch's kind) the caller already has: it is

@@ -75,6 +75,12 @@ class PendingHashes:
 
     def add(self, rec: Record, t) -> None:
         """Capture ``t`` (a tensor, or a Python scalar an op returned) for ``rec``."""
+        if isinstance(t, torch.Tensor):  # most tensors: read now by the native kernel, no torch op to hide
+            i = self._batch.add_now(t)
+            if i is not None:
+                self._items.append((rec, i))
+                self.nbytes += t.nbytes
+                return
         with unseen():
             self._add(rec, t)
 

@@ -31,12 +31,12 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._hashing import PendingHashes, hashable
 from determ_backend._frames import FrameFilter
-from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, returns_view, same_layout, schema_writes, uninitialized, uninitialized_hash, version, written_tensors)
+from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, returns_view, same_layout, schema_writes,
+                                      uninitialized, uninitialized_hash, version, written_tensors)
 from determ_backend.trace.stream import Record, dtype_name
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
@@ -50,6 +50,12 @@ _LINES_LIMIT = 1 << 16  # user lines remembered (generated code makes new ones)
 
 FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, name location) of its forward op
 _FLUSH_BYTES = 256 << 20  # also finish the fingerprint batch once this much data was captured
+
+
+def _release_storages(producers: Dict[tuple, tuple]) -> None:
+    for ent in producers.values():
+        _compat.storage_release(ent[0])
+    producers.clear()
 
 
 class OpEvent:
@@ -79,7 +85,10 @@ class OpRecorder:
         self.seq = 0
         self.compiled_ops = 0
         self.lock = threading.RLock()
-        self._producers: Dict[tuple, tuple] = {}  # memory key -> (StorageWeakRef, Record, version)
+        # memory key -> (weak reference to the storage, Record, version); the references are given back when an
+        # entry is replaced or pruned, and the rest when the recorder goes
+        self._producers: Dict[tuple, tuple] = {}
+        weakref.finalize(self, _release_storages, self._producers)
         self._by_object: Dict[int, tuple] = {}  # id(tensor) -> (weakref to it, Record, version): the fast path
         self._counts: Dict[tuple, int] = {}
         self._hashes = PendingHashes(stats)
@@ -132,7 +141,7 @@ class OpRecorder:
             return ent[1]
         key = mem_key(t)
         ent = self._producers.get(key) if key is not None else None
-        if ent is not None and ent[2] == v and not ent[0].expired():
+        if ent is not None and ent[2] == v and not _compat.storage_expired(ent[0]):
             self._remember(t, ent[1], v)
             return ent[1]
         return None
@@ -150,12 +159,14 @@ class OpRecorder:
         if key is None:
             return
         v = version(t)
-        if view:
-            ent = self._producers.get(key)
-            if ent is not None and ent[2] == v and not ent[0].expired():
+        producers = self._producers
+        ent = producers.get(key)
+        if ent is not None:
+            if view and ent[2] == v and not _compat.storage_expired(ent[0]):
                 self._remember(t, ent[1], v)
                 return
-        self._producers[key] = (StorageWeakRef(t.untyped_storage()), rec, v)
+            _compat.storage_release(ent[0])
+        producers[key] = (_compat.storage_weak_ref(t), rec, v)
         self._remember(t, rec, v)
 
     def _settle(self) -> None:
@@ -190,6 +201,7 @@ class OpRecorder:
                       extra=extra)
 
     # -- the two halves of an op -----------------------------------------------------------------
+    # Run for every op the mode sees: written for speed (locals, no per-op helper calls in the common cases).
     def begin(self, func, args, kwargs, frame, compiled: bool) -> tuple:
         """Before the op runs: resolve its inputs (hashing first-seen ones as they are now)."""
         if self._unsettled:
@@ -199,25 +211,46 @@ class OpRecorder:
         if node is not None:
             backward = node.name()
             fwd = node.metadata.get(FORWARD_KEY)
-        source, loc, stack = self._where(frame)
-        if fwd is not None:  # name backward ops after the forward line that created their node
+        if fwd is not None and self.stack_depth == 1:  # named after its forward line: no frames to walk
             source, loc = fwd
-        found = iter_args(args, kwargs, [], True) if self.describe_args else tensor_args(args, kwargs)
-        in_recs, arg_desc, events = [], [], []
+            stack = None
+        else:
+            source, loc, stack = self._where(frame)
+            if fwd is not None:  # name backward ops after the forward line that created their node
+                source, loc = fwd
+        in_recs: list = []
+        arg_desc: list = []
+        events: list = []
         grad_on = node is None and torch.is_grad_enabled()
-        for path, t in found:
-            if not isinstance(t, torch.Tensor):
-                arg_desc.append((path, None, t, None))
-                continue
-            rec = self.producer(t)
-            if rec is None:
-                rec = self._input_record(t, source, loc, events)
-            elif grad_on and t.requires_grad:
-                self._tag_grad_fn(t, rec)
-            in_recs.append(rec)
-            if self.describe_args:
+        if self.describe_args:
+            for path, t in iter_args(args, kwargs, [], True):
+                if not isinstance(t, torch.Tensor):
+                    arg_desc.append((path, None, t, None))
+                    continue
+                rec = self._input(t, source, loc, events, grad_on)
+                in_recs.append(rec)
                 arg_desc.append((path, rec, None, str(t.device)))
+        else:
+            by_object = self._by_object
+            for t in tensor_args(args, kwargs):
+                ent = by_object.get(id(t))  # producer(), its fast path inline: the very object, same version
+                if ent is not None and ent[0]() is t and ent[2] == version(t):
+                    rec = ent[1]
+                    if grad_on and t.requires_grad:
+                        self._tag_grad_fn(t, rec)
+                else:
+                    rec = self._input(t, source, loc, events, grad_on)
+                in_recs.append(rec)
         return (func, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
+
+    def _input(self, t: torch.Tensor, source: Optional[str], loc: str, events: list, grad_on: bool) -> Record:
+        """The record of input ``t``: its producer's, else a new ``input``/``param`` record."""
+        rec = self.producer(t)
+        if rec is None:
+            return self._input_record(t, source, loc, events)
+        if grad_on and t.requires_grad:
+            self._tag_grad_fn(t, rec)
+        return rec
 
     @staticmethod
     def _tag_grad_fn(t: torch.Tensor, rec: Record) -> None:
@@ -238,25 +271,40 @@ class OpRecorder:
         writes, is_view, uninit, copy_arg, op, _ = info
         outs = written_tensors(result, writes, args, kwargs)
         base = self._name(op, loc, "/bw" if backward else "")
-        extra = self._extra(stack, backward, compiled, nondeterministic)
+        extra = self._extra(stack, backward, compiled, nondeterministic) if (
+            stack or backward or compiled or nondeterministic) else None
+        inputs = [r.node for r in in_recs]
         recs = []
+        unsettled = self._unsettled
+        single = len(outs) == 1
         for j, t in enumerate(outs):
-            rec = self._record(base if len(outs) == 1 else f"{base}.{j}", op, "node", source, t, in_recs, extra)
+            seq = self.seq
+            self.seq = seq + 1
+            if isinstance(t, torch.Tensor):  # _record(), inline
+                dtype, shape = dtype_name(t.dtype), list(t.shape)
+            else:
+                dtype, shape = f"py_{type(t).__name__}", []
+            rec = Record("eager", "eager", base if single else f"{base}.{j}", op, "node", 0, seq, source, dtype,
+                         shape, None, None, inputs if single else list(inputs), [], self.rank, self.run, None,
+                         extra)
             if uninit:  # the memory holds garbage until written: hash what is defined, dtype and shape
                 rec.hash = uninitialized_hash(rec)
             elif nondeterministic:  # values may have been substituted after the op: read them
                 self._capture(rec, t)
+            elif copy_arg is None and not is_view:  # computes new values: read them
+                self._capture(rec, t)
             else:
                 self._hash_output(rec, t, is_view, copy_arg, args, in_recs)
             if isinstance(t, torch.Tensor):
-                self._unsettled.append((t, rec, is_view))
+                unsettled.append((t, rec, is_view))
             recs.append(rec)
         if compiled:
             self.compiled_ops += 1
         devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else []
         events.append(OpEvent(op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled))
         self._events.extend(events)
-        if len(self._hashes) >= self.batch or self._hashes.nbytes >= _FLUSH_BYTES:
+        hashes = self._hashes
+        if len(hashes._items) >= self.batch or hashes.nbytes >= _FLUSH_BYTES:
             self.flush()
         return recs
 
@@ -327,5 +375,7 @@ class OpRecorder:
     def _prune(self) -> None:
         """Drop the entries of freed storages at every flush: kept, they held on to the memory of the
         tensors they named (a mode left on grew by a step's activations every step)."""
-        self._producers = {k: v for k, v in self._producers.items() if not v[0].expired()}
+        producers = self._producers  # changed in place: the finalizer holds this dict
+        for k in [k for k, ent in producers.items() if _compat.storage_expired(ent[0])]:
+            _compat.storage_release(producers.pop(k)[0])
         self._by_object = {k: v for k, v in self._by_object.items() if v[0]() is not None}

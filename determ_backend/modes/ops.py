@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -41,15 +40,29 @@ def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bo
 
 
 def tensor_args(args: Sequence, kwargs: Dict[str, Any]) -> list:
-    """``(None, tensor)`` for every tensor in ``args``/``kwargs`` (also inside lists and tuples), in
-    :func:`iter_args`' order, without building paths: what a mode that describes no arguments needs per op."""
+    """Every tensor in ``args``/``kwargs`` (also inside lists and tuples), in :func:`iter_args`' order, without
+    building paths: what a mode that describes no arguments needs per op."""
     out: list = []
-    for a in itertools.chain(args, kwargs.values()):
+    for a in args:
         if isinstance(a, torch.Tensor):
-            out.append((None, a))
+            out.append(a)
         elif isinstance(a, (list, tuple)) and a and not isinstance(a, torch.Size):
-            _walk("", a, out, False)
+            _tensors_in(a, out)
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)) and a and not isinstance(a, torch.Size):
+                _tensors_in(a, out)
     return out
+
+
+def _tensors_in(a: Sequence, out: list) -> None:
+    for x in a:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)) and x and not isinstance(x, torch.Size):
+            _tensors_in(x, out)
 
 
 def _walk(path: str, a: Any, out: list, with_values: bool) -> None:
@@ -100,6 +113,8 @@ def returns_view(func) -> bool:
 
 def written_tensors(result: Any, writes: Tuple[Tuple[int, str], ...], args: Sequence, kwargs: Dict[str, Any]) -> list:
     """Tensors an op produced: those it returns, then those it wrote to but did not return."""
+    if not writes and isinstance(result, torch.Tensor):  # most ops: one returned tensor
+        return [result]
     outs: list = []
     _leaves(result, outs)
     if writes:
