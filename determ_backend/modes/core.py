@@ -75,9 +75,18 @@ def _check_path(name: str, v, optional: bool = False) -> Optional[Path]:
     if not isinstance(v, (str, os.PathLike)) or not str(v):
         raise ConfigError(f"{name}={v!r}: expected a file name (str or path)")
     p = Path(v)
-    if p.is_dir():
+    if os.path.isdir(v):
         raise ConfigError(f"{name}={str(v)!r}: is a directory; expected a file name")
     return p
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether the file names ``a`` and ``b`` would write the same file.  Two different names, neither of them a
+    symbolic link, never do (a writer replaces an existing regular file, so hard links part); otherwise the
+    resolved paths decide.  (Two ``lstat`` calls instead of two ``resolve()``: a trace opened per step.)"""
+    if a.name != b.name and not os.path.islink(a) and not os.path.islink(b):
+        return False
+    return a.resolve() == b.resolve()
 
 
 def _tensor_names(module: Optional[torch.nn.Module]) -> Dict[int, Tuple[weakref.ref, str]]:
@@ -336,7 +345,7 @@ class HashDebugTrace(HashMode):
                 log_path, jsonl_path = log_path.with_suffix(".log"), log_path
             else:
                 jsonl_path = log_path.with_suffix(".jsonl")
-        if jsonl_path.resolve() == log_path.resolve():
+        if _same_file(jsonl_path, log_path):
             raise ConfigError(f"jsonl_path: must differ from log_path ({log_path})")
         super().__init__(trace_path=jsonl_path, run=run or log_path.stem, stats=stats, module=module,
                          stack_depth=stack_depth, keep_records=False, batch=batch, _describe_args=True)

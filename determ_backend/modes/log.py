@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, List, Optional, Union
 
 from determ_backend.errors import TraceFormatError
-from determ_backend.trace.jsonl import encode, open_fresh
+from determ_backend.trace.jsonl import encode, ensure_parent, open_fresh
 from determ_backend.trace.stream import Record, TraceFile
 
 __all__ = ["LogWriter", "read_hash_log", "read_hash_log_file", "MAGIC"]
@@ -62,7 +62,7 @@ class LogWriter:
     def __init__(self, path: Union[str, Path], run: Optional[str], torch_version: str, echo: bool = False,
                  max_ops: Optional[int] = None):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_parent(self.path)
         self._f: Optional[IO[str]] = os.fdopen(open_fresh(self.path), "w", encoding="utf-8")
         self.echo, self.max_ops = echo, max_ops
         self.ops = self.records = 0

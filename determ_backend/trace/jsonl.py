@@ -79,6 +79,13 @@ class StreamFormat:
     died: str = "the producing process may have died"
 
 
+def ensure_parent(path: Path) -> None:
+    """Create the directory of ``path`` (and its parents) unless it exists: one ``stat`` in the common case,
+    where ``mkdir(exist_ok=True)`` makes a failing system call and an exception (a writer opened per step)."""
+    if not os.path.isdir(path.parent):
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+
 def open_fresh(path: Union[str, Path], flags: int = 0) -> int:
     """A descriptor open for writing on an empty ``path``: ``O_WRONLY | O_CREAT | flags``, as ``O_TRUNC`` would give.
 
@@ -172,7 +179,7 @@ class StreamWriter:
         self.path = Path(path)
         self.fmt = fmt
         self._error = error
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_parent(self.path)
         self._fd: Optional[int] = open_fresh(self.path)
         self._pos = 0  # bytes on disk: whole lines only
         self.count = 0
