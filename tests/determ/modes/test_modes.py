@@ -312,6 +312,12 @@ def test_bitwise_mode_raise_on_mismatch():
 def test_hashdebugtrace_options_validated(tmp_path):
     with pytest.raises(ConfigError, match="jsonl_path"):
         HashDebugTrace(log_path=tmp_path / "x.log", jsonl_path=tmp_path / "x.log")
+    (tmp_path / "linked").symlink_to(tmp_path)  # the same file through a linked directory, or a linked file
+    with pytest.raises(ConfigError, match="jsonl_path"):
+        HashDebugTrace(log_path=tmp_path / "x.log", jsonl_path=tmp_path / "linked" / "x.log")
+    (tmp_path / "alias.jsonl").symlink_to(tmp_path / "y.log")
+    with pytest.raises(ConfigError, match="jsonl_path"):
+        HashDebugTrace(log_path=tmp_path / "y.log", jsonl_path=tmp_path / "alias.jsonl")
     t = traced_run(tmp_path / "lim.log", max_ops_logged=3)
     text = (tmp_path / "lim.log").read_text()
     assert "log limit reached" in text and len(read_hash_log(tmp_path / "lim.log")) < len(read_trace(t.jsonl_path))
