@@ -133,6 +133,10 @@ class OpRecorder:
     # first (a live weak reference to the same object, same version), which gives what the memory key
     # would (views share their base's version counter, so a write through any alias is seen).
     def producer(self, t: torch.Tensor) -> Optional[Record]:
+        with self.lock:  # the table holds storage references given back once: one thread changes it at a time
+            return self._producer(t)
+
+    def _producer(self, t: torch.Tensor) -> Optional[Record]:
         if self._unsettled:
             self._settle()
         v = version(t)
@@ -245,7 +249,7 @@ class OpRecorder:
 
     def _input(self, t: torch.Tensor, source: Optional[str], loc: str, events: list, grad_on: bool) -> Record:
         """The record of input ``t``: its producer's, else a new ``input``/``param`` record."""
-        rec = self.producer(t)
+        rec = self._producer(t)  # under the lock (begin holds it)
         if rec is None:
             return self._input_record(t, source, loc, events)
         if grad_on and t.requires_grad:
