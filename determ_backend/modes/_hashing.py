@@ -25,7 +25,7 @@ an outer mode (nested eager tools) does not record it as the user's ops.
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -47,10 +47,19 @@ def hashable(t: torch.Tensor) -> Optional[str]:
     return f"{t.layout}/{t.device.type}/{type(t).__name__}"
 
 
+_GEOMETRY_TEXT: Dict[tuple, str] = {}  # view geometry -> its text in the digest (a step repeats its views)
+_GEOMETRY_LIMIT = 1 << 12
+
+
 def derived_hash(base_hash: Optional[str], geometry: tuple) -> Optional[str]:
     if base_hash is None:
         return None
-    digest = hashlib.blake2b(f"view|{base_hash}|{geometry}".encode(), digest_size=8).digest()
+    text = _GEOMETRY_TEXT.get(geometry)
+    if text is None:
+        if len(_GEOMETRY_TEXT) >= _GEOMETRY_LIMIT:
+            _GEOMETRY_TEXT.clear()
+        text = _GEOMETRY_TEXT[geometry] = f"|{geometry}"
+    digest = hashlib.blake2b(f"view|{base_hash}{text}".encode(), digest_size=8).digest()
     return format_hash(int.from_bytes(digest, "little"))
 
 

@@ -363,16 +363,22 @@ class OpRecorder:
             return
         self._hashes.add(rec, t)
 
-    def flush(self) -> None:
-        """Fingerprint everything pending (one host sync per device) and hand finished events to the sink."""
+    def flush(self, prune: bool = True) -> None:
+        """Fingerprint everything pending (one host sync per device) and hand finished events to the sink.
+        ``prune=False``: keep the producer table as it is (the last flush of a recorder that is done)."""
         with self.lock:
             events, self._events = self._events, []
             self._hashes.resolve()
             for ev in events:
+                outs = ev.outs
                 hashes = [r.hash for r in ev.in_recs]
-                for r in ev.outs:
-                    r.in_hashes = list(hashes)
-            self._prune()
+                if len(outs) == 1:
+                    outs[0].in_hashes = hashes
+                else:
+                    for r in outs:
+                        r.in_hashes = list(hashes)
+            if prune:
+                self._prune()
         if events:
             self.sink(events)
 

@@ -227,7 +227,10 @@ class HashMode(_compat.TorchDispatchMode):
 
     def flush(self) -> None:
         """Fingerprint pending outputs; afterwards :attr:`records` (and the trace file) are complete."""
-        self._recorder.flush()
+        self._flush()
+
+    def _flush(self, last: bool = False) -> None:
+        self._recorder.flush(prune=not last)  # the last flush leaves the table to go with the recorder
         if self._writer is not None:
             self._writer.flush()
 
@@ -244,7 +247,7 @@ class HashMode(_compat.TorchDispatchMode):
             if self._on_stack:
                 logger.warning("%s.close(): another dispatch mode entered later is still active, so this mode "
                                "stays on the stack (paused) until that one exits", type(self).__name__)
-        self.flush()
+        self._flush(last=True)
         self._closed = True
         self._finish()
 
