@@ -88,7 +88,9 @@ class OpRecorder:
         # memory key -> (weak reference to the storage, Record, version); the references are given back when an
         # entry is replaced or pruned, and the rest when the recorder goes
         self._producers: Dict[tuple, tuple] = {}
-        weakref.finalize(self, _release_storages, self._producers)
+        # given back when the recorder is collected, not at interpreter exit (a mode may still run then: a
+        # reference left at exit is only a small leak)
+        weakref.finalize(self, _release_storages, self._producers).atexit = False
         self._by_object: Dict[int, tuple] = {}  # id(tensor) -> (weakref to it, Record, version): the fast path
         self._counts: Dict[tuple, int] = {}
         self._hashes = PendingHashes(stats)
@@ -165,12 +167,12 @@ class OpRecorder:
         v = version(t)
         producers = self._producers
         ent = producers.get(key)
-        if ent is not None:
-            if view and ent[2] == v and not _compat.storage_expired(ent[0]):
-                self._remember(t, ent[1], v)
-                return
-            _compat.storage_release(ent[0])
+        if ent is not None and view and ent[2] == v and not _compat.storage_expired(ent[0]):
+            self._remember(t, ent[1], v)
+            return
         producers[key] = (_compat.storage_weak_ref(t), rec, v)
+        if ent is not None:  # given back once it is out of the table (an interrupt in between leaks, never frees twice)
+            _compat.storage_release(ent[0])
         self._remember(t, rec, v)
 
     def _settle(self) -> None:
