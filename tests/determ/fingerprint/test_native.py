@@ -259,3 +259,20 @@ def test_the_ctypes_route_gives_what_the_extension_gives():
                 assert a[0] == b[0]
                 if stats:
                     assert a[1] == pytest.approx(b[1], nan_ok=True)
+
+
+@pytest.mark.parametrize("stats", [None, "exact"])
+def test_add_now_reads_contiguous_cpu_tensors_and_leaves_the_rest_to_add(stats):
+    """``FingerprintBatch.add_now`` takes a contiguous CPU tensor at once, giving what ``add`` gives, and
+    returns None (nothing added) for what it would have to copy or cannot read natively: ``add`` takes those."""
+    plain = torch.randn(64, 48)
+    cases = [(plain, True), (plain.t(), False),  # a transposed view: read through a contiguous copy by add
+             (torch.randn(5, dtype=torch.complex64), stats is None)]  # hashed natively, but no statistics
+    for t, native in cases:
+        now, ref = fp.FingerprintBatch(stats), fp.FingerprintBatch(stats)
+        i = now.add_now(t)
+        assert i == 0 if native else (i is None and len(now) == 0)
+        if i is None:
+            now.add(t)
+        ref.add(t)
+        assert now.resolve() == ref.resolve()
