@@ -70,10 +70,13 @@ _Call = Callable[[int, int, int, int, int, int, bool], Optional[Tuple[int, Optio
 
 
 class Kernel(NamedTuple):
-    """The loaded kernel and the settings it runs with, looked up once (see :func:`kernel`)."""
+    """The loaded kernel and the settings it runs with, looked up once (see :func:`kernel`).  ``capture``:
+    ``capture(t, stats, threads, SUPPORTED, key, torch.strided)``, :func:`~determ_backend.fingerprint.core.fingerprint_now`
+    with ``copy=False`` in one C call (None when the library is loaded through ctypes)."""
 
     call: _Call
     threads: int
+    capture: Optional[Callable] = None
 
 
 def _compiler() -> Optional[str]:
@@ -155,6 +158,7 @@ class _Loaded(NamedTuple):
     call: _Call
     walk: Optional[Callable]  # first_listed_not(frame, internal) of the extension module; None through ctypes
     lines: Optional[Callable] = None  # trace_lines(call, rows) of the extension module; None through ctypes
+    capture: Optional[Callable] = None  # capture(t, ...) of the extension module; None through ctypes
 
 
 def _load(path: Path) -> _Loaded:
@@ -179,7 +183,8 @@ def _load(path: Path) -> _Loaded:
     except ImportError as e:
         log.info("native kernel %s does not import as a module (%s); calling it through ctypes", path, e)
         return _Loaded(_ctypes_call(lib), None)
-    return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None), getattr(module, "trace_lines", None))
+    return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None), getattr(module, "trace_lines", None),
+                   getattr(module, "capture", None))
 
 
 def _build_and_load(path: Path) -> Optional[_Loaded]:
@@ -239,7 +244,7 @@ def kernel() -> Optional[Kernel]:
     if loaded is None:
         return None
     text = os.environ.get("DETERM_NATIVE_THREADS", "").strip()
-    return Kernel(loaded.call, _parse_threads(text) if text else max(1, torch.get_num_threads()))
+    return Kernel(loaded.call, _parse_threads(text) if text else max(1, torch.get_num_threads()), loaded.capture)
 
 
 def line_encoder() -> Optional[Callable]:

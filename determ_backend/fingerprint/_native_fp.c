@@ -566,6 +566,132 @@ static PyObject *py_fingerprint(PyObject *self, PyObject *const *args, Py_ssize_
     return Py_BuildValue("(K(ddddddd))", (unsigned long long)h, v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
 }
 
+#if PY_VERSION_HEX < 0x030A0000
+static inline PyObject *Py_NewRef(PyObject *o) {
+    Py_INCREF(o);
+    return o;
+}
+#endif
+
+/* Attribute and method names of torch.Tensor that capture() reads, interned once at import. */
+static PyObject *S_is_cpu, *S_layout, *S_is_quantized, *S_is_conj, *S_is_neg, *S_dtype, *S_numel,
+    *S_is_contiguous, *S_data_ptr, *S_element_size, *S_shape;
+
+/* 1 / 0 for the truth of t.<name> (called when call), -1 with an exception set. */
+static int tensor_flag(PyObject *t, PyObject *name, int call) {
+    PyObject *v = call ? PyObject_CallMethodNoArgs(t, name) : PyObject_GetAttr(t, name);
+    if (v == NULL) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* t.<name>() as a C integer; -1 with an exception set on failure. */
+static long long tensor_int(PyObject *t, PyObject *name) {
+    PyObject *v = PyObject_CallMethodNoArgs(t, name);
+    if (v == NULL) return -1;
+    long long r = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* capture(t, stats, nthreads, kinds, key, strided) -> (hash, None) | (hash, stats) | None
+ * fingerprint_now(t, stats, kernel, copy=False) (determ_backend/fingerprint/core.py) in one C call: the same
+ * checks in the same order -- None unless t is a CPU tensor, strided, not quantized, not a conjugate or negative
+ * view, of a dtype with statistics when they are asked for (kinds: dtype -> kind code, the module's
+ * SUPPORTED), and contiguous -- then fingerprint(data_ptr, nbytes, kind, numel, key(dtype, shape), nthreads,
+ * stats).  The eager modes capture each op's outputs through this: a dozen attribute reads without a Python
+ * frame each. */
+static PyObject *py_capture(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "capture(t, stats, nthreads, kinds: dict, key, strided)");
+        return NULL;
+    }
+    PyObject *t = args[0], *kinds = args[3], *key_fn = args[4], *strided = args[5];
+    int want = PyObject_IsTrue(args[1]);
+    long nthreads = PyLong_AsLong(args[2]);
+    if (want < 0 || (nthreads == -1 && PyErr_Occurred())) return NULL;
+    int r = tensor_flag(t, S_is_cpu, 0);
+    if (r <= 0) return r < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *layout = PyObject_GetAttr(t, S_layout);
+    if (layout == NULL) return NULL;
+    r = layout == strided;
+    Py_DECREF(layout);
+    if (!r) Py_RETURN_NONE;
+    if ((r = tensor_flag(t, S_is_quantized, 0)) != 0 || (r = tensor_flag(t, S_is_conj, 1)) != 0 ||
+        (r = tensor_flag(t, S_is_neg, 1)) != 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *dtype = PyObject_GetAttr(t, S_dtype);
+    if (dtype == NULL) return NULL;
+    PyObject *out = NULL, *shape = NULL, *keyobj = NULL;
+    PyObject *kindobj = PyDict_GetItemWithError(kinds, dtype); /* borrowed */
+    long kind = 0;
+    if (kindobj != NULL) {
+        kind = PyLong_AsLong(kindobj);
+        if (kind == -1 && PyErr_Occurred()) goto done;
+    } else if (PyErr_Occurred()) {
+        goto done;
+    }
+    if (want && !kind) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    long long numel = tensor_int(t, S_numel);
+    if (numel < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "capture(): negative numel");
+        goto done;
+    }
+    if ((r = tensor_flag(t, S_is_contiguous, 1)) <= 0) {
+        if (r == 0) out = Py_NewRef(Py_None);
+        goto done;
+    }
+    unsigned long long ptr = 0;
+    if (numel) {
+        PyObject *p = PyObject_CallMethodNoArgs(t, S_data_ptr);
+        if (p == NULL) goto done;
+        ptr = PyLong_AsUnsignedLongLongMask(p);
+        Py_DECREF(p);
+        if (PyErr_Occurred()) goto done;
+    }
+    long long esize = tensor_int(t, S_element_size);
+    if (esize < 0) goto done;
+    shape = PyObject_GetAttr(t, S_shape);
+    if (shape == NULL) goto done;
+    keyobj = PyObject_CallFunctionObjArgs(key_fn, dtype, shape, NULL);
+    if (keyobj == NULL) goto done;
+    unsigned long long key = PyLong_AsUnsignedLongLongMask(keyobj);
+    if (PyErr_Occurred()) goto done;
+    {
+        long long nbytes = numel * esize;
+        uint64_t h = 0;
+        double v[7];
+        int rc;
+        const void *data = (const void *)(uintptr_t)ptr;
+        if (nbytes >= RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? v : NULL);
+            Py_END_ALLOW_THREADS
+        } else {
+            rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? v : NULL);
+        }
+        if (rc == -2) {
+            PyErr_SetString(PyExc_RuntimeError, "capture(): init() was not called");
+        } else if (rc != 0) {
+            out = Py_NewRef(Py_None);
+        } else if (!want) {
+            out = Py_BuildValue("(KO)", (unsigned long long)h, Py_None);
+        } else {
+            out = Py_BuildValue("(K(ddddddd))", (unsigned long long)h, v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
+        }
+    }
+done:
+    Py_XDECREF(keyobj);
+    Py_XDECREF(shape);
+    Py_DECREF(dtype);
+    (void)self;
+    return out;
+}
+
 /* init(weights_ptr): the ROW_WORDS uint64 row weights, read once. */
 static PyObject *py_init(PyObject *self, PyObject *arg) {
     (void)self;
@@ -819,6 +945,8 @@ static PyMethodDef methods[] = {
     {"fingerprint", (PyCFunction)(void (*)(void))py_fingerprint, METH_FASTCALL,
      "fingerprint(data_ptr, nbytes, kind, numel, key, nthreads, stats)"},
     {"init", py_init, METH_O, "init(weights_ptr)"},
+    {"capture", (PyCFunction)(void (*)(void))py_capture, METH_FASTCALL,
+     "capture(t, stats, nthreads, kinds, key, strided)"},
     {"trace_lines", (PyCFunction)(void (*)(void))py_trace_lines, METH_FASTCALL, "trace_lines(call, rows, dumps)"},
     {NULL, NULL, 0, NULL},
 };
@@ -826,5 +954,16 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "determ_fp", NULL, -1, methods,
                                     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit_determ_fp(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_determ_fp(void) {
+    struct { PyObject **slot; const char *name; } names[] = {
+        {&S_is_cpu, "is_cpu"}, {&S_layout, "layout"}, {&S_is_quantized, "is_quantized"}, {&S_is_conj, "is_conj"},
+        {&S_is_neg, "is_neg"}, {&S_dtype, "dtype"}, {&S_numel, "numel"}, {&S_is_contiguous, "is_contiguous"},
+        {&S_data_ptr, "data_ptr"}, {&S_element_size, "element_size"}, {&S_shape, "shape"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL)
+            return NULL;
+    }
+    return PyModule_Create(&module);
+}
 #endif

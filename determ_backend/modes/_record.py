@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from determ_backend import _torch_compat as _compat
-from determ_backend.modes._hashing import PendingHashes, hashable
+from determ_backend.modes._hashing import PendingHashes, hashable, PLAIN_TENSORS as _PLAIN
 from determ_backend._frames import FrameFilter
 from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, returns_view, same_layout, schema_writes,
                                       uninitialized, uninitialized_hash, version, written_tensors)
@@ -282,6 +282,7 @@ class OpRecorder:
         inputs = [r.node for r in in_recs]
         recs = []
         unsettled = self._unsettled
+        hashes = self._hashes
         single = len(outs) == 1
         for j, t in enumerate(outs):
             seq = self.seq
@@ -298,7 +299,8 @@ class OpRecorder:
             elif nondeterministic:  # values may have been substituted after the op: read them
                 self._capture(rec, t)
             elif copy_arg is None and not is_view:  # computes new values: read them
-                self._capture(rec, t)
+                if not (type(t) in _PLAIN and hashes.add_now(rec, t)):  # a plain CPU tensor: read at once
+                    self._capture(rec, t)
             else:
                 self._hash_output(rec, t, is_view, copy_arg, args, in_recs)
             if isinstance(t, torch.Tensor):
@@ -309,7 +311,6 @@ class OpRecorder:
         devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else []
         events.append(OpEvent(op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled))
         self._events.extend(events)
-        hashes = self._hashes
         if len(hashes._items) >= self.batch or hashes.nbytes >= _FLUSH_BYTES:
             self.flush()
         return recs
