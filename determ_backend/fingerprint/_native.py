@@ -159,6 +159,7 @@ class _Loaded(NamedTuple):
     walk: Optional[Callable]  # first_listed_not(frame, internal) of the extension module; None through ctypes
     lines: Optional[Callable] = None  # trace_lines(call, rows) of the extension module; None through ctypes
     capture: Optional[Callable] = None  # capture(t, ...) of the extension module; None through ctypes
+    settle: Optional[Callable] = None  # settle(items, producers, by_object, ops) of the extension module; idem
 
 
 def _load(path: Path) -> _Loaded:
@@ -184,7 +185,7 @@ def _load(path: Path) -> _Loaded:
         log.info("native kernel %s does not import as a module (%s); calling it through ctypes", path, e)
         return _Loaded(_ctypes_call(lib), None)
     return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None), getattr(module, "trace_lines", None),
-                   getattr(module, "capture", None))
+                   getattr(module, "capture", None), getattr(module, "settle", None))
 
 
 def _build_and_load(path: Path) -> Optional[_Loaded]:
@@ -262,6 +263,14 @@ def frame_walker() -> Optional[Callable]:
     kernel is off, not built, or loaded through ctypes (then walk in Python)."""
     loaded = _loaded()
     return None if loaded is None else loaded.walk
+
+
+def settler() -> Optional[Callable]:
+    """``settle(items, producers, by_object, ops)``: the eager recorder's ``set_producer`` over a list of
+    ``(tensor, record, is view)``, in one C loop; None when the kernel is off, not built, or loaded through
+    ctypes (then the recorder's Python loop)."""
+    loaded = _loaded()
+    return None if loaded is None else loaded.settle
 
 
 def available() -> bool:

@@ -575,7 +575,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 
 /* Attribute and method names of torch.Tensor that capture() reads, interned once at import. */
 static PyObject *S_is_cpu, *S_layout, *S_is_quantized, *S_is_conj, *S_is_neg, *S_dtype, *S_numel,
-    *S_is_contiguous, *S_data_ptr, *S_element_size, *S_shape;
+    *S_is_contiguous, *S_data_ptr, *S_element_size, *S_shape, *S_stride, *S_device;
 
 /* 1 / 0 for the truth of t.<name> (called when call), -1 with an exception set. */
 static int tensor_flag(PyObject *t, PyObject *name, int call) {
@@ -690,6 +690,134 @@ done:
     Py_DECREF(dtype);
     (void)self;
     return out;
+}
+
+/* Clears a pending RuntimeError (returns 1); any other exception stays (returns 0). */
+static int clear_runtime_error(void) {
+    if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) return 0;
+    PyErr_Clear();
+    return 1;
+}
+
+/* (data_ptr(), dtype, shape, stride(), device) of t, as determ_backend.modes.ops.mem_key builds it; NULL without
+ * an exception where that raises RuntimeError (no storage), NULL with one on any other error. */
+static PyObject *mem_key_of(PyObject *t) {
+    PyObject *parts[5] = {NULL, NULL, NULL, NULL, NULL}, *key = NULL;
+    if ((parts[0] = PyObject_CallMethodNoArgs(t, S_data_ptr)) && (parts[1] = PyObject_GetAttr(t, S_dtype)) &&
+        (parts[2] = PyObject_GetAttr(t, S_shape)) && (parts[3] = PyObject_CallMethodNoArgs(t, S_stride)) &&
+        (parts[4] = PyObject_GetAttr(t, S_device)))
+        key = PyTuple_Pack(5, parts[0], parts[1], parts[2], parts[3], parts[4]);
+    else
+        clear_runtime_error();
+    for (int i = 0; i < 5; i++) Py_XDECREF(parts[i]);
+    return key;
+}
+
+/* by_object[id(t)] = (weakref to t, rec, version); a tensor without weak references is skipped. */
+static int remember(PyObject *by_object, PyObject *t, PyObject *rec, PyObject *v) {
+    PyObject *wr = PyWeakref_NewRef(t, NULL);
+    if (wr == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *id = PyLong_FromVoidPtr(t), *ent = PyTuple_Pack(3, wr, rec, v);
+    int rc = (id && ent) ? PyDict_SetItem(by_object, id, ent) : -1;
+    Py_XDECREF(id);
+    Py_XDECREF(ent);
+    Py_DECREF(wr);
+    return rc;
+}
+
+/* settle(items, producers, by_object, ops) -> None
+ * OpRecorder.set_producer (determ_backend/modes/_record.py) for each (tensor, record, is view) of items, in one C
+ * loop: the same memory key, version, table entries and order of effects (a replaced entry's storage reference
+ * is given back after the new entry is in).  ops: (version getter, Tensor.untyped_storage, the storage's weak
+ * reference maker, expired test, release), as determ_backend._torch_compat.storage_ref_ops gives them. */
+static PyObject *py_settle(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4 || !PyList_Check(args[0]) || !PyDict_Check(args[1]) || !PyDict_Check(args[2]) ||
+        !PyTuple_Check(args[3]) || PyTuple_GET_SIZE(args[3]) != 5) {
+        PyErr_SetString(PyExc_TypeError, "settle(items: list, producers: dict, by_object: dict, ops: 5-tuple)");
+        return NULL;
+    }
+    PyObject *items = args[0], *producers = args[1], *by_object = args[2], *ops = args[3];
+    PyObject *get_version = PyTuple_GET_ITEM(ops, 0), *storage_of = PyTuple_GET_ITEM(ops, 1),
+             *weak_ref = PyTuple_GET_ITEM(ops, 2), *expired = PyTuple_GET_ITEM(ops, 3),
+             *release = PyTuple_GET_ITEM(ops, 4);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *item = PyList_GET_ITEM(items, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+            PyErr_SetString(PyExc_TypeError, "settle(): items are (tensor, record, is view)");
+            return NULL;
+        }
+        PyObject *t = PyTuple_GET_ITEM(item, 0), *rec = PyTuple_GET_ITEM(item, 1);
+        int view = PyObject_IsTrue(PyTuple_GET_ITEM(item, 2));
+        if (view < 0) return NULL;
+        PyObject *key = mem_key_of(t);
+        if (key == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            continue; /* no storage: not in the table */
+        }
+        PyObject *v = PyObject_CallOneArg(get_version, t);
+        if (v == NULL) {
+            if (!clear_runtime_error()) goto fail_key;
+            v = PyLong_FromLong(-1); /* inference tensors have no version counter */
+            if (v == NULL) goto fail_key;
+        }
+        PyObject *ent = PyDict_GetItemWithError(producers, key);
+        if (ent == NULL && PyErr_Occurred()) goto fail_v;
+        Py_XINCREF(ent);
+        if (ent != NULL && view) { /* a view of memory whose entry still holds: it keeps its producer */
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(ent, 2), v, Py_EQ);
+            if (same < 0) goto fail_ent;
+            if (same) {
+                PyObject *gone = PyObject_CallOneArg(expired, PyTuple_GET_ITEM(ent, 0));
+                if (gone == NULL) goto fail_ent;
+                int is_gone = PyObject_IsTrue(gone);
+                Py_DECREF(gone);
+                if (is_gone < 0) goto fail_ent;
+                if (!is_gone) {
+                    int rc = remember(by_object, t, PyTuple_GET_ITEM(ent, 1), v);
+                    Py_DECREF(ent);
+                    Py_DECREF(v);
+                    Py_DECREF(key);
+                    if (rc < 0) return NULL;
+                    continue;
+                }
+            }
+        }
+        PyObject *storage = PyObject_CallOneArg(storage_of, t);
+        if (storage == NULL) goto fail_ent;
+        PyObject *ref = PyObject_CallOneArg(weak_ref, storage);
+        Py_DECREF(storage);
+        if (ref == NULL) goto fail_ent;
+        PyObject *fresh = PyTuple_Pack(3, ref, rec, v);
+        Py_DECREF(ref);
+        if (fresh == NULL) goto fail_ent; /* the reference is leaked, never given back twice */
+        int rc = PyDict_SetItem(producers, key, fresh);
+        Py_DECREF(fresh);
+        if (rc < 0) goto fail_ent;
+        if (ent != NULL) { /* out of the table now: give its reference back, once */
+            PyObject *r = PyObject_CallOneArg(release, PyTuple_GET_ITEM(ent, 0));
+            if (r == NULL) goto fail_ent;
+            Py_DECREF(r);
+        }
+        rc = remember(by_object, t, rec, v);
+        Py_XDECREF(ent);
+        Py_DECREF(v);
+        Py_DECREF(key);
+        if (rc < 0) return NULL;
+        continue;
+    fail_ent:
+        Py_XDECREF(ent);
+    fail_v:
+        Py_DECREF(v);
+    fail_key:
+        Py_DECREF(key);
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* init(weights_ptr): the ROW_WORDS uint64 row weights, read once. */
@@ -947,6 +1075,7 @@ static PyMethodDef methods[] = {
     {"init", py_init, METH_O, "init(weights_ptr)"},
     {"capture", (PyCFunction)(void (*)(void))py_capture, METH_FASTCALL,
      "capture(t, stats, nthreads, kinds, key, strided)"},
+    {"settle", (PyCFunction)(void (*)(void))py_settle, METH_FASTCALL, "settle(items, producers, by_object, ops)"},
     {"trace_lines", (PyCFunction)(void (*)(void))py_trace_lines, METH_FASTCALL, "trace_lines(call, rows, dumps)"},
     {NULL, NULL, 0, NULL},
 };
@@ -958,7 +1087,8 @@ PyMODINIT_FUNC PyInit_determ_fp(void) {
     struct { PyObject **slot; const char *name; } names[] = {
         {&S_is_cpu, "is_cpu"}, {&S_layout, "layout"}, {&S_is_quantized, "is_quantized"}, {&S_is_conj, "is_conj"},
         {&S_is_neg, "is_neg"}, {&S_dtype, "dtype"}, {&S_numel, "numel"}, {&S_is_contiguous, "is_contiguous"},
-        {&S_data_ptr, "data_ptr"}, {&S_element_size, "element_size"}, {&S_shape, "shape"},
+        {&S_data_ptr, "data_ptr"}, {&S_element_size, "element_size"}, {&S_shape, "shape"}, {&S_stride, "stride"},
+        {&S_device, "device"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from determ_backend import _torch_compat as _compat
+from determ_backend.fingerprint import _native
 from determ_backend.modes._hashing import PendingHashes, hashable, PLAIN_TENSORS as _PLAIN
 from determ_backend._frames import FrameFilter
 from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, returns_view, same_layout, schema_writes,
@@ -97,6 +98,8 @@ class OpRecorder:
         self._events: List[OpEvent] = []
         self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
         self._autograd_node = _compat.current_autograd_node_getter()
+        self._settle_c = _native.settler()  # the native set_producer loop (None: the Python one)
+        self._ref_ops = _compat.storage_ref_ops()
 
     # -- source lines --------------------------------------------------------------------------
     def _where(self, frame) -> Tuple[Optional[str], str, Optional[List[str]]]:
@@ -179,6 +182,9 @@ class OpRecorder:
         """Register the last op's outputs.  Deferred to the next op because autograd bumps the version
         counter of in-place results, and gives views their base's counter, after the op returns."""
         unsettled, self._unsettled = self._unsettled, []
+        if self._settle_c is not None:  # set_producer for each, in one C loop
+            self._settle_c(unsettled, self._producers, self._by_object, self._ref_ops)
+            return
         for t, rec, view in unsettled:
             self.set_producer(t, rec, view)
 

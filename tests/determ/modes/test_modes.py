@@ -421,3 +421,36 @@ def test_a_mode_left_on_forgets_freed_tensors_at_each_flush():
         assert table and all(not _torch_compat.storage_expired(ent[0]) for ent in table.values())
     finally:
         mode.disable()
+
+
+def test_the_native_producer_table_matches_the_python_one():
+    """The recorder registers each op's outputs in its producer table in one C loop when the native module is
+    built; it must leave exactly the table the Python ``set_producer`` loop leaves: same memory keys, records and
+    versions, views of a live entry keeping their producer, storage-less tensors left out, inference tensors
+    (no version counter) as -1, a replaced entry's storage reference given back."""
+    from determ_backend.fingerprint import _native
+    from determ_backend.modes._record import OpRecorder
+    from determ_backend.modes.ops import mem_key
+    from determ_backend.trace.stream import Record
+
+    native = OpRecorder(lambda events: None)
+    if native._settle_c is None:
+        pytest.skip("the native module is not built here")
+    python = OpRecorder(lambda events: None)
+    python._settle_c = None
+    base = torch.randn(8, 8)
+    with torch.inference_mode():
+        frozen = torch.randn(3)
+    items = [base, base.t(), base.view(64), torch.randn(2).to_sparse(), frozen, base.detach(), base.add_(1)]
+    recs = [Record("eager", "eager", f"n{i}", "op") for i in range(len(items))]
+    for rec_ in (native, python):
+        for i, t in enumerate(items):
+            rec_._unsettled = [(t, recs[i], i in (1, 2, 5))]
+            rec_._settle()
+    assert len(native._producers) == len(python._producers) >= 3
+    for key, ent in python._producers.items():
+        assert native._producers[key][1:] == ent[1:]
+    assert {k: v[1:] for k, v in native._by_object.items()} == {k: v[1:] for k, v in python._by_object.items()}
+    assert python._producers[mem_key(frozen)][2] == -1
+    assert native._producers[mem_key(base)][1] is recs[6]  # the in-place add replaced the entry detach kept
+    assert _native.settler() is native._settle_c
