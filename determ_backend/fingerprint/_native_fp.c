@@ -820,6 +820,94 @@ static PyObject *py_settle(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* One argument of lookup(): a tensor is looked up; a non-empty list or tuple (not a torch.Size) is walked.
+ * Returns 1 (go on), 0 (a tensor without a live entry: give up), -1 (error). */
+static int lookup_arg(PyObject *a, PyObject *by_object, PyObject *get_version, PyTypeObject *tensor_type,
+                      PyTypeObject *size_type, PyObject *recs, PyObject *tensors) {
+    if (PyObject_TypeCheck(a, tensor_type)) {
+        PyObject *id = PyLong_FromVoidPtr(a);
+        if (id == NULL) return -1;
+        PyObject *ent = PyDict_GetItemWithError(by_object, id); /* borrowed */
+        Py_DECREF(id);
+        if (ent == NULL) return PyErr_Occurred() ? -1 : 0;
+        if (!PyTuple_Check(ent) || PyTuple_GET_SIZE(ent) != 3) return 0;
+        PyObject *obj = PyWeakref_GetObject(PyTuple_GET_ITEM(ent, 0)); /* borrowed; Py_None when dead */
+        if (obj != a) return obj == NULL ? -1 : 0;
+        Py_INCREF(ent);
+        PyObject *v = PyObject_CallOneArg(get_version, a);
+        int same;
+        if (v == NULL) {
+            if (!clear_runtime_error()) {
+                Py_DECREF(ent);
+                return -1;
+            }
+            v = PyLong_FromLong(-1); /* inference tensors have no version counter */
+            if (v == NULL) {
+                Py_DECREF(ent);
+                return -1;
+            }
+        }
+        same = PyObject_RichCompareBool(PyTuple_GET_ITEM(ent, 2), v, Py_EQ);
+        Py_DECREF(v);
+        if (same == 1 && (PyList_Append(recs, PyTuple_GET_ITEM(ent, 1)) < 0 || PyList_Append(tensors, a) < 0))
+            same = -1;
+        Py_DECREF(ent);
+        return same;
+    }
+    if ((PyList_Check(a) || PyTuple_Check(a)) && !PyObject_TypeCheck(a, size_type) && PySequence_Size(a) > 0) {
+        PyObject *seq = PySequence_Fast(a, "lookup(): a list or tuple");
+        if (seq == NULL) return -1;
+        int rc = 1;
+        for (Py_ssize_t i = 0; rc == 1 && i < PySequence_Fast_GET_SIZE(seq); i++)
+            rc = lookup_arg(PySequence_Fast_GET_ITEM(seq, i), by_object, get_version, tensor_type, size_type, recs,
+                            tensors);
+        Py_DECREF(seq);
+        return rc;
+    }
+    return 1;
+}
+
+/* lookup(args, kwargs, by_object, get_version, Tensor, Size) -> (records, tensors) | None
+ * The fast path of OpRecorder.begin (determ_backend/modes/_record.py): every tensor in args, then in kwargs'
+ * values (also inside lists and tuples, not torch.Size), in tensor_args' order, looked up by identity -- a live
+ * weak reference to the very object, with the same version -- giving the producers' records.  None as soon as
+ * one tensor has no such entry: then the recorder's Python path resolves them all. */
+static PyObject *py_lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6 || !PyTuple_Check(args[0]) || !PyDict_Check(args[1]) || !PyDict_Check(args[2]) ||
+        !PyType_Check(args[4]) || !PyType_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "lookup(args: tuple, kwargs: dict, by_object: dict, get_version, Tensor, Size)");
+        return NULL;
+    }
+    PyObject *recs = PyList_New(0), *tensors = PyList_New(0);
+    if (recs == NULL || tensors == NULL) goto fail;
+    PyTypeObject *tensor_type = (PyTypeObject *)args[4], *size_type = (PyTypeObject *)args[5];
+    int rc = 1;
+    for (Py_ssize_t i = 0; rc == 1 && i < PyTuple_GET_SIZE(args[0]); i++)
+        rc = lookup_arg(PyTuple_GET_ITEM(args[0], i), args[2], args[3], tensor_type, size_type, recs, tensors);
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (rc == 1 && PyDict_Next(args[1], &pos, &k, &v)) {
+        Py_INCREF(v); /* the dict may change under a call it makes */
+        rc = lookup_arg(v, args[2], args[3], tensor_type, size_type, recs, tensors);
+        Py_DECREF(v);
+    }
+    if (rc < 0) goto fail;
+    if (rc == 0) {
+        Py_DECREF(recs);
+        Py_DECREF(tensors);
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyTuple_Pack(2, recs, tensors);
+    Py_DECREF(recs);
+    Py_DECREF(tensors);
+    return out;
+fail:
+    Py_XDECREF(recs);
+    Py_XDECREF(tensors);
+    return NULL;
+}
+
 /* init(weights_ptr): the ROW_WORDS uint64 row weights, read once. */
 static PyObject *py_init(PyObject *self, PyObject *arg) {
     (void)self;
@@ -1076,6 +1164,8 @@ static PyMethodDef methods[] = {
     {"capture", (PyCFunction)(void (*)(void))py_capture, METH_FASTCALL,
      "capture(t, stats, nthreads, kinds, key, strided)"},
     {"settle", (PyCFunction)(void (*)(void))py_settle, METH_FASTCALL, "settle(items, producers, by_object, ops)"},
+    {"lookup", (PyCFunction)(void (*)(void))py_lookup, METH_FASTCALL,
+     "lookup(args, kwargs, by_object, get_version, Tensor, Size)"},
     {"trace_lines", (PyCFunction)(void (*)(void))py_trace_lines, METH_FASTCALL, "trace_lines(call, rows, dumps)"},
     {NULL, NULL, 0, NULL},
 };

@@ -98,7 +98,8 @@ class OpRecorder:
         self._events: List[OpEvent] = []
         self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
         self._autograd_node = _compat.current_autograd_node_getter()
-        self._settle_c = _native.settler()  # the native set_producer loop (None: the Python one)
+        # the native set_producer loop and identity lookup of inputs (None: the Python ones)
+        self._settle_c, self._lookup_c = _native.recorder_ops()
         self._ref_ops = _compat.storage_ref_ops()
 
     # -- source lines --------------------------------------------------------------------------
@@ -244,6 +245,15 @@ class OpRecorder:
                 arg_desc.append((path, rec, None, str(t.device)))
         else:
             by_object = self._by_object
+            found = self._lookup_c(args, kwargs, by_object, self._ref_ops[0], torch.Tensor, torch.Size) if (
+                self._lookup_c is not None and type(args) is tuple) else None
+            if found is not None:  # every input found by identity, in one C loop
+                in_recs, tensors = found
+                if grad_on:
+                    for t, rec in zip(tensors, in_recs):
+                        if t.requires_grad:
+                            self._tag_grad_fn(t, rec)
+                return (func, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
             for t in tensor_args(args, kwargs):
                 ent = by_object.get(id(t))  # producer(), its fast path inline: the very object, same version
                 if ent is not None and ent[0]() is t and ent[2] == version(t):

@@ -437,7 +437,7 @@ def test_the_native_producer_table_matches_the_python_one():
     if native._settle_c is None:
         pytest.skip("the native module is not built here")
     python = OpRecorder(lambda events: None)
-    python._settle_c = None
+    python._settle_c = python._lookup_c = None
     base = torch.randn(8, 8)
     with torch.inference_mode():
         frozen = torch.randn(3)
@@ -453,4 +453,35 @@ def test_the_native_producer_table_matches_the_python_one():
     assert {k: v[1:] for k, v in native._by_object.items()} == {k: v[1:] for k, v in python._by_object.items()}
     assert python._producers[mem_key(frozen)][2] == -1
     assert native._producers[mem_key(base)][1] is recs[6]  # the in-place add replaced the entry detach kept
-    assert _native.settler() is native._settle_c
+    assert _native.recorder_ops()[0] is native._settle_c
+
+
+def test_the_native_input_lookup_matches_the_python_one():
+    """An op's inputs are found by identity in one C loop when the native module is built: the same records in
+    the same order as the Python loop (tensors in lists and keyword arguments too, a torch.Size not walked), and
+    nothing (None) as soon as one input is not the very object of a live entry with the same version."""
+    from determ_backend.modes._record import OpRecorder
+    from determ_backend.trace.stream import Record
+
+    rec = OpRecorder(lambda events: None)
+    if rec._lookup_c is None:
+        pytest.skip("the native module is not built here")
+    a, b, c = torch.randn(3), torch.randn(3), torch.randn(2, 2)
+    recs = {}
+    for i, t in enumerate((a, b, c)):
+        recs[id(t)] = Record("eager", "eager", f"n{i}", "op")
+        rec._unsettled = [(t, recs[id(t)], False)]
+        rec._settle()
+    args, kwargs = (a, [b, (c, 2)], torch.Size([2, 2]), 1.5), {"other": b, "alpha": 2}
+
+    def lookup(args_, kwargs_):
+        return rec._lookup_c(args_, kwargs_, rec._by_object, rec._ref_ops[0], torch.Tensor, torch.Size)
+
+    found, tensors = lookup(args, kwargs)
+    from determ_backend.modes.ops import tensor_args
+
+    assert tensors == tensor_args(args, kwargs) and found == [recs[id(t)] for t in tensors]
+    b.add_(1)  # a new version: no longer the value its entry recorded
+    assert lookup(args, kwargs) is None
+    assert lookup((a, torch.randn(3)), {}) is None  # a tensor never seen
+    assert lookup((), {}) == ([], [])
