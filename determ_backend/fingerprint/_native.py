@@ -161,7 +161,6 @@ class _Loaded(NamedTuple):
     capture: Optional[Callable] = None  # capture(t, ...) of the extension module; None through ctypes
     settle: Optional[Callable] = None  # settle(items, producers, by_object, ops) of the extension module; idem
     lookup: Optional[Callable] = None  # lookup(args, kwargs, by_object, ...) of the extension module; idem
-    end: Optional[Callable] = None  # end(recorder, result, ctx, args, kwargs, consts) of the extension module; idem
 
 
 def _load(path: Path) -> _Loaded:
@@ -187,8 +186,7 @@ def _load(path: Path) -> _Loaded:
         log.info("native kernel %s does not import as a module (%s); calling it through ctypes", path, e)
         return _Loaded(_ctypes_call(lib), None)
     return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None), getattr(module, "trace_lines", None),
-                   getattr(module, "capture", None), getattr(module, "settle", None), getattr(module, "lookup", None),
-                   getattr(module, "end", None))
+                   getattr(module, "capture", None), getattr(module, "settle", None), getattr(module, "lookup", None))
 
 
 def _build_and_load(path: Path) -> Optional[_Loaded]:
@@ -268,17 +266,15 @@ def frame_walker() -> Optional[Callable]:
     return None if loaded is None else loaded.walk
 
 
-def recorder_ops() -> Tuple[Optional[Callable], Optional[Callable], Optional[Callable]]:
-    """The eager recorder's C paths, ``(settle, lookup, end)``, each None when the kernel is off, not built, or
-    loaded through ctypes (then the recorder's Python code):
+def recorder_ops() -> Tuple[Optional[Callable], Optional[Callable]]:
+    """The eager recorder's two C loops, ``(settle, lookup)``, each None when the kernel is off, not built, or
+    loaded through ctypes (then the recorder's Python loops):
 
     * ``settle(items, producers, by_object, ops)``: ``set_producer`` over a list of ``(tensor, record, is view)``;
     * ``lookup(args, kwargs, by_object, get_version, Tensor, Size)``: an op's input records by tensor identity,
-      ``(records, tensors)``, or None when one has no live entry;
-    * ``end(recorder, result, ctx, args, kwargs, consts)``: ``OpRecorder.end`` for an op computing one plain tensor,
-      or None (nothing done) for any other."""
+      ``(records, tensors)``, or None when one has no live entry."""
     loaded = _loaded()
-    return (None, None, None) if loaded is None else (loaded.settle, loaded.lookup, loaded.end)
+    return (None, None) if loaded is None else (loaded.settle, loaded.lookup)
 
 
 def available() -> bool:

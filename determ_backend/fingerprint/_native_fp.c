@@ -602,8 +602,15 @@ static long long tensor_int(PyObject *t, PyObject *name) {
  * SUPPORTED), and contiguous -- then fingerprint(data_ptr, nbytes, kind, numel, key(dtype, shape), nthreads,
  * stats).  The eager modes capture each op's outputs through this: a dozen attribute reads without a Python
  * frame each. */
-static PyObject *capture_impl(PyObject *t, int want, long nthreads, PyObject *kinds, PyObject *key_fn,
-                              PyObject *strided) {
+static PyObject *py_capture(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "capture(t, stats, nthreads, kinds: dict, key, strided)");
+        return NULL;
+    }
+    PyObject *t = args[0], *kinds = args[3], *key_fn = args[4], *strided = args[5];
+    int want = PyObject_IsTrue(args[1]);
+    long nthreads = PyLong_AsLong(args[2]);
+    if (want < 0 || (nthreads == -1 && PyErr_Occurred())) return NULL;
     int r = tensor_flag(t, S_is_cpu, 0);
     if (r <= 0) return r < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *layout = PyObject_GetAttr(t, S_layout);
@@ -681,19 +688,8 @@ done:
     Py_XDECREF(keyobj);
     Py_XDECREF(shape);
     Py_DECREF(dtype);
-    return out;
-}
-
-static PyObject *py_capture(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6 || !PyDict_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "capture(t, stats, nthreads, kinds: dict, key, strided)");
-        return NULL;
-    }
-    int want = PyObject_IsTrue(args[1]);
-    long nthreads = PyLong_AsLong(args[2]);
-    if (want < 0 || (nthreads == -1 && PyErr_Occurred())) return NULL;
-    return capture_impl(args[0], want, nthreads, args[3], args[4], args[5]);
+    return out;
 }
 
 /* Clears a pending RuntimeError (returns 1); any other exception stays (returns 0). */
@@ -910,295 +906,6 @@ fail:
     Py_XDECREF(recs);
     Py_XDECREF(tensors);
     return NULL;
-}
-
-/* ---- the eager recorder's end() for the common op (determ_backend/modes/_record.py OpRecorder.end) ---- */
-
-/* Record's fields in declaration order (determ_backend/trace/stream.py), OpEvent's slots, and the attributes of
- * the recorder, its PendingHashes and FingerprintBatch that end() reads, interned at import. */
-static const char *RECORD_FIELDS[18] = {"graph", "stage", "node", "op", "kind", "call", "seq", "source", "dtype",
-                                        "shape", "hash", "stats", "inputs", "in_hashes", "rank", "run", "payload",
-                                        "extra"};
-static const char *EVENT_FIELDS[9] = {"op", "source", "stack", "args", "outs", "devices", "in_recs", "backward",
-                                      "compiled"};
-enum { A_DESCRIBE, A_COUNTS, A_SEQ, A_RANK, A_RUN, A_HASHES, A_UNSETTLED, A_EVENTS, A_BATCHSIZE, A_CAPTURE, A_FLUSH,
-       A_PBATCH, A_ITEMS, A_NBYTES, A_ADD_NOW, A_LOOKED_UP, A_KERNEL, A_WANT, A_OUT, A_EXTEND, A_COUNT };
-static const char *ATTRS[A_COUNT] = {"describe_args", "_counts", "seq", "rank", "run", "_hashes", "_unsettled",
-                                     "_events", "batch", "_capture", "flush", "_batch", "_items", "nbytes", "add_now",
-                                     "_looked_up", "_kernel", "_want", "_out", "extend"};
-static PyObject *RF[18], *EF[9], *AT[A_COUNT], *S_eager, *S_node, *S_backward_key, *EMPTY_TUPLE;
-
-static int intern_end_names(void) {
-    for (int i = 0; i < 18; i++)
-        if ((RF[i] = PyUnicode_InternFromString(RECORD_FIELDS[i])) == NULL) return -1;
-    for (int i = 0; i < 9; i++)
-        if ((EF[i] = PyUnicode_InternFromString(EVENT_FIELDS[i])) == NULL) return -1;
-    for (int i = 0; i < A_COUNT; i++)
-        if ((AT[i] = PyUnicode_InternFromString(ATTRS[i])) == NULL) return -1;
-    if ((S_eager = PyUnicode_InternFromString("eager")) == NULL || (S_node = PyUnicode_InternFromString("node")) == NULL ||
-        (S_backward_key = PyUnicode_InternFromString("backward")) == NULL || (EMPTY_TUPLE = PyTuple_New(0)) == NULL)
-        return -1;
-    return 0;
-}
-
-/* An instance of cls with its fields set in order, without running cls.__init__ (which only assigns them). */
-static PyObject *new_with_fields(PyObject *cls, PyObject **names, PyObject **values, int n) {
-    PyTypeObject *tp = (PyTypeObject *)cls;
-    PyObject *o = tp->tp_new(tp, EMPTY_TUPLE, NULL);
-    if (o == NULL) return NULL;
-    for (int i = 0; i < n; i++) {
-        if (PyObject_SetAttr(o, names[i], values[i]) < 0) {
-            Py_DECREF(o);
-            return NULL;
-        }
-    }
-    return o;
-}
-
-/* 1 when o.<name> is true, 0 when false, -1 on error. */
-static int attr_true(PyObject *o, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL) return -1;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
-}
-
-/* o.<name> += add (Python ints). */
-static int attr_add(PyObject *o, PyObject *name, PyObject *add) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL) return -1;
-    PyObject *sum = PyNumber_Add(v, add);
-    Py_DECREF(v);
-    if (sum == NULL) return -1;
-    int rc = PyObject_SetAttr(o, name, sum);
-    Py_DECREF(sum);
-    return rc;
-}
-
-/* Capture result for rec as the recorder's Python path does (`hashes.add_now(rec, t)`, else `recorder._capture`),
- * reading it here when the batch's native kernel was looked up, statistics are off and the C capture applies. */
-static int end_capture(PyObject *recorder, PyObject *hashes, PyObject *rec, PyObject *t, PyObject *kinds,
-                       PyObject *key_fn, PyObject *strided) {
-    PyObject *batch = PyObject_GetAttr(hashes, AT[A_PBATCH]);
-    if (batch == NULL) return -1;
-    int looked = attr_true(batch, AT[A_LOOKED_UP]), want = looked == 1 ? attr_true(batch, AT[A_WANT]) : 0;
-    PyObject *kernel = (looked == 1 && want == 0) ? PyObject_GetAttr(batch, AT[A_KERNEL]) : NULL;
-    int done = 0;
-    if (looked < 0 || want < 0 || (looked == 1 && want == 0 && kernel == NULL)) goto fail;
-    if (kernel != NULL && PyTuple_Check(kernel) && PyTuple_GET_SIZE(kernel) >= 3 &&
-        PyTuple_GET_ITEM(kernel, 2) != Py_None) {
-        long nthreads = PyLong_AsLong(PyTuple_GET_ITEM(kernel, 1));
-        if (nthreads == -1 && PyErr_Occurred()) goto fail;
-        PyObject *nat = capture_impl(t, 0, nthreads, kinds, key_fn, strided);
-        if (nat == NULL) goto fail;
-        if (nat != Py_None) { /* batch._out.append((hash, None)); hashes._items.append((rec, i)); nbytes += t.nbytes */
-            PyObject *out = PyObject_GetAttr(batch, AT[A_OUT]), *items = PyObject_GetAttr(hashes, AT[A_ITEMS]);
-            PyObject *entry = PyTuple_Pack(2, PyTuple_GET_ITEM(nat, 0), Py_None), *pos = NULL, *item = NULL;
-            PyObject *tb = PyObject_GetAttr(t, AT[A_NBYTES]);
-            int ok = out && items && entry && tb && PyList_Check(out) && PyList_Check(items) &&
-                     PyList_Append(out, entry) == 0 && (pos = PyLong_FromSsize_t(PyList_GET_SIZE(out) - 1)) &&
-                     (item = PyTuple_Pack(2, rec, pos)) && PyList_Append(items, item) == 0 &&
-                     attr_add(hashes, AT[A_NBYTES], tb) == 0;
-            if (ok == 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "end(): unexpected batch state");
-            Py_XDECREF(out);
-            Py_XDECREF(items);
-            Py_XDECREF(entry);
-            Py_XDECREF(pos);
-            Py_XDECREF(item);
-            Py_XDECREF(tb);
-            Py_DECREF(nat);
-            if (!ok) goto fail;
-            done = 1;
-        } else {
-            Py_DECREF(nat);
-        }
-    }
-    if (!done) {
-        PyObject *r = PyObject_CallMethodObjArgs(hashes, AT[A_ADD_NOW], rec, t, NULL);
-        if (r == NULL) goto fail;
-        done = PyObject_IsTrue(r);
-        Py_DECREF(r);
-        if (done < 0) goto fail;
-    }
-    if (!done) {
-        PyObject *r = PyObject_CallMethodObjArgs(recorder, AT[A_CAPTURE], rec, t, NULL);
-        if (r == NULL) goto fail;
-        Py_DECREF(r);
-    }
-    Py_XDECREF(kernel);
-    Py_DECREF(batch);
-    return 0;
-fail:
-    Py_XDECREF(kernel);
-    Py_DECREF(batch);
-    return -1;
-}
-
-/* end(recorder, result, ctx, args, kwargs, consts) -> [record] | None
- * OpRecorder.end for the most common op: not describing arguments, no stack kept, not in a compiled region,
- * its one result a plain tensor (torch.Tensor or Parameter) that it computed (not a view, a copy or uninitialized
- * memory), written arguments (in-place ops) being that result.  The same record (name, seq, fields in order), the
- * same capture, producer registration, event and flush.  None, having changed nothing, for any other op: then
- * the Python path.  consts: (op info dict, Record, OpEvent, dtype names, SUPPORTED, key, torch.strided, flush
- * bytes, (Tensor, Parameter)). */
-static PyObject *py_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 6 || !PyTuple_Check(a[2]) || PyTuple_GET_SIZE(a[2]) != 9 || !PyTuple_Check(a[5]) ||
-        PyTuple_GET_SIZE(a[5]) != 9) {
-        PyErr_SetString(PyExc_TypeError, "end(recorder, result, ctx: 9-tuple, args, kwargs, consts: 9-tuple)");
-        return NULL;
-    }
-    if (!PyTuple_Check(a[3]) || !PyDict_Check(a[4])) Py_RETURN_NONE; /* arguments not as dispatch passes them */
-    PyObject *recorder = a[0], *result = a[1], *ctx = a[2], *args = a[3], *kwargs = a[4], *consts = a[5];
-    PyObject *func = PyTuple_GET_ITEM(ctx, 0), *source = PyTuple_GET_ITEM(ctx, 1), *loc = PyTuple_GET_ITEM(ctx, 2),
-             *stack = PyTuple_GET_ITEM(ctx, 3), *backward = PyTuple_GET_ITEM(ctx, 4),
-             *compiled = PyTuple_GET_ITEM(ctx, 5), *in_recs = PyTuple_GET_ITEM(ctx, 6),
-             *arg_desc = PyTuple_GET_ITEM(ctx, 7), *events = PyTuple_GET_ITEM(ctx, 8);
-    PyObject *op_info = PyTuple_GET_ITEM(consts, 0), *record_cls = PyTuple_GET_ITEM(consts, 1),
-             *event_cls = PyTuple_GET_ITEM(consts, 2), *dtype_names = PyTuple_GET_ITEM(consts, 3),
-             *kinds = PyTuple_GET_ITEM(consts, 4), *key_fn = PyTuple_GET_ITEM(consts, 5),
-             *strided = PyTuple_GET_ITEM(consts, 6), *flush_bytes = PyTuple_GET_ITEM(consts, 7),
-             *plain = PyTuple_GET_ITEM(consts, 8);
-    /* -- does it apply?  (nothing changed yet) -- */
-    int r;
-    if ((r = PyObject_IsTrue(stack)) != 0 || (r = PyObject_IsTrue(compiled)) != 0 ||
-        (r = attr_true(recorder, AT[A_DESCRIBE])) != 0)
-        return r < 0 ? NULL : Py_NewRef(Py_None);
-    if (!PyTuple_Check(plain) || PyTuple_GET_SIZE(plain) != 2 || !PyDict_Check(op_info) || !PyDict_Check(dtype_names) ||
-        !PyType_Check(record_cls) || !PyType_Check(event_cls) || !PyList_Check(in_recs) || !PyList_Check(events) ||
-        !PyUnicode_Check(loc)) {
-        Py_RETURN_NONE;
-    }
-    if ((PyObject *)Py_TYPE(result) != PyTuple_GET_ITEM(plain, 0) && (PyObject *)Py_TYPE(result) != PyTuple_GET_ITEM(plain, 1))
-        Py_RETURN_NONE;
-    PyObject *fid = PyLong_FromVoidPtr(func);
-    if (fid == NULL) return NULL;
-    PyObject *info = PyDict_GetItemWithError(op_info, fid); /* borrowed */
-    Py_DECREF(fid);
-    if (info == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    if (!PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 6 || PyTuple_GET_ITEM(info, 5) != func) Py_RETURN_NONE;
-    PyObject *writes = PyTuple_GET_ITEM(info, 0), *op = PyTuple_GET_ITEM(info, 4);
-    if ((r = PyObject_IsTrue(PyTuple_GET_ITEM(info, 1))) != 0 || (r = PyObject_IsTrue(PyTuple_GET_ITEM(info, 2))) != 0)
-        return r < 0 ? NULL : Py_NewRef(Py_None);
-    if (PyTuple_GET_ITEM(info, 3) != Py_None || !PyTuple_Check(writes) || !PyUnicode_Check(op)) Py_RETURN_NONE;
-    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(writes); w++) { /* each written argument is the result itself */
-        PyObject *wr = PyTuple_GET_ITEM(writes, w);
-        if (!PyTuple_Check(wr) || PyTuple_GET_SIZE(wr) != 2) Py_RETURN_NONE;
-        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(wr, 0));
-        if (i == -1 && PyErr_Occurred()) return NULL;
-        PyObject *arg = i < PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, i)
-                                                   : PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(wr, 1));
-        if (arg == NULL && PyErr_Occurred()) return NULL;
-        if (arg != NULL && arg != Py_None && arg != result) Py_RETURN_NONE;
-    }
-    PyObject *dtype = PyObject_GetAttr(result, S_dtype);
-    if (dtype == NULL) return NULL;
-    PyObject *dname = PyDict_GetItemWithError(dtype_names, dtype); /* borrowed */
-    Py_DECREF(dtype);
-    if (dname == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    int bw = PyObject_IsTrue(backward);
-    if (bw < 0) return NULL;
-    /* -- the record -- */
-    PyObject *base = NULL, *counts = NULL, *kplus = NULL, *node = NULL, *seq = NULL, *seq1 = NULL, *extra = NULL,
-             *inputs = NULL, *shape_obj = NULL, *shape = NULL, *in_hashes = NULL, *rank = NULL, *run = NULL, *call0 = NULL,
-             *rec = NULL, *hashes = NULL, *uns = NULL, *triple = NULL, *recs = NULL, *devices = NULL, *ev = NULL,
-             *ev_list = NULL, *tmp = NULL, *out = NULL;
-    base = PyUnicode_FromFormat("%U@%U%s", op, loc, bw ? "/bw" : "");
-    counts = PyObject_GetAttr(recorder, AT[A_COUNTS]);
-    if (base == NULL || counts == NULL) goto done;
-    if (!PyDict_Check(counts)) {
-        PyErr_SetString(PyExc_TypeError, "end(): the recorder's counts are not a dict");
-        goto done;
-    }
-    Py_ssize_t k = 0;
-    PyObject *kobj = PyDict_GetItemWithError(counts, base); /* borrowed */
-    if (kobj == NULL && PyErr_Occurred()) goto done;
-    if (kobj != NULL && (k = PyLong_AsSsize_t(kobj)) == -1 && PyErr_Occurred()) goto done;
-    if ((kplus = PyLong_FromSsize_t(k + 1)) == NULL || PyDict_SetItem(counts, base, kplus) < 0) goto done;
-    if ((node = PyUnicode_FromFormat("%U#%zd", base, k)) == NULL) goto done;
-    if ((seq = PyObject_GetAttr(recorder, AT[A_SEQ])) == NULL || (tmp = PyLong_FromLong(1)) == NULL ||
-        (seq1 = PyNumber_Add(seq, tmp)) == NULL || PyObject_SetAttr(recorder, AT[A_SEQ], seq1) < 0)
-        goto done;
-    if (bw) {
-        if ((extra = PyDict_New()) == NULL || PyDict_SetItem(extra, S_backward_key, backward) < 0) goto done;
-    } else {
-        extra = Py_NewRef(Py_None);
-    }
-    if ((inputs = PyList_New(PyList_GET_SIZE(in_recs))) == NULL) goto done;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(in_recs); i++) {
-        PyObject *n = PyObject_GetAttr(PyList_GET_ITEM(in_recs, i), RF[2]);
-        if (n == NULL) goto done;
-        PyList_SET_ITEM(inputs, i, n);
-    }
-    if ((shape_obj = PyObject_GetAttr(result, S_shape)) == NULL || (shape = PySequence_List(shape_obj)) == NULL ||
-        (in_hashes = PyList_New(0)) == NULL || (rank = PyObject_GetAttr(recorder, AT[A_RANK])) == NULL ||
-        (run = PyObject_GetAttr(recorder, AT[A_RUN])) == NULL || (call0 = PyLong_FromLong(0)) == NULL)
-        goto done;
-    {
-        PyObject *values[18] = {S_eager, S_eager, node, op, S_node, call0, seq, source, dname, shape, Py_None, Py_None,
-                                inputs, in_hashes, rank, run, Py_None, extra};
-        if ((rec = new_with_fields(record_cls, RF, values, 18)) == NULL) goto done;
-    }
-    /* -- its fingerprint, its entry for the producer table, the event -- */
-    if ((hashes = PyObject_GetAttr(recorder, AT[A_HASHES])) == NULL ||
-        end_capture(recorder, hashes, rec, result, kinds, key_fn, strided) < 0)
-        goto done;
-    if ((uns = PyObject_GetAttr(recorder, AT[A_UNSETTLED])) == NULL || !PyList_Check(uns) ||
-        (triple = PyTuple_Pack(3, result, rec, Py_False)) == NULL || PyList_Append(uns, triple) < 0)
-        goto done;
-    if ((recs = PyList_New(1)) == NULL) goto done;
-    PyList_SET_ITEM(recs, 0, Py_NewRef(rec));
-    if ((devices = PyList_New(0)) == NULL) goto done;
-    {
-        PyObject *values[9] = {op, source, Py_None, arg_desc, recs, devices, in_recs, backward, Py_False};
-        if ((ev = new_with_fields(event_cls, EF, values, 9)) == NULL || PyList_Append(events, ev) < 0) goto done;
-    }
-    if ((ev_list = PyObject_GetAttr(recorder, AT[A_EVENTS])) == NULL) goto done;
-    Py_XDECREF(tmp);
-    if ((tmp = PyObject_CallMethodOneArg(ev_list, AT[A_EXTEND], events)) == NULL) goto done;
-    { /* flush when the batch is full (len(hashes._items) >= recorder.batch or hashes.nbytes >= flush bytes) */
-        PyObject *items = PyObject_GetAttr(hashes, AT[A_ITEMS]), *limit = PyObject_GetAttr(recorder, AT[A_BATCHSIZE]);
-        PyObject *nb = PyObject_GetAttr(hashes, AT[A_NBYTES]), *n = items ? PyLong_FromSsize_t(PyObject_Length(items)) : NULL;
-        int full = (items && limit && nb && n) ? PyObject_RichCompareBool(n, limit, Py_GE) : -1;
-        if (full == 0) full = PyObject_RichCompareBool(nb, flush_bytes, Py_GE);
-        Py_XDECREF(items);
-        Py_XDECREF(limit);
-        Py_XDECREF(nb);
-        Py_XDECREF(n);
-        if (full < 0) goto done;
-        if (full) {
-            PyObject *f = PyObject_CallMethodNoArgs(recorder, AT[A_FLUSH]);
-            if (f == NULL) goto done;
-            Py_DECREF(f);
-        }
-    }
-    out = Py_NewRef(recs);
-done:
-    Py_XDECREF(base);
-    Py_XDECREF(counts);
-    Py_XDECREF(kplus);
-    Py_XDECREF(node);
-    Py_XDECREF(seq);
-    Py_XDECREF(seq1);
-    Py_XDECREF(extra);
-    Py_XDECREF(inputs);
-    Py_XDECREF(shape_obj);
-    Py_XDECREF(shape);
-    Py_XDECREF(in_hashes);
-    Py_XDECREF(rank);
-    Py_XDECREF(run);
-    Py_XDECREF(call0);
-    Py_XDECREF(rec);
-    Py_XDECREF(hashes);
-    Py_XDECREF(uns);
-    Py_XDECREF(triple);
-    Py_XDECREF(recs);
-    Py_XDECREF(devices);
-    Py_XDECREF(ev);
-    Py_XDECREF(ev_list);
-    Py_XDECREF(tmp);
-    return out;
 }
 
 /* init(weights_ptr): the ROW_WORDS uint64 row weights, read once. */
@@ -1459,7 +1166,6 @@ static PyMethodDef methods[] = {
     {"settle", (PyCFunction)(void (*)(void))py_settle, METH_FASTCALL, "settle(items, producers, by_object, ops)"},
     {"lookup", (PyCFunction)(void (*)(void))py_lookup, METH_FASTCALL,
      "lookup(args, kwargs, by_object, get_version, Tensor, Size)"},
-    {"end", (PyCFunction)(void (*)(void))py_end, METH_FASTCALL, "end(recorder, result, ctx, args, kwargs, consts)"},
     {"trace_lines", (PyCFunction)(void (*)(void))py_trace_lines, METH_FASTCALL, "trace_lines(call, rows, dumps)"},
     {NULL, NULL, 0, NULL},
 };
@@ -1478,7 +1184,6 @@ PyMODINIT_FUNC PyInit_determ_fp(void) {
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL)
             return NULL;
     }
-    if (intern_end_names() < 0) return NULL;
     return PyModule_Create(&module);
 }
 #endif

@@ -38,8 +38,7 @@ from determ_backend.modes._hashing import PendingHashes, hashable, PLAIN_TENSORS
 from determ_backend._frames import FrameFilter
 from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, returns_view, same_layout, schema_writes,
                                       uninitialized, uninitialized_hash, version, written_tensors)
-from determ_backend.fingerprint._words import key
-from determ_backend.trace.stream import _DTYPE_NAMES, Record, dtype_name
+from determ_backend.trace.stream import Record, dtype_name
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
 
@@ -71,10 +70,6 @@ class OpEvent:
         self.backward, self.compiled = backward, compiled
 
 
-# what the native end() reads: the op facts, the two classes it makes, the dtype names, what the capture needs
-_END_CONSTS = (_OP_INFO, Record, OpEvent, _DTYPE_NAMES, _native.SUPPORTED, key, torch.strided, _FLUSH_BYTES, _PLAIN)
-
-
 class OpRecorder:
     """Fingerprint records of the ops a dispatch mode sees.  Thread-safe.
 
@@ -104,7 +99,7 @@ class OpRecorder:
         self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
         self._autograd_node = _compat.current_autograd_node_getter()
         # the native set_producer loop and identity lookup of inputs (None: the Python ones)
-        self._settle_c, self._lookup_c, self._end_c = _native.recorder_ops()
+        self._settle_c, self._lookup_c = _native.recorder_ops()
         self._ref_ops = _compat.storage_ref_ops()
 
     # -- source lines --------------------------------------------------------------------------
@@ -290,10 +285,6 @@ class OpRecorder:
 
     def end(self, ctx: tuple, result, args, kwargs, nondeterministic: bool = False) -> List[Record]:
         """After the op ran: one record per tensor (or Python scalar) it produced."""
-        if self._end_c is not None and not nondeterministic:  # an op computing one plain tensor: all of this in C
-            recs = self._end_c(self, result, ctx, args, kwargs, _END_CONSTS)
-            if recs is not None:
-                return recs
         func, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
         info = _OP_INFO.get(id(func))  # by id: OpOverload's __hash__ is Python code
         if info is None or info[5] is not func:
