@@ -15,7 +15,6 @@ scripts' standalone runtime (``repro_tools/repro/_harness.py``) imports only tor
 from __future__ import annotations
 
 import contextlib
-import operator
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -161,14 +160,6 @@ def op_packet_name(packet) -> str:
 def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter (bumped by every in-place write).  Inference tensors have none: RuntimeError."""
     return t._version
-
-
-def storage_ref_ops() -> tuple:
-    """``(version getter, Tensor.untyped_storage, weak reference maker, expired test, release)``: C-level callables
-    for code that keeps a producer table without a Python frame per tensor (the native ``settle``); they do
-    what :func:`tensor_version`, :func:`storage_weak_ref`, :func:`storage_expired` and :func:`storage_release` do."""
-    return (operator.attrgetter("_version"), torch.Tensor.untyped_storage, torch.UntypedStorage._weak_ref,
-            torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref)
 
 
 def storage_weak_ref(t: torch.Tensor) -> int:

@@ -70,13 +70,10 @@ _Call = Callable[[int, int, int, int, int, int, bool], Optional[Tuple[int, Optio
 
 
 class Kernel(NamedTuple):
-    """The loaded kernel and the settings it runs with, looked up once (see :func:`kernel`).  ``capture``:
-    ``capture(t, stats, threads, SUPPORTED, key, torch.strided)``, :func:`~determ_backend.fingerprint.core.fingerprint_now`
-    with ``copy=False`` in one C call (None when the library is loaded through ctypes)."""
+    """The loaded kernel and the settings it runs with, looked up once (see :func:`kernel`)."""
 
     call: _Call
     threads: int
-    capture: Optional[Callable] = None
 
 
 def _compiler() -> Optional[str]:
@@ -158,9 +155,6 @@ class _Loaded(NamedTuple):
     call: _Call
     walk: Optional[Callable]  # first_listed_not(frame, internal) of the extension module; None through ctypes
     lines: Optional[Callable] = None  # trace_lines(call, rows) of the extension module; None through ctypes
-    capture: Optional[Callable] = None  # capture(t, ...) of the extension module; None through ctypes
-    settle: Optional[Callable] = None  # settle(items, producers, by_object, ops) of the extension module; idem
-    lookup: Optional[Callable] = None  # lookup(args, kwargs, by_object, ...) of the extension module; idem
 
 
 def _load(path: Path) -> _Loaded:
@@ -185,8 +179,7 @@ def _load(path: Path) -> _Loaded:
     except ImportError as e:
         log.info("native kernel %s does not import as a module (%s); calling it through ctypes", path, e)
         return _Loaded(_ctypes_call(lib), None)
-    return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None), getattr(module, "trace_lines", None),
-                   getattr(module, "capture", None), getattr(module, "settle", None), getattr(module, "lookup", None))
+    return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None), getattr(module, "trace_lines", None))
 
 
 def _build_and_load(path: Path) -> Optional[_Loaded]:
@@ -246,7 +239,7 @@ def kernel() -> Optional[Kernel]:
     if loaded is None:
         return None
     text = os.environ.get("DETERM_NATIVE_THREADS", "").strip()
-    return Kernel(loaded.call, _parse_threads(text) if text else max(1, torch.get_num_threads()), loaded.capture)
+    return Kernel(loaded.call, _parse_threads(text) if text else max(1, torch.get_num_threads()))
 
 
 def line_encoder() -> Optional[Callable]:
@@ -264,17 +257,6 @@ def frame_walker() -> Optional[Callable]:
     kernel is off, not built, or loaded through ctypes (then walk in Python)."""
     loaded = _loaded()
     return None if loaded is None else loaded.walk
-
-
-def recorder_ops() -> Tuple[Optional[Callable], Optional[Callable]]:
-    """The eager recorder's two C loops, ``(settle, lookup)``, each None when the kernel is off, not built, or
-    loaded through ctypes (then the recorder's Python loops):
-
-    * ``settle(items, producers, by_object, ops)``: ``set_producer`` over a list of ``(tensor, record, is view)``;
-    * ``lookup(args, kwargs, by_object, get_version, Tensor, Size)``: an op's input records by tensor identity,
-      ``(records, tensors)``, or None when one has no live entry."""
-    loaded = _loaded()
-    return (None, None) if loaded is None else (loaded.settle, loaded.lookup)
 
 
 def available() -> bool:

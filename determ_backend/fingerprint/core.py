@@ -465,33 +465,22 @@ class FingerprintBatch:
 
     def add_now(self, t: torch.Tensor) -> Optional[int]:
         """:meth:`add` for a contiguous CPU tensor the native kernel reads right now, without running any torch
-        op (so without a dispatch mode to step around): its position, or None when that does not apply (kernel
-        off or not built, not a CPU tensor, a layout or dtype it does not read, not contiguous: then call
-        :meth:`add`).  Called for every output an eager mode records."""
+        op (so without a dispatch mode to step around): its position, or None when that does not apply (then
+        call :meth:`add`)."""
+        return self._now(t, False) if t.is_cpu else None
+
+    def _now(self, t: torch.Tensor, copy: bool) -> Optional[int]:
+        """The native one-pass kernel on CPU tensor ``t``, right now: its position, or None (kernel off or
+        not built, a layout or dtype it does not read, or ``copy=False`` and ``t`` not contiguous)."""
         if not self._looked_up:  # once per batch: the settings may change between runs
             self._kernel, self._looked_up = _native.kernel(), True
-        k = self._kernel
-        if k is None:
+        if self._kernel is None:
             return None
         want = self._want
-        if k.capture is not None:  # fingerprint_now(copy=False) in one C call
-            nat = k.capture(t, want, k.threads, _native.SUPPORTED, key, torch.strided)
-        else:
-            nat = fingerprint_now(t, want, k, False)
+        nat = fingerprint_now(t, want, self._kernel, copy)
         if nat is None:
             return None
         self._out.append((nat[0], _stats_dict(nat[1], self._max_first) if want else None))  # hash and statistics
-        return len(self._out) - 1
-
-    def _now(self, t: torch.Tensor, copy: bool) -> Optional[int]:
-        """:meth:`add_now`; with ``copy``, a non-contiguous CPU tensor too, through a contiguous copy."""
-        i = self.add_now(t)
-        if i is not None or not copy or self._kernel is None:
-            return i
-        nat = fingerprint_now(t, self._want, self._kernel, True)
-        if nat is None:
-            return None
-        self._out.append((nat[0], _stats_dict(nat[1], self._max_first) if self._want else None))
         return len(self._out) - 1
 
     def add_known(self, hash: int, stats: Optional[dict] = None) -> int:

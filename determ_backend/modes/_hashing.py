@@ -33,16 +33,16 @@ from determ_backend.fingerprint.core import FingerprintBatch
 from determ_backend.modes.ops import unseen
 from determ_backend.trace.stream import Record, format_hash
 
-__all__ = ["PendingHashes", "hashable", "derived_hash", "view_geometry", "PLAIN_TENSORS"]
+__all__ = ["PendingHashes", "hashable", "derived_hash", "view_geometry"]
 
 
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # the types fingerprinted as they are (subclasses are not)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def hashable(t: torch.Tensor) -> Optional[str]:
     """None if ``t`` can be fingerprinted, else why not.  (Called for every recorded tensor: the common case
     is three cheap attribute checks.)"""
-    if type(t) in PLAIN_TENSORS and t.layout is torch.strided and not t.is_meta:
+    if type(t) in _PLAIN and t.layout is torch.strided and not t.is_meta:
         return None
     return f"{t.layout}/{t.device.type}/{type(t).__name__}"
 
@@ -84,20 +84,14 @@ class PendingHashes:
 
     def add(self, rec: Record, t) -> None:
         """Capture ``t`` (a tensor, or a Python scalar an op returned) for ``rec``."""
-        if isinstance(t, torch.Tensor) and self.add_now(rec, t):
-            return
+        if isinstance(t, torch.Tensor):  # most tensors: read now by the native kernel, no torch op to hide
+            i = self._batch.add_now(t)
+            if i is not None:
+                self._items.append((rec, i))
+                self.nbytes += t.nbytes
+                return
         with unseen():
             self._add(rec, t)
-
-    def add_now(self, rec: Record, t: torch.Tensor) -> bool:
-        """Capture tensor ``t`` for ``rec`` if the native kernel reads it right now (no torch op runs, so there is
-        no mode to step around); False when it does not (then :meth:`add`)."""
-        i = self._batch.add_now(t)
-        if i is None:
-            return False
-        self._items.append((rec, i))
-        self.nbytes += t.nbytes
-        return True
 
     def _add(self, rec: Record, t) -> None:
         if not isinstance(t, torch.Tensor):

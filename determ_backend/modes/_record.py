@@ -33,8 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from determ_backend import _torch_compat as _compat
-from determ_backend.fingerprint import _native
-from determ_backend.modes._hashing import PendingHashes, hashable, PLAIN_TENSORS as _PLAIN
+from determ_backend.modes._hashing import PendingHashes, hashable
 from determ_backend._frames import FrameFilter
 from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, returns_view, same_layout, schema_writes,
                                       uninitialized, uninitialized_hash, version, written_tensors)
@@ -98,9 +97,6 @@ class OpRecorder:
         self._events: List[OpEvent] = []
         self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
         self._autograd_node = _compat.current_autograd_node_getter()
-        # the native set_producer loop and identity lookup of inputs (None: the Python ones)
-        self._settle_c, self._lookup_c = _native.recorder_ops()
-        self._ref_ops = _compat.storage_ref_ops()
 
     # -- source lines --------------------------------------------------------------------------
     def _where(self, frame) -> Tuple[Optional[str], str, Optional[List[str]]]:
@@ -183,9 +179,6 @@ class OpRecorder:
         """Register the last op's outputs.  Deferred to the next op because autograd bumps the version
         counter of in-place results, and gives views their base's counter, after the op returns."""
         unsettled, self._unsettled = self._unsettled, []
-        if self._settle_c is not None:  # set_producer for each, in one C loop
-            self._settle_c(unsettled, self._producers, self._by_object, self._ref_ops)
-            return
         for t, rec, view in unsettled:
             self.set_producer(t, rec, view)
 
@@ -245,15 +238,6 @@ class OpRecorder:
                 arg_desc.append((path, rec, None, str(t.device)))
         else:
             by_object = self._by_object
-            found = self._lookup_c(args, kwargs, by_object, self._ref_ops[0], torch.Tensor, torch.Size) if (
-                self._lookup_c is not None and type(args) is tuple) else None
-            if found is not None:  # every input found by identity, in one C loop
-                in_recs, tensors = found
-                if grad_on:
-                    for t, rec in zip(tensors, in_recs):
-                        if t.requires_grad:
-                            self._tag_grad_fn(t, rec)
-                return (func, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
             for t in tensor_args(args, kwargs):
                 ent = by_object.get(id(t))  # producer(), its fast path inline: the very object, same version
                 if ent is not None and ent[0]() is t and ent[2] == version(t):
@@ -298,7 +282,6 @@ class OpRecorder:
         inputs = [r.node for r in in_recs]
         recs = []
         unsettled = self._unsettled
-        hashes = self._hashes
         single = len(outs) == 1
         for j, t in enumerate(outs):
             seq = self.seq
@@ -315,8 +298,7 @@ class OpRecorder:
             elif nondeterministic:  # values may have been substituted after the op: read them
                 self._capture(rec, t)
             elif copy_arg is None and not is_view:  # computes new values: read them
-                if not (type(t) in _PLAIN and hashes.add_now(rec, t)):  # a plain CPU tensor: read at once
-                    self._capture(rec, t)
+                self._capture(rec, t)
             else:
                 self._hash_output(rec, t, is_view, copy_arg, args, in_recs)
             if isinstance(t, torch.Tensor):
@@ -327,6 +309,7 @@ class OpRecorder:
         devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else []
         events.append(OpEvent(op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled))
         self._events.extend(events)
+        hashes = self._hashes
         if len(hashes._items) >= self.batch or hashes.nbytes >= _FLUSH_BYTES:
             self.flush()
         return recs

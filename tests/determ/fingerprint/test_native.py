@@ -276,34 +276,3 @@ def test_add_now_reads_contiguous_cpu_tensors_and_leaves_the_rest_to_add(stats):
             now.add(t)
         ref.add(t)
         assert now.resolve() == ref.resolve()
-
-
-def _same(a, b) -> bool:
-    """Equal results, NaN statistics equal to NaN."""
-    if a is None or b is None:
-        return a is b
-    return a[0] == b[0] and (a[1] is b[1] or all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a[1], b[1])))
-
-
-@pytest.mark.filterwarnings("ignore:.*quantize:UserWarning")
-def test_the_c_capture_decides_and_computes_what_fingerprint_now_does():
-    """``Kernel.capture`` (the eager modes' per-output call) is ``fingerprint_now(copy=False)`` in C: the same
-    tensors read (plain contiguous CPU ones) with the same result, the same ones left (views needing a copy,
-    conjugate and negative views, quantized tensors, a dtype without statistics when they are asked for)."""
-    k = _native.kernel()
-    if k.capture is None:
-        pytest.skip("the kernel is loaded through ctypes: no C capture")
-    from determ_backend.fingerprint._words import key
-
-    z = torch.randn(6, dtype=torch.complex64)
-    tensors = [_sample(d, 37) for d in STAT_DTYPES] + [
-        torch.randn(64, 48), torch.randn(64, 48).t(), torch.randn(0, 3), torch.tensor(2.5), z, z.conj(), z.conj().imag,
-        torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8), torch.randn(4, 4)[:, ::2],
-        torch.nn.Parameter(torch.randn(5)), torch.full((3,), float("nan"))]
-    read = 0
-    for t in tensors:
-        for stats in (False, True):
-            got = k.capture(t, stats, k.threads, _native.SUPPORTED, key, torch.strided)
-            assert _same(got, fp.fingerprint_now(t, stats, k, copy=False)), (t.dtype, tuple(t.shape), stats)
-            read += got is not None
-    assert 0 < read < 2 * len(tensors)
