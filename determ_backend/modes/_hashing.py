@@ -24,8 +24,9 @@ an outer mode (nested eager tools) does not record it as the user's ops.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -47,19 +48,16 @@ def hashable(t: torch.Tensor) -> Optional[str]:
     return f"{t.layout}/{t.device.type}/{type(t).__name__}"
 
 
-_GEOMETRY_TEXT: Dict[tuple, str] = {}  # view geometry -> its text in the digest (a step repeats its views)
-_GEOMETRY_LIMIT = 1 << 12
+@functools.lru_cache(maxsize=4096)
+def _geometry_text(geometry: tuple) -> str:
+    """A view geometry's text in the digest (a step repeats its views)."""
+    return f"|{geometry}"
 
 
 def derived_hash(base_hash: Optional[str], geometry: tuple) -> Optional[str]:
     if base_hash is None:
         return None
-    text = _GEOMETRY_TEXT.get(geometry)
-    if text is None:
-        if len(_GEOMETRY_TEXT) >= _GEOMETRY_LIMIT:
-            _GEOMETRY_TEXT.clear()
-        text = _GEOMETRY_TEXT[geometry] = f"|{geometry}"
-    digest = hashlib.blake2b(f"view|{base_hash}{text}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"view|{base_hash}{_geometry_text(geometry)}".encode(), digest_size=8).digest()
     return format_hash(int.from_bytes(digest, "little"))
 
 

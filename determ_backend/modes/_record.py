@@ -207,7 +207,6 @@ class OpRecorder:
                       extra=extra)
 
     # -- the two halves of an op -----------------------------------------------------------------
-    # Run for every op the mode sees: written for speed (locals, no per-op helper calls in the common cases).
     def begin(self, func, args, kwargs, frame, compiled: bool) -> tuple:
         """Before the op runs: resolve its inputs (hashing first-seen ones as they are now)."""
         if self._unsettled:
@@ -224,9 +223,7 @@ class OpRecorder:
             source, loc, stack = self._where(frame)
             if fwd is not None:  # name backward ops after the forward line that created their node
                 source, loc = fwd
-        in_recs: list = []
-        arg_desc: list = []
-        events: list = []
+        in_recs, arg_desc, events = [], [], []
         grad_on = node is None and torch.is_grad_enabled()
         if self.describe_args:
             for path, t in iter_args(args, kwargs, [], True):
@@ -237,16 +234,8 @@ class OpRecorder:
                 in_recs.append(rec)
                 arg_desc.append((path, rec, None, str(t.device)))
         else:
-            by_object = self._by_object
             for t in tensor_args(args, kwargs):
-                ent = by_object.get(id(t))  # producer(), its fast path inline: the very object, same version
-                if ent is not None and ent[0]() is t and ent[2] == version(t):
-                    rec = ent[1]
-                    if grad_on and t.requires_grad:
-                        self._tag_grad_fn(t, rec)
-                else:
-                    rec = self._input(t, source, loc, events, grad_on)
-                in_recs.append(rec)
+                in_recs.append(self._input(t, source, loc, events, grad_on))
         return (func, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
 
     def _input(self, t: torch.Tensor, source: Optional[str], loc: str, events: list, grad_on: bool) -> Record:
@@ -277,40 +266,25 @@ class OpRecorder:
         writes, is_view, uninit, copy_arg, op, _ = info
         outs = written_tensors(result, writes, args, kwargs)
         base = self._name(op, loc, "/bw" if backward else "")
-        extra = self._extra(stack, backward, compiled, nondeterministic) if (
-            stack or backward or compiled or nondeterministic) else None
-        inputs = [r.node for r in in_recs]
+        extra = self._extra(stack, backward, compiled, nondeterministic)
         recs = []
-        unsettled = self._unsettled
-        single = len(outs) == 1
         for j, t in enumerate(outs):
-            seq = self.seq
-            self.seq = seq + 1
-            if isinstance(t, torch.Tensor):  # _record(), inline
-                dtype, shape = dtype_name(t.dtype), list(t.shape)
-            else:
-                dtype, shape = f"py_{type(t).__name__}", []
-            rec = Record("eager", "eager", base if single else f"{base}.{j}", op, "node", 0, seq, source, dtype,
-                         shape, None, None, inputs if single else list(inputs), [], self.rank, self.run, None,
-                         extra)
+            rec = self._record(base if len(outs) == 1 else f"{base}.{j}", op, "node", source, t, in_recs, extra)
             if uninit:  # the memory holds garbage until written: hash what is defined, dtype and shape
                 rec.hash = uninitialized_hash(rec)
             elif nondeterministic:  # values may have been substituted after the op: read them
                 self._capture(rec, t)
-            elif copy_arg is None and not is_view:  # computes new values: read them
-                self._capture(rec, t)
             else:
                 self._hash_output(rec, t, is_view, copy_arg, args, in_recs)
             if isinstance(t, torch.Tensor):
-                unsettled.append((t, rec, is_view))
+                self._unsettled.append((t, rec, is_view))
             recs.append(rec)
         if compiled:
             self.compiled_ops += 1
         devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else []
         events.append(OpEvent(op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled))
         self._events.extend(events)
-        hashes = self._hashes
-        if len(hashes._items) >= self.batch or hashes.nbytes >= _FLUSH_BYTES:
+        if len(self._hashes) >= self.batch or self._hashes.nbytes >= _FLUSH_BYTES:
             self.flush()
         return recs
 

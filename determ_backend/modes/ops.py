@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -41,28 +42,17 @@ def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bo
 
 def tensor_args(args: Sequence, kwargs: Dict[str, Any]) -> list:
     """Every tensor in ``args``/``kwargs`` (also inside lists and tuples), in :func:`iter_args`' order, without
-    building paths: what a mode that describes no arguments needs per op."""
+    building paths for the common case of tensors passed directly: what a mode that describes no arguments needs
+    per op."""
     out: list = []
-    for a in args:
+    for a in itertools.chain(args, kwargs.values()) if kwargs else args:
         if isinstance(a, torch.Tensor):
             out.append(a)
         elif isinstance(a, (list, tuple)) and a and not isinstance(a, torch.Size):
-            _tensors_in(a, out)
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, torch.Tensor):
-                out.append(a)
-            elif isinstance(a, (list, tuple)) and a and not isinstance(a, torch.Size):
-                _tensors_in(a, out)
+            found: list = []
+            _walk("", a, found, False)
+            out.extend(t for _, t in found)
     return out
-
-
-def _tensors_in(a: Sequence, out: list) -> None:
-    for x in a:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)) and x and not isinstance(x, torch.Size):
-            _tensors_in(x, out)
 
 
 def _walk(path: str, a: Any, out: list, with_values: bool) -> None:
