@@ -89,6 +89,20 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
+def _weak_sink(mode: "HashMode") -> Callable[[List[OpEvent]], None]:
+    """``mode._sink`` without a reference to ``mode``: the recorder the mode owns must not point back at it, so
+    that a mode the program lets go of (one per step, say) is freed at once with its records and the tensors it
+    was settling, instead of waiting, promoted through the generations, for a full garbage collection."""
+    ref = weakref.WeakMethod(mode._sink)
+
+    def sink(events: List[OpEvent]) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(events)
+
+    return sink
+
+
 def _tensor_names(module: Optional[torch.nn.Module]) -> Dict[int, Tuple[weakref.ref, str]]:
     if module is None:
         return {}
@@ -137,7 +151,7 @@ class HashMode(_compat.TorchDispatchMode):
         self.keep_records = keep_records
         self.records: List[Record] = []
         self.output_hook: Optional[Callable] = None  # (func, result, recorder ctx) -> (result, non_deterministic)
-        self._recorder = OpRecorder(self._sink, run=run, stats=stats, stack_depth=stack_depth,
+        self._recorder = OpRecorder(_weak_sink(self), run=run, stats=stats, stack_depth=stack_depth,
                                     names=_tensor_names(module), describe_args=_describe_args, batch=batch)
         self._set_eval_frame = _compat.eval_frame_setter()
         self._writer: Optional[TraceWriter] = None
