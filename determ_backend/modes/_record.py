@@ -192,7 +192,7 @@ class OpRecorder:
             rec = self._record(self._name("input", loc), "input", "input", source, t)
         self._capture(rec, t)
         self.set_producer(t, rec)
-        events.append(OpEvent(rec.op, source, None, [], [rec], [str(t.device)], []))
+        events.append(OpEvent(rec.op, source, None, (), [rec], [str(t.device)], ()))
         return rec
 
     def _record(self, node: str, op: str, kind: str, source: Optional[str], t, inputs=(), extra=None) -> Record:
@@ -223,9 +223,10 @@ class OpRecorder:
             source, loc, stack = self._where(frame)
             if fwd is not None:  # name backward ops after the forward line that created their node
                 source, loc = fwd
-        in_recs, arg_desc, events = [], [], []
+        in_recs, events = [], []
         grad_on = node is None and torch.is_grad_enabled()
         if self.describe_args:
+            arg_desc = []
             for path, t in iter_args(args, kwargs, [], True):
                 if not isinstance(t, torch.Tensor):
                     arg_desc.append((path, None, t, None))
@@ -234,6 +235,7 @@ class OpRecorder:
                 in_recs.append(rec)
                 arg_desc.append((path, rec, None, str(t.device)))
         else:
+            arg_desc = ()  # described for the text log only: no list per op to allocate (and collect) otherwise
             for t in tensor_args(args, kwargs):
                 in_recs.append(self._input(t, source, loc, events, grad_on))
         return (func, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
@@ -281,7 +283,7 @@ class OpRecorder:
             recs.append(rec)
         if compiled:
             self.compiled_ops += 1
-        devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else []
+        devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else ()
         events.append(OpEvent(op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled))
         self._events.extend(events)
         if len(self._hashes) >= self.batch or self._hashes.nbytes >= _FLUSH_BYTES:
