@@ -28,10 +28,10 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import IO, List, Optional, Union
+from typing import List, Optional, Union
 
 from determ_backend.errors import TraceFormatError
-from determ_backend.trace.jsonl import encode, ensure_parent, open_fresh
+from determ_backend.trace.jsonl import encode, open_fresh, write_all
 from determ_backend.trace.stream import Record, TraceFile
 
 __all__ = ["LogWriter", "read_hash_log", "read_hash_log_file", "MAGIC"]
@@ -57,13 +57,18 @@ def _short(v) -> str:
 
 
 class LogWriter:
-    """Streams op blocks to a text file (and to stdout when ``echo``)."""
+    """Streams op blocks to a text file (and to stdout when ``echo``).  Text waits in memory until a
+    flushing :meth:`write` (or :data:`_BUFFER` bytes of it), then goes to the file in one write: the
+    header with the first batch, the footer at :meth:`close`."""
+
+    _BUFFER = 1 << 16
 
     def __init__(self, path: Union[str, Path], run: Optional[str], torch_version: str, echo: bool = False,
                  max_ops: Optional[int] = None):
         self.path = Path(path)
-        ensure_parent(self.path)
-        self._f: Optional[IO[str]] = os.fdopen(open_fresh(self.path), "w", encoding="utf-8")
+        self._fd: Optional[int] = open_fresh(self.path, parents=True)
+        self._pending: List[bytes] = []
+        self._pending_bytes = 0
         self.echo, self.max_ops = echo, max_ops
         self.ops = self.records = 0
         self.limited = False
@@ -71,10 +76,31 @@ class LogWriter:
 
     def _emit(self, lines: List[str]) -> None:
         text = "\n".join(lines) + "\n"
-        if self._f is not None:
-            self._f.write(text)
+        if self._fd is not None:
+            data = text.encode("utf-8")
+            self._pending.append(data)
+            self._pending_bytes += len(data)
+            if self._pending_bytes >= self._BUFFER:
+                self._flush()
         if self.echo:
             sys.stdout.write(text)
+
+    def _flush(self) -> None:
+        if self._pending and self._fd is not None:
+            data, self._pending, self._pending_bytes = self._pending, [], 0
+            write_all(self._fd, data)
+
+    def __del__(self) -> None:
+        """A writer dropped without :meth:`close` (its mode never closed) still writes what it holds, as a
+        buffered file object would, and gives its descriptor back."""
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is None:
+            return
+        try:
+            if self._pending:
+                write_all(fd, self._pending)
+        finally:
+            os.close(fd)
 
     def write(self, events, flush: bool = False) -> None:
         lines: List[str] = []
@@ -89,8 +115,8 @@ class LogWriter:
             lines.extend(self._block(ev))
         if lines:
             self._emit(lines)
-        if flush and self._f is not None:
-            self._f.flush()
+        if flush:
+            self._flush()
 
     def _block(self, ev) -> List[str]:
         out = [f"[{self.ops:06d}] {ev.op}", f"    source: {ev.source or '?'}"]
@@ -118,15 +144,19 @@ class LogWriter:
 
     def close(self, total: int, notes: List[str] = ()) -> None:
         """Write the footer: ``total`` records in the run, ``notes`` (one comment line each), the end line."""
-        if self._f is None:
+        if self._fd is None:
             return
         lines = [f"# records in the run: {total}"]
         if self.limited:
             lines.append(f"# records in this log: {self.records} (limited by max_ops_logged={self.max_ops}; "
                          f"the JSONL trace has all {total})")
         self._emit(lines + [f"# {s}" for s in notes] + [f"# end: {self.records} records"])
-        self._f.close()
-        self._f = None
+        fd = self._fd
+        try:
+            self._flush()
+        finally:
+            self._fd = None
+            os.close(fd)
 
 
 def read_hash_log(path: Union[str, Path], allow_partial: bool = False) -> List[Record]:

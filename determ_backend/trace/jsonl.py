@@ -79,20 +79,15 @@ class StreamFormat:
     died: str = "the producing process may have died"
 
 
-def ensure_parent(path: Path) -> None:
-    """Create the directory of ``path`` (and its parents) unless it exists: one ``stat`` in the common case,
-    where ``mkdir(exist_ok=True)`` makes a failing system call and an exception (a writer opened per step)."""
-    if not os.path.isdir(path.parent):
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-
-def open_fresh(path: Union[str, Path], flags: int = 0) -> int:
+def open_fresh(path: Union[str, Path], flags: int = 0, parents: bool = False) -> int:
     """A descriptor open for writing on an empty ``path``: ``O_WRONLY | O_CREAT | flags``, as ``O_TRUNC`` would give.
 
     An existing regular file is unlinked and created again rather than truncated: on ext4 a file
     truncated from non-zero size is flushed to disk when closed (its ``auto_da_alloc``), about 130 us
     each time here, against 20 us for a new file -- a stream opened once per step paid that every step.
-    A symbolic link (or anything not a regular file) is truncated through, as ``O_TRUNC`` does."""
+    A symbolic link (or anything not a regular file) is truncated through, as ``O_TRUNC`` does.
+    ``parents``: create missing parent directories -- only once the open finds them missing, so a file
+    written again where it was (a stream opened per step) costs no directory check."""
     path = os.fspath(path)
     base = os.O_WRONLY | os.O_CREAT | flags
     try:
@@ -109,6 +104,12 @@ def open_fresh(path: Union[str, Path], flags: int = 0) -> int:
                 return os.open(path, base | os.O_EXCL, 0o644)
             except FileExistsError:  # made again in between: truncate that one
                 pass
+    try:
+        return os.open(path, base | os.O_TRUNC, 0o644)
+    except FileNotFoundError:
+        if not parents or os.path.isdir(os.path.dirname(path) or "."):
+            raise
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     return os.open(path, base | os.O_TRUNC, 0o644)
 
 
@@ -179,8 +180,7 @@ class StreamWriter:
         self.path = Path(path)
         self.fmt = fmt
         self._error = error
-        ensure_parent(self.path)
-        self._fd: Optional[int] = open_fresh(self.path)
+        self._fd: Optional[int] = open_fresh(self.path, parents=True)
         self._pos = 0  # bytes on disk: whole lines only
         self.count = 0
         self._footer_at: Optional[int] = None

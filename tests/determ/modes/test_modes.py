@@ -350,6 +350,35 @@ def test_hashdebugtrace_jsonl_log_path_names_the_trace(tmp_path):
     assert [r.__dict__ for r in read_trace(tmp_path / "out.jsonl")] == [r.__dict__ for r in read_hash_log(t.log_path)]
 
 
+def test_hashdebugtrace_log_holds_each_flushed_batch_while_the_run_goes_on(tmp_path):
+    """With auto_flush (the default) the log on disk holds the header and every op of each finished batch while
+    the run goes on (a reader can follow it); without, the text waits in memory and lands whole at the end."""
+    from determ_backend.modes.log import MAGIC
+
+    x = torch.randn(4)
+    log = tmp_path / "live.log"
+    with HashDebugTrace(log_path=log, batch=1):
+        y = x * 2
+        z = y + 1  # settles y; the batch of one op is flushed when it ends
+        text = log.read_text()
+        assert text.startswith(MAGIC) and "aten.mul.Tensor" in text and "# end:" not in text
+    assert [r.op for r in read_hash_log(log)][-2:] == ["aten.mul.Tensor", "aten.add.Tensor"] and z.shape == (4,)
+
+    quiet = tmp_path / "quiet.log"
+    with HashDebugTrace(log_path=quiet, batch=1, auto_flush=False):
+        x * 2
+        assert quiet.read_text() == ""
+    assert "aten.mul.Tensor" in [r.op for r in read_hash_log(quiet)]
+
+    dropped = tmp_path / "dropped.log"  # enabled, disabled and let go of without close: what it logged still lands
+    mode = HashDebugTrace(log_path=dropped, auto_flush=False)
+    mode.enable()
+    x * 3
+    mode.disable()
+    del mode
+    assert "aten.mul.Tensor" in [r.op for r in read_hash_log(dropped, allow_partial=True)]
+
+
 def test_limited_log_footer_counts_agree(tmp_path):
     t = traced_run(tmp_path / "lim.log", max_ops_logged=3)
     total = len(read_trace(t.jsonl_path))

@@ -376,3 +376,23 @@ def test_open_fresh_truncates_where_the_file_cannot_be_unlinked(tmp_path, monkey
     os.write(fd, b"new\n")
     os.close(fd)
     assert p.read_text() == "new\n"
+
+
+def test_open_fresh_makes_missing_parents_only_when_asked(tmp_path):
+    """``parents=True`` creates the missing directories (found missing by the open itself, so a file written
+    again where it was costs no directory check); without it, a missing directory stays an error."""
+    from determ_backend.trace.jsonl import open_fresh
+
+    nested = tmp_path / "a" / "b" / "t.jsonl"
+    with pytest.raises(FileNotFoundError):
+        open_fresh(nested)
+    assert not (tmp_path / "a").exists()
+    for contents in (b"first\n", b"second\n"):  # made, then replaced where it is
+        fd = open_fresh(nested, parents=True)
+        os.write(fd, contents)
+        os.close(fd)
+        assert nested.read_bytes() == contents
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "nowhere" / "t.jsonl")  # its directory exists: the link's target's does not
+    with pytest.raises(FileNotFoundError):
+        open_fresh(dangling, parents=True)
