@@ -90,17 +90,18 @@ class LogWriter:
             data, self._pending, self._pending_bytes = self._pending, [], 0
             write_all(self._fd, data)
 
-    def __del__(self) -> None:
-        """A writer dropped without :meth:`close` (its mode never closed) still writes what it holds, as a
-        buffered file object would, and gives its descriptor back."""
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is None:
+    def _release(self) -> None:
+        """Write what is held and give the descriptor back (once): at :meth:`close`, and for a writer dropped
+        without it (its mode never closed), as a buffered file object would."""
+        if getattr(self, "_fd", None) is None:  # closed, or the open failed
             return
         try:
-            if self._pending:
-                write_all(fd, self._pending)
+            self._flush()
         finally:
+            fd, self._fd = self._fd, None
             os.close(fd)
+
+    __del__ = _release
 
     def write(self, events, flush: bool = False) -> None:
         lines: List[str] = []
@@ -151,12 +152,7 @@ class LogWriter:
             lines.append(f"# records in this log: {self.records} (limited by max_ops_logged={self.max_ops}; "
                          f"the JSONL trace has all {total})")
         self._emit(lines + [f"# {s}" for s in notes] + [f"# end: {self.records} records"])
-        fd = self._fd
-        try:
-            self._flush()
-        finally:
-            self._fd = None
-            os.close(fd)
+        self._release()
 
 
 def read_hash_log(path: Union[str, Path], allow_partial: bool = False) -> List[Record]:
