@@ -3,9 +3,9 @@
 
 ``write DIR`` runs a fixed set of eager workloads and writes what HashMode and HashDebugTrace make of them:
 
-* scenarios: a small MLP and a small transformer encoder, each in a forward (no grad) and in an AdamW
-  training step, under HashMode (default, and statistics with three frames), HashDebugTrace, and one
-  HashMode left on over two steps; and a script of views, in-place ops, ``out=``, ``split``, ``.item()``,
+* scenarios: the MLP and transformer encoder of ``bench_eager_tools.py`` (small), each in a forward (no
+  grad) and in an AdamW training step, under HashMode (default, and statistics with three frames),
+  HashDebugTrace, and one HashMode left on over two steps; and a script of views, in-place ops, ``out=``, ``split``, ``.item()``,
   dtype casts and ``index_add_`` under HashDebugTrace;
 * families: each architecture of ``tests/real_models.py`` (small Hugging Face models, built offline), a
   forward and backward under HashMode (parameters named) and under HashDebugTrace.
@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "tests"))  # real_models; appended, so determ still comes from the environment
+# real_models and the bench's models; appended, so determ still comes from the environment
+sys.path += [str(ROOT / "tests"), str(ROOT / "scripts")]
 
 import torch  # noqa: E402
 
@@ -41,50 +42,13 @@ META = "snapshot.json"
 _ADDRESS = re.compile(rb"0x[0-9a-f]+")
 
 
-class _MLP(torch.nn.Module):
-    def __init__(self, width: int = 64, depth: int = 2):
-        super().__init__()
-        layers: List[torch.nn.Module] = []
-        for _ in range(depth):
-            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-        self.body = torch.nn.Sequential(*layers)
-        self.head = torch.nn.Linear(width, 10)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
-class _Encoder(torch.nn.Module):
-    def __init__(self, width: int = 64, depth: int = 2):
-        super().__init__()
-        layer = torch.nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=2 * width, batch_first=True,
-                                                 dropout=0.0)
-        self.body = torch.nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(width, 10)
-
-    def forward(self, x):
-        return self.head(self.body(x).mean(1))
-
-
 def _step(kind: str, train: bool) -> Callable[[], None]:
-    torch.manual_seed(0)
-    model = _MLP() if kind == "mlp" else _Encoder()
-    x = torch.randn(16, 64) if kind == "mlp" else torch.randn(4, 8, 64)
-    if not train:
-        def forward():
-            with torch.no_grad():
-                model(x)
+    """A small model's step from ``bench_eager_tools.py`` (width 64, depth 2; AdamW when training)."""
+    from bench_eager_tools import make_step  # imported after determ, which it takes from the environment too
 
-        return forward
-    y = torch.randint(0, 10, (x.shape[0],))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    return step
+    shape = {"model": "mlp" if kind == "mlp" else "transformer", "width": 64, "depth": 2,
+             "batch": 16 if kind == "mlp" else 4}
+    return make_step(shape, "train" if train else "forward", argparse.Namespace(seq=8, optimizer="adamw"))
 
 
 def _ops_script() -> None:
