@@ -42,6 +42,11 @@ class FrameFilter:
         self._codes: List[Any] = []
         self._walk: Any = ...  # the native walk past frames known to be internal; looked up at the first use
 
+    @property
+    def roots(self) -> tuple:
+        """The path prefixes of code that is not the user's: a frame whose file starts with one is skipped."""
+        return self._roots
+
     def user_frames(self, frame, depth: int) -> list:
         """The first ``depth`` user frames from ``frame`` outwards (innermost first)."""
         out = []

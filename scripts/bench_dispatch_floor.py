@@ -259,14 +259,11 @@ class _SketchMode(_compat.TorchDispatchMode):
 
 
 def _internal_roots() -> list:
-    """Where code that is not the user's lives, for the sketch's frame walk: torch, determ, the standard library
-    and this script (as determ's own frame filter decides for the recorder)."""
-    import sysconfig
+    """Where code that is not the user's lives, for the sketch's frame walk: the roots determ's own frame filter
+    skips (torch, determ, the standard library), and this script."""
+    from determ_backend._frames import FrameFilter
 
-    import determ_backend
-
-    return [os.path.join(os.path.dirname(torch.__file__), ""), os.path.join(os.path.dirname(determ_backend.__file__), ""),
-            os.path.join(sysconfig.get_paths()["stdlib"], ""), "<frozen", os.path.abspath(__file__)]
+    return [*FrameFilter().roots, os.path.abspath(__file__)]
 
 
 def variants(step: Callable[[], None], ext) -> Dict[str, Callable[[], None]]:
