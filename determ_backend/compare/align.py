@@ -94,6 +94,22 @@ def _unmatched(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
     return [Pair(r, None) for r in a] + [Pair(None, r) for r in b]
 
 
+def _signature(r: Record) -> str:
+    # a parameter is one named tensor: it pairs only with the parameter of that name (by signature alone, every
+    # parameter of a shape would stand in for every other)
+    return f"{r.signature}|{r.node}" if r.kind == "param" else r.signature
+
+
+def _op(r: Record) -> str:
+    return f"param|{r.node}" if r.kind == "param" else r.op
+
+
+def _name(r: Record) -> str:
+    return f"{r.node}|{r.op}"
+
+
 def _align_by_sequence(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
-    # by full signature; inside a changed block, records of the same op pair in order, the rest stay unmatched
-    return _match(a, b, lambda r: r.signature, lambda x, y: _match(x, y, lambda r: r.op, _unmatched))
+    # by name first (names are stable across runs: an extra op elsewhere renames nothing, and a run in another
+    # dtype keeps every name); inside a changed block by full signature, then records of the same op in order;
+    # the rest stay unmatched
+    return _match(a, b, _name, lambda x, y: _match(x, y, _signature, lambda x2, y2: _match(x2, y2, _op, _unmatched)))

@@ -10,6 +10,14 @@
   inputs agree while its own value does not.  Unjudged records (views, buffers that
   hold no node's value, values not compared) are transparent: a record's inputs
   are looked through them to the nearest judged values.
+* Inputs agree only when both sides are wired alike: each input of B's record is
+  the partner of the matching input of A's (a pairing that went astray, or a
+  record fed by something the other run lacks, never passes for agreeing inputs).
+* An op **only one run has** (an extra hook, a missing cast) is the root cause when
+  its inputs are paired and agree and its value feeds a live divergence of its
+  run (through other such ops): the runs part there, before any paired record.
+* When no record satisfies the rule, the first live divergence is reported as the
+  **first divergence**, never marked a root cause.
 * A divergence that reaches no failing output is a **masked** note, never a root
   cause.  When the caller can replay the reference with one compiled value
   substituted (``confirm``), a candidate whose substitution alone leaves every
@@ -54,6 +62,9 @@ class Comparison:
     """First divergences that reach no failing output (notes, never root causes)."""
     symptoms: List[Pair] = field(default_factory=list)
     """The failing outputs (or, without dependency information, every divergence)."""
+    unexplained: List[Pair] = field(default_factory=list)
+    """Where no record satisfies the rule: the first live divergence of each such graph call (reported as the
+    first divergence, never as a root cause)."""
 
     @property
     def identical(self) -> bool:
@@ -66,9 +77,10 @@ class Comparison:
 
     @property
     def first_divergence(self) -> Optional[Pair]:
-        if self.root_causes:
-            return self.root_causes[0]
-        return self.symptoms[0] if self.symptoms else None
+        for found in (self.root_causes, self.unexplained, self.symptoms):
+            if found:
+                return found[0]
+        return None
 
     def summary(self, checks: Sequence[str] = ()) -> Dict[str, Any]:
         fd = self.first_divergence
@@ -107,6 +119,8 @@ def describe(p: Pair) -> Dict[str, Any]:
             d.update({k: ins[k] for k in ("node", "op", "source", "metrics", "dtype", "shape") if k in ins})
     if other is not None and other.node != r.node:
         d["node_b"] = other.node
+    if not p.paired:
+        d["only_in"] = "a" if p.a is not None else "b"
     return d
 
 
@@ -139,19 +153,82 @@ def _group_key(r: Record) -> tuple:
     return (r.graph, r.stage, r.call)
 
 
+# ops whose result holds its (first) input's values, converted, copied or re-viewed: one only one run has
+# (``weight.float()`` of a float64 reference, an extra ``contiguous``) passes its input on unchanged
+_CARRIES = frozenset({"aten._to_copy", "aten.to", "aten.clone", "aten.detach", "aten.alias", "aten.lift_fresh",
+                      "aten.lift_fresh_copy", "aten.contiguous", "aten.view", "aten._unsafe_view", "aten.reshape",
+                      "aten.t", "aten.transpose", "aten.permute", "aten.expand", "aten.squeeze", "aten.unsqueeze",
+                      "prims.convert_element_type"})
+
+
+_PRECISION = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}  # widening between these loses nothing
+
+
+def _carries(r: Record) -> bool:
+    op = r.op or ""
+    base = op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+    return base in _CARRIES and len(r.inputs) == 1
+
+
 class _Graph:
     """The judged pairs of one graph call, as a dependency graph."""
 
-    def __init__(self, pairs: List[Pair]):
+    def __init__(self, pairs: List[Pair], loose: Sequence[Pair] = ()):
         self.pairs = pairs
         self.by_node: Dict[str, Pair] = {}
+        self.partner: Dict[str, str] = {}  # A's node -> its partner's node in B
+        self.partner_b: Dict[str, str] = {}  # and back
         for p in pairs:
             self.by_node.setdefault(p.rec.node, p)
+            self.partner.setdefault(p.a.node, p.b.node)
+            self.partner_b.setdefault(p.b.node, p.a.node)
+        self.records = ({p.a.node: p.a for p in pairs}, {p.b.node: p.b for p in pairs})  # by node, per side
+        self.loose = ({p.a.node: p.a for p in loose if p.a is not None},
+                      {p.b.node: p.b for p in loose if p.b is not None})
         self.has_deps = any(p.rec.inputs for p in pairs)
         self._eff: Dict[int, List[Optional[bool]]] = {}
 
+    def _record(self, side: int, name: str) -> Optional[Record]:
+        return self.records[side].get(name) or self.loose[side].get(name)
+
+    def passes_on(self, side: int, rec: Record) -> bool:
+        """Whether ``rec`` holds its one input's values: a conversion, copy or view, or an op whose fingerprint
+        is its input's (``h * 1.0``)."""
+        if _carries(rec):
+            return True
+        if len(rec.inputs) != 1 or rec.hash is None:
+            return False
+        src = self._record(side, rec.inputs[0])
+        return src is not None and src.hash == rec.hash
+
+    def source(self, side: int, name: str) -> str:
+        """``name`` looked through the records only this side has that carry their input on unchanged."""
+        seen = set()
+        rec = self.loose[side].get(name)
+        while rec is not None and self.passes_on(side, rec) and name not in seen:
+            seen.add(name)
+            name = rec.inputs[0]
+            rec = self.loose[side].get(name)
+        return name
+
+    def _dtype(self, side: int, name: str) -> Optional[str]:
+        rec = self._record(side, name)
+        return rec.dtype if rec is not None else None
+
     def inputs(self, p: Pair) -> List[Optional[Pair]]:
-        return [self.by_node.get(n) for n in p.rec.inputs]
+        return [self.by_node.get(self.source(0, n)) for n in p.rec.inputs]
+
+    def harmless(self, side: int, rec: Record) -> bool:
+        """Whether ``rec``, a record only ``side`` has, cannot set the runs apart: it copies or re-views a value,
+        widens it (a float64 reference's gradient cast back up), or converts it to the dtype the other run holds
+        that value in (a float64 reference's ``weight.float()``).  A narrowing cast the other run lacks can."""
+        if not self.passes_on(side, rec):
+            return False
+        before = self._dtype(side, rec.inputs[0])
+        if rec.dtype == before or _PRECISION.get(rec.dtype, 0) > _PRECISION.get(before, 9):
+            return True
+        other = (self.partner if side == 0 else self.partner_b).get(self.source(side, rec.inputs[0]))
+        return other is not None and self._dtype(1 - side, other) == rec.dtype
 
     def outputs(self) -> List[Pair]:
         outs = [p for p in self.pairs if is_output(p.rec)]
@@ -180,10 +257,34 @@ class _Graph:
         self._eff[key] = out
         return out
 
+    def wired_alike(self, p: Pair) -> Optional[bool]:
+        """Whether B's record consumed the partners of A's record's inputs, in order: False when it consumed
+        something else (or A's input has no partner in B); None when the records do not tell."""
+        a, b = p.a, p.b
+        if not a.inputs or not b.inputs:
+            return None
+        if len(a.inputs) != len(b.inputs):
+            return False
+        known = True
+        for x, y in zip(a.inputs, b.inputs):
+            xs, ys = self.source(0, x), self.source(1, y)
+            if (xs, ys) != (x, y) and self._dtype(0, x) != self._dtype(1, y):
+                return False  # a conversion only one run has left the two values at different precisions
+            partner = self.partner.get(xs)
+            if partner is None:
+                if xs in self.loose[0]:
+                    return False
+                known = False  # not in the trace (a value made elsewhere): cannot tell
+            elif partner != ys:
+                return False
+        return True if known else None
+
     def inputs_agree(self, p: Pair) -> bool:
         if p.inputs_equal is not None:
             return p.inputs_equal
         a, b = p.a, p.b
+        if self.wired_alike(p) is False:
+            return False
         if a.inputs:
             vs = self.effective(p)
             if vs and all(v is True for v in vs):
@@ -205,6 +306,37 @@ class _Graph:
                     seen.add(id(r))
                     stack.append(r)
         return seen
+
+    def one_sided_roots(self, loose: Sequence[Pair], live: set) -> List[Pair]:
+        """Records only one run has whose inputs are paired and agree and whose value feeds (through other such
+        records) a live divergence of that run: where the two runs part."""
+        found: List[Pair] = []
+        parted = [p for p in self.pairs if id(p) in live and p.equal is False and self.wired_alike(p) is False]
+        for side in ("a", "b"):
+            mine = {getattr(p, side).node: p for p in loose if getattr(p, side) is not None}
+            if not mine:
+                continue
+            paired = {getattr(p, side).node: p for p in self.pairs}
+            feeding: set = set()  # one-sided records a live divergence of this side consumes, directly or not
+            stack = [n for p in parted for n in getattr(p, side).inputs if n in mine]
+            while stack:
+                n = stack.pop()
+                if n not in feeding:
+                    feeding.add(n)
+                    stack.extend(m for m in getattr(mine[n], side).inputs if m in mine)
+            i = 0 if side == "a" else 1
+            to_other = self.partner if i == 0 else self.partner_b
+            other_calls = {(r.op, tuple(self.source(1 - i, m) for m in r.inputs))
+                           for recs in (self.records[1 - i], self.loose[1 - i]) for r in recs.values()}
+            for n in feeding:
+                rec = getattr(mine[n], side)
+                if self.harmless(i, rec) or not all(self.source(i, m) in paired and paired[self.source(i, m)].equal
+                                                    is True for m in rec.inputs):
+                    continue
+                if (rec.op, tuple(to_other[self.source(i, m)] for m in rec.inputs)) in other_calls:
+                    continue  # the other run made the same call on the same values: paired elsewhere, not extra
+                found.append(mine[n])
+        return found
 
 
 def _inherit_views(pairs: List[Pair], by_id: Dict[tuple, Pair]) -> None:
@@ -228,14 +360,15 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
     by_id: Dict[tuple, Pair] = {p.a.key: p for p in pairs if p.a is not None}
     _inherit_views(pairs, by_id)
     groups: Dict[tuple, List[Pair]] = {}
+    loose: Dict[tuple, List[Pair]] = {}  # records only one side has
     for p in pairs:
-        if p.paired:
-            groups.setdefault(_group_key(p.rec), []).append(p)
+        (groups if p.paired else loose).setdefault(_group_key(p.rec), []).append(p)
     symptoms: List[Pair] = []
     candidates: List[Pair] = []
+    unexplained: List[Pair] = []
     masked: List[Pair] = []
-    for group in groups.values():
-        g = _Graph(group)
+    for key, group in groups.items():
+        g = _Graph(group, loose.get(key, ()))
         firsts = [p for p in group if p.equal is False and p.a.kind != "view" and g.inputs_agree(p)]
         if not g.has_deps:
             bad = [p for p in group if _counts(p, True)]
@@ -250,8 +383,12 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
                 p.reaches_output = id(p) in live
         here = [p for p in firsts if id(p) in live]
         masked.extend(p for p in firsts if id(p) not in live)
+        if bad and key in loose:
+            for p in g.one_sided_roots(loose[key], live):
+                p.metrics["only_in"] = "a" if p.a is not None else "b"
+                here.append(p)
         if bad and not here:
-            here = [next((p for p in group if id(p) in live and p.equal is False), bad[0])]
+            unexplained.append(next((p for p in group if id(p) in live and p.equal is False), bad[0]))
         candidates.extend(here)
     roots = _confirmed(candidates, confirm, masked) if candidates else []
     for p in roots:
@@ -261,7 +398,8 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
         p.reaches_output = False
     order = {id(p): i for i, p in enumerate(pairs)}
     masked.sort(key=lambda p: order[id(p)])
-    return Comparison(pairs, roots, mode, masked=masked, symptoms=symptoms)
+    roots.sort(key=lambda p: order[id(p)])
+    return Comparison(pairs, roots, mode, masked=masked, symptoms=symptoms, unexplained=unexplained)
 
 
 def _confirmed(candidates: List[Pair], confirm: Optional[Confirm], masked: List[Pair]) -> List[Pair]:

@@ -98,7 +98,7 @@ def diff_summary(cmp: Comparison, files: Dict[str, tuple]) -> Dict[str, Any]:
 def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None) -> str:
     s = summary if summary is not None else cmp.summary()
     lines = [f"pairs: {s['pairs']}  divergent: {s['divergent_pairs']}  unmatched: {s['unmatched_a']}/{s['unmatched_b']}  mode: {s['mode']}"]
-    bad = [p for p in cmp.pairs if p.equal is False]
+    bad = [p for p in cmp.pairs if p.equal is False or p.root_cause]  # a root only one run has is unjudged
     if bad:
         lines.append(f"{'':2}{'graph':6} {'stage':18} {'node':28} {'op':32} metrics")
         for p in bad[:limit]:
@@ -124,7 +124,10 @@ def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None)
         else:
             lines.append("no divergence among paired records")
     else:
-        kind = "root cause" if fd["root_cause"] else "first divergence (inputs also differ; no root cause found)"
+        kind = "first divergence (inputs also differ; no root cause found)"
+        if fd["root_cause"]:
+            side = fd.get("only_in")
+            kind = f"root cause (an op only {side.upper()} ran, fed by agreeing values)" if side else "root cause"
         lines.append(f"{kind}: graph={fd['graph']} stage={fd['stage']} node={fd['node']} op={fd['op']} "
                      f"source={fd['source'] or '?'}")
     return "\n".join(lines)

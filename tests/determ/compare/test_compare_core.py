@@ -182,3 +182,77 @@ def test_dtype_tolerance_widens_to_a_few_ulps_of_the_narrowest_float():
     x = torch.randn(1024)
     assert judge(x, x.bfloat16(), tol=dtype_tol(DEFAULT_TOL, "bfloat16", "float32")) is True
     assert judge(x, x.bfloat16()) is False  # fp32's tolerance: bf16 rounding is a difference
+
+
+# ---------------------------------------------------------------- records one run has and the other lacks
+
+def _t(node, inputs=(), h="h", op=None, dtype="float32", kind="node", output=False):
+    """A traced record: ``h`` its fingerprint, ``op`` defaults to the node's name before '#'."""
+    op = op or (kind if kind in ("param", "input") else f"aten.{node.split('#')[0]}.default")
+    return Record(graph="eager", stage="eager", node=node, op=op, kind=kind,
+                  dtype=dtype, shape=[4], inputs=list(inputs), hash=h, extra={"outputs": [0]} if output else None)
+
+
+def _run(extra=None, relu_hash="r", x_dtype="float32"):
+    """x -> linear -> [extra] -> relu -> out; ``extra``: records inserted after linear, the last feeding relu."""
+    recs = [_t("x#0", kind="input", h="x", dtype=x_dtype), _t("w", kind="param", h="w"),
+            _t("linear#0", ["x#0", "w"], h="l")]
+    feed = "linear#0"
+    for r in extra or ():
+        recs.append(r)
+        feed = r.node
+    recs += [_t("relu#0", [feed], h=relu_hash), _t("sum#0", ["relu#0"], h=relu_hash + "s", output=True)]
+    return recs
+
+
+def test_an_op_only_one_run_has_is_the_root_not_its_consumer():
+    from determ_backend.compare import compare_traces
+    a = _run()
+    b = _run([_t("add#0", ["linear#0"], h="l+")], relu_hash="r2")
+    cmp = compare_traces(a, b)
+    assert [(p.rec.node, p.metrics.get("only_in")) for p in cmp.root_causes] == [("add#0", "b")]
+    assert cmp.summary()["first_divergence"]["only_in"] == "b"
+    relu = next(p for p in cmp.pairs if p.paired and p.a.node == "relu#0")
+    assert relu.equal is False and not relu.root_cause  # it computed right from what it was given
+    rev = compare_traces(b, a)
+    assert [(p.rec.node, p.metrics.get("only_in")) for p in rev.root_causes] == [("add#0", "a")]
+
+
+def test_a_value_preserving_extra_op_passes_its_input_on():
+    from determ_backend.compare import compare_traces
+    a = _run(relu_hash="r")
+    b = _run([_t("mul#0", ["linear#0"], h="l")], relu_hash="r2")  # h * 1.0: its input's fingerprint
+    cmp = compare_traces(a, b)
+    assert [p.rec.node for p in cmp.root_causes] == ["relu#0"]  # relu's inputs agree through the extra op
+
+
+def test_casts_only_one_run_has_blame_only_a_narrowing_below_the_other_run():
+    from determ_backend.compare import compare_traces
+    a = _run()
+    widen = compare_traces(a, _run([_t("_to_copy#0", ["linear#0"], h="l64", dtype="float64")], relu_hash="r2"))
+    assert not widen.root_causes  # widening loses nothing; relu computed right from a wider value
+    assert widen.first_divergence.rec.node == "relu#0" and not widen.first_divergence.root_cause
+    narrow = _run([_t("_to_copy#0", ["linear#0"], h="l16", dtype="bfloat16")], relu_hash="r2")
+    assert [(p.rec.node, p.metrics.get("only_in")) for p in compare_traces(a, narrow).root_causes] == \
+        [("_to_copy#0", "b")]
+
+
+def test_a_record_fed_by_another_value_than_its_partner_is_never_blamed():
+    from determ_backend.compare import compare_traces
+    a = [_t("x#0", kind="input", h="x"), _t("y#0", kind="input", h="y"), _t("neg#0", ["x#0"], h="n"),
+         _t("neg#1", ["y#0"], h="m", output=True), _t("sum#0", ["neg#0"], h="s", output=True)]
+    b = [_t("x#0", kind="input", h="x"), _t("y#0", kind="input", h="y"), _t("neg#0", ["x#0"], h="n"),
+         _t("neg#1", ["x#0"], h="n", output=True), _t("sum#0", ["neg#0"], h="s", output=True)]  # neg#1 wired to x
+    cmp = compare_traces(a, b)
+    assert cmp.divergent and not cmp.root_causes  # the runs differ in structure, not in any op's arithmetic
+    assert cmp.first_divergence.rec.node == "neg#1" and not cmp.first_divergence.root_cause
+
+
+def test_parameters_pair_by_name_only_when_the_sequence_shifts():
+    from determ_backend.compare import compare_traces
+    a = [_t("w1", kind="param", h="1"), _t("w2", kind="param", h="2"), _t("mm#0", ["w1", "w2"], h="m", output=True)]
+    b = [_t("w2", kind="param", h="2", dtype="float64"), _t("mm#0", ["w1", "w2"], h="m", output=True),
+         _t("w1", kind="param", h="1", dtype="float64")]
+    pairs = compare_traces(a, b, tol=1e-3).pairs
+    assert all(p.a.node == p.b.node for p in pairs if p.paired)  # by signature alone w1 would pair with w2
+    assert {p.a.node for p in pairs if p.paired} >= {"w2", "mm#0"}

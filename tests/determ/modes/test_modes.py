@@ -68,6 +68,27 @@ def test_identical_runs_diff_clean(tmp_path, capsys):
     assert "identical" in capsys.readouterr().out
 
 
+def test_a_hook_only_one_run_has_is_named_not_the_op_after_it(tmp_path, capsys):
+    """Run B's forward hook changes a layer's output: the hook's add is the root cause, not the relu it feeds."""
+    for name, hook in (("a", False), ("b", True)):
+        model, x = make(nondet=False)
+        if hook:
+            model.a.register_forward_hook(lambda mod, args, out: out + 1e-3)
+        with HashDebugTrace(log_path=tmp_path / f"{name}.log", module=model):
+            train_step(model, x)
+    cmp = diff_logs(tmp_path / "a.log", tmp_path / "b.log")
+    assert [(p.rec.op, p.metrics.get("only_in")) for p in cmp.root_causes] == [("aten.add.Tensor", "b")]
+    assert cmp.root_causes[0].rec.source.endswith(f"test_modes.py:{_lineno_of('out + 1e-3')}")
+    assert cli_main(["diff", str(tmp_path / "a.log"), str(tmp_path / "b.log")]) == 1
+    root = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("root cause")]
+    assert len(root) == 1 and "only B ran" in root[0] and "op=aten.add.Tensor" in root[0]
+
+
+def _lineno_of(text: str) -> int:
+    with open(__file__, encoding="utf-8") as f:
+        return next(i for i, ln in enumerate(f, 1) if text in ln and "_lineno_of" not in ln)
+
+
 def test_extra_op_does_not_misalign(tmp_path):
     traced_run(tmp_path / "a.log")
     traced_run(tmp_path / "b.log", extra=True)
