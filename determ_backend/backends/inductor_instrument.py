@@ -106,6 +106,11 @@ def _split_args(s: str) -> List[str]:
     return out
 
 
+def _is_out(arg: str) -> bool:
+    """``out=...``: the argument an extern kernel writes, not one it reads."""
+    return arg.replace(" ", "").startswith("out=")
+
+
 def _base_name(arg: str) -> Optional[str]:
     arg = arg.split("=", 1)[1].strip() if re.match(r"^\w+\s*=", arg) else arg
     m = re.match(r"^(?:reinterpret_tensor\()?([A-Za-z_]\w*)(?![\w.(])", arg.strip())
@@ -151,6 +156,7 @@ class _Planner:
         self.order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
         self.origins, self.kernels, self.display = origins, kernels, display
         self.claimed = {o["origin"] for o in origins.values() if o.get("origin")}
+        self.extern_readers: Dict[str, set] = {}  # variable -> ops of the extern/fallback kernels that read it
         self.infos: List[NodeInfo] = []
         self.writer: Dict[str, str] = {}  # variable -> record id of its current value
         self.fresh: set = set()  # variables holding freshly allocated (never written) memory
@@ -176,6 +182,10 @@ class _Planner:
         if o.get("origin") in self.nodes:
             return self.nodes[o["origin"]], None
         cands = [n for n in (o.get("origins") or []) if n in self.nodes]
+        # an input an extern or fallback kernel needed materialized lists that kernel's node among its origins:
+        # the buffer was computed for it, not by it
+        readers = self.extern_readers.get(buf, ())
+        cands = [n for n in cands if not any(_is_op(op_name(self.nodes[n]), r) for r in readers)] or cands
         cands = [n for n in cands if n not in self.claimed] or cands
         if not cands:
             cands = [n for n in self.pending_comment if n in self.nodes]
@@ -300,6 +310,9 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
     """Rewrite the wrapper's ``call`` so it captures inputs, every kernel output and the outputs."""
     body, indent, sig = _call_body(src)
     pl = _Planner(gm, origins, _kernel_outputs(src), display)
+    for line in body[1:]:
+        for var, op in _extern_reads(line.strip(), pl.kernels):
+            pl.extern_readers.setdefault(var, set()).add(op)
     out: List[str] = [body[0][indent:]]
     reused: set = set()
     unpacked = False
@@ -370,14 +383,35 @@ def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]
     m = re.match(r"^extern_kernels\.(\w+)\((.*)\)$", stripped)
     if m:
         args = _split_args(m.group(2))
-        outs = [a.split("=", 1)[1].strip() for a in args if a.replace(" ", "").startswith("out=")]
-        ins = [n for n in (_base_name(a) for a in args if not re.match(r"^\w+\s*=", a)) if n]
+        outs = [a.split("=", 1)[1].strip() for a in args if _is_out(a)]
+        ins = [n for n in (_base_name(a) for a in args if not _is_out(a)) if n]
         return [(_base_name(o), f"extern_kernels.{m.group(1)}", ins) for o in outs if _base_name(o)]
     m = re.match(r"^(buf\d+) = ([\w.]+)\((.*)\)$", stripped)
     if m and not any(m.group(2).startswith(k) for k in _NOT_KERNEL):
-        ins = [n for n in (_base_name(a) for a in _split_args(m.group(3)) if not re.match(r"^\w+\s*=", a)) if n]
+        # keyword tensors are inputs too (``attn_mask=buf0`` of a fallback attention); scalars name no variable
+        ins = [n for n in (_base_name(a) for a in _split_args(m.group(3)) if not _is_out(a)) if n]
         return [(m.group(1), m.group(2), ins)]
     return []
+
+
+def _extern_reads(stripped: str, kernels) -> List[Tuple[str, str]]:
+    """``[(variable read, op)]`` of an extern or fallback kernel call (``extern_kernels.mm`` reads as ``aten.mm``,
+    ``torch.ops.aten.x.default`` as ``aten.x.default``); nothing for generated kernels and other statements."""
+    found = []
+    for _, kernel, ins in _kernel_writes(stripped, kernels):
+        if kernel.startswith("extern_kernels."):
+            op = "aten." + kernel.split(".", 1)[1]
+        elif kernel.startswith("torch.ops."):
+            op = kernel[len("torch.ops."):]
+        else:
+            continue
+        found.extend((v, op) for v in ins)
+    return found
+
+
+def _is_op(name: str, op: str) -> bool:
+    """Whether the FX op ``name`` (``aten.mm.default``) is ``op`` (``aten.mm`` or ``aten.mm.default``)."""
+    return name == op or name.startswith(op + ".")
 
 
 def instrument_compiled(compiled, gm: fx.GraphModule, recorder_factory, origins: Dict[str, Any],

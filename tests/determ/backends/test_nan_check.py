@@ -66,6 +66,16 @@ class SavedMask(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum(1)
 
 
+class NanMaskIntoAttention(torch.nn.Module):
+    """A NaN mask passed as ``attn_mask=``: inductor's attention fallback reads it as a keyword argument."""
+
+    def forward(self, x):
+        q = x.unsqueeze(1)  # [B, 1, L, E]
+        n = x.shape[1]
+        mask = torch.where(torch.ones(n, n, dtype=torch.bool).tril(), 0.0, float("nan"))  # the creator
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
 def _line(cls, text: str) -> str:
     src, start = inspect.getsourcelines(cls.forward)
     return f"{inspect.getsourcefile(cls)}:{start + next(i for i, l in enumerate(src) if text in l)}"
@@ -167,3 +177,16 @@ def test_an_inf_mask_saved_for_the_backward_is_not_a_finding(tmp_path):
     fwd_outputs = [r for r in recs if r.stage == "aot_forward" and (r.extra or {}).get("outputs") is not None]
     assert any((r.stats or {}).get("inf") for r in fwd_outputs)  # the mask leaves the forward graph
     assert _nan_findings(report) == [] and not report["divergent"]
+
+
+@pytest.mark.slow
+def test_a_keyword_tensor_of_an_extern_kernel_is_its_input_and_the_mask_is_named_not_the_attention(tmp_path):
+    torch.manual_seed(0)
+    _, run_dir = compile_run(NanMaskIntoAttention(), (torch.randn(2, 4, 8),), "determ_inductor", tmp_path, "kw",
+                             backward=False, check="nan")
+    report = load(run_dir)[1]
+    fd = [f["first_divergence"] for f in _nan_findings(report)]
+    assert len(fd) == 1, report["findings"]
+    assert "scaled_dot_product" not in fd[0]["op"]  # the attention only consumed the NaN it was given
+    assert fd[0]["source"].startswith(_line(NanMaskIntoAttention, "# the creator"))
+    assert report["checker_errors"] == []
