@@ -31,6 +31,7 @@ from determ_backend import _torch_compat as _compat
 from determ_backend import devices
 from determ_backend.clones import clone_inputs
 from determ_backend._frames import FrameFilter
+from determ_backend.modes._args import check_bool, check_count
 from determ_backend.modes.ops import mem_key, returns_view, schema_writes, unseen, written_tensors
 from determ_backend.modes._record import FORWARD_KEY
 from determ_backend.compare import tensor_metrics
@@ -80,6 +81,8 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
 
     def __init__(self, raise_on_mismatch: bool = False, stack_depth: int = 8, warn: bool = True):
         super().__init__()
+        check_bool(raise_on_mismatch=raise_on_mismatch, warn=warn)
+        check_count("stack_depth", stack_depth, 0)
         _protect(type(self).__torch_dispatch__.__code__)
         self.raise_on_mismatch, self.stack_depth, self.warn = raise_on_mismatch, stack_depth, warn
         self.mismatches: List[Dict[str, Any]] = []
@@ -112,14 +115,15 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
         if writes is None:
             writes = self._writes[func] = schema_writes(func)
         cargs, ckwargs = clone_inputs([args, kwargs], whole_storage=True) if writes else (args, kwargs)
-        before = devices.get_rng_state()
+        gens = _generators(args, kwargs)  # a generator passed explicitly draws like the default ones
+        before = devices.get_rng_state(), [g.get_state() for g in gens]
         out1 = func(*args, **kwargs)
-        after = devices.get_rng_state()
-        devices.set_rng_state(before)
+        after = devices.get_rng_state(), [g.get_state() for g in gens]
+        _set_rng(gens, before)
         try:
             out2 = func(*cargs, **ckwargs)
         finally:
-            devices.set_rng_state(after)
+            _set_rng(gens, after)
         self.ops_checked += 1
         w1 = written_tensors(out1, writes, args, kwargs)
         w2 = written_tensors(out2, writes, cargs, ckwargs)
@@ -193,6 +197,18 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
             raise NondeterminismError(msg)
         if self.warn:
             logger.warning(msg)
+
+
+def _generators(args, kwargs) -> list:
+    """The ``torch.Generator`` objects among an op's arguments (``generator=``)."""
+    found = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)]
+    return found
+
+
+def _set_rng(gens: list, state: tuple) -> None:
+    devices.set_rng_state(state[0])
+    for g, s in zip(gens, state[1]):
+        g.set_state(s)
 
 
 def _tree_flat(args, kwargs) -> list:

@@ -36,6 +36,7 @@ from determ_backend import _torch_compat as _compat
 from determ_backend.modes._bitwise import BitwiseEquivalenceMode
 from determ_backend.modes.log import LogWriter, read_hash_log, read_hash_log_file
 from determ_backend.modes._record import OpEvent, OpRecorder
+from determ_backend.modes._args import check_bool as _check_bool, check_count as _check_count, check_path as _check_path
 from determ_backend.errors import ConfigError
 from determ_backend.compare.nonfinite import Creation, NonfiniteWatch, input_ranges
 from determ_backend.trace.stream import Record, TraceWriter
@@ -53,31 +54,6 @@ def _protect(code) -> None:
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _check_bool(**flags) -> None:
-    for name, v in flags.items():
-        if not isinstance(v, bool):
-            raise ConfigError(f"{name}={v!r}: expected True or False")
-
-
-def _check_count(name: str, v, minimum: int, optional: bool = False) -> None:
-    if optional and v is None:
-        return
-    if type(v) is not int or v < minimum:
-        expected = "a positive integer" if minimum > 0 else "a non-negative integer"
-        raise ConfigError(f"{name}={v!r}: expected {expected}{' or None' if optional else ''}")
-
-
-def _check_path(name: str, v, optional: bool = False) -> Optional[Path]:
-    if optional and v is None:
-        return None
-    if not isinstance(v, (str, os.PathLike)) or not str(v):
-        raise ConfigError(f"{name}={v!r}: expected a file name (str or path)")
-    p = Path(v)
-    if os.path.isdir(v):
-        raise ConfigError(f"{name}={str(v)!r}: is a directory; expected a file name")
-    return p
 
 
 def _same_file(a: Path, b: Path) -> bool:

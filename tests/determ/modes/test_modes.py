@@ -495,3 +495,34 @@ def test_a_mode_left_on_forgets_freed_tensors_at_each_flush():
         assert table and all(not _torch_compat.storage_expired(ent[0]) for ent in table.values())
     finally:
         mode.disable()
+
+
+def test_bitwise_mode_replays_an_explicit_generator_and_leaves_it_where_a_plain_run_would():
+    def step(g):
+        torch.rand(4, generator=g)
+        return torch.rand(4, generator=g), torch.randn(3, generator=g)
+
+    plain = step(torch.Generator().manual_seed(0))
+    with BitwiseEquivalenceMode(warn=False) as bm:
+        under = step(torch.Generator().manual_seed(0))
+    assert bm.get_mismatches() == []  # the second run drew the same numbers
+    assert all(torch.equal(p, u) for p, u in zip(plain, under))
+
+
+@pytest.mark.parametrize("kwargs", [{"stack_depth": "x"}, {"stack_depth": -1}, {"raise_on_mismatch": "yes"},
+                                    {"warn": 1}])
+def test_bitwise_mode_options_are_checked_when_made(kwargs):
+    with pytest.raises(ConfigError, match=next(iter(kwargs))):
+        BitwiseEquivalenceMode(**kwargs)
+
+
+def test_a_trace_path_under_a_regular_file_is_refused_when_the_mode_is_made(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        HashMode(trace_path=f / "t.jsonl")
+    with pytest.raises(ConfigError, match="not a directory"):
+        HashDebugTrace(log_path=f / "sub" / "a.log")
+    with HashMode(trace_path=tmp_path / "new" / "dir" / "t.jsonl"):  # missing directories are still made
+        torch.ones(2).neg()
+    assert (tmp_path / "new" / "dir" / "t.jsonl").exists()
