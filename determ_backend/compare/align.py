@@ -108,8 +108,16 @@ def _name(r: Record) -> str:
     return f"{r.node}|{r.op}"
 
 
+def _located(records: Sequence[Record]) -> bool:
+    """Whether the records are named after their source lines (the eager modes' ``op@file:function+k#n``)."""
+    return any("@" in r.node for r in records)
+
+
 def _align_by_sequence(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
-    # by name first (names are stable across runs: an extra op elsewhere renames nothing, and a run in another
-    # dtype keeps every name); inside a changed block by full signature, then records of the same op in order;
-    # the rest stay unmatched
-    return _match(a, b, _name, lambda x, y: _match(x, y, _signature, lambda x2, y2: _match(x2, y2, _op, _unmatched)))
+    # by full signature; inside a changed block, records of the same op pair in order, the rest stay unmatched
+    by_signature = lambda x, y: _match(x, y, _signature, lambda x2, y2: _match(x2, y2, _op, _unmatched))  # noqa: E731
+    if _located(a) and _located(b):
+        # names after source lines are stable across runs (an op added elsewhere renames nothing, a run in another
+        # dtype keeps every name): by name first.  FX and API names count calls, so one extra shifts them all.
+        return _match(a, b, _name, by_signature)
+    return by_signature(a, b)

@@ -62,6 +62,8 @@ class Comparison:
     """First divergences that reach no failing output (notes, never root causes)."""
     symptoms: List[Pair] = field(default_factory=list)
     """The failing outputs (or, without dependency information, every divergence)."""
+    files: Optional[Dict[str, tuple]] = None
+    """``{"a": (path, TraceFile), "b": ...}`` when the two traces were read from files (their completeness)."""
     unexplained: List[Pair] = field(default_factory=list)
     """Where no record satisfies the rule: the first live divergence of each such graph call (reported as the
     first divergence, never as a root cause)."""

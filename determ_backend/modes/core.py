@@ -180,7 +180,8 @@ class HashMode(_compat.TorchDispatchMode):
             if self._via_enable:
                 self.flush()
             else:
-                self.close()
+                # a run that raised is marked so in the files: never compared as a whole run
+                self.close(aborted=f"the run raised {exc_type.__name__}" if exc_type is not None else None)
 
     def enable(self) -> "HashMode":
         """Start (or resume) recording."""
@@ -228,8 +229,9 @@ class HashMode(_compat.TorchDispatchMode):
         """True while the mode is entered and recording."""
         return self.is_recording
 
-    def close(self) -> None:
-        """Flush, finish the trace file and warn about compiled regions that ran eagerly."""
+    def close(self, aborted: Optional[str] = None) -> None:
+        """Flush, finish the trace file and warn about compiled regions that ran eagerly.  ``aborted``: why the
+        run stopped early; the trace and log then say so, and readers report them incomplete."""
         if self._closed:
             return
         if self._on_stack:
@@ -239,7 +241,7 @@ class HashMode(_compat.TorchDispatchMode):
                                "stays on the stack (paused) until that one exits", type(self).__name__)
         self._flush(last=True)
         self._closed = True
-        self._finish()
+        self._finish(aborted)
 
     @property
     def compiled_ops(self) -> int:
@@ -281,9 +283,9 @@ class HashMode(_compat.TorchDispatchMode):
                            "trace compiled graphs use torch.compile(backend='determ_aot_eager' or "
                            "'determ_inductor') without this mode.", type(self).__name__)
 
-    def _finish(self) -> None:
+    def _finish(self, aborted: Optional[str] = None) -> None:
         if self._writer is not None:
-            self._writer.close()
+            self._writer.close(aborted)
             self._writer = None
 
     def summary(self) -> List[str]:
@@ -358,8 +360,8 @@ class HashDebugTrace(HashMode):
         if self._log is not None:
             self._log.write(events, flush=self.auto_flush)
 
-    def _finish(self) -> None:
-        super()._finish()
+    def _finish(self, aborted: Optional[str] = None) -> None:
+        super()._finish(aborted)
         if self._log is not None:
-            self._log.close(self._recorder.seq, self._notes())
+            self._log.close(self._recorder.seq, self._notes(), aborted)
             self._log = None

@@ -24,6 +24,7 @@ records, all of them even when the log is limited.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -35,6 +36,8 @@ from determ_backend.trace.jsonl import encode, open_fresh, write_all
 from determ_backend.trace.stream import Record, TraceFile
 
 __all__ = ["LogWriter", "read_hash_log", "read_hash_log_file", "MAGIC"]
+
+log = logging.getLogger(__name__)
 
 MAGIC = "# determ hash log v1"
 _RULE = "    " + "-" * 60
@@ -143,11 +146,12 @@ class LogWriter:
         out.append(_RULE)
         return out
 
-    def close(self, total: int, notes: List[str] = ()) -> None:
-        """Write the footer: ``total`` records in the run, ``notes`` (one comment line each), the end line."""
+    def close(self, total: int, notes: List[str] = (), aborted: Optional[str] = None) -> None:
+        """Write the footer: ``total`` records in the run, ``notes`` (one comment line each), the end line;
+        ``aborted``: why the run stopped early (the log is then read as incomplete)."""
         if self._fd is None:
             return
-        lines = [f"# records in the run: {total}"]
+        lines = [f"# records in the run: {total}"] + ([f"# aborted: {aborted}"] if aborted else [])
         if self.limited:
             lines.append(f"# records in this log: {self.records} (limited by max_ops_logged={self.max_ops}; "
                          f"the JSONL trace has all {total})")
@@ -187,7 +191,9 @@ def read_hash_log_file(path: Union[str, Path], allow_partial: bool = False) -> T
         limited = f"text log cut at {parser.limited}: it holds the first {len(parser.records)} records"
         if parser.total is not None:
             limited += f" of {parser.total}"
-    return TraceFile(p, parser.records, complete=parser.end is not None, limited=limited)
+    if parser.aborted is not None:
+        log.warning("%s: incomplete HashDebugTrace log: %s", p, parser.aborted)
+    return TraceFile(p, parser.records, complete=parser.end is not None and parser.aborted is None, limited=limited)
 
 
 class _Parser:
@@ -198,6 +204,7 @@ class _Parser:
         self.end: Optional[int] = None
         self.limited: Optional[str] = None  # "max_ops_logged=N" once the log says its limit was reached
         self.total: Optional[int] = None  # records in the whole run, from the footer
+        self.aborted: Optional[str] = None  # why the run stopped early, when the footer says so
         self._block: Optional[dict] = None
 
     def _bad(self, lineno: int, what: str) -> TraceFormatError:
@@ -230,6 +237,8 @@ class _Parser:
                 raise self._bad(lineno, "bad end line") from None
         elif text.startswith("log limit reached"):
             self.limited = text.partition(": ")[2].partition(";")[0] or "max_ops_logged"
+        elif text.startswith("aborted: "):
+            self.aborted = text[len("aborted: "):]
         elif text.startswith(("records in the run: ", "records: ")):
             self.total = _int_or_none(text.rpartition(": ")[2])
 

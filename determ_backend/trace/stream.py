@@ -267,8 +267,12 @@ class TraceWriter:
     def flush(self) -> None:
         """Nothing to do: every :meth:`write` is on disk when it returns (kept for callers that flush)."""
 
-    def close(self) -> None:
-        self._stream.close()
+    def close(self, aborted: Optional[str] = None) -> None:
+        """Write the footer; ``aborted``: why the run stopped early (the trace is then read as incomplete)."""
+        if aborted:
+            self._stream.close(complete=False, cut=aborted)
+        else:
+            self._stream.close()
 
     def __enter__(self) -> "TraceWriter":
         return self

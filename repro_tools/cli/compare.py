@@ -4,7 +4,8 @@ The same comparison as :func:`determ_backend.dump.compare` (or, with
 ``--distributed``, :func:`~determ_backend.dump.compare_distributed`): the CSV and the
 advisor text go into OUT, the analysis (root cause) and the files' paths to stdout, so
 a script or CI job can gate on the exit code without writing Python.
-Exit 0: no divergence; 1: a divergence (in any rank); 2: bad input or usage.
+Exit 0: no divergence; 1: a divergence (in any rank), or a dump cut short (killed, out of room) with calls
+it never wrote (the runs are not shown to agree); 2: bad input or usage.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Pair the API calls of two dumps written by determ_backend.dump, judge every "
                                    "tensor and name the root cause: the first API whose inputs match while its "
                                    "output does not.  Writes ptdbg's compare_result CSV and the advisor text into "
-                                   "OUT.  Exit 0: no divergence; 1: a divergence; 2: bad input.")
+                                   "OUT.  Exit 0: no divergence; 1: a divergence, or a dump cut short with calls it never wrote; "
+                                   "2: bad input.")
     p.add_argument("npu", metavar="NPU_DUMP",
                    help="the dump under test: its index (*.pkl) or the rank directory holding it; with "
                         "--distributed, the directory holding rank0, rank1, ...")
@@ -76,6 +78,8 @@ def _summary(cmp: DumpComparison) -> Dict[str, Any]:
         "root_cause": root.a["name"] if root else None,
         "root_cause_bench": root.b["name"] if root else None,
         "root_causes": len(cmp.root_causes),
+        "unpaired": cmp.unpaired,
+        "partial": cmp.partial,
         "first_divergence": first.name if first else None,
         "verdict": "bitwise" if cmp.exact else "tolerance",
         "csv": str(cmp.csv_path),
@@ -98,11 +102,12 @@ def run_compare(args: argparse.Namespace) -> int:
         param = {"npu_pkl_path": args.npu, "bench_pkl_path": args.bench, "is_print_compare_log": False}
         results = [compare(param, args.output, suffix=args.suffix, **kw)]
     divergent = any(c.divergent for c in results)
+    status = 0 if all(c.shown_to_agree for c in results) else 1
     if args.json:
         summary = _summary(results[0]) if not args.distributed else {
             "divergent": divergent, "ranks": [_summary(c) for c in results]}
         print(json.dumps(summary, indent=2))
-        return 1 if divergent else 0
+        return status
     for c in results:
         head = f"rank {c.rank}: " if c.rank is not None else ""
         print(f"{head}{c.analysis}")
@@ -110,4 +115,4 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.distributed:
         bad = [str(c.rank) for c in results if c.divergent]
         print(f"ranks divergent: {', '.join(bad)}" if bad else "no rank diverges")
-    return 1 if divergent else 0
+    return status

@@ -89,8 +89,9 @@ def diff_summary(cmp: Comparison, files: Dict[str, tuple]) -> Dict[str, Any]:
             notes.append(f"{side.upper()} ({path}): {tf.limited}; only those are compared, so the runs are not "
                          f"shown identical (diff the .jsonl traces for the whole run)")
         if not tf.complete:
-            notes.append(f"{side.upper()} ({path}): partial trace (the producer died); compared as far as it goes")
-    s["identical"] = bool(s["identical"] and not any(tf.limited for _, tf in files.values()))
+            notes.append(f"{side.upper()} ({path}): partial trace (the run died or raised); compared as far as it "
+                         f"goes, so the runs are not shown identical")
+    s["identical"] = bool(s["identical"] and not any(tf.limited or not tf.complete for _, tf in files.values()))
     s["notes"] = notes
     return s
 

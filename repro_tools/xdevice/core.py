@@ -39,7 +39,7 @@ from determ_backend.devices import parse_device_spec, require
 from determ_backend.errors import ConfigError, ReproError
 from determ_backend.trace.store import store_for
 
-from repro_tools.cli.diff import format_table
+from repro_tools.cli.diff import diff_summary, format_table
 
 __all__ = ["register", "run", "compare_repro", "compare_trace_pair", "compare_script"]
 
@@ -107,9 +107,12 @@ def compare_repro(path: str, specs: Tuple[str, ...], tol: float) -> Tuple[Compar
 
 
 def compare_trace_pair(a: str, b: str, tol: float) -> Comparison:
-    from repro_tools.cli.trace_formats import load_any
+    from repro_tools.cli.trace_formats import load_file
 
-    return compare_traces(load_any(a), load_any(b), tol=tol, store_a=store_for(a), store_b=store_for(b))
+    fa, fb = load_file(a), load_file(b)
+    cmp = compare_traces(fa.records, fb.records, tol=tol, store_a=store_for(a), store_b=store_for(b))
+    cmp.files = {"a": (a, fa), "b": (b, fb)}
+    return cmp
 
 
 def _label(i: int, spec: str) -> str:
@@ -198,10 +201,10 @@ def _minify(gm, inputs, specs: Tuple[str, ...], tol: float, out: Path) -> Dict[s
     return dict(minify(gm, inputs, spec, out_dir=out).summary)
 
 
-def _print(cmp: Comparison, specs: Tuple[str, ...], limit: int) -> None:
+def _print(cmp: Comparison, specs: Tuple[str, ...], limit: int, summary: Dict[str, Any]) -> None:
     if specs:
         print(f"devices: a={specs[0]}  b={specs[1]}")
-    print(format_table(cmp, limit))
+    print(format_table(cmp, limit, summary))
     fd = cmp.first_divergence
     if fd is not None and fd.metrics:
         m = fd.metrics
@@ -237,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out or "determ_xdevice")
         cmp = compare_script(args.targets[0], script_args, specs, args.tol, out, args.backend)
         summary["runs"] = str(out)
-    summary.update(cmp.summary(["xdevice"]))
+    summary.update(cmp.summary(["xdevice"]) if cmp.files is None else diff_summary(cmp, cmp.files))
+    summary["checks"] = ["xdevice"]
     if not summary["pairs"]:  # nothing was compared: never "the devices agree"
         raise ConfigError(f"{args.targets[0]}: no record of one side pairs with the other "
                               f"({summary['unmatched_a']} vs {summary['unmatched_b']} records); expected runs of "
@@ -247,9 +251,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
-        _print(cmp, specs, args.limit)
+        _print(cmp, specs, args.limit, summary)
         if "minify" in summary:
             s = summary["minify"]
             print(f"minified: {s['nodes_before']} -> {s['nodes_after']} nodes, {s['queries']} queries, "
                   f"{s['seconds']:.1f} s; repro: {s['repro_path']}")
-    return 1 if cmp.divergent else 0
+    # a side whose run died or raised shows nothing about the records it never wrote
+    partial = cmp.files is not None and not all(tf.complete for _, tf in cmp.files.values())
+    return 1 if cmp.divergent or partial else 0

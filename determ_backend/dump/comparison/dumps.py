@@ -108,6 +108,19 @@ class DumpComparison:
     def divergent(self) -> bool:
         return self.first_divergence is not None
 
+    partial: bool = False
+    """A dump was cut short (its writer killed, or out of room): what it never wrote is not compared."""
+
+    @property
+    def unpaired(self) -> int:
+        """Calls present in one dump only."""
+        return sum(1 for p in self.pairs if p.a is None or p.b is None)
+
+    @property
+    def shown_to_agree(self) -> bool:
+        """No divergence, and no dump cut short with calls left unpaired: the runs agree as far as dumps can say."""
+        return not self.divergent and not (self.partial and self.unpaired)
+
 
 def _to_record(e: Dict[str, Any], side: str, i: int) -> Record:
     shapes = [t.get("shape") for t in e.get("outputs", []) if "shape" in t]
@@ -277,7 +290,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
             for r in pa.rows:
                 if r["_io"] == "outputs" and r["_match"] is False:
                     r["Root Cause"] = "Yes"
-    return DumpComparison(pairs, exact)
+    return DumpComparison(pairs, exact, partial=any(d.partial or d.cut for d in (da, db)))
 
 
 def _warn_missing_payloads(d: Dump) -> None:
@@ -398,8 +411,9 @@ def analysis(cmp: DumpComparison) -> str:
         else:
             lines.append("  (the model inputs differ, or the culprit was not dumped)")
     else:
-        unmatched = sum(1 for p in cmp.pairs if p.a is None or p.b is None)
-        lines = [f"no divergence: every paired API agrees ({unmatched} unpaired calls)"]
+        lines = [f"no divergence: every paired API agrees ({cmp.unpaired} unpaired calls)" if cmp.shown_to_agree
+                 else f"no divergence among the paired APIs, but a dump was cut short and {cmp.unpaired} calls are "
+                      f"in one dump only: the runs are not shown to agree"]
     return "\n".join(lines)
 
 

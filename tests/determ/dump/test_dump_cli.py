@@ -321,8 +321,11 @@ def test_killed_dump_compares_up_to_its_last_complete_entry(killed, tmp_path, ca
     assert not cmp.divergent and sum(1 for p in cmp.pairs if p.a is not None and p.b is not None) == n
     assert any(isinstance(r["Cosine"], float) for r in cmp.rows)  # payloads of the killed dump are read
     caplog.clear()
-    assert main(["compare", str(index.parent), str(whole), "-o", str(tmp_path / "cli")]) == 0
-    assert len(_warnings(caplog)) == 1 and "no divergence" in capsys.readouterr().out
+    assert cmp.partial and not cmp.shown_to_agree
+    # the calls the killed run never dumped are not shown to agree: exit 1, with the reason
+    assert main(["compare", str(index.parent), str(whole), "-o", str(tmp_path / "cli")]) == 1
+    out = capsys.readouterr().out
+    assert len(_warnings(caplog)) == 1 and "not shown to agree" in out and "cut short" in out
 
 
 def test_killed_dump_with_a_cut_last_line(killed, tmp_path, caplog):

@@ -15,7 +15,7 @@ from determ_backend.compare import compare_traces
 from determ_backend.errors import ConfigError, NondeterminismError, TraceFormatError
 from determ_backend.modes.core import BitwiseEquivalenceMode, HashDebugTrace, HashMode, read_hash_log, read_hash_log_file
 from determ_backend.fingerprint.core import hash_tensor
-from determ_backend.trace.stream import format_hash, read_trace
+from determ_backend.trace.stream import format_hash, read_trace, read_trace_file
 from eager_helpers import (diff_logs, eager_nd_backward, eager_nd_rowsum, flip_nan_payload, flip_zero_sign, make,
                            nodes, root_ops, traced_run, train_step)
 from repro_tools.cli import main as cli_main
@@ -526,3 +526,22 @@ def test_a_trace_path_under_a_regular_file_is_refused_when_the_mode_is_made(tmp_
     with HashMode(trace_path=tmp_path / "new" / "dir" / "t.jsonl"):  # missing directories are still made
         torch.ones(2).neg()
     assert (tmp_path / "new" / "dir" / "t.jsonl").exists()
+
+
+def test_a_run_that_raised_is_marked_incomplete_and_never_diffs_identical(tmp_path, capsys):
+    for name in ("a", "b"):
+        with pytest.raises(RuntimeError, match="blew up"):
+            with HashDebugTrace(log_path=tmp_path / f"{name}.log"):
+                torch.ones(4).relu()
+                raise RuntimeError("the step blew up")
+    log, trace = read_hash_log_file(tmp_path / "a.log"), read_trace_file(tmp_path / "a.jsonl")
+    assert not log.complete and not trace.complete and len(log.records) == len(trace.records) > 0
+    for ext in ("log", "jsonl"):
+        assert cli_main(["diff", str(tmp_path / f"a.{ext}"), str(tmp_path / f"b.{ext}")]) == 1
+        out = capsys.readouterr().out
+        assert "partial trace (the run died or raised)" in out and "\nidentical" not in out
+    from repro_tools.cli import main as tools_main
+    assert tools_main(["xdevice", f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"]) == 1  # not "the devices agree"
+    with HashDebugTrace(log_path=tmp_path / "c.log"):  # a run that ends normally is complete
+        torch.ones(4).relu()
+    assert read_hash_log_file(tmp_path / "c.log").complete
