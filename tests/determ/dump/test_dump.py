@@ -446,3 +446,30 @@ def test_a_read_only_dump_path_is_refused_when_set(tmp_path):
             dump.set_dump_path(ro / "d")
     finally:
         ro.chmod(0o755)
+
+
+class _Upcasts(torch.nn.Module):
+    """Float32 work on bfloat16 data: a rotary-style product of a float32 buffer, a softmax computed in float32,
+    and the output cast up: all exact or float32 ops, innocent in a bfloat16-vs-float32 comparison."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)))
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        freqs = torch.arange(16).float()[:, None] * self.inv_freq.float()
+        h = self.proj(x)
+        scores = torch.softmax(h @ h.transpose(-1, -2), -1, dtype=torch.float32)
+        return freqs.sum() + scores.sum() + h.float().sum()
+
+
+def test_bfloat16_against_float32_blames_no_float32_op_or_exact_cast(tmp_path):
+    def run(tag, dtype):
+        torch.manual_seed(0)
+        net, x = _Upcasts(), torch.randn(16, 16)
+        net, x = net.to(dtype), x.to(dtype)
+        return dump_run(tmp_path, tag, net, step=lambda n: n(x))
+
+    cmp = compare_two(run("bf16", torch.bfloat16), run("fp32", torch.float32), tmp_path / "out")
+    assert not cmp.divergent and cmp.root_causes == [], [p.name for p in cmp.root_causes]
