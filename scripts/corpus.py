@@ -169,8 +169,7 @@ def witness(spec: Dict[str, str]) -> Dict[str, Any]:
             model.eval()
             with torch.no_grad():
                 out = compiled(**inputs)
-            t = getattr(out, "logits", None)
-            values["output"] = (t if t is not None else out[0] if isinstance(out, (tuple, list)) else out).clone()
+            values["output"] = real_models.first_tensor(out).clone()
         else:
             model.train()
             loss = real_models.loss_of(compiled(**inputs))
