@@ -165,8 +165,53 @@ def _has_random_ops(gm: fx.GraphModule) -> bool:
     return False
 
 
+_MAX_UPSTREAM = 8
+"""Steps a root found innocent is followed upstream (one eager replay each)."""
+
+
+def _move_innocent_roots(cmp: Comparison, confirmation: "_Confirmation", ref: Dict[str, Any],
+                         ref64: Dict[str, Any]) -> None:
+    """A root whose node computes its compiled value from its compiled inputs is innocent: its error came in
+    through inputs that passed the absolute tolerance because they are small (``relu(x) * 1e-4`` feeding a
+    matmul).  The root moves to those inputs, step by step, while each is innocent in turn."""
+    by_node = {p.rec.node: p for p in cmp.pairs}
+    roots: List[Pair] = []
+    for p in cmp.root_causes:
+        for _ in range(_MAX_UPSTREAM):
+            if confirmation.innocent(p) is not True:
+                break
+            upstream = confirmation.carriers(p, by_node)
+            if len(upstream) != 1:  # several inputs (or none recorded) carry the error in: say so, stay here
+                p.metrics["computes_right_from_its_inputs"] = True
+                break
+            p.root_cause = False
+            p.metrics["computes_right_from_its_inputs"] = True
+            p = upstream[0]
+            if p.equal is not False:  # it passed only on the absolute tolerance
+                got, name = confirmation.result.values.get(p.rec.node), _ref_name(p.rec)
+                p.equal = False
+                p.metrics = dict(_accuracy_metrics(got, ref[name], ref64.get(name)), within_absolute_tol_only=True)
+            p.reaches_output = True
+        p.root_cause = True
+        if p not in roots:
+            roots.append(p)
+    cmp.root_causes[:] = roots
+
+
 _MAX_NARROW = 2
 """Roots narrowed inside their fused kernel per graph call (one compile each)."""
+
+
+def _close_to_scale(exp: Any, got: Any, tol: float) -> Optional[bool]:
+    """``got`` within ``tol`` of ``exp`` relative to ``exp``'s largest magnitude (an absolute tolerance passes any
+    two tensors that are small enough); None when they are not two floating tensors of one shape."""
+    if not (isinstance(exp, torch.Tensor) and isinstance(got, torch.Tensor)) or exp.shape != got.shape:
+        return None
+    if not (exp.is_floating_point() and got.is_floating_point()):
+        return None
+    e, g = exp.detach().double().cpu(), got.detach().double().cpu()
+    scale = float(e.abs().nan_to_num(posinf=0.0, neginf=0.0).max()) if e.numel() else 0.0
+    return bool(torch.allclose(e, g, atol=tol * scale, rtol=tol, equal_nan=True))
 
 
 def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.Tensor]) -> Dict[str, Any]:
@@ -189,6 +234,51 @@ class _Confirmation:
 
     def confirm(self, candidates: List[Pair]) -> List[Optional[bool]]:
         return [self._one(p) for p in candidates]
+
+    def innocent(self, p: Pair) -> Optional[bool]:
+        """Whether ``p``'s node computes its compiled value from the compiled values of its inputs: the eager
+        graph is replayed with every input that has a compiled value substituted, and the node's replayed value
+        is compared with its compiled one relative to its size.  True: the error came in through inputs that
+        passed the tolerance only because they are small; None: cannot tell."""
+        node = self._node(p)
+        value = self.result.values.get(p.rec.node)
+        if node is None or not isinstance(value, torch.Tensor):
+            return None
+        inject = {}
+        for inp in node.all_input_nodes:
+            got = self.result.values.get(inp.name)
+            if isinstance(got, torch.Tensor) and inp.op != "placeholder" and self._holds(inp.name):
+                inject[inp.name] = got
+        if not inject:
+            return None
+        try:
+            replayed = replay(self.ex.reference_gm, self.args, self.rng, inject=inject).get(node.name)
+        except Exception as e:
+            log.info("determ accuracy: replay of %s from its compiled inputs failed (%s)", node.name, e)
+            return None
+        return _close_to_scale(replayed, value, self.ex.config.tol)
+
+    def carriers(self, p: Pair, by_node: Dict[str, Pair]) -> List[Pair]:
+        """The pairs of ``p``'s inputs whose compiled values differ from eager's relative to their size."""
+        node = self._node(p)
+        found = []
+        for inp in (node.all_input_nodes if node is not None else ()):
+            q = by_node.get(inp.name)
+            got, exp = self.result.values.get(inp.name), self.ref.get(inp.name)
+            if q is not None and inp.op != "placeholder" and _close_to_scale(exp, got, self.ex.config.tol) is False:
+                found.append(q)
+        return found
+
+    def _node(self, p: Pair) -> Optional[fx.Node]:
+        name = _ref_name(p.rec)
+        if name is None or p.rec.kind != "node":
+            return None
+        return next((n for n in self.ex.reference_gm.graph.nodes if n.name == name), None)
+
+    def _holds(self, name: str) -> bool:
+        """Whether the compiled value recorded as ``name`` is that node's whole value."""
+        rec = next((r for r in self.result.records if r.node == name), None)
+        return rec is not None and _ref_name(rec) == name
 
     def _one(self, p: Pair) -> Optional[bool]:
         rec = p.rec
@@ -325,6 +415,8 @@ class GraphExec:
         confirmation = _Confirmation(self, eager_args, rng_state, result, ref, ref64)
         cmp = find_roots(pairs, mode=f"fp64 tol={self.config.tol:g}", strict=self.config.strict,
                          confirm=confirmation.confirm)
+        if cmp.root_causes:
+            _move_innocent_roots(cmp, confirmation, ref, ref64)
         if cmp.divergent and self.compile_region is not None:
             self._narrow(cmp, ref, ref64)
         if cmp.divergent:

@@ -117,6 +117,45 @@ def test_accuracy_check_names_injected_relu_bug_inside_its_fused_kernel(tmp_path
     assert rep.snippet["line"] == 10 and "torch.relu" in dict(rep.snippet["lines"])[10]
 
 
+_SMALL_VALUE_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import torch._inductor.config as ic
+    ic.cpp.inject_relu_bug_TESTING_ONLY = "accuracy"
+    torch.manual_seed(0)
+    class M(torch.nn.Module):
+        def __init__(s):
+            super().__init__(); s.w = torch.nn.Parameter(torch.ones(512, 64))
+        def forward(s, x):
+            b = torch.relu(x) * 1e-4
+            return b @ s.w
+    f = torch.compile(M(), backend="determ_inductor", options={"dir": sys.argv[1], "run_id": "small", "check": "accuracy"})
+    with torch.no_grad():
+        f(torch.randn(64, 512))
+""")
+
+
+def test_a_wrong_value_too_small_for_the_absolute_tolerance_is_blamed_not_the_matmul_it_feeds(tmp_path):
+    """``relu(x) * 1e-4`` with the injected relu bug is off by ~1e-4, within tol=1e-3 in absolute terms; the mm
+    summing 512 of them fails.  The mm computes exactly what it should from the values it was given: the root
+    moves to the small buffer, and narrowing names the relu inside its kernel."""
+    script = tmp_path / "small.py"
+    script.write_text(_SMALL_VALUE_SCRIPT)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    _, report = load(tmp_path / "small")
+    roots = report["findings"][0]["root_causes"]
+    assert [(x["node"], x["op"]) for x in roots] == [("relu", "aten.relu.default")], roots
+    assert "small.py:10" in roots[0]["source"] and roots[0]["kernel"]["record"] == "mul"
+    mm = [p for p in _pairs(tmp_path / "small") if p["node"] == "mm"]
+    assert mm and not mm[0]["root_cause"] and mm[0]["metrics"].get("computes_right_from_its_inputs")
+
+
+def _pairs(run_dir):
+    files = sorted(run_dir.glob("pairs-*.jsonl"))
+    return [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+
+
 def test_inductor_determinism_check_names_the_nondeterministic_fallback_kernel(tmp_path):
     from backend_helpers import NondetModel
 
