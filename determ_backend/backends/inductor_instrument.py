@@ -368,7 +368,35 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
             pl.link_siblings(added)
         if writes:
             pl.pending_comment = []
+    _name_last_writes(pl.infos)
     return InstrumentedCall("\n".join(out) + "\n", pl.infos, sig, frozenset(reused))
+
+
+def _name_last_writes(infos: List[NodeInfo]) -> None:
+    """A buffer that several kernels write in turn holds its node's value after the last one (a zero fill, then
+    an accumulation): that write gets the node's name, the earlier ones ``name#k`` labelled partial.  Inputs
+    that read the buffer in between are renamed with them (they read what was there then)."""
+    writes: Dict[str, List[int]] = {}
+    for i, info in enumerate(infos):
+        ex = info.extra or {}
+        if info.kind == "node" and not ex.get("holds"):
+            writes.setdefault(info.node.split("#", 1)[0], []).append(i)
+    rename: Dict[str, str] = {}
+    for base, idx in writes.items():
+        if len(idx) < 2 or infos[idx[0]].node != base or len({(infos[i].extra or {}).get("buffer") for i in idx}) != 1:
+            continue
+        names = [infos[i].node for i in idx]
+        for k, i in enumerate(idx):
+            new = base if k == len(idx) - 1 else f"{base}#{k + 1}"
+            rename[names[k]] = new
+            extra = dict(infos[i].extra or {})
+            if new != base:
+                extra.update(holds="partial", of=base)
+            infos[i] = dataclasses.replace(infos[i], node=new, extra=extra)
+    if rename:
+        for i, info in enumerate(infos):
+            if any(x in rename for x in info.inputs):
+                infos[i] = dataclasses.replace(info, inputs=tuple(rename.get(x, x) for x in info.inputs))
 
 
 def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]]) -> List[Tuple[str, str, List[str]]]:

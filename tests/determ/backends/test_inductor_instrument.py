@@ -109,3 +109,46 @@ def test_outputs_reuse_a_capture_only_while_nothing_can_have_written_it():
     assert f"_determ_capture({index['output.3']}, _determ_out[3])" in src  # written in place by a fallback
     assert f"_determ_capture({index['output.4']}, _determ_out[4])" in src  # a reinterpreted view
     assert plan.reused == {index['add'], index['primals_1']}
+
+
+_ZERO_FILL_THEN_ACCUMULATE = """
+cpp_fused_zero_0 = async_compile.cpp_pybinding(['float*'], r'''
+extern "C"  void kernel(float* out_ptr0)
+{
+}
+''')
+cpp_fused_accumulate_1 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''
+extern "C"  void kernel(const float* in_ptr0,
+                       float* in_out_ptr0)
+{
+}
+''')
+
+
+def call(args):
+    arg0_1, = args
+    args.clear()
+    buf0 = empty_strided_cpu((4, 8), (8, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [acc], Original ATen: [aten.index_put]
+    cpp_fused_zero_0(buf0)
+    # Topologically Sorted Source Nodes: [acc], Original ATen: [aten.index_put]
+    cpp_fused_accumulate_1(arg0_1, buf0)
+    del arg0_1
+    return (buf0, )
+"""
+
+
+def test_a_buffer_written_twice_is_its_node_after_the_last_write():
+    """Inductor zero-fills an embedding gradient's buffer, then accumulates into it: the zeros are a partial
+    value, the accumulated buffer is the node's (judged against eager's gradient)."""
+    g = fx.Graph()
+    x = g.placeholder("arg0_1")
+    acc = g.call_function(aten.relu.default, (x,))  # stands for the accumulation
+    acc.name = "acc"
+    g.output((acc,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    plan = plan_call(_ZERO_FILL_THEN_ACCUMULATE, gm, {"buf0": {"origin": "acc", "origins": ["acc"]}}, display={})
+    nodes = [(i.node, (i.extra or {}).get("holds"), i.inputs) for i in plan.infos if i.kind == "node"]
+    assert nodes == [("acc#1", "partial", ()), ("acc", None, ("arg0_1", "acc#1"))]
+    out = next(i for i in plan.infos if i.kind == "output")
+    assert out.inputs == ("acc",)
