@@ -244,11 +244,7 @@ class _Confirmation:
         value = self.result.values.get(p.rec.node)
         if node is None or not isinstance(value, torch.Tensor):
             return None
-        inject = {}
-        for inp in node.all_input_nodes:
-            got = self.result.values.get(inp.name)
-            if isinstance(got, torch.Tensor) and inp.op != "placeholder" and self._holds(inp.name):
-                inject[inp.name] = got
+        inject = {n.name: self.result.values[n.name] for n in self._frontier(node)}
         if not inject:
             return None
         try:
@@ -262,11 +258,26 @@ class _Confirmation:
         """The pairs of ``p``'s inputs whose compiled values differ from eager's relative to their size."""
         node = self._node(p)
         found = []
-        for inp in (node.all_input_nodes if node is not None else ()):
+        for inp in (self._frontier(node) if node is not None else ()):
             q = by_node.get(inp.name)
             got, exp = self.result.values.get(inp.name), self.ref.get(inp.name)
-            if q is not None and inp.op != "placeholder" and _close_to_scale(exp, got, self.ex.config.tol) is False:
+            if q is not None and _close_to_scale(exp, got, self.ex.config.tol) is False:
                 found.append(q)
+        return found
+
+    def _frontier(self, node: fx.Node, limit: int = 64) -> List[fx.Node]:
+        """The nearest nodes upstream of ``node`` whose whole compiled value was captured: its inputs, looked
+        through the views and fused nodes that have no buffer of their own (graph inputs end the walk)."""
+        found, seen, stack = [], set(), list(node.all_input_nodes)
+        while stack and len(seen) < limit:
+            n = stack.pop(0)
+            if n.name in seen or n.op == "placeholder":
+                continue
+            seen.add(n.name)
+            if isinstance(self.result.values.get(n.name), torch.Tensor) and self._holds(n.name):
+                found.append(n)
+            else:
+                stack.extend(n.all_input_nodes)
         return found
 
     def _node(self, p: Pair) -> Optional[fx.Node]:
@@ -595,11 +606,14 @@ class GraphExec:
         """Roots written by a kernel that fused several nodes are narrowed to the node that diverges when
         the kernel's region is compiled alone (:mod:`determ_backend.backends.narrow`)."""
         judged = {n for n in (_ref_name(q.rec) for q in cmp.pairs if q.equal is not None) if n}
+        by_node = {q.rec.node: q.rec for q in cmp.pairs}
         for p in cmp.root_causes[:_MAX_NARROW]:
             rec = p.rec
             kernel = (rec.extra or {}).get("kernel")
             name = _ref_name(rec)
-            if rec.kind != "node" or not kernel or name is None:
+            if rec.kind == "output":  # a graph output written by a fused kernel: narrow the node it returns
+                kernel, name = self._output_kernel(rec, by_node)
+            if not kernel or name is None or rec.kind not in ("node", "output"):
                 continue
             try:
                 found = narrow.narrow_root(self.reference_gm, name, judged, ref, ref64, self.compile_region,
@@ -614,6 +628,51 @@ class GraphExec:
             if found.node is not None:
                 p.inside["metrics"] = _accuracy_metrics(found.value, ref[found.node.name],
                                                         ref64.get(found.node.name))
+        culprits = {(p.inside or {}).get("node") or _ref_name(p.rec) for p in cmp.root_causes if p.rec.kind == "node"}
+        seen, keep = set(), []
+        for p in cmp.root_causes:  # two roots narrowed to one node (a buffer and an output it feeds) are one
+            key = (p.inside or {}).get("node") or p.rec.node
+            if key in seen or (p.rec.kind == "output" and not p.inside
+                               and culprits & self._unjudged_upstream(p.rec, by_node, judged)):
+                p.root_cause = False  # an output fed, through values nobody judged, by a culprit already named
+                continue
+            seen.add(key)
+            keep.append(p)
+        cmp.root_causes[:] = keep
+
+    def _unjudged_upstream(self, rec: Record, by_node: Dict[str, Record], judged: set) -> set:
+        """FX nodes behind a graph output through values that were not judged (fused, partial, views)."""
+        _, name = self._output_kernel(rec, by_node)
+        if name is None:
+            try:
+                k = int(rec.node.rsplit(".", 1)[1])
+                out = next(n for n in self.reference_gm.graph.nodes if n.op == "output").args[0]
+                name = (out[k] if isinstance(out, (tuple, list)) else out).name
+            except (ValueError, IndexError, StopIteration, TypeError, AttributeError):
+                return set()
+        start = next((n for n in self.reference_gm.graph.nodes if n.name == name), None)
+        found, stack = set(), [start] if start is not None else []
+        while stack and len(found) < 512:
+            n = stack.pop()
+            if n.name in found:
+                continue
+            found.add(n.name)
+            if n is start or n.name not in judged:
+                stack.extend(n.all_input_nodes)
+        return found
+
+    def _output_kernel(self, rec: Record, by_node: Dict[str, Record]) -> tuple:
+        """``(kernel, FX node)`` of a graph output record: the kernel that wrote the buffer it returns, and the
+        node the graph returns at that position; ``(None, None)`` when either is unknown."""
+        src = by_node.get(rec.inputs[0]) if len(rec.inputs) == 1 else None
+        kernel = (src.extra or {}).get("kernel") if src is not None else None
+        try:
+            k = int(rec.node.rsplit(".", 1)[1])
+            out = next(n for n in self.reference_gm.graph.nodes if n.op == "output").args[0]
+            node = out[k] if isinstance(out, (tuple, list)) else out
+        except (ValueError, IndexError, StopIteration, TypeError):
+            return None, None
+        return (kernel, node.name) if kernel and isinstance(node, fx.Node) else (None, None)
 
     def _judge(self, exp: Any, got: Any, e64: Any) -> Optional[bool]:
         """Accuracy verdict on one value: the configured criterion, non-floating values exactly (whether
