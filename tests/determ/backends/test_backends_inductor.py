@@ -89,15 +89,21 @@ _ACCURACY_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_accuracy_check_names_injected_relu_bug_inside_its_fused_kernel(tmp_path):
-    """Inductor fuses mul, relu, add and tanh into one kernel that stores only the tanh: the buffer's
-    region is compiled alone with every node an output, and the relu is the node that diverges."""
-    script = tmp_path / "acc.py"
-    script.write_text(_ACCURACY_SCRIPT)
+def _run_script(tmp_path, name: str, source: str):
+    """Run ``source`` as ``<name>.py`` in a process of its own (inductor's config flag plants the bug there);
+    ``(completed process, report of run <name>)``."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(source)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
-    _, report = load(tmp_path / "acc")
+    return r, load(tmp_path / name)[1]
+
+
+def test_accuracy_check_names_injected_relu_bug_inside_its_fused_kernel(tmp_path):
+    """Inductor fuses mul, relu, add and tanh into one kernel that stores only the tanh: the buffer's
+    region is compiled alone with every node an output, and the relu is the node that diverges."""
+    r, report = _run_script(tmp_path, "acc", _ACCURACY_SCRIPT)
     fd = report["first_divergence"]
     assert report["divergent"] and fd["check"] == "accuracy"
     assert fd["op"] == "aten.relu.default" and fd["node"] == "relu"
@@ -138,12 +144,7 @@ def test_a_wrong_value_too_small_for_the_absolute_tolerance_is_blamed_not_the_ma
     """``relu(x) * 1e-4`` with the injected relu bug is off by ~1e-4, within tol=1e-3 in absolute terms; the mm
     summing 512 of them fails.  The mm computes exactly what it should from the values it was given: the root
     moves to the small buffer, and narrowing names the relu inside its kernel."""
-    script = tmp_path / "small.py"
-    script.write_text(_SMALL_VALUE_SCRIPT)
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr
-    _, report = load(tmp_path / "small")
+    _, report = _run_script(tmp_path, "small", _SMALL_VALUE_SCRIPT)
     roots = report["findings"][0]["root_causes"]
     assert [(x["node"], x["op"]) for x in roots] == [("relu", "aten.relu.default")], roots
     assert "small.py:10" in roots[0]["source"] and roots[0]["kernel"]["record"] == "mul"
