@@ -123,7 +123,9 @@ class DumpComparison:
 
 
 def _to_record(e: Dict[str, Any], side: str, i: int) -> Record:
-    shapes = [t.get("shape") for t in e.get("outputs", []) if "shape" in t]
+    # the signature the calls align by holds the argument shapes too (None for a scalar): an extra ``x + 1e-3``
+    # must not pair with the residual ``x + y`` next to it
+    shapes = [[t.get("shape") for t in e.get("inputs", [])], [t.get("shape") for t in e.get("outputs", []) if "shape" in t]]
     return Record(graph=side, stage="api", node=e["name"], op=f"{e.get('op')}.{e.get('dir')}", kind=e.get("dir", "node"),
                   shape=shapes, extra={"i": i})
 

@@ -473,3 +473,26 @@ def test_bfloat16_against_float32_blames_no_float32_op_or_exact_cast(tmp_path):
 
     cmp = compare_two(run("bf16", torch.bfloat16), run("fp32", torch.float32), tmp_path / "out")
     assert not cmp.divergent and cmp.root_causes == [], [p.name for p in cmp.root_causes]
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + x  # the residual add
+
+
+def test_an_extra_add_is_not_paired_with_the_residual_add_beside_it(tmp_path):
+    def run(tag, hook):
+        torch.manual_seed(0)
+        net, x = _Residual(), torch.randn(4, 8)
+        if hook:
+            net.lin.register_forward_hook(lambda mod, args, out: out + 1e-3)  # one more add, one tensor argument
+        return dump_run(tmp_path, tag, net, step=lambda n: n(x))
+
+    cmp = compare_two(run("hook", True), run("plain", False), tmp_path / "out")
+    unpaired = [p for p in cmp.pairs if p.a is None or p.b is None]
+    assert [(p.a or p.b)["name"] for p in unpaired] == ["Tensor_add_0_forward"] and unpaired[0].b is None
+    assert "unpaired calls just before it" in cmp.analysis and "Tensor_add_0_forward (NPU)" in cmp.analysis
