@@ -138,6 +138,10 @@ def _run_script(script: str, script_args: List[str], spec: str, out: Path, backe
         tail = "; ".join((out / "stderr.txt").read_text(errors="replace").strip().splitlines()[-1:])
         raise ReproError(f"{script} exited with status {code} on {spec} ({tail}); log: {out / 'stderr.txt'}")
     if not (out / "trace.jsonl").is_file():
+        if backend:  # the backend was swapped in, yet nothing compiled: the script never calls torch.compile
+            raise ReproError(f"{script} wrote no determ trace on {spec} with --backend {backend}: it never calls "
+                             f"torch.compile; trace each device with HashMode(trace_path=...) and pass the two "
+                             f"traces as A.jsonl,B.jsonl")
         raise ReproError(f"{script} wrote no determ trace on {spec}: compile the model with one of "
                          f"{', '.join(_BACKENDS)}, or pass --backend determ_aot_eager")
     return out

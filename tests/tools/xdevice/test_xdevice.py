@@ -350,3 +350,11 @@ def test_traces_with_nothing_paired_are_not_said_to_agree(tmp_path, capsys):
     assert main(["xdevice", f"{trace},{empty}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "no record of one side pairs with the other" in err and len(err.splitlines()) == 1
+
+
+def test_a_script_that_never_compiles_is_told_to_trace_with_hashmode_when_a_backend_was_given(tmp_path, capsys):
+    (tmp_path / "plain.py").write_text("print('no torch.compile here')\n")
+    assert main(["xdevice", str(tmp_path / "plain.py"), "--devices", DEVICES, "--out", str(tmp_path / "out"),
+                 "--backend", "determ_aot_eager"]) == 2
+    err = capsys.readouterr().err
+    assert "never calls torch.compile" in err and "HashMode" in err and "or pass --backend" not in err
