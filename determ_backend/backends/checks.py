@@ -165,6 +165,18 @@ def _has_random_ops(gm: fx.GraphModule) -> bool:
     return False
 
 
+_ONE_OP_KERNELS = ("extern_kernels.", "torch.ops.")
+
+
+def _kernel_of(node: str, records) -> Optional[str]:
+    """The kernel that wrote ``node``'s value, or a partial value of it; None when no buffer holds either."""
+    for r in records:
+        ex = r.extra or {}
+        if ex.get("kernel") and (r.node == node or ex.get("of") == node):
+            return ex["kernel"]
+    return None
+
+
 _MAX_UPSTREAM = 8
 """Steps a root found innocent is followed upstream (one eager replay each)."""
 
@@ -625,6 +637,9 @@ class GraphExec:
             if found is None:
                 continue
             p.inside = dict(found.describe(), kernel=kernel)
+            if found.node is not None and found.node.name != name and kernel.startswith(_ONE_OP_KERNELS):
+                # an extern or fallback kernel computes its own node only: the culprit came from upstream
+                p.inside.update(kernel=_kernel_of(found.node.name, by_node.values()), upstream=True)
             if found.node is not None:
                 p.inside["metrics"] = _accuracy_metrics(found.value, ref[found.node.name],
                                                         ref64.get(found.node.name))

@@ -203,7 +203,12 @@ class Run:
         elif fd:
             metrics = metrics_text(fd.get("metrics"))
             k = fd.get("kernel") or {}
-            inside = f" inside {k.get('name')} (its buffer {k.get('record')})" if k.get("record_metrics") else ""
+            inside = ""
+            if k.get("record_metrics") and k.get("upstream"):
+                inside = (f" inside {k['name']}, upstream of the buffer {k.get('record')}" if k.get("name") else
+                          f" upstream of the buffer {k.get('record')}, in a value no buffer holds")
+            elif k.get("record_metrics"):
+                inside = f" inside {k.get('name')} (its buffer {k.get('record')})"
             log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s%s %s%s", check, fd.get("graph"),
                         fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>", inside,
                         metrics, where)

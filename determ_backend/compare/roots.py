@@ -116,6 +116,8 @@ def describe(p: Pair) -> Dict[str, Any]:
     if p.inside:  # the buffer's kernel fused several nodes: the one that diverges alone is the answer
         ins = p.inside
         d["kernel"] = {"name": ins.get("kernel"), "record": r.node, "region": ins.get("region", [])}
+        if ins.get("upstream"):  # the culprit was computed before the record's own kernel, which only read it
+            d["kernel"]["upstream"] = True
         if ins.get("node"):
             d["kernel"]["record_metrics"] = d["metrics"]
             d.update({k: ins[k] for k in ("node", "op", "source", "metrics", "dtype", "shape") if k in ins})

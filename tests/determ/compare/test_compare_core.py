@@ -256,3 +256,17 @@ def test_parameters_pair_by_name_only_when_the_sequence_shifts():
     pairs = compare_traces(a, b, tol=1e-3).pairs
     assert all(p.a.node == p.b.node for p in pairs if p.paired)  # by signature alone w1 would pair with w2
     assert {p.a.node for p in pairs if p.paired} >= {"w2", "mm#0"}
+
+
+def test_a_culprit_found_upstream_of_an_extern_kernel_is_placed_in_the_kernel_that_computed_it():
+    from determ_backend.backends.checks import _kernel_of
+    from determ_backend.compare.roots import describe
+    recs = [Record(graph="g0", stage="s", node="mul", op="aten.mul.Tensor", extra={"kernel": "cpp_fused_relu_0",
+                                                                                   "holds": "partial", "of": "relu"}),
+            Record(graph="g0", stage="s", node="convolution", op="aten.convolution.default",
+                   extra={"kernel": "extern_kernels.convolution"})]
+    assert _kernel_of("relu", recs) == "cpp_fused_relu_0" and _kernel_of("tanh", recs) is None
+    p = Pair(recs[1], recs[1], equal=False, root_cause=True,
+             inside={"kernel": "cpp_fused_relu_0", "node": "relu", "op": "aten.relu.default", "upstream": True})
+    k = describe(p)["kernel"]
+    assert k["name"] == "cpp_fused_relu_0" and k["record"] == "convolution" and k["upstream"] is True
