@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import logging
 import os
 import re
@@ -204,6 +205,31 @@ class GraphDump:
         return Path.cwd() / REPRO
 
 
+_SOURCE_LINE = re.compile(r"^(.*?:\d+)(?::\s|$)")
+
+
+def _minified(dump_dir: Path) -> Dict[str, Any]:
+    """What the minifier found for the failing graph dumped in ``dump_dir`` (its newest summary, when it ran), as
+    report fields: ``minified`` (nodes before and after, the minimal repro) and, when it localized the failure
+    to one node, ``first_divergence`` naming that node."""
+    from repro_tools.minify.minifier import SUMMARY_FILE
+
+    found = sorted(Path(dump_dir).glob(f"minify*/{SUMMARY_FILE}"), key=lambda f: f.stat().st_mtime)
+    try:
+        s = json.loads(found[-1].read_text(encoding="utf-8")) if found else {}
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(s, dict) or not s:
+        return {}
+    out: Dict[str, Any] = {"minified": {k: s.get(k) for k in ("nodes_before", "nodes_after", "localized", "repro_path")}}
+    culprit = s.get("culprit") or {}
+    if s.get("localized") and culprit.get("node"):
+        m = _SOURCE_LINE.match(culprit.get("source") or "")
+        out["first_divergence"] = {"node": culprit["node"], "op": culprit.get("op"), "source": m.group(1) if m else None,
+                                   "metrics": {}}
+    return out
+
+
 def _tensors_made_here_are_fake() -> bool:
     """Whether a fake tensor mode is active here, as it is while AOTAutograd hands a graph to its compiler:
     every tensor made in this process (the launcher's inputs, the minifier's values) would then be fake,
@@ -341,6 +367,7 @@ def act_on_accuracy(result, cfg: DetermConfig, dump: "GraphDump", inputs: List[A
         dump.on_failure("runtime_error", inputs, result.error)
         raise result.error
     dump.on_failure("accuracy", inputs, detail=f"AccuracyError: {result.detail}")
-    get_run(cfg).add_finding(check, {"divergent": True, "detail": result.detail, "repro": str(dump.dir)})
+    get_run(cfg).add_finding(check, {"divergent": True, "detail": result.detail, "repro": str(dump.dir),
+                                     **_minified(dump.dir)})
     raise AccuracyError(f"{what} is less accurate than eager against fp64: {result.detail}; dumps in {dump.dir}")
 

@@ -286,6 +286,10 @@ def test_level4_on_a_real_model_with_inductors_relu_bug_minifies_to_the_relu(tmp
     forward = forward_source(tmp_path / "repro.py")
     assert forward.count("torch.ops.aten.") == 1 and re.search(r"\brelu(_\d+)? = torch\.ops\.aten\.relu", forward)
     assert read_meta(tmp_path / "repro.py")["culprit"].startswith("relu")  # named as in the model's graph
+    # the report names what the minifier localized, and where its minimal repro is
+    fd = report["first_divergence"]
+    assert fd["node"].startswith("relu") and fd["op"] == "aten.relu.default" and "modeling_t5.py:" in fd["source"]
+    assert report["findings"][0]["minified"]["nodes_after"] < report["findings"][0]["minified"]["nodes_before"]
 
 
 @pytest.mark.slow
