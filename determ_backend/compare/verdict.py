@@ -147,9 +147,22 @@ def tensor_metrics(a: torch.Tensor, b: torch.Tensor, ref64: Optional[torch.Tenso
     return out
 
 
-def metrics_text(m: Optional[Dict[str, Any]]) -> str:
-    """Metrics as one line: ``key=value`` pairs, floats to 3 significant digits."""
-    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in (m or {}).items())
+_STAT_DELTAS = ("min_diff", "max_diff", "mean_diff", "l2_diff")  # differences of two records' statistics
+
+
+def metrics_text(m: Optional[Dict[str, Any]], skip: Sequence[str] = ()) -> str:
+    """Metrics as one line: ``key=value`` pairs, floats to 3 significant digits.  Differences of the two sides'
+    min/max/mean/L2 statistics are grouped and labelled as such: ``max_diff=0`` alone reads as "no element
+    differs", which it does not say."""
+    def num(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    items = [(k, v) for k, v in (m or {}).items() if k not in skip]
+    parts = [f"{k}={num(v)}" for k, v in items if k not in _STAT_DELTAS]
+    deltas = [f"{k[:-5]}={num(v)}" for k, v in items if k in _STAT_DELTAS]
+    if deltas:
+        parts.append(f"statistics |a-b| (not element errors): {' '.join(deltas)}")
+    return " ".join(parts)
 
 
 def stats_metrics(a: Record, b: Record) -> Dict[str, Any]:

@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any, Dict, List, Optional
 
-from determ_backend.compare import Comparison, compare_traces
+from determ_backend.compare import Comparison, compare_traces, metrics_text
 from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.store import store_for
 from determ_backend.trace.stream import TraceFile
@@ -105,7 +105,7 @@ def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None)
         for p in bad[:limit]:
             r = p.rec
             mark = "* " if p.root_cause else "m " if p.metrics.get("masked") else "  "
-            m = ", ".join(f"{k}={_fmt(v)}" for k, v in p.metrics.items() if k != "bitwise")
+            m = metrics_text(p.metrics, skip=("bitwise",))
             lines.append(f"{mark}{r.graph:6} {r.stage:18} {r.node[:28]:28} {r.op[:32]:32} {m}")
         if len(bad) > limit:
             lines.append(f"  ... {len(bad) - limit} more")
@@ -133,6 +133,3 @@ def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None)
                      f"source={fd['source'] or '?'}")
     return "\n".join(lines)
 
-
-def _fmt(v) -> str:
-    return f"{v:.3g}" if isinstance(v, float) else str(v)

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tqdm import tqdm
 
-from determ_backend.compare import Comparison, compare_traces
+from determ_backend.compare import Comparison, compare_traces, metrics_text
 from determ_backend.devices import parse_device_spec, require
 from determ_backend.errors import ConfigError, ReproError
 from determ_backend.trace.store import store_for
@@ -212,7 +212,7 @@ def _print(cmp: Comparison, specs: Tuple[str, ...], limit: int, summary: Dict[st
     fd = cmp.first_divergence
     if fd is not None and fd.metrics:
         m = fd.metrics
-        print("metrics: " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
+        print("metrics: " + metrics_text(m))
         if "err_a_vs_fp64" in m and specs:
             worse = specs[0] if m["err_a_vs_fp64"] > m["err_b_vs_fp64"] else specs[1]
             print(f"farther from the float64 reference: {worse}")

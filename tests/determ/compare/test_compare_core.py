@@ -270,3 +270,10 @@ def test_a_culprit_found_upstream_of_an_extern_kernel_is_placed_in_the_kernel_th
              inside={"kernel": "cpp_fused_relu_0", "node": "relu", "op": "aten.relu.default", "upstream": True})
     k = describe(p)["kernel"]
     assert k["name"] == "cpp_fused_relu_0" and k["record"] == "convolution" and k["upstream"] is True
+
+
+def test_statistics_deltas_are_labelled_as_such_in_text():
+    from determ_backend.compare import metrics_text
+    text = metrics_text({"bitwise": False, "min_diff": 9.31e-10, "max_diff": 0.0, "l2_rel": 0.5}, skip=("bitwise",))
+    assert text == "l2_rel=0.5 statistics |a-b| (not element errors): min=9.31e-10 max=0"
+    assert metrics_text({"max_abs": 0.25, "cosine": 1.0}) == "max_abs=0.25 cosine=1"
