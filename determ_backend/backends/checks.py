@@ -43,6 +43,7 @@ The eager runs (the reference values, the causal replay) are
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -51,8 +52,8 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
 from determ_backend.backends import flows, narrow
-from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, find_roots, is_float, is_output, rmse,
-                                     judge, sub_batches, tensor_metrics)
+from determ_backend.compare import (Comparison, Pair, align, batch_rows, close_to_scale, compare_traces, find_roots,
+                                    is_float, is_output, judge, rmse, sub_batches, tensor_metrics)
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, first_line
@@ -214,18 +215,6 @@ _MAX_NARROW = 2
 """Roots narrowed inside their fused kernel per graph call (one compile each)."""
 
 
-def _close_to_scale(exp: Any, got: Any, tol: float) -> Optional[bool]:
-    """``got`` within ``tol`` of ``exp`` relative to ``exp``'s largest magnitude (an absolute tolerance passes any
-    two tensors that are small enough); None when they are not two floating tensors of one shape."""
-    if not (isinstance(exp, torch.Tensor) and isinstance(got, torch.Tensor)) or exp.shape != got.shape:
-        return None
-    if not (exp.is_floating_point() and got.is_floating_point()):
-        return None
-    e, g = exp.detach().double().cpu(), got.detach().double().cpu()
-    scale = float(e.abs().nan_to_num(posinf=0.0, neginf=0.0).max()) if e.numel() else 0.0
-    return bool(torch.allclose(e, g, atol=tol * scale, rtol=tol, equal_nan=True))
-
-
 def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.Tensor]) -> Dict[str, Any]:
     """:func:`tensor_metrics` of a compiled value against eager, the fp64 errors named by side."""
     m = tensor_metrics(got, exp, e64)
@@ -264,7 +253,7 @@ class _Confirmation:
         except Exception as e:
             log.info("determ accuracy: replay of %s from its compiled inputs failed (%s)", node.name, e)
             return None
-        return _close_to_scale(replayed, value, self.ex.config.tol)
+        return close_to_scale(replayed, value, self.ex.config.tol)
 
     def carriers(self, p: Pair, by_node: Dict[str, Pair]) -> List[Pair]:
         """The pairs of ``p``'s inputs whose compiled values differ from eager's relative to their size."""
@@ -273,7 +262,7 @@ class _Confirmation:
         for inp in (self._frontier(node) if node is not None else ()):
             q = by_node.get(inp.name)
             got, exp = self.result.values.get(inp.name), self.ref.get(inp.name)
-            if q is not None and _close_to_scale(exp, got, self.ex.config.tol) is False:
+            if q is not None and close_to_scale(exp, got, self.ex.config.tol) is False:
                 found.append(q)
         return found
 
@@ -294,14 +283,20 @@ class _Confirmation:
 
     def _node(self, p: Pair) -> Optional[fx.Node]:
         name = _ref_name(p.rec)
-        if name is None or p.rec.kind != "node":
-            return None
-        return next((n for n in self.ex.reference_gm.graph.nodes if n.name == name), None)
+        return self._nodes.get(name) if name is not None and p.rec.kind == "node" else None
 
     def _holds(self, name: str) -> bool:
         """Whether the compiled value recorded as ``name`` is that node's whole value."""
-        rec = next((r for r in self.result.records if r.node == name), None)
+        rec = self._records.get(name)
         return rec is not None and _ref_name(rec) == name
+
+    @functools.cached_property
+    def _nodes(self) -> Dict[str, fx.Node]:
+        return {n.name: n for n in self.ex.reference_gm.graph.nodes}
+
+    @functools.cached_property
+    def _records(self) -> Dict[str, Record]:
+        return {r.node: r for r in self.result.records}
 
     def _one(self, p: Pair) -> Optional[bool]:
         rec = p.rec
@@ -648,24 +643,16 @@ class GraphExec:
         for p in cmp.root_causes:  # two roots narrowed to one node (a buffer and an output it feeds) are one
             key = (p.inside or {}).get("node") or p.rec.node
             if key in seen or (p.rec.kind == "output" and not p.inside
-                               and culprits & self._unjudged_upstream(p.rec, by_node, judged)):
+                               and culprits & self._unjudged_upstream(p.rec, judged)):
                 p.root_cause = False  # an output fed, through values nobody judged, by a culprit already named
                 continue
             seen.add(key)
             keep.append(p)
         cmp.root_causes[:] = keep
 
-    def _unjudged_upstream(self, rec: Record, by_node: Dict[str, Record], judged: set) -> set:
+    def _unjudged_upstream(self, rec: Record, judged: set) -> set:
         """FX nodes behind a graph output through values that were not judged (fused, partial, views)."""
-        _, name = self._output_kernel(rec, by_node)
-        if name is None:
-            try:
-                k = int(rec.node.rsplit(".", 1)[1])
-                out = next(n for n in self.reference_gm.graph.nodes if n.op == "output").args[0]
-                name = (out[k] if isinstance(out, (tuple, list)) else out).name
-            except (ValueError, IndexError, StopIteration, TypeError, AttributeError):
-                return set()
-        start = next((n for n in self.reference_gm.graph.nodes if n.name == name), None)
+        start = self._returned_node(rec)
         found, stack = set(), [start] if start is not None else []
         while stack and len(found) < 512:
             n = stack.pop()
@@ -677,17 +664,23 @@ class GraphExec:
         return found
 
     def _output_kernel(self, rec: Record, by_node: Dict[str, Record]) -> tuple:
-        """``(kernel, FX node)`` of a graph output record: the kernel that wrote the buffer it returns, and the
-        node the graph returns at that position; ``(None, None)`` when either is unknown."""
+        """``(kernel, FX node name)`` of a graph output record: the kernel that wrote the buffer it returns, and
+        the node the graph returns at that position; ``(None, None)`` when either is unknown."""
         src = by_node.get(rec.inputs[0]) if len(rec.inputs) == 1 else None
         kernel = (src.extra or {}).get("kernel") if src is not None else None
+        node = self._returned_node(rec)
+        return (kernel, node.name) if kernel and node is not None else (None, None)
+
+    def _returned_node(self, rec: Record) -> Optional[fx.Node]:
+        """The FX node the reference graph returns at the position of output record ``output.K``; None when there
+        is no such position or it returns no node."""
         try:
             k = int(rec.node.rsplit(".", 1)[1])
             out = next(n for n in self.reference_gm.graph.nodes if n.op == "output").args[0]
             node = out[k] if isinstance(out, (tuple, list)) else out
         except (ValueError, IndexError, StopIteration, TypeError):
-            return None, None
-        return (kernel, node.name) if kernel and isinstance(node, fx.Node) else (None, None)
+            return None
+        return node if isinstance(node, fx.Node) else None
 
     def _judge(self, exp: Any, got: Any, e64: Any) -> Optional[bool]:
         """Accuracy verdict on one value: the configured criterion, non-floating values exactly (whether

@@ -316,7 +316,7 @@ class _Graph:
         records) a live divergence of that run: where the two runs part."""
         found: List[Pair] = []
         parted = [p for p in self.pairs if id(p) in live and p.equal is False and self.wired_alike(p) is False]
-        for side in ("a", "b"):
+        for i, side in enumerate(("a", "b")):
             mine = {getattr(p, side).node: p for p in loose if getattr(p, side) is not None}
             if not mine:
                 continue
@@ -328,7 +328,6 @@ class _Graph:
                 if n not in feeding:
                     feeding.add(n)
                     stack.extend(m for m in getattr(mine[n], side).inputs if m in mine)
-            i = 0 if side == "a" else 1
             to_other = self.partner if i == 0 else self.partner_b
             other_calls = {(r.op, tuple(self.source(1 - i, m) for m in r.inputs))
                            for recs in (self.records[1 - i], self.loose[1 - i]) for r in recs.values()}

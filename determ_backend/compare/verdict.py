@@ -16,6 +16,10 @@ Meaning (PyTorch's ``same(..., fp64_ref)``):
   values also differ when ``expected`` is the one farther from fp64 (beyond the
   multiplier); the accuracy check is one-sided (compiled may be *more* accurate).
 
+:func:`close_to_scale` is the relative-to-size test the accuracy check asks of a root it suspects innocent
+(whether a node computes its compiled value from its compiled inputs), where an absolute tolerance would
+pass any two small tensors.
+
 :func:`tensor_metrics` measures a pair (max abs/rel error, cosine, errors vs fp64);
 :func:`judge_records` judges two trace records from their fingerprints, their
 stored payloads or, failing those, their statistics.
@@ -32,7 +36,7 @@ from determ_backend.fingerprint.core import hash_tensor, hash_tensors
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 
-__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows", "sub_batches",
+__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "close_to_scale", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows", "sub_batches",
            "stats_metrics", "judge_records", "dtype_tol", "metrics_text"]
 
 DEFAULT_TOL = 1e-3
@@ -118,6 +122,18 @@ def judge(expected: Any, actual: Any, ref64: Any = None, *, tol: float = DEFAULT
     return err_c <= fp64_multiplier * err_e + tol / 10.0
 
 
+def close_to_scale(exp: Any, got: Any, tol: float) -> Optional[bool]:
+    """``got`` within ``tol`` of ``exp`` relative to ``exp``'s largest magnitude (an absolute tolerance passes any
+    two tensors that are small enough); None when they are not two floating tensors of one shape."""
+    if not (isinstance(exp, torch.Tensor) and isinstance(got, torch.Tensor)) or exp.shape != got.shape:
+        return None
+    if not (exp.is_floating_point() and got.is_floating_point()):
+        return None
+    e, g = exp.detach().double().cpu(), got.detach().double().cpu()
+    scale = float(e.abs().nan_to_num(posinf=0.0, neginf=0.0).max()) if e.numel() else 0.0
+    return bool(torch.allclose(e, g, atol=tol * scale, rtol=tol, equal_nan=True))
+
+
 def tensor_metrics(a: torch.Tensor, b: torch.Tensor, ref64: Optional[torch.Tensor] = None) -> Dict[str, Any]:
     """max abs/rel error (rel with an epsilon), cosine, bitwise flag; RMSE of each side vs ``ref64`` when given."""
     out: Dict[str, Any] = {}
@@ -147,7 +163,8 @@ def tensor_metrics(a: torch.Tensor, b: torch.Tensor, ref64: Optional[torch.Tenso
     return out
 
 
-_STAT_DELTAS = ("min_diff", "max_diff", "mean_diff", "l2_diff")  # differences of two records' statistics
+_STATS = ("min", "max", "mean", "l2")  # the statistics two records are compared by, each as a ``<stat>_diff``
+_STAT_DELTAS = tuple(f"{k}_diff" for k in _STATS)
 
 
 def metrics_text(m: Optional[Dict[str, Any]], skip: Sequence[str] = ()) -> str:
@@ -169,7 +186,7 @@ def stats_metrics(a: Record, b: Record) -> Dict[str, Any]:
     """What two records' statistics say about their difference (no payloads at hand)."""
     out: Dict[str, Any] = {"bitwise": a.hash == b.hash}
     sa, sb = a.stats or {}, b.stats or {}
-    for k in ("min", "max", "mean", "l2"):
+    for k in _STATS:
         va, vb = sa.get(k), sb.get(k)
         if isinstance(va, (int, float)) and isinstance(vb, (int, float)):
             out[f"{k}_diff"] = abs(va - vb) if not (math.isnan(va) and math.isnan(vb)) else 0.0
@@ -185,7 +202,7 @@ def _stats_close(m: Dict[str, Any], b: Record, tol: float) -> bool:
     if "nan_counts" in m or "inf_counts" in m:
         return False
     scale = max((abs(v) for v in (b.stats or {}).values() if isinstance(v, float) and math.isfinite(v)), default=1.0)
-    return all(m.get(f"{k}_diff", 0.0) <= tol * (1.0 + scale) for k in ("min", "max", "mean", "l2"))
+    return all(m.get(k, 0.0) <= tol * (1.0 + scale) for k in _STAT_DELTAS)
 
 
 def judge_records(a: Record, b: Record, tol: Optional[float], store_a: Optional[TensorStore] = None,

@@ -201,8 +201,7 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
 
 def _generators(args, kwargs) -> list:
     """The ``torch.Generator`` objects among an op's arguments (``generator=``)."""
-    found = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)]
-    return found
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)]
 
 
 def _set_rng(gens: list, state: tuple) -> None:

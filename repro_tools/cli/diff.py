@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from determ_backend.compare import Comparison, compare_traces, metrics_text
 from determ_backend.errors import ConfigError, TraceFormatError
@@ -68,10 +68,10 @@ def run_diff(args: argparse.Namespace) -> int:
     return 0 if summary["identical"] else 1
 
 
-def diff_summary(cmp: Comparison, files: Dict[str, tuple]) -> Dict[str, Any]:
-    """``cmp.summary()`` plus what the two files are, ``notes`` on why the runs are not shown identical,
+def diff_summary(cmp: Comparison, files: Dict[str, tuple], checks: Sequence[str] = ()) -> Dict[str, Any]:
+    """``cmp.summary(checks)`` plus what the two files are, ``notes`` on why the runs are not shown identical,
     and ``identical`` true only when they are (the exit code is 0 exactly then)."""
-    s = cmp.summary()
+    s = cmp.summary(checks)
     s["unjudged"] = sum(1 for p in cmp.pairs if p.a is not None and p.b is not None and p.equal is None)
     s["inputs"] = {side: {"path": str(path), "records": len(tf.records), "complete": tf.complete,
                           "limited": tf.limited} for side, (path, tf) in files.items()}

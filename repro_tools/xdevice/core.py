@@ -244,8 +244,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out or "determ_xdevice")
         cmp = compare_script(args.targets[0], script_args, specs, args.tol, out, args.backend)
         summary["runs"] = str(out)
-    summary.update(cmp.summary(["xdevice"]) if cmp.files is None else diff_summary(cmp, cmp.files))
-    summary["checks"] = ["xdevice"]
+    summary.update(cmp.summary(["xdevice"]) if cmp.files is None else diff_summary(cmp, cmp.files, ["xdevice"]))
     if not summary["pairs"]:  # nothing was compared: never "the devices agree"
         raise ConfigError(f"{args.targets[0]}: no record of one side pairs with the other "
                               f"({summary['unmatched_a']} vs {summary['unmatched_b']} records); expected runs of "

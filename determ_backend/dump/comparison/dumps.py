@@ -91,6 +91,8 @@ class DumpComparison:
     """The root-cause text :func:`compare` wrote to ``advisor_path`` (None without ``auto_analyze``)."""
     rank: Optional[int] = None
     """The rank :func:`compare_distributed` compared here (None for a single comparison)."""
+    partial: bool = False
+    """A dump was cut short (its writer killed, or out of room): what it never wrote is not compared."""
 
     @property
     def rows(self) -> List[Dict[str, Any]]:
@@ -107,9 +109,6 @@ class DumpComparison:
     @property
     def divergent(self) -> bool:
         return self.first_divergence is not None
-
-    partial: bool = False
-    """A dump was cut short (its writer killed, or out of room): what it never wrote is not compared."""
 
     @property
     def unpaired(self) -> int:
