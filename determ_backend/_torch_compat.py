@@ -15,6 +15,7 @@ scripts' standalone runtime (``repro_tools/repro/_harness.py``) imports only tor
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -157,9 +158,9 @@ def op_packet_name(packet) -> str:
     return packet._qualified_op_name
 
 
-def tensor_version(t: torch.Tensor) -> int:
-    """``t``'s version counter (bumped by every in-place write).  Inference tensors have none: RuntimeError."""
-    return t._version
+# ``tensor_version(t)``: ``t``'s version counter (bumped by every in-place write).  Inference tensors have none:
+# RuntimeError.  A C attribute getter rather than a function: the eager modes read it for every tensor of every op.
+tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 
 def storage_weak_ref(t: torch.Tensor) -> int:
@@ -328,9 +329,7 @@ def donated_buffers_disabled() -> Iterator[None]:
 def eval_frame_setter() -> Callable:
     """Dynamo's C ``set_eval_frame(callback) -> previous``.  The previous callback is not
     None/False exactly while a ``torch.compile``'d function is running (compiled or skipped)."""
-    from torch._C._dynamo.eval_frame import set_eval_frame as _set
-
-    return _set
+    return torch._C._dynamo.eval_frame.set_eval_frame  # an attribute, not an import statement: a mode made per step
 
 
 def dynamo_skip_code(code) -> None:

@@ -49,6 +49,7 @@ from determ_backend.fingerprint._words import (GOLDEN, MASK64, ROW_WORDS, check_
 __all__ = ["hash_tensor", "hash_tensors", "tensor_stats", "fingerprint_tensors", "fingerprint_now", "HashBatch",
            "FingerprintBatch", "STATS_KINDS", "row_weights", "ROW_WORDS"]
 
+_STRIDED = torch.strided
 _BLOCK_ROWS = 64  # rows reduced per kernel call on the torch path (cache-sized)
 
 
@@ -115,7 +116,7 @@ def fingerprint_now(t: torch.Tensor, stats: bool = False, kernel: Optional[_nati
     :func:`~determ_backend.fingerprint._native.kernel` gave it, when the caller looked it up already.
     ``copy=False``: None for a non-contiguous tensor instead of reading a contiguous copy (then no torch op
     runs here at all).  Called once per traced tensor: every check here is one cheap attribute."""
-    if not t.is_cpu or t.layout is not torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+    if not t.is_cpu or t.layout is not _STRIDED or t.is_quantized or t.is_conj() or t.is_neg():
         return None
     dtype = t.dtype
     kind = _native.SUPPORTED.get(dtype, 0)
@@ -131,7 +132,7 @@ def fingerprint_now(t: torch.Tensor, stats: bool = False, kernel: Optional[_nati
         if not copy:
             return None
         x = x.detach().contiguous() if stats else same_size_int(x.detach()).contiguous()
-    return kernel.call(x.data_ptr() if n else 0, n * x.element_size(), kind, n, key(dtype, t.shape), kernel.threads,
+    return kernel.call(x.data_ptr() if n else 0, x.nbytes, kind, n, key(dtype, t.shape), kernel.threads,
                        stats)
 
 
@@ -467,7 +468,7 @@ class FingerprintBatch:
         """:meth:`add` for a contiguous CPU tensor the native kernel reads right now, without running any torch
         op (so without a dispatch mode to step around): its position, or None when that does not apply (then
         call :meth:`add`)."""
-        return self._now(t, False) if t.is_cpu else None
+        return self._now(t, False)  # fingerprint_now answers None for a tensor that is not on the CPU
 
     def _now(self, t: torch.Tensor, copy: bool) -> Optional[int]:
         """The native one-pass kernel on CPU tensor ``t``, right now: its position, or None (kernel off or

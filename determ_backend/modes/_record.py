@@ -41,6 +41,9 @@ from determ_backend.trace.stream import Record, dtype_name
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
 
+_version = _compat.tensor_version  # a C attribute getter: the hot paths call it per tensor without a Python frame
+_storage_weak_ref, _storage_release = _compat.storage_weak_ref, _compat.storage_release
+
 # Facts that depend only on code objects and operators, shared by every recorder of the process (a mode
 # made per step starts warm): which frames are user code, each user line's names, each op's schema facts.
 _FRAMES = FrameFilter()
@@ -145,6 +148,11 @@ class OpRecorder:
         ent = self._by_object.get(id(t))
         if ent is not None and ent[2] == v and ent[0]() is t:
             return ent[1]
+        return self._producer_by_memory(t, v)
+
+    def _producer_by_memory(self, t: torch.Tensor, v: int) -> Optional[Record]:
+        """The producer of ``t``'s memory (same address, dtype, shape, strides, device), when ``t`` is not an
+        object an earlier op returned."""
         key = mem_key(t)
         ent = self._producers.get(key) if key is not None else None
         if ent is not None and ent[2] == v and not _compat.storage_expired(ent[0]):
@@ -164,16 +172,22 @@ class OpRecorder:
         key = mem_key(t)
         if key is None:
             return
-        v = version(t)
+        try:
+            v = _version(t)
+        except RuntimeError:  # inference tensors have no version counter
+            v = -1
         producers = self._producers
         ent = producers.get(key)
         if ent is not None and view and ent[2] == v and not _compat.storage_expired(ent[0]):
             self._remember(t, ent[1], v)
             return
-        producers[key] = (_compat.storage_weak_ref(t), rec, v)
+        producers[key] = (_storage_weak_ref(t), rec, v)
         if ent is not None:  # given back once it is out of the table (an interrupt in between leaks, never frees twice)
-            _compat.storage_release(ent[0])
-        self._remember(t, rec, v)
+            _storage_release(ent[0])
+        try:
+            self._by_object[id(t)] = (weakref.ref(t), rec, v)
+        except TypeError:  # a tensor subclass without weak references: the memory key alone
+            pass
 
     def _settle(self) -> None:
         """Register the last op's outputs.  Deferred to the next op because autograd bumps the version
@@ -202,9 +216,10 @@ class OpRecorder:
             dtype, shape = dtype_name(t.dtype), list(t.shape)
         else:
             dtype, shape = f"py_{type(t).__name__}", []
-        return Record(graph="eager", stage="eager", node=node, op=op, kind=kind, seq=seq, source=source,
-                      dtype=dtype, shape=shape, inputs=[r.node for r in inputs], rank=self.rank, run=self.run,
-                      extra=extra)
+        # positional, in the field order (graph, stage, node, op, kind, call, seq, source, dtype, shape, hash, stats,
+        # inputs, in_hashes, rank, run, payload, extra): half the cost of keywords, once per record
+        return Record("eager", "eager", node, op, kind, 0, seq, source, dtype, shape, None, None,
+                      [r.node for r in inputs], [], self.rank, self.run, None, extra)
 
     # -- the two halves of an op -----------------------------------------------------------------
     def begin(self, func, args, kwargs, frame, compiled: bool) -> tuple:
@@ -236,8 +251,23 @@ class OpRecorder:
                 arg_desc.append((path, rec, None, str(t.device)))
         else:
             arg_desc = ()  # described for the text log only: no list per op to allocate (and collect) otherwise
-            for t in tensor_args(args, kwargs):
-                in_recs.append(self._input(t, source, loc, events, grad_on))
+            by_object = self._by_object
+            for t in tensor_args(args, kwargs):  # _input, with its common case (an object an op returned) inline
+                try:
+                    v = _version(t)
+                except RuntimeError:  # inference tensors have no version counter
+                    v = -1
+                ent = by_object.get(id(t))
+                if ent is not None and ent[2] == v and ent[0]() is t:
+                    rec = ent[1]
+                else:
+                    rec = self._producer_by_memory(t, v)
+                    if rec is None:
+                        in_recs.append(self._input_record(t, source, loc, events))
+                        continue
+                if grad_on and t.requires_grad:
+                    self._tag_grad_fn(t, rec)
+                in_recs.append(rec)
         return (func, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
 
     def _input(self, t: torch.Tensor, source: Optional[str], loc: str, events: list, grad_on: bool) -> Record:
@@ -266,9 +296,11 @@ class OpRecorder:
             info = _OP_INFO[id(func)] = (schema_writes(func), returns_view(func), uninitialized(func),
                                              COPIES.get(_compat.op_schema_name(func)), str(func), func)
         writes, is_view, uninit, copy_arg, op, _ = info
-        outs = written_tensors(result, writes, args, kwargs)
+        outs = (result,) if not writes and isinstance(result, torch.Tensor) else written_tensors(result, writes, args,
+                                                                                                 kwargs)
         base = self._name(op, loc, "/bw" if backward else "")
-        extra = self._extra(stack, backward, compiled, nondeterministic)
+        extra = (self._extra(stack, backward, compiled, nondeterministic)
+                 if stack or backward or compiled or nondeterministic else None)
         recs = []
         for j, t in enumerate(outs):
             rec = self._record(base if len(outs) == 1 else f"{base}.{j}", op, "node", source, t, in_recs, extra)
@@ -322,8 +354,11 @@ class OpRecorder:
     # -- fingerprints ----------------------------------------------------------------------------
     def _hash_output(self, rec: Record, t, is_view: bool, copy_arg: Optional[int], args, in_recs) -> None:
         """Fingerprint ``t``, or take it from its source when the op only copies or re-views values."""
-        src_i = copy_arg if copy_arg is not None else (0 if is_view else None)
-        src = args[src_i] if src_i is not None and src_i < len(args) else None
+        if copy_arg is None and not is_view:  # most ops: new values, read them
+            self._capture(rec, t)
+            return
+        src_i = copy_arg if copy_arg is not None else 0
+        src = args[src_i] if src_i < len(args) else None
         if (isinstance(src, torch.Tensor) and isinstance(t, torch.Tensor) and len(in_recs) > src_i
                 and all(isinstance(a, torch.Tensor) for a in args[:src_i]) and hashable(t) is None):
             if t.dtype == src.dtype and t.shape == src.shape and (not is_view or same_layout(t, src)):
