@@ -47,12 +47,13 @@ EPS = 1e-12
 
 
 def is_float(x: Any) -> bool:
-    """A floating or complex tensor, or a dtype name of one (``float32``, ``bfloat16``, ``complex64``)."""
+    """A floating or complex tensor or dtype, or the name of one as records (``float32``, ``bfloat16``) and dumps
+    (``torch.float32``) spell it."""
     if isinstance(x, torch.Tensor):
         return x.is_floating_point() or x.is_complex()
     if isinstance(x, str):
-        return x.startswith(("float", "bfloat", "complex")) or x in ("half", "double")
-    return False
+        x = getattr(torch, x[6:] if x.startswith("torch.") else x, None)
+    return isinstance(x, torch.dtype) and (x.is_floating_point or x.is_complex)
 
 
 _ULPS = 4

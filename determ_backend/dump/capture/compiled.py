@@ -29,8 +29,7 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-import torch
-
+from determ_backend.compare.verdict import is_float
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 from determ_backend.dump.capture.apis import ApiInfo
@@ -55,11 +54,6 @@ def _run_dir(run_id: Optional[str], rank: int) -> Optional[Path]:
 
     found = find_run(run_id, rank) if run_id is not None else None
     return found.dir if found is not None else None
-
-
-def _is_float(dtype: str) -> bool:
-    dt = getattr(torch, dtype, None)
-    return isinstance(dt, torch.dtype) and (dt.is_floating_point or dt.is_complex)
 
 
 def _is_literal(name: str) -> bool:
@@ -202,7 +196,7 @@ class CompiledGraphs:
         return entry
 
     def _tensor(self, r: Record, name: str, param: bool = False) -> Optional[Dict[str, Any]]:
-        if r.dtype is None or (self.rec.settings.filter_switch == "ON" and not _is_float(r.dtype)):
+        if r.dtype is None or (self.rec.settings.filter_switch == "ON" and not is_float(r.dtype)):
             return None
         d: Dict[str, Any] = {"name": name, "dtype": f"torch.{r.dtype}", "shape": list(r.shape or [])}
         if param:
