@@ -12,9 +12,10 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from determ_backend.compare.verdict import is_float
 from determ_backend.trace.stream import Record
 
-__all__ = ["Pair", "align"]
+__all__ = ["Pair", "align", "carries"]
 
 
 @dataclass
@@ -46,6 +47,19 @@ class Pair:
         return self.a is not None and self.b is not None
 
 
+_CARRIES = frozenset({"aten._to_copy", "aten.to", "aten.clone", "aten.detach", "aten.alias", "aten.lift_fresh",
+                      "aten.lift_fresh_copy", "aten.contiguous", "aten.view", "aten._unsafe_view", "aten.reshape",
+                      "aten.t", "aten.transpose", "aten.permute", "aten.expand", "aten.squeeze", "aten.unsqueeze",
+                      "prims.convert_element_type"})
+
+
+def carries(r: Record) -> bool:
+    """Whether ``r`` holds its one input's values, converted, copied or re-viewed."""
+    op = r.op or ""
+    base = op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+    return base in _CARRIES and len(r.inputs) == 1
+
+
 def _groups(records: Sequence[Record]) -> Dict[tuple, List[Record]]:
     out: Dict[tuple, List[Record]] = {}
     for r in records:
@@ -74,7 +88,83 @@ def align(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
 def _align_group(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
     if len(a) == len(b) and all(x.node == y.node and x.signature == y.signature for x, y in zip(a, b)):
         return [Pair(x, y) for x, y in zip(a, b)]
-    return _align_by_sequence(a, b)
+    return _by_inputs(_align_by_sequence(a, b))
+
+
+class _Side:
+    """One trace's records of a group, for :func:`_by_inputs`: by name, and names looked through the conversions,
+    copies and views only this side has (a float64 run's ``.to(float32)``)."""
+
+    def __init__(self, recs: Sequence[Record], paired: set):
+        self.by_node = {r.node: r for r in recs}
+        self.paired = paired  # ids of the records that have a partner
+
+    def source(self, name: str) -> str:
+        seen = set()
+        r = self.by_node.get(name)
+        while r is not None and id(r) not in self.paired and carries(r) and name not in seen:
+            seen.add(name)
+            name = r.inputs[0]
+            r = self.by_node.get(name)
+        return name
+
+    def sources(self, r: Record) -> tuple:
+        return tuple(self.source(n) for n in r.inputs)
+
+
+def _by_inputs(pairs: List[Pair]) -> List[Pair]:
+    """Mend pairs the sequence alignment got wrong, by the dependency links: a record whose partner does not consume
+    the partners of its inputs is paired instead with the other side's record of the same op and shape that does
+    (when one does, and its own partner, if any, does not).  Records of one op and shape repeat along a graph (every
+    layer's adds); one extra or missing record nearby, which sequence alignment cannot place, then shifts them."""
+    if not any(p.rec.inputs for p in pairs):
+        return pairs
+    a_side = _Side([p.a for p in pairs if p.a is not None], {id(p.a) for p in pairs if p.paired})
+    b_side = _Side([p.b for p in pairs if p.b is not None], {id(p.b) for p in pairs if p.paired})
+    pair_of_a = {p.a.node: p for p in pairs if p.a is not None}
+    pair_of_b = {p.b.node: p for p in pairs if p.b is not None}
+    index: Dict[tuple, List[Record]] = {}
+    for r in b_side.by_node.values():
+        if r.inputs:
+            index.setdefault((r.op, str(r.shape), b_side.sources(r)), []).append(r)
+
+    def wanted(a: Record) -> Optional[tuple]:
+        out = []
+        for n in a_side.sources(a):
+            p = pair_of_a.get(n)
+            if p is None or p.b is None:
+                return None
+            out.append(p.b.node)
+        return tuple(out)
+
+    def consistent(a: Record, b: Optional[Record]) -> bool:
+        return b is not None and wanted(a) == b_side.sources(b)
+
+    extra: Dict[int, List[Pair]] = {}  # id(pair) -> records of B left without a partner, placed after it
+    for p in pairs:
+        a = p.a
+        if a is None or not a.inputs or consistent(a, p.b):
+            continue
+        want = wanted(a)
+        if want is None:
+            continue
+        for cand in index.get((a.op, str(a.shape), want), ()):
+            q = pair_of_b[cand.node]
+            if q is p or (q.a is not None and consistent(q.a, cand)):
+                continue
+            q.b = None  # its A record (if any) is left without a partner; a record that stood alone is dropped
+            if p.b is not None:
+                extra.setdefault(id(p), []).append(Pair(None, p.b))
+                pair_of_b[p.b.node] = extra[id(p)][-1]
+            p.b = cand
+            pair_of_b[cand.node] = p
+            break
+    out: List[Pair] = []
+    for p in pairs:
+        if p.a is not None or p.b is not None:
+            out.append(p)
+        out.extend(q for q in extra.get(id(p), ()) if q.b is not None and pair_of_b.get(q.b.node) is q)
+    return out
 
 
 def _match(a: Sequence[Record], b: Sequence[Record], key: Callable[[Record], str],
@@ -101,7 +191,8 @@ def _signature(r: Record) -> str:
 
 
 def _op(r: Record) -> str:
-    return f"param|{r.node}" if r.kind == "param" else r.op
+    # values of different shapes are never one value: they stay unmatched rather than pair into a false divergence
+    return f"param|{r.node}" if r.kind == "param" else f"{r.op}|{r.shape}"
 
 
 def _name(r: Record) -> str:
@@ -113,9 +204,25 @@ def _located(records: Sequence[Record]) -> bool:
     return any("@" in r.node for r in records)
 
 
+def _float_dtypes(records: Sequence[Record]) -> set:
+    return {r.dtype for r in records if r.dtype and is_float(r.dtype)}
+
+
+def _any_float(r: Record) -> str:
+    """:func:`_signature` with every floating dtype spelled alike."""
+    if r.dtype and is_float(r.dtype):
+        return f"{r.kind}|{r.op}|float|{r.shape}|{r.node}" if r.kind == "param" else f"{r.kind}|{r.op}|float|{r.shape}"
+    return _signature(r)
+
+
 def _align_by_sequence(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
-    # by full signature; inside a changed block, records of the same op pair in order, the rest stay unmatched
-    by_signature = lambda x, y: _match(x, y, _signature, lambda x2, y2: _match(x2, y2, _op, _unmatched))  # noqa: E731
+    # by full signature; inside a changed block, records of the same op and shape pair in order, the rest stay
+    # unmatched.
+    # Runs that computed in different floating dtypes (float32 against float64, bfloat16 against float32) share
+    # no float signature: there the floating dtype is left out, or every value would pair by op in order and
+    # one extra cast would shift every pair after it.
+    sig = _any_float if _float_dtypes(a) != _float_dtypes(b) else _signature
+    by_signature = lambda x, y: _match(x, y, sig, lambda x2, y2: _match(x2, y2, _op, _unmatched))  # noqa: E731
     if _located(a) and _located(b):
         # names after source lines are stable across runs (an op added elsewhere renames nothing, a run in another
         # dtype keeps every name): by name first.  FX and API names count calls, so one extra shifts them all.

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
-from determ_backend.compare.align import Pair, align
+from determ_backend.compare.align import Pair, align, carries
 from determ_backend.compare.verdict import is_float, judge_records
 
 __all__ = ["Comparison", "describe", "pair_row", "find_roots", "compare_traces", "is_output", "Confirm", "MAX_CONFIRM"]
@@ -159,19 +159,7 @@ def _group_key(r: Record) -> tuple:
 
 # ops whose result holds its (first) input's values, converted, copied or re-viewed: one only one run has
 # (``weight.float()`` of a float64 reference, an extra ``contiguous``) passes its input on unchanged
-_CARRIES = frozenset({"aten._to_copy", "aten.to", "aten.clone", "aten.detach", "aten.alias", "aten.lift_fresh",
-                      "aten.lift_fresh_copy", "aten.contiguous", "aten.view", "aten._unsafe_view", "aten.reshape",
-                      "aten.t", "aten.transpose", "aten.permute", "aten.expand", "aten.squeeze", "aten.unsqueeze",
-                      "prims.convert_element_type"})
-
-
 _PRECISION = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}  # widening between these loses nothing
-
-
-def _carries(r: Record) -> bool:
-    op = r.op or ""
-    base = op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
-    return base in _CARRIES and len(r.inputs) == 1
 
 
 class _Graph:
@@ -198,7 +186,7 @@ class _Graph:
     def passes_on(self, side: int, rec: Record) -> bool:
         """Whether ``rec`` holds its one input's values: a conversion, copy or view, or an op whose fingerprint
         is its input's (``h * 1.0``)."""
-        if _carries(rec):
+        if carries(rec):
             return True
         if len(rec.inputs) != 1 or rec.hash is None:
             return False

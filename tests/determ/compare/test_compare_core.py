@@ -277,3 +277,41 @@ def test_statistics_deltas_are_labelled_as_such_in_text():
     text = metrics_text({"bitwise": False, "min_diff": 9.31e-10, "max_diff": 0.0, "l2_rel": 0.5}, skip=("bitwise",))
     assert text == "l2_rel=0.5 statistics |a-b| (not element errors): min=9.31e-10 max=0"
     assert metrics_text({"max_abs": 0.25, "cosine": 1.0}) == "max_abs=0.25 cosine=1"
+
+
+# ---------------------------------------------------------------- alignment
+
+def _fx(node, op, dtype="float32", shape=(4,), inputs=(), kind="node"):
+    return Record(graph="g0", stage="aot_backward", node=node, op=op, kind=kind, dtype=dtype, shape=list(shape),
+                  inputs=list(inputs))
+
+
+def _partners(pairs):
+    return {(p.a.node if p.a else None, p.b.node if p.b else None) for p in pairs}
+
+
+def test_runs_in_different_float_dtypes_pair_saved_values_by_shape_not_by_order():
+    # a float64 reference whose RMSNorm casts to float32 saves the cast instead of the value A saves: the float
+    # signatures of the two runs never agree, and pairing every input in order set A's mm_3 against B's cast
+    from determ_backend.compare import align
+    inp = lambda n, d, s: _fx(n, "input", d, s, kind="input")  # noqa: E731
+    a = [inp("embedding", "float32", (2, 16, 64)), inp("view", "float32", (32, 64)), inp("mm_3", "float32", (32, 64)),
+         inp("rsqrt_1", "float32", (2, 16, 1)), inp("view_9", "float32", (32, 64))]
+    b = [inp("_to_copy_2", "float32", (2, 16, 64)), inp("view", "float64", (32, 64)),
+         inp("_to_copy_3", "float32", (2, 16, 64)), inp("rsqrt_1", "float32", (2, 16, 1)), inp("view_9", "float64", (32, 64))]
+    assert _partners(align(a, b)) == {("embedding", "_to_copy_2"), ("view", "view"), ("rsqrt_1", "rsqrt_1"),
+                                      ("view_9", "view_9"), ("mm_3", None), (None, "_to_copy_3")}
+
+
+def test_a_pair_whose_inputs_disagree_is_mended_by_the_dependency_links():
+    # B runs one more add of the same shape before the add both runs have: sequence alignment pairs A's add with
+    # B's extra one; the links say which B add consumes the partners of A's add's inputs
+    from determ_backend.compare import align
+    a = [_fx("x", "input", kind="input"), _fx("y", "input", kind="input"),
+         _fx("add", "aten.add.Tensor", inputs=["x", "y"]), _fx("mul", "aten.mul.Tensor", inputs=["add", "y"])]
+    b = [_fx("x", "input", kind="input"), _fx("y", "input", kind="input"),
+         _fx("add", "aten.add.Tensor", inputs=["x", "x"]), _fx("add_1", "aten.add.Tensor", inputs=["x", "y"]),
+         _fx("mul", "aten.mul.Tensor", inputs=["add_1", "y"])]
+    pairs = align(a, b)
+    assert _partners(pairs) == {("x", "x"), ("y", "y"), ("add", "add_1"), ("mul", "mul"), (None, "add")}
+    assert len(pairs) == 5  # every record of both runs once
