@@ -112,11 +112,17 @@ class _Side:
         return tuple(self.source(n) for n in r.inputs)
 
 
+_NEAR = 16
+"""Records of the same op and shape, nearest the current partner, tried for an op in between."""
+
+
 def _by_inputs(pairs: List[Pair]) -> List[Pair]:
     """Mend pairs the sequence alignment got wrong, by the dependency links: a record whose partner does not consume
     the partners of its inputs is paired instead with the other side's record of the same op and shape that does
-    (when one does, and its own partner, if any, does not).  Records of one op and shape repeat along a graph (every
-    layer's adds); one extra or missing record nearby, which sequence alignment cannot place, then shifts them."""
+    (when one does, and its own partner, if any, does not), or that consumes them with one op of its own run in
+    between (then that op, which sequence alignment had taken for A's record, is left to its run).  Records of one op
+    and shape repeat along a graph (every layer's adds); one extra or missing record nearby, which sequence alignment
+    cannot place, then shifts them."""
     if not any(p.rec.inputs for p in pairs):
         return pairs
     a_side = _Side([p.a for p in pairs if p.a is not None], {id(p.a) for p in pairs if p.paired})
@@ -124,9 +130,13 @@ def _by_inputs(pairs: List[Pair]) -> List[Pair]:
     pair_of_a = {p.a.node: p for p in pairs if p.a is not None}
     pair_of_b = {p.b.node: p for p in pairs if p.b is not None}
     index: Dict[tuple, List[Record]] = {}
-    for r in b_side.by_node.values():
+    alike: Dict[tuple, List[Record]] = {}  # (op, shape) -> B's records, in order
+    where: Dict[str, int] = {}
+    for i, r in enumerate(b_side.by_node.values()):
+        where[r.node] = i
         if r.inputs:
             index.setdefault((r.op, str(r.shape), b_side.sources(r)), []).append(r)
+            alike.setdefault((r.op, str(r.shape)), []).append(r)
 
     def wanted(a: Record) -> Optional[tuple]:
         out = []
@@ -140,6 +150,26 @@ def _by_inputs(pairs: List[Pair]) -> List[Pair]:
     def consistent(a: Record, b: Optional[Record]) -> bool:
         return b is not None and wanted(a) == b_side.sources(b)
 
+    def one_op_between(want: tuple, cand: Record) -> bool:
+        """Whether ``cand`` consumes the wanted inputs, one or more of them through one op B has in between (a
+        forward hook's add on B's path), at least one of them directly."""
+        src = b_side.sources(cand)
+        if len(src) != len(want) or not any(w == x for w, x in zip(want, src)):
+            return False
+        for w, x in zip(want, src):
+            r = b_side.by_node.get(x)
+            if w != x and (r is None or w not in b_side.sources(r)):
+                return False
+        return True
+
+    def candidates(a: Record, want: tuple, near: Optional[Record]):
+        yield from index.get((a.op, str(a.shape), want), ())
+        same = alike.get((a.op, str(a.shape)), ())
+        if near is not None and same:  # the records of this op next to the current partner, nearest first
+            at = where.get(near.node, 0)
+            yield from (c for c in sorted(same, key=lambda c: abs(where[c.node] - at))[:_NEAR]
+                        if one_op_between(want, c))
+
     extra: Dict[int, List[Pair]] = {}  # id(pair) -> records of B left without a partner, placed after it
     for p in pairs:
         a = p.a
@@ -148,7 +178,7 @@ def _by_inputs(pairs: List[Pair]) -> List[Pair]:
         want = wanted(a)
         if want is None:
             continue
-        for cand in index.get((a.op, str(a.shape), want), ()):
+        for cand in candidates(a, want, p.b):
             q = pair_of_b[cand.node]
             if q is p or (q.a is not None and consistent(q.a, cand)):
                 continue

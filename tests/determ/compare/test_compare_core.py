@@ -315,3 +315,16 @@ def test_a_pair_whose_inputs_disagree_is_mended_by_the_dependency_links():
     pairs = align(a, b)
     assert _partners(pairs) == {("x", "x"), ("y", "y"), ("add", "add_1"), ("mul", "mul"), (None, "add")}
     assert len(pairs) == 5  # every record of both runs once
+
+
+def test_an_op_one_run_has_on_an_input_path_is_left_to_that_run_not_paired_with_the_op_after_it():
+    # B adds a hook's op (h = y + c) in front of the add both runs have: sequence alignment takes the hook's add
+    # for A's add; B's add consumes A's partners with the hook's op in between, so it is A's add's partner
+    from determ_backend.compare import align
+    a = [_fx("x", "input", kind="input"), _fx("y", "input", kind="input"),
+         _fx("add", "aten.add.Tensor", inputs=["x", "y"]), _fx("mul", "aten.mul.Tensor", inputs=["add", "y"])]
+    b = [_fx("x", "input", kind="input"), _fx("y", "input", kind="input"),
+         _fx("add", "aten.add.Tensor", inputs=["y"]), _fx("add_1", "aten.add.Tensor", inputs=["x", "add"]),
+         _fx("mul", "aten.mul.Tensor", inputs=["add_1", "y"])]
+    pairs = align(a, b)
+    assert _partners(pairs) == {("x", "x"), ("y", "y"), ("add", "add_1"), ("mul", "mul"), (None, "add")}
