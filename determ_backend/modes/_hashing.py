@@ -43,9 +43,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def hashable(t: torch.Tensor) -> Optional[str]:
     """None if ``t`` can be fingerprinted, else why not.  (Called for every recorded tensor: the common case
     is three cheap attribute checks.)"""
-    if type(t) in _PLAIN and t.layout is torch.strided and not t.is_meta:
+    if type(t) in _PLAIN and t.layout is torch.strided and not t.is_meta and not t.is_nested:
         return None
-    return f"{t.layout}/{t.device.type}/{type(t).__name__}"
+    return "nested" if t.is_nested else f"{t.layout}/{t.device.type}/{type(t).__name__}"
 
 
 @functools.lru_cache(maxsize=4096)

@@ -37,7 +37,7 @@ from determ_backend.modes._hashing import PendingHashes, hashable
 from determ_backend._frames import FrameFilter
 from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, returns_view, same_layout, schema_writes,
                                       uninitialized, uninitialized_hash, version, written_tensors)
-from determ_backend.trace.stream import Record, dtype_name
+from determ_backend.trace.stream import Record, dtype_name, shape_of
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
 
@@ -213,7 +213,7 @@ class OpRecorder:
         seq = self.seq
         self.seq += 1
         if isinstance(t, torch.Tensor):
-            dtype, shape = dtype_name(t.dtype), list(t.shape)
+            dtype, shape = dtype_name(t.dtype), shape_of(t)
         else:
             dtype, shape = f"py_{type(t).__name__}", []
         # positional, in the field order (graph, stage, node, op, kind, call, seq, source, dtype, shape, hash, stats,

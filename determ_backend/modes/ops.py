@@ -27,7 +27,8 @@ from determ_backend import _torch_compat
 from determ_backend.trace.stream import Record, format_hash
 
 __all__ = ["iter_args", "tensor_args", "written_tensors", "schema_writes", "returns_view",
-           "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key", "unseen"]
+           "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key", "unseen",
+           "wait_collective"]
 
 
 def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bool = False) -> list:
@@ -65,18 +66,42 @@ def _walk(path: str, a: Any, out: list, with_values: bool) -> None:
         out.append((path, a))
 
 
-def schema_writes(func) -> Tuple[Tuple[int, str], ...]:
-    """Positions and names of the arguments ``func`` writes to (``Tensor(a!)``)."""
+# ops that write arguments their schema does not mark ``Tensor(a!)``: batch norm updates its running statistics
+_UNDECLARED_WRITES = {name: ((3, "running_mean"), (4, "running_var"))
+                      for name in ("aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm")}
+
+
+def schema_writes(func, undeclared: bool = False) -> Tuple[Tuple[int, str], ...]:
+    """Positions and names of the arguments ``func`` writes to (``Tensor(a!)``); ``undeclared``: also those it
+    writes without saying so (batch norm's running statistics, in training)."""
     schema = _torch_compat.op_schema(func)
+    extra = _UNDECLARED_WRITES.get(_torch_compat.op_schema_name(func), ()) if undeclared else ()
     if schema is None or not schema.is_mutable:
-        return ()
+        return extra
     return tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write)
+                 if a.alias_info is not None and a.alias_info.is_write) + extra
 
 
 # ops whose output holds exactly the values of one input (when dtype and shape match): schema name -> arg index
 COPIES = {"aten::clone": 0, "aten::_to_copy": 0, "aten::copy_": 1, "aten::detach": 0, "aten::alias": 0,
            "aten::lift_fresh": 0, "aten::lift_fresh_copy": 0}
+
+
+_POINT_TO_POINT = ("c10d::send", "c10d::recv_", "c10d::recv_any_source_", "c10d::barrier", "c10d::monitored_barrier_")
+
+
+def wait_collective(func, result: Any) -> None:
+    """Wait for the work of a ``torch.distributed`` collective (``c10d.allreduce_`` returns its tensors and a
+    ``Work``) before its outputs are read: the values are final only then.  Under the eager modes an asynchronous
+    collective therefore completes before the next op runs (every rank issues collectives in one order, so this
+    waits only for the others to join).  Sends, receives and barriers are left alone: waiting on a send could wait
+    for a receive the program posts later."""
+    name = _torch_compat.op_schema_name(func) or ""
+    if not name.startswith("c10d::") or name in _POINT_TO_POINT or not isinstance(result, (tuple, list)):
+        return
+    for x in result:
+        if isinstance(x, torch.ScriptObject) and hasattr(x, "wait"):
+            x.wait()
 
 
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -41,7 +41,7 @@ from determ_backend.fingerprint import _native
 from determ_backend.trace.jsonl import StreamFormat, StreamWriter, encode, encode_exact, fast_dumps, read_stream
 
 __all__ = ["Record", "RecordTemplate", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path",
-           "atomic_write_text", "atomic_path", "dir_problem", "format_hash", "dtype_name", "TRACE_NAME", "TRACE_FORMAT"]
+           "atomic_write_text", "atomic_path", "dir_problem", "format_hash", "dtype_name", "shape_of", "TRACE_NAME", "TRACE_FORMAT"]
 
 TRACE_NAME = "trace.jsonl"
 TRACE_FORMAT = StreamFormat("determ-trace", 1, "trace", "records", "the producing process may have died")
@@ -56,6 +56,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     return name
+
+
+def shape_of(t: torch.Tensor) -> List[int]:
+    """A record's ``shape`` field: the tensor's sizes, or [] for a nested tensor (its rows differ in length)."""
+    return [] if t.is_nested else list(t.shape)
 
 
 def format_hash(h: int) -> str:

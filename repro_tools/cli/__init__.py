@@ -68,6 +68,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("repro-tools: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the results could not be written (a full disk behind stdout)
+        _silence_stdout()
+        print(f"repro-tools: error: cannot write the output: {_os_error(e)}", file=sys.stderr)
+        return 2
+
+
+def _os_error(e: OSError) -> str:
+    """``strerror: file`` of an OSError, in one line."""
+    where = f": {e.filename}" if getattr(e, "filename", None) else ""
+    return f"{e.strerror or e}{where}"
 
 
 def _main(argv: Optional[List[str]]) -> int:
@@ -84,6 +94,11 @@ def _main(argv: Optional[List[str]]) -> int:
         return int(args.func(args))
     except DetermError as e:
         print(f"repro-tools {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        raise
+    except OSError as e:  # a file the command reads or writes (an output path under a regular file, a full disk)
+        print(f"repro-tools {args.command}: error: {_os_error(e)}", file=sys.stderr)
         return 2
 
 

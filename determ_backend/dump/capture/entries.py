@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from determ_backend import _torch_compat
+from determ_backend.trace.stream import shape_of
 
 __all__ = ["flatten", "FingerprintCache", "describe", "is_data_tensor", "call_items", "output_items"]
 
@@ -65,7 +66,7 @@ def is_data_tensor(t: Any) -> bool:
     """A plain tensor whose values can be read and copied as bytes: strided, not meta, not quantized.
     Tensor subclasses (fake, distributed, wrapper tensors) are described by dtype and shape only."""
     return (type(t) in _PLAIN and t.layout == torch.strided and t.device.type != "meta"
-            and not t.is_quantized)
+            and not t.is_quantized and not t.is_nested)
 
 
 class FingerprintCache:
@@ -88,8 +89,8 @@ class FingerprintCache:
             self._entries.clear()
         try:
             self._entries[id(t)] = (weakref.ref(t), _torch_compat.tensor_version(t), fp)
-        except TypeError:  # tensors that do not support weak references are simply not cached
-            pass
+        except (TypeError, RuntimeError):  # no weak references, or an inference tensor (no version counter, so a
+            pass                           # write in inference mode would go unseen): not cached
 
     def forget(self, items: Sequence[Tuple[str, Any]]) -> None:
         """Drop the tensors of ``items``: a call wrote into them (collectives do not bump ``_version``)."""
@@ -123,7 +124,7 @@ def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data:
         if isinstance(v, torch.Tensor):
             if not keep_non_float and not (v.is_floating_point() or v.is_complex()):
                 continue
-            e: Dict[str, Any] = {"name": name, "dtype": str(v.dtype), "shape": list(v.shape)}
+            e: Dict[str, Any] = {"name": name, "dtype": str(v.dtype), "shape": shape_of(v)}
             if isinstance(v, torch.nn.Parameter):
                 e["param"] = True
             if v.device.type != "cpu":

@@ -499,3 +499,26 @@ def test_an_extra_add_is_not_paired_with_the_residual_add_beside_it(tmp_path):
     unpaired = [p for p in cmp.pairs if p.a is None or p.b is None]
     assert [(p.a or p.b)["name"] for p in unpaired] == ["Tensor_add_0_forward"] and unpaired[0].b is None
     assert "unpaired calls just before it" in cmp.analysis and "Tensor_add_0_forward (NPU)" in cmp.analysis
+
+
+class _Unusual(torch.nn.Module):
+    """An inference-mode tensor (no version counter) and a nested tensor (no sizes) among a call's arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        with torch.inference_mode():
+            self.it = torch.arange(4.0)
+
+    def forward(self, x):
+        nt = torch.nested.nested_tensor([x[:2], x[2:]])
+        return (self.it * 2 + self.w * x).sum(), (nt * 2).unbind()[0]
+
+
+def test_inference_and_nested_tensors_are_dumped_without_breaking_the_call(tmp_path):
+    net, x = _Unusual(), torch.randn(5, 4)
+    want = net(x)
+    got = {}
+    idx = dump_run(tmp_path, "u", net, step=lambda n: got.setdefault("out", n(x)))
+    assert torch.equal(got["out"][0], want[0]) and torch.equal(got["out"][1], want[1])
+    assert any(e["name"].startswith("Tensor_mul") for e in dump.read_dump(idx).entries)

@@ -545,3 +545,54 @@ def test_a_run_that_raised_is_marked_incomplete_and_never_diffs_identical(tmp_pa
     with HashDebugTrace(log_path=tmp_path / "c.log"):  # a run that ends normally is complete
         torch.ones(4).relu()
     assert read_hash_log_file(tmp_path / "c.log").complete
+
+
+def _nested_then_sparse():
+    nt = torch.nested.nested_tensor([torch.ones(2, 4), torch.full((3, 4), 2.0)])
+    i = torch.tensor([[0, 1, 2], [1, 0, 3]])
+    s = torch.sparse_coo_tensor(i, torch.tensor([1.0, 2.0, 3.0]), (3, 4))
+    return (nt * 2 + 1).relu(), (s * 2).to_dense().sum()
+
+
+@pytest.mark.parametrize("tool", ["hash", "trace", "bitwise"])
+def test_nested_and_sparse_tensors_run_unchanged_and_two_runs_show_no_false_root(tool, tmp_path):
+    """A nested tensor has no sizes (reading them raised inside the tool and killed the program); a sparse one
+    has no fingerprint: neither is judged, two identical runs name no root cause."""
+    want_nt, want_sum = _nested_then_sparse()
+    for run in ("a", "b"):
+        mode = {"hash": lambda: HashMode(trace_path=tmp_path / f"{run}.jsonl"),
+                "trace": lambda: HashDebugTrace(log_path=tmp_path / f"{run}.log"),
+                "bitwise": lambda: BitwiseEquivalenceMode()}[tool]()
+        with mode:
+            nt, total = _nested_then_sparse()
+        assert all(torch.equal(x, y) for x, y in zip(nt.unbind(), want_nt.unbind())) and torch.equal(total, want_sum)
+        if tool == "bitwise":
+            assert mode.mismatches == []
+    if tool != "bitwise":
+        cmp = compare_traces(read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl"))
+        assert cmp.root_causes == [] and not cmp.divergent
+
+
+def test_bitwise_mode_leaves_batch_norm_running_statistics_as_one_update():
+    """native_batch_norm writes its running statistics without its schema saying so: the twin run must write
+    copies, or the user's model steps its statistics twice."""
+    torch.manual_seed(0)
+    bn, x = torch.nn.BatchNorm1d(4), torch.randn(8, 4)
+    twin = torch.nn.BatchNorm1d(4)
+    twin.load_state_dict(bn.state_dict())
+    bn(x)
+    with BitwiseEquivalenceMode() as m:
+        twin(x)
+    assert torch.equal(bn.running_mean, twin.running_mean) and torch.equal(bn.running_var, twin.running_var)
+    assert m.mismatches == []
+
+
+def test_hash_mode_around_bitwise_mode_sees_each_op_once():
+    """The bitwise mode's clones and twin run are its own work: the outer trace holds the user's ops only."""
+    torch.manual_seed(0)
+    m, x = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU()), torch.randn(8, 16)
+    with HashMode() as plain:
+        m(x).sum()
+    with HashMode() as outer, BitwiseEquivalenceMode():
+        m(x).sum()
+    assert [r.op for r in outer.records] == [r.op for r in plain.records]

@@ -48,3 +48,21 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_an_output_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path):
+    """A full disk behind stdout, and an output directory under a regular file: one line each, exit 2."""
+    torch.manual_seed(0)
+    m, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4)
+    _, a = compile_run(m, (x,), "determ_eager", tmp_path, "a")
+    _, b = compile_run(m, (x + 1,), "determ_eager", tmp_path, "b")
+    script = os.path.join(os.path.dirname(sys.executable), "repro-tools")
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "w") as full:
+            r = subprocess.run([script, "diff", str(a), str(b)], stdout=full, stderr=subprocess.PIPE, text=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("repro-tools"), r.stderr
+    (tmp_path / "afile").write_text("x")
+    r = subprocess.run([script, "report", str(a), "-o", str(tmp_path / "afile" / "page.html")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
