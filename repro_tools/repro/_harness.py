@@ -270,7 +270,8 @@ def _check(kind, mod, fn, compiler, args, ns):
         return _batch_invariance(mod, fn, compiler, args)
     if kind == "nan":
         return _nan(fn, args)
-    fn(_clone(args))
+    with torch.set_grad_enabled(not META.get("only_fwd", True)):  # as the graph ran: an inference graph without grad
+        fn(_clone(args))
     return None
 
 

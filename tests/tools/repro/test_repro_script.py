@@ -236,3 +236,23 @@ def test_get_args_does_not_replace_a_file_without_force(dynamo_graph, tmp_path, 
     assert "exists; pass --force" in capsys.readouterr().err and (tmp_path / "args.pt").read_text() == "mine"
     assert run_main(path, "get-args", "--out", str(tmp_path / "args.pt"), "--force") == 0
     assert len(torch.load(tmp_path / "args.pt", weights_only=True)) == 2
+
+
+class _OutVariant(torch.nn.Module):
+    """An inference graph as inductor writes them: an ``out=`` matmul, fine without grad, refused by autograd."""
+
+    def forward(self, a, b):
+        buf = torch.empty(2, 2)
+        torch.mm(a, b, out=buf)
+        return buf.relu()
+
+
+def test_a_forward_only_graph_runs_without_grad_as_it_ran(tmp_path, capsys):
+    """A graph captured under no_grad is run so: with grad on, its out= op raised an error of the script's own
+    making ('functions with out=... arguments don't support automatic differentiation')."""
+    gm = fx.symbolic_trace(_OutVariant())
+    a, b = torch.randn(2, 3, requires_grad=True), torch.randn(3, 2)
+    path = write_repro(gm, [a, b], tmp_path / "repro.py", meta={"kind": "runtime_error", "compiler": "eager",
+                                                                 "only_fwd": True})
+    assert run_main(path, "run") == 0
+    assert "not reproduced" in capsys.readouterr().out
