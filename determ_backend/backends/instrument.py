@@ -105,6 +105,14 @@ def is_view(node: fx.Node) -> bool:
     return False
 
 
+def _is_async_collective(node: fx.Node) -> bool:
+    """A functional collective (``_c10d_functional.all_reduce``...): its value is final only after the
+    ``wait_tensor`` node that consumes it, which is captured instead."""
+    t = node.target
+    return (node.op == "call_function" and _torch_compat.is_op_overload(t)
+            and str(getattr(t, "namespace", "")) == "_c10d_functional" and "wait" not in str(t))
+
+
 def _is_sequence_valued(node: fx.Node) -> bool:
     val = node.meta.get("val", node.meta.get("example_value"))
     return isinstance(val, (tuple, list))
@@ -134,7 +142,9 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
             info = NodeInfo(node=n.name, op="get_attr", kind="param", extra={"attr": str(n.target)})
         else:
             ins = tuple(display.get(a, a) for a in _tensor_args(n))
-            kind = "view" if is_view(n) else ("multi" if _is_sequence_valued(n) else "node")
+            # an async collective's value is not read (it may still be in flight): like a view, it is judged
+            # through its neighbours, here the wait_tensor that returns it complete
+            kind = "view" if is_view(n) or _is_async_collective(n) else ("multi" if _is_sequence_valued(n) else "node")
             op = op_name(n)
             src = n.args[0] if n.target is operator.getitem and n.args and isinstance(n.args[0], fx.Node) else None
             if src is not None and src.name in index and infos[index[src.name]].kind in ("multi", "view"):

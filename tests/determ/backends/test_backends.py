@@ -274,3 +274,20 @@ def test_a_write_through_data_between_forward_and_backward_is_seen_only_with_reu
         seen[reuse] = (int(w.hash, 16), before, hash_tensor(m.layers[2].weight))
     assert seen[True][0] == seen[True][1]  # the forward's fingerprint: the write is not seen
     assert seen[False][0] == seen[False][2] != seen[False][1]  # read again: the doubled weight
+
+
+def test_a_functional_collective_is_judged_at_its_wait_not_read_in_flight():
+    """``_c10d_functional.all_reduce`` returns a tensor that is final only after ``wait_tensor``: the collective
+    is not captured (read in flight, a twin run's fingerprint differed at random), its wait is."""
+    import torch.fx as fx
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
+    from determ_backend.backends.instrument import graph_node_infos
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    done = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
+    g.output(done)
+    infos, index = graph_node_infos(fx.GraphModule(torch.nn.Module(), g))
+    assert infos[index[ar.name]].kind == "view" and infos[index[done.name]].kind == "node"
+    assert infos[index[done.name]].inputs == (ar.name,)
