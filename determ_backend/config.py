@@ -7,10 +7,11 @@ Validation lives in ``__post_init__`` so every source is checked the same way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, FrozenSet, Mapping, Optional, Tuple
+from typing import Any, FrozenSet, Iterator, Mapping, Optional, Tuple
 
 from determ_backend.devices import parse_device_spec
 from determ_backend.errors import ConfigError
@@ -180,6 +181,24 @@ def option_names() -> frozenset:
     return frozenset(_ENV) | frozenset(_ENV.values())
 
 
+FLOW_VARIABLES = ("REPRO_AFTER", "REPRO_LEVEL")
+"""The environment variables that wrap the determ backends in a repro flow."""
+
+_FLOWS_OFF = [0]  # > 0 while determ's own tooling compiles graphs: a repro script, the minifier's candidates
+
+
+@contextlib.contextmanager
+def flows_suspended() -> Iterator[None]:
+    """Inside, configs have no repro flow (``REPRO_AFTER``/``REPRO_LEVEL`` are ignored): a repro script or the
+    minifier compiling a candidate with a determ backend checks that backend, and a flow wrapped around it again
+    would dump and minify each candidate in turn (the level-4 flow recursed until Python's limit)."""
+    _FLOWS_OFF[0] += 1
+    try:
+        yield
+    finally:
+        _FLOWS_OFF[0] -= 1
+
+
 def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[str, str]] = None,
                 base: Optional[DetermConfig] = None) -> DetermConfig:
     """Build a config from defaults (or ``base``), the environment, then ``options``; under
@@ -199,4 +218,8 @@ def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mappi
         if "DETERM_RUN_ID" in env:
             values["run_id"] = _coerce("run_id", env["DETERM_RUN_ID"], "DETERM_RUN_ID")
     base = base or DetermConfig()
+    if _FLOWS_OFF[0]:
+        values.pop("repro_after", None)
+        values.pop("repro_level", None)
+        base = base.replace(repro_after=None)
     return base.replace(**values, given=base.given | frozenset(values))

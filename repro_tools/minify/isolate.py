@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
+from determ_backend.config import FLOW_VARIABLES
 from determ_backend.errors import OracleError
 
 from repro_tools.minify import oracles
@@ -111,6 +112,8 @@ class Worker:
         paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        for var in FLOW_VARIABLES:  # a worker checks the compiler alone: no repro flow wrapped around it again
+            env.pop(var, None)
         env.update(self.extra_env)
         return env
 

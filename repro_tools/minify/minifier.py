@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from tqdm import tqdm
 
+from determ_backend.config import flows_suspended
 from determ_backend.errors import ConfigError, DetermError, OracleError, ReproError
 from determ_backend.trace.stream import atomic_write_text
 
@@ -266,8 +267,9 @@ def minify_repro(src: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
         resolve_compiler(spec.compiler)  # a name that does not resolve is bad input, never the failure under study
     except ConfigError as e:
         raise ConfigError(f"--compiler: {e}" if overrides.get("compiler") else f"{src}: the recorded {e}") from e
-    return minify(gm, inputs, spec, out_dir=out_dir,
-                  meta={**inherited_meta(meta), "source": str(src.resolve())}, **options)
+    with flows_suspended():  # candidates are compiled to check the compiler, never to dump and minify again
+        return minify(gm, inputs, spec, out_dir=out_dir,
+                      meta={**inherited_meta(meta), "source": str(src.resolve())}, **options)
 
 
 def _resume(s: _Session, state: Dict[str, Any], spec: OracleSpec, budget: int) -> Reducer:

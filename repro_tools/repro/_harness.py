@@ -400,6 +400,8 @@ def _version_warning():
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    for var in ("REPRO_AFTER", "REPRO_LEVEL"):  # they configured the program this graph came from, not its repro:
+        os.environ.pop(var, None)               # a determ backend compiling it here runs without a repro flow
     commands = ("run", "minify", "analyze", "get-args")
     default = "minify" if META.get("launcher") else "run"
     command = argv.pop(0) if argv and argv[0] in commands else default

@@ -156,3 +156,47 @@ def test_level4_catches_a_real_inductor_accuracy_bug_behind_plain_inductor(tmp_p
     assert last_stderr_line(capsys.readouterr().err) == str(launcher)
     assert read_meta(launcher)["config"]["cpp.inject_relu_bug_TESTING_ONLY"] == "accuracy"
     assert_reproduces(launcher, "accuracy", "torch.relu(", "run")
+
+
+_DETERM_LEVEL4 = '''
+import sys, torch
+torch.set_num_threads(1)
+torch._inductor.config.cpp.inject_relu_bug_TESTING_ONLY = "accuracy"
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+try:
+    with torch.no_grad():
+        torch.compile(m, backend="determ_inductor")(torch.randn(4, 16))
+except Exception as e:
+    print("USER ERROR:", type(e).__name__)
+'''
+
+
+def test_level4_around_a_determ_backend_minifies_once_not_recursively(tmp_path):
+    """The minifier compiles its candidates with determ_inductor; under REPRO_AFTER=dynamo that backend wraps
+    itself in the flow, which dumped and minified each candidate again until Python's recursion limit."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "user.py"
+    script.write_text(_DETERM_LEVEL4)
+    env = dict(os.environ, REPRO_AFTER="dynamo", REPRO_LEVEL="4", DETERM_DIR=str(tmp_path / "out"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert "USER ERROR: AccuracyError" in r.stdout, r.stderr[-2000:]
+    assert len(list((tmp_path / "out").glob("*/repro/dynamo-*"))) == 1
+    report = json.loads(next((tmp_path / "out").glob("*/report.json")).read_text())
+    assert report["checker_errors"] == [] and report["first_divergence"]["op"] == "torch.nn.functional.relu"
+
+
+def test_flows_are_suspended_while_determ_compiles_a_candidate(monkeypatch):
+    from determ_backend.config import flows_suspended, load_config
+
+    monkeypatch.setenv("REPRO_AFTER", "dynamo")
+    monkeypatch.setenv("REPRO_LEVEL", "4")
+    assert load_config().repro_after == "dynamo"
+    with flows_suspended():
+        assert load_config().repro_after is None and load_config({"repro_after": "aot"}).repro_after is None
+    assert load_config().repro_level == 4
