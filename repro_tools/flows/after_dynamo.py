@@ -88,18 +88,28 @@ def _compile(inner: Callable, gm: fx.GraphModule, inputs: list, kwargs: dict, cf
         dump.on_failure("compile_error", inputs, e, launcher)
         raise
     if level == 4:
-        try:
-            _check_accuracy(compiled, inputs, cfg, dump)
-        except Exception as e:  # raised by the graph's call instead: from here dynamo would wrap it
-            return _raise_on_call(e)  # in BackendCompilerFailed, and `except AccuracyError` would miss it
-        return compiled
+        return _checked_on_first_call(compiled, inputs, cfg, dump)
     return _guard_runtime(compiled, dump, launcher)
 
 
-def _raise_on_call(error: BaseException) -> Callable:
-    """A compiled graph that raises ``error`` (already dumped) each time it is called."""
+def _checked_on_first_call(compiled: Callable, inputs: list, cfg: DetermConfig, dump: GraphDump) -> Callable:
+    """``compiled``, checked against eager on the example inputs when it is first called, not while dynamo is
+    still compiling: its backward, compiled on first use, cannot be compiled inside dynamo's compile (torch raised
+    "Metric(s) {'is_forward'} have already been set" and a healthy training step failed).  A failure (already
+    dumped) is raised by this and every later call: raised at compile time, dynamo would wrap it in
+    BackendCompilerFailed, and ``except AccuracyError`` would miss it."""
+    state: dict = {}
+
     def run(*args: Any) -> Any:
-        raise error
+        if "error" not in state and not state.get("checked"):
+            state["checked"] = True
+            try:
+                _check_accuracy(compiled, inputs, cfg, dump)
+            except Exception as e:
+                state["error"] = e
+        if "error" in state:
+            raise state["error"]
+        return compiled(*args)
 
     return run
 

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
+from determ_backend import devices
 from determ_backend.backends.checks import graph_in_dtype
 from determ_backend.backends.eager import run_eager
 from determ_backend.clones import clone_inputs
@@ -160,7 +161,18 @@ def same_two_models(gm: Callable, compiled_fn: Callable, example_inputs: Sequenc
                     tol: float = DEFAULT_TOL, multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False,
                     require_fp64: bool = False) -> AccuracyResult:
     """Compare ``compiled_fn`` with eager ``gm`` on clones of ``example_inputs`` (forward, and backward
-    unless ``only_fwd``), against an fp64 run of ``gm``.  Parameters of ``gm`` are shared with ``compiled_fn``."""
+    unless ``only_fwd``), against an fp64 run of ``gm``.  Parameters of ``gm`` are shared with ``compiled_fn``.
+    The random state found on entry is restored on return: a check run inside the user's program (the level-4
+    flows) leaves its dropout masks and later draws as they would be without it."""
+    state = devices.get_rng_state()
+    try:
+        return _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier, strict, require_fp64)
+    finally:
+        devices.set_rng_state(state)
+
+
+def _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier, strict,
+                     require_fp64) -> AccuracyResult:
     params = list(gm.parameters()) if isinstance(gm, torch.nn.Module) else []
     try:
         ref, ref_grads = _fwd_bwd(gm, example_inputs, only_fwd, params)

@@ -200,3 +200,37 @@ def test_flows_are_suspended_while_determ_compiles_a_candidate(monkeypatch):
     with flows_suspended():
         assert load_config().repro_after is None and load_config({"repro_after": "aot"}).repro_after is None
     assert load_config().repro_level == 4
+
+
+def test_level4_checks_a_training_graph_at_its_first_call_and_the_step_runs(tmp_path, monkeypatch):
+    """The check runs the compiled graph's backward, which AOT compiles on first use: inside dynamo's compile
+    torch raised "Metric(s) {'is_forward'} have already been set" and a healthy training step failed."""
+    from determ_backend.backends import run as run_mod
+
+    for var, value in (("REPRO_AFTER", "dynamo"), ("REPRO_LEVEL", "4"), ("DETERM_DIR", str(tmp_path / "out"))):
+        monkeypatch.setenv(var, value)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    torch.compile(m, backend="determ_inductor")(torch.randn(4, 16)).sum().backward()
+    run_mod.finish_all()
+    assert all(p.grad is not None for p in m.parameters())
+    report = json.loads(next((tmp_path / "out").glob("*/report.json")).read_text())
+    assert report["checker_errors"] == [] and not report["divergent"]
+
+
+def test_the_accuracy_check_leaves_the_random_state_as_it_found_it():
+    """Run inside the user's program (level 4), the check must not move the random stream the program draws from
+    next (its dropout masks changed under the flow)."""
+    from repro_tools.minify.accuracy import same_two_models
+
+    class Drop(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.dropout(x, 0.5, training=True)
+
+    x = torch.randn(8, 8)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    same_two_models(Drop(), Drop(), [x], only_fwd=True)
+    assert torch.equal(torch.rand(4), expected)
