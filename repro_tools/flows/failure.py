@@ -117,6 +117,19 @@ def report_flow_error(config: DetermConfig, after: str, what: str, error: BaseEx
                   " ".join(str(e).split())[:300])
 
 
+_ERROR_CHARS = 4000
+
+
+def _error_text(text: str) -> str:
+    """An error's text for a repro's metadata, at most about ``_ERROR_CHARS``: its ``error`` lines first (a C++
+    compile error is a few lines among pages of compiler warnings), then its end."""
+    if len(text) <= _ERROR_CHARS:
+        return text
+    errors = [line for line in text.splitlines() if "error" in line.lower()]
+    head = "\n".join(errors)[: _ERROR_CHARS // 2]
+    return f"{head}\n...\n{text[-(_ERROR_CHARS - len(head)):]}"
+
+
 class GraphDump:
     """One intercepted graph's dumps: its directory, its launcher/repro, minification, the summary."""
 
@@ -139,7 +152,7 @@ class GraphDump:
              "launcher": launcher, "repro_level": self.config.repro_level, "tol": self.config.tol,
              "multiplier": self.config.fp64_multiplier, "strict": self.config.strict}
         if error is not None:
-            m["error"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+            m["error"] = _error_text("".join(traceback.format_exception(type(error), error, error.__traceback__)))
         m.update(self.extra_meta)
         return m
 

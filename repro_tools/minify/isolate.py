@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.fx as fx
 
 from determ_backend.config import FLOW_VARIABLES
@@ -114,6 +115,7 @@ class Worker:
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         for var in FLOW_VARIABLES:  # a worker checks the compiler alone: no repro flow wrapped around it again
             env.pop(var, None)
+        env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # this process's threads (the program's, or the repro's)
         env.update(self.extra_env)
         return env
 

@@ -402,6 +402,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     for var in ("REPRO_AFTER", "REPRO_LEVEL"):  # they configured the program this graph came from, not its repro:
         os.environ.pop(var, None)               # a determ backend compiling it here runs without a repro flow
+    if META.get("threads"):  # the program's thread count: a C++ error thrown in a parallel region aborts instead
+        torch.set_num_threads(int(META["threads"]))
     commands = ("run", "minify", "analyze", "get-args")
     default = "minify" if META.get("launcher") else "run"
     command = argv.pop(0) if argv and argv[0] in commands else default

@@ -139,6 +139,7 @@ def _fill_meta(meta: Optional[Dict[str, Any]], inputs: Sequence[Any], path: Path
     m["config_other"] = {**other, **m.get("config_other", {})}
     m.setdefault("env", capture_env())
     m.setdefault("seed", 1234)
+    m.setdefault("threads", torch.get_num_threads())  # a kernel's error inside a parallel region differs with more
     m.setdefault("created", datetime.datetime.now().isoformat(timespec="seconds"))
     m["script_name"] = path.name
     return json_safe(m)

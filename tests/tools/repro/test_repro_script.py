@@ -256,3 +256,34 @@ def test_a_forward_only_graph_runs_without_grad_as_it_ran(tmp_path, capsys):
                                                                  "only_fwd": True})
     assert run_main(path, "run") == 0
     assert "not reproduced" in capsys.readouterr().out
+
+
+def test_a_repro_records_the_thread_count_and_runs_with_it(tmp_path):
+    """A kernel's C++ error thrown inside an OpenMP region aborts the process: a repro of a program that ran with one
+    thread runs with one thread (with the default count the runtime error became a SIGABRT 'crash')."""
+    import subprocess
+    import sys
+
+    gm = fx.symbolic_trace(_OutVariant())
+    prior = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        path = write_repro(gm, [torch.randn(2, 3), torch.randn(3, 2)], tmp_path / "repro.py",
+                           meta={"kind": "any", "compiler": "eager", "only_fwd": True})
+    finally:
+        torch.set_num_threads(prior)
+    assert read_meta(path)["threads"] == 1
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"import runpy, sys, torch\nsys.argv = [{str(path)!r}, 'get-args']\n"
+                     f"try:\n    runpy.run_path({str(path)!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                     "print('threads', torch.get_num_threads())\n")
+    r = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=300)
+    assert "threads 1" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_long_compile_error_keeps_its_error_lines():
+    from repro_tools.flows.failure import _error_text
+
+    text = "cc1plus: error: 'compile' was not declared\n" + "warning: overflow in conversion\n" * 500
+    kept = _error_text(text)
+    assert len(kept) <= 4100 and "'compile' was not declared" in kept and kept.endswith("conversion\n")
