@@ -36,13 +36,18 @@ def test_usage_errors_exit_2(capsys):
 
 
 
-def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
-    """``repro-tools diff ... | head``: output into a closed pipe ends quietly with the shell's SIGPIPE code."""
+def _two_runs(tmp_path):
+    """Two traced runs that differ, and the console script."""
     torch.manual_seed(0)
     m, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4)
     _, a = compile_run(m, (x,), "determ_eager", tmp_path, "a")
     _, b = compile_run(m, (x + 1,), "determ_eager", tmp_path, "b")
-    script = os.path.join(os.path.dirname(sys.executable), "repro-tools")
+    return a, b, os.path.join(os.path.dirname(sys.executable), "repro-tools")
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """``repro-tools diff ... | head``: output into a closed pipe ends quietly with the shell's SIGPIPE code."""
+    a, b, script = _two_runs(tmp_path)
     proc = subprocess.Popen([script, "diff", str(a), str(b)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the command has written anything (importing torch takes far longer)
     err = proc.stderr.read().decode()
@@ -52,11 +57,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
 
 def test_an_output_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path):
     """A full disk behind stdout, and an output directory under a regular file: one line each, exit 2."""
-    torch.manual_seed(0)
-    m, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4)
-    _, a = compile_run(m, (x,), "determ_eager", tmp_path, "a")
-    _, b = compile_run(m, (x + 1,), "determ_eager", tmp_path, "b")
-    script = os.path.join(os.path.dirname(sys.executable), "repro-tools")
+    a, b, script = _two_runs(tmp_path)
     if os.path.exists("/dev/full"):
         with open("/dev/full", "w") as full:
             r = subprocess.run([script, "diff", str(a), str(b)], stdout=full, stderr=subprocess.PIPE, text=True)
