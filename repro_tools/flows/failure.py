@@ -49,7 +49,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig
-from determ_backend.errors import AccuracyError, DetermError, ReproError
+from determ_backend.errors import AccuracyError, DetermError, ReproError, first_line
 from determ_backend.backends.run import get_run
 
 from repro_tools.cli import configure_logging
@@ -181,11 +181,24 @@ class GraphDump:
         if self.failed:
             return None
         self.failed = True
+        if kind != "accuracy":  # (an accuracy failure is recorded with its detail by act_on_accuracy)
+            self._record_failure(kind, error)  # first: the summary below ends with the repro's path
         try:
             return self._on_failure(kind, inputs, error, launcher, detail)
         except Exception as e:  # never replaces the user's error
             report_flow_error(self.config, self.after, f"dumping or minifying the failing graph ({kind})", e)
         return None
+
+    def _record_failure(self, kind: str, error: Optional[BaseException]) -> None:
+        """A compile or runtime error in ``report.json`` as a finding of check ``repro <kind>``: the run failed, and
+        ``repro-tools report`` must not call it clean.  The user's own error follows, never this one."""
+        first = f"{type(error).__name__}: {first_line(error)}" if error is not None else kind
+        try:
+            get_run(self.config).add_finding(f"repro {kind}", {"divergent": True, "detail": first})
+        except AccuracyError:  # DETERM_RAISE: the program raises its own error next
+            pass
+        except Exception as e:
+            report_flow_error(self.config, self.after, f"recording the {kind} in report.json", e)
 
     def _on_failure(self, kind: str, inputs: Sequence[Any], error: Optional[BaseException],
                     launcher: Optional[Path], detail: str) -> Optional[Path]:

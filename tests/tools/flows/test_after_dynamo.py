@@ -234,3 +234,15 @@ def test_the_accuracy_check_leaves_the_random_state_as_it_found_it():
     torch.manual_seed(3)
     same_two_models(Drop(), Drop(), [x], only_fwd=True)
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_compile_error_is_a_finding_in_the_report(tmp_path, capsys):
+    """A graph that failed to compile made a run whose report.json said divergent: false, and `repro-tools report`
+    called it clean."""
+    from determ_backend.backends import run as run_mod
+
+    compile_and_fail(determ_backend.wrap_backend(ERRORS[0][1], repro_config(tmp_path, 1)))
+    run_mod.finish_all()
+    report = json.loads(next((tmp_path / "out").glob("*/report.json")).read_text())
+    assert report["divergent"] and report["findings"][0]["check"] == "repro compile_error"
+    assert "Relu" in report["findings"][0]["detail"]
