@@ -38,7 +38,7 @@ __all__ = [
     # eager dispatch modes
     "eval_frame_setter", "dynamo_skip_code", "current_autograd_node_getter",
     # repro scripts and flows
-    "config_diffs", "custom_op_module", "is_fake_tensor", "real_tensors", "symint_hint",
+    "config_diffs", "custom_op_module", "op_registering_module", "is_fake_tensor", "real_tensors", "symint_hint",
     # API dump
     "queue_autograd_callback", "is_compiled_module", "observe_compiled_calls", "suspend_function_mode",
     "resume_function_mode", "compiled_original",
@@ -356,6 +356,20 @@ def config_diffs() -> Dict[str, str]:
     import torch._inductor.config as ic
 
     return {"inductor": ic.codegen_config(), "dynamo": dc.codegen_config(), "functorch": fc.codegen_config()}
+
+
+_REGISTERED_BY = {"prims::inductor_": "torch._inductor.inductor_prims"}
+"""Ops of torch's own namespaces that exist only once a module of torch registered them (prefix -> module):
+inductor's random prims (``prims::inductor_seeds``, ``inductor_random``...) appear in graphs after AOT."""
+
+
+def op_registering_module(qualname: str):
+    """The module to import before op ``ns::name`` can be looked up, when torch registers it lazily (None for
+    ops that always exist)."""
+    for prefix, module in _REGISTERED_BY.items():
+        if qualname.startswith(prefix):
+            return module
+    return None
 
 
 def custom_op_module(qualname: str):

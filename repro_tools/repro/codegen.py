@@ -152,6 +152,9 @@ class CodeWriter:
     def _scan_custom_ops(self, gm: fx.GraphModule) -> None:
         for n in gm.graph.nodes:
             ns = getattr(n.target, "namespace", None)
+            lazy = tc.op_registering_module(tc.op_schema_name(n.target) or "") if n.op == "call_function" and ns else None
+            if lazy and lazy not in self.op_modules:  # a torch op that exists once that module ran (inductor's prims)
+                self.op_modules.append(lazy)
             if n.op == "call_function" and ns and ns not in _BUILTIN_NAMESPACES:
                 qual = tc.op_schema_name(n.target)
                 mod = tc.custom_op_module(qual)

@@ -13,7 +13,7 @@ from determ_backend.errors import ReproError
 from repro_tools.repro.script import copy_repro, load_repro, read_meta, write_repro
 
 from repro_helpers import (TESTS, assert_reproduces, capture_graph, forward_source, last_stderr_line, model,
-                           model_inputs, run_main, run_without_determ)
+                           model_inputs, run_code, run_main, run_without_determ)
 
 
 class WithParams(torch.nn.Module):
@@ -287,3 +287,24 @@ def test_a_long_compile_error_keeps_its_error_lines():
     text = "cc1plus: error: 'compile' was not declared\n" + "warning: overflow in conversion\n" * 500
     kept = _error_text(text)
     assert len(kept) <= 4100 and "'compile' was not declared" in kept and kept.endswith("conversion\n")
+
+
+def test_a_graph_with_inductors_random_prims_loads_in_a_fresh_process(tmp_path):
+    """``prims.inductor_seeds`` & co. exist once torch's inductor registered them: a dropout graph's repro after
+    AOT could not be traced back (and so not minified) in a process that had not compiled anything."""
+    import torch._inductor.inductor_prims  # noqa: F401  (here, to build the graph)
+
+    prims = torch.ops.prims
+    g = fx.Graph()
+    x = g.placeholder("x")
+    seed = g.call_function(prims.inductor_lookup_seed.default,
+                           (g.call_function(prims.inductor_seeds.default, (1, torch.device("cpu"))), 0))
+    rand = g.call_function(prims.inductor_random.default, ([3], seed, "rand"))
+    g.output((g.call_function(torch.ops.aten.mul.Tensor, (x, g.call_function(torch.ops.aten.gt.Scalar, (rand, 0.5)))),))
+    path = write_repro(fx.GraphModule(torch.nn.Module(), g), [torch.randn(3)], tmp_path / "repro.py",
+                       meta={"kind": "runtime_error", "compiler": "eager"})
+    code = ("import sys, torch\nfrom repro_tools.repro.script import load_repro\n"
+            f"gm, inputs, _ = load_repro({str(path)!r})\n"
+            "print('targets', sorted({str(n.target) for n in gm.graph.nodes if n.op == 'call_function'}))\n")
+    proc = run_code(code, tmp_path)
+    assert proc.returncode == 0 and "prims.inductor_random.default" in proc.stdout, proc.stderr[-2000:]
