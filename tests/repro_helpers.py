@@ -31,6 +31,11 @@ def model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.relu(x @ w).sum(0) * 2
 
 
+def dropout_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`model` with a dropout (training) before its relu: its graphs draw random numbers."""
+    return torch.relu(torch.nn.functional.dropout(x @ w, 0.5, training=True)).sum(0) * 2
+
+
 def model_inputs(requires_grad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g).requires_grad_(requires_grad)
@@ -126,6 +131,11 @@ def aot_relu_runtime_error(gm, example_inputs):
         raise RuntimeError("relu kernel failed at run time")
 
     return run
+
+
+def aot_as_is(gm, example_inputs):
+    """A correct compiler: the graph runs as it is."""
+    return gm
 
 
 def aot_relu_accuracy_error(gm, example_inputs):

@@ -63,6 +63,7 @@ from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
 from determ_backend.clones import clone_inputs
 from determ_backend.fingerprint.core import hash_tensors
+from determ_backend.modes.ops import draws_random
 from determ_backend.trace.stream import Record, format_hash
 
 __all__ = ["GraphExec", "graph_in_dtype"]
@@ -159,11 +160,7 @@ def _mentions(expr: Any, sym: Any) -> bool:
 
 def _has_random_ops(gm: fx.GraphModule) -> bool:
     """Whether the graph draws random numbers (then a replay needs the call's RNG state)."""
-    for n in gm.graph.nodes:
-        tags = getattr(n.target, "tags", ()) if n.op == "call_function" else ()
-        if torch.Tag.nondeterministic_seeded in tags:
-            return True
-    return False
+    return any(n.op == "call_function" and draws_random(n.target) for n in gm.graph.nodes)
 
 
 _ONE_OP_KERNELS = ("extern_kernels.", "torch.ops.")

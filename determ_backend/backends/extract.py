@@ -9,7 +9,9 @@ kernel regions, :mod:`repro_tools.minify.subgraph` and
   rule says so (which nodes join, which are walked through, where to stop);
 * :func:`extract` -- some nodes as a ``GraphModule`` whose inputs are the values
   (recorded elsewhere) of the nodes they read from outside, and whose outputs are
-  the nodes asked for.
+  the nodes asked for;
+* :func:`lift_random_draws` -- a graph whose random draws are inputs instead, fed
+  the values one eager run drew (used by the level-4 accuracy check after AOT).
 
 What is judged inside the cut, and how, is the callers' business; running it is
 :mod:`determ_backend.backends.eager`'s.
@@ -18,12 +20,19 @@ What is judged inside the cut, and how, is the callers' business; running it is
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+import copy
+import operator
+from typing import Any, Callable, Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
-__all__ = ["Step", "walk_back", "extract", "MissingValue", "KEEP_META"]
+from determ_backend import devices
+from determ_backend.backends.eager import EagerInterpreter
+from determ_backend.clones import clone_inputs
+from determ_backend.modes.ops import draws_random
+
+__all__ = ["Step", "walk_back", "extract", "MissingValue", "KEEP_META", "Lifted", "lift_random_draws"]
 
 KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "original_aten")
 """Node meta copied into the cut: where each node came from in the user's code."""
@@ -117,3 +126,97 @@ def extract(root: torch.nn.Module, nodes: Sequence[fx.Node], outputs: Sequence[s
         env[n.name] = new
     g.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(root, g), inputs
+
+
+class Lifted(NamedTuple):
+    """A graph with its random draws as inputs (:func:`lift_random_draws`)."""
+
+    gm: fx.GraphModule
+    inputs: List[Any]
+    """the original inputs, then one value per lifted draw"""
+    draws: List[str]
+    """the lifted nodes' names, in input order, each with its op: ``"inductor_random (prims.inductor_random)"``"""
+
+
+def _draw_nodes(graph: fx.Graph) -> List[fx.Node]:
+    """The nodes whose values are random draws: a drawing op's node, or the items of a multi-output one's
+    tuple (``native_dropout``'s output and mask), in graph order."""
+    out: List[fx.Node] = []
+    for n in graph.nodes:
+        if n.op != "call_function" or not draws_random(n.target):
+            continue
+        users = list(n.users)
+        if users and all(u.op == "call_function" and u.target is operator.getitem for u in users):
+            out.extend(users)
+        else:
+            out.append(n)
+    return out
+
+
+def _erase_dead(node: fx.Node, erased: set) -> None:
+    """Erase ``node`` and then each producer left without users that is a computation (a placeholder stays, and
+    so does an op with side effects other than drawing random numbers); adds their names to ``erased``."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.users or n.name in erased or n.op != "call_function":
+            continue
+        if n.is_impure() and not draws_random(n.target) and n.target is not operator.getitem:
+            continue
+        producers = n.all_input_nodes
+        n.graph.erase_node(n)
+        erased.add(n.name)
+        stack.extend(producers)
+
+
+def lift_random_draws(gm: fx.GraphModule, inputs: Sequence[Any]) -> Optional[Lifted]:
+    """``gm`` with each random draw (:func:`_draw_nodes`) replaced by an input fed the value one eager run of
+    ``gm`` on ``inputs`` drew; None when ``gm`` draws nothing.
+
+    Eager and compiled code never draw the same numbers (inductor's random kernels follow their own seeds),
+    so values downstream of a draw can only be compared once both sides read the same draws.  The seeds
+    that fed only the lifted draws go with them.  ``gm`` is not changed (the result runs on a copy of its
+    graph, sharing its parameters and constants); the caller's random state is left as it was."""
+    draws = _draw_nodes(gm.graph)
+    if not draws:
+        return None
+    names = {n.name for n in draws}
+    values: Dict[str, Any] = {}
+
+    class _Grab(EagerInterpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            v = super().run_node(n)
+            if n.name in names:
+                values[n.name] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+            return v
+
+    state = devices.get_rng_state()
+    try:
+        with torch.no_grad():
+            _Grab(gm).run(*clone_inputs(inputs))
+    finally:
+        devices.set_rng_state(state)
+    lifted = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    by_name = {n.name: n for n in lifted.graph.nodes}
+    last = [n for n in lifted.graph.nodes if n.op == "placeholder"][-1:]
+    placed: Dict[str, fx.Node] = {}
+    erased: set = set()
+    for d in reversed(draws):  # the last first: the seeds that fed only lifted draws are then gone, not lifted
+        if d.name in erased:
+            continue
+        node = by_name[d.name]
+        # each right after the graph's own inputs, so the lifted ones end up in graph order
+        with (lifted.graph.inserting_after(last[0]) if last else
+              lifted.graph.inserting_before(next(iter(lifted.graph.nodes)))):
+            ph = lifted.graph.placeholder(f"random_{d.name}")
+        ph.meta = {k: node.meta[k] for k in KEEP_META if k in node.meta}
+        node.replace_all_uses_with(ph)
+        placed[d.name] = ph
+        _erase_dead(node, erased)
+    order = {n: i for i, n in enumerate(lifted.graph.nodes)}
+    kept = sorted((d for d in draws if d.name in placed), key=lambda d: order[placed[d.name]])
+    new_inputs = list(inputs) + [values[d.name] for d in kept]
+    labels = [f"{d.name} ({(d.args[0] if d.target is operator.getitem else d).target})" for d in kept]
+    lifted.graph.lint()
+    lifted.recompile()
+    return Lifted(lifted, new_inputs, labels)

@@ -175,8 +175,9 @@ class Run:
             if value is not None and rec.hash is not None:
                 rec.payload = self.tensors.put(rec.hash, value)
 
-    def add_finding(self, check: str, summary: Dict[str, Any], pairs: Optional[List[Any]] = None) -> None:
-        """Record a divergence found by ``check``; log one line; raise if configured to.
+    def add_finding(self, check: str, summary: Dict[str, Any], pairs: Optional[List[Any]] = None) -> Dict[str, Any]:
+        """Record a divergence found by ``check``; log one line; raise if configured to.  Returns the finding (for
+        :meth:`amend_finding`).
 
         ``summary``: a :meth:`~determ_backend.compare.Comparison.summary`, or (a divergence found
         without per-node records, e.g. by a repro flow) a dict with a one-line ``detail``.  ``pairs``:
@@ -209,15 +210,23 @@ class Run:
                           f" upstream of the buffer {k.get('record')}, in a value no buffer holds")
             elif k.get("record_metrics"):
                 inside = f" inside {k.get('name')} (its buffer {k.get('record')})"
-            log.warning("determ %s divergence: graph=%s stage=%s node=%s op=%s at %s%s %s%s", check, fd.get("graph"),
-                        fd.get("stage"), fd.get("node"), fd.get("op"), fd.get("source") or "<unknown source>", inside,
-                        metrics, where)
+            # a minifier's culprit names no graph or stage: only the fields the finding has
+            named = " ".join(f"{k}={fd[k]}" for k in ("graph", "stage", "node", "op") if fd.get(k) is not None)
+            log.warning("determ %s divergence: %s at %s%s %s%s", check, named, fd.get("source") or "<unknown source>",
+                        inside, metrics, where)
         else:
             log.warning("determ %s divergence: %s%s", check, summary.get("detail") or "(no details)", where)
         if self.config.raise_on_divergence:
             where = (f"first divergence at node {fd.get('node')} ({fd.get('op')}) {fd.get('source') or ''}" if fd
                      else str(summary.get("detail") or "divergence"))
             raise AccuracyError(f"determ {check}: {where}; report: {self.dir / 'report.json'}")
+        return finding
+
+    def amend_finding(self, finding: Dict[str, Any], fields: Dict[str, Any]) -> None:
+        """Add what was learned later about a recorded finding (what the minifier found) and rewrite the report."""
+        with self._lock:
+            finding.update(fields)
+        self._write_report()
 
     def _write_pairs(self, k: int, pairs: List[Any]) -> Optional[str]:
         """Every judged pair of finding ``k`` as JSON lines in ``pairs-<k>.jsonl``; its file name."""

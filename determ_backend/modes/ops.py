@@ -6,7 +6,9 @@
 * tensor identity: a memory key and version counter that survive a tensor crossing
   C++ and coming back as a new Python object;
 * :func:`unseen`: run a mode's own work (fingerprints, metrics) below every dispatch
-  mode, so an outer mode does not record it as the user's ops.
+  mode, so an outer mode does not record it as the user's ops;
+* random draws: which ops draw random numbers (:func:`draws_random`), and whether a
+  run drew any (:class:`RandomDrawWatch`).
 
 The recording itself lives in :mod:`determ_backend.modes._record`; which frames are
 user code (an op's source and stack) in :mod:`determ_backend._frames`; private torch
@@ -28,7 +30,7 @@ from determ_backend.trace.stream import Record, format_hash
 
 __all__ = ["iter_args", "tensor_args", "written_tensors", "schema_writes", "returns_view",
            "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key", "unseen",
-           "wait_collective"]
+           "wait_collective", "draws_random", "RandomDrawWatch"]
 
 
 def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bool = False) -> list:
@@ -174,3 +176,32 @@ def unseen():
     Inside ``__torch_dispatch__`` the running mode is already off the stack, but an outer mode
     (nested eager tools) is not; free when no mode is active."""
     return _torch_compat.dispatch_modes_disabled() if _torch_compat.dispatch_mode_depth() else contextlib.nullcontext()
+
+
+_SEEDED_PRIMS = frozenset({"prims::inductor_random", "prims::inductor_randint"})
+"""Inductor's random prims: compiled, they draw from the seed tensor they are given; run eagerly, they ignore it
+and draw from the global generator (their seeds come from ``prims::inductor_seeds``, an op of aten's kind)."""
+
+
+def draws_random(func) -> bool:
+    """Whether the op ``func`` draws random numbers: ops tagged ``nondeterministic_seeded`` (``rand``,
+    ``native_dropout``, ``bernoulli``, ``inductor_seeds``...) and inductor's seeded random prims.  Two runs of
+    such an op agree only when they draw from the same generator state in the same way, which an eager
+    run and a compiled one do not."""
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return True
+    return _torch_compat.is_op_overload(func) and _torch_compat.op_schema_name(func) in _SEEDED_PRIMS
+
+
+class RandomDrawWatch(_torch_compat.TorchDispatchMode):
+    """While active, :attr:`ops` collects the names of the ops that drew random numbers (in first-seen order);
+    the ops run unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Dict[str, None] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if draws_random(func):
+            self.ops.setdefault(str(func), None)
+        return func(*args, **(kwargs or {}))

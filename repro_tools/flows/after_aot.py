@@ -16,6 +16,10 @@ while runtime dumps save the real values.  Per level:
    fp64 reference (any compiler, not only inductor); on a divergence writes the
    launcher, minifies (unless ``DETERM_MINIFY=0``) and raises
    :class:`~determ_backend.errors.AccuracyError`.  Checker errors are reported.
+   A graph that draws random numbers (dropout) is checked, dumped and minified
+   with its draws as inputs, fed the numbers an eager run drew, and compiled once
+   more that way for the check: eager and compiled code never draw the same
+   numbers.
 
 The flows keep a :func:`~repro_tools.flows.failure.graph_snapshot` of each graph
 (never a deep copy: AOT's fake tensor mode is active while its compiler runs,
@@ -38,7 +42,9 @@ import torch.fx as fx
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig, load_config
 
+from determ_backend.backends.extract import lift_random_draws
 from repro_tools.minify.accuracy import call_maybe_boxed, same_two_models
+from repro_tools.minify.compilers import compile_graph
 from repro_tools.flows.failure import GraphDump, act_on_accuracy, graph_snapshot, report_flow_error
 from repro_tools.repro.script import compiler_ref
 
@@ -109,15 +115,26 @@ def _runtime(compiled: Callable, cfg: DetermConfig, dump: GraphDump, launcher) -
 
 
 def _check_accuracy(compiled: Callable, inputs: List[Any], cfg: DetermConfig, dump: GraphDump) -> None:
+    stage = dump.extra_meta.get("stage")
     try:
         reference = copy.deepcopy(dump.gm)  # the reference runs get constants of their own, not the shared ones
     except Exception as e:
-        report_flow_error(cfg, "aot", f"copying the {dump.extra_meta.get('stage')} graph for the accuracy check", e)
+        report_flow_error(cfg, "aot", f"copying the {stage} graph for the accuracy check", e)
+        return
+    try:
+        lifted = lift_random_draws(reference, inputs)
+        if lifted is not None:  # eager and compiled draws never agree: judge the graph that reads eager's draws
+            compiled = compile_graph(dump.compiler, copy.deepcopy(lifted.gm), lifted.inputs)
+            reference, inputs = lifted.gm, lifted.inputs
+            dump = dump.with_graph(lifted.gm, {"random_draws_as_inputs": lifted.draws})
+            log.info("determ repro (after aot): the %s graph's %d random draw(s) are inputs for the accuracy check "
+                     "(one more compile): %s", stage, len(lifted.draws), ", ".join(lifted.draws))
+    except Exception as e:
+        report_flow_error(cfg, "aot", f"taking the {stage} graph's random draws as inputs for the accuracy check", e)
         return
     result = same_two_models(reference, compiled, inputs, only_fwd=True, tol=cfg.tol,
                              multiplier=cfg.fp64_multiplier, strict=cfg.strict)
-    act_on_accuracy(result, cfg, dump, inputs, "repro accuracy (after aot)",
-                    f"compiled {dump.extra_meta.get('stage')} graph ({dump.compiler})")
+    act_on_accuracy(result, cfg, dump, inputs, "repro accuracy (after aot)", f"compiled {stage} graph ({dump.compiler})")
 
 
 def inductor_backend(config: Optional[DetermConfig] = None) -> Callable:

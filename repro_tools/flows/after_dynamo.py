@@ -14,7 +14,9 @@ callable ``f(gm, example_inputs)``) into one that, per level:
    when the graph is called (so it reaches the caller as itself, not wrapped in
    dynamo's ``BackendCompilerFailed``; so does an error of the compiled graph met
    while checking).  An error while checking is reported as a checker error,
-   never swallowed.
+   never swallowed.  A graph whose eager run draws random numbers (dropout) is
+   not judged (eager and compiled draws differ): a warning and a ``skipped``
+   note in ``report.json`` say so; the after-AOT flow checks such graphs.
 
 A failure of the flows' own machinery (copying or dumping the graph, writing the
 launcher, minifying) is a checker error in ``report.json`` and one line on
@@ -125,6 +127,8 @@ def _check_accuracy(compiled: Callable, inputs: list, cfg: DetermConfig, dump: G
         return
     result = same_two_models(reference, unboxed, inputs, only_fwd=False, tol=cfg.tol,
                              multiplier=cfg.fp64_multiplier, strict=cfg.strict)
+    if result.status == "not_judged":  # a dynamo graph's draws cannot be cut out; AOT's aten graphs' can
+        result.detail += "; REPRO_AFTER=aot checks such graphs, with their draws taken as inputs"
     act_on_accuracy(result, cfg, dump, inputs, "repro accuracy", f"compiled graph ({dump.compiler})")
 
 

@@ -141,6 +141,13 @@ class GraphDump:
         self._dir: Optional[Path] = None
         self.failed = False
 
+    def with_graph(self, gm: fx.GraphModule, extra_meta: Dict[str, Any]) -> "GraphDump":
+        """The dumps of ``gm``, a graph made from this one (its random draws as inputs), with this one's settings
+        and compile-time config, and ``extra_meta`` added to its repros' metadata."""
+        other = copy.copy(self)
+        other.gm, other.extra_meta, other._dir, other.failed = gm, {**self.extra_meta, **extra_meta}, None, False
+        return other
+
     @property
     def dir(self) -> Path:
         if self._dir is None:
@@ -181,24 +188,32 @@ class GraphDump:
         if self.failed:
             return None
         self.failed = True
+        finding = None
         if kind != "accuracy":  # (an accuracy failure is recorded with its detail by act_on_accuracy)
-            self._record_failure(kind, error)  # first: the summary below ends with the repro's path
+            finding = self._record_failure(kind, error)  # first: the summary below ends with the repro's path
         try:
-            return self._on_failure(kind, inputs, error, launcher, detail)
+            path = self._on_failure(kind, inputs, error, launcher, detail)
         except Exception as e:  # never replaces the user's error
             report_flow_error(self.config, self.after, f"dumping or minifying the failing graph ({kind})", e)
-        return None
+            return None
+        if finding is not None:  # the dump, and the node the minifier narrowed the error to
+            try:
+                get_run(self.config).amend_finding(finding, {"repro": str(self.dir), **_minified(self.dir)})
+            except Exception as e:
+                report_flow_error(self.config, self.after, f"recording the minified {kind} in report.json", e)
+        return path
 
-    def _record_failure(self, kind: str, error: Optional[BaseException]) -> None:
+    def _record_failure(self, kind: str, error: Optional[BaseException]) -> Optional[Dict[str, Any]]:
         """A compile or runtime error in ``report.json`` as a finding of check ``repro <kind>``: the run failed, and
         ``repro-tools report`` must not call it clean.  The user's own error follows, never this one."""
         first = f"{type(error).__name__}: {first_line(error)}" if error is not None else kind
         try:
-            get_run(self.config).add_finding(f"repro {kind}", {"divergent": True, "detail": first})
+            return get_run(self.config).add_finding(f"repro {kind}", {"divergent": True, "detail": first})
         except AccuracyError:  # DETERM_RAISE: the program raises its own error next
             pass
         except Exception as e:
             report_flow_error(self.config, self.after, f"recording the {kind} in report.json", e)
+        return None
 
     def _on_failure(self, kind: str, inputs: Sequence[Any], error: Optional[BaseException],
                     launcher: Optional[Path], detail: str) -> Optional[Path]:
@@ -237,7 +252,7 @@ _SOURCE_LINE = re.compile(r"^(.*?:\d+)(?::\s|$)")
 def _minified(dump_dir: Path) -> Dict[str, Any]:
     """What the minifier found for the failing graph dumped in ``dump_dir`` (its newest summary, when it ran), as
     report fields: ``minified`` (nodes before and after, the minimal repro) and, when it localized the failure
-    to one node, ``first_divergence`` naming that node."""
+    to one node or shrank the graph to one op, ``first_divergence`` naming that node."""
     from repro_tools.minify.minifier import SUMMARY_FILE
 
     found = sorted(Path(dump_dir).glob(f"minify*/{SUMMARY_FILE}"), key=lambda f: f.stat().st_mtime)
@@ -249,7 +264,7 @@ def _minified(dump_dir: Path) -> Dict[str, Any]:
         return {}
     out: Dict[str, Any] = {"minified": {k: s.get(k) for k in ("nodes_before", "nodes_after", "localized", "repro_path")}}
     culprit = s.get("culprit") or {}
-    if s.get("localized") and culprit.get("node"):
+    if (s.get("localized") or s.get("ops_after") == 1) and culprit.get("node"):  # one op left: it fails alone
         m = _SOURCE_LINE.match(culprit.get("source") or "")
         out["first_divergence"] = {"node": culprit["node"], "op": culprit.get("op"), "source": m.group(1) if m else None,
                                    "metrics": {}}
@@ -388,6 +403,10 @@ def act_on_accuracy(result, cfg: DetermConfig, dump: "GraphDump", inputs: List[A
         return
     if result.status == "checker_error":
         get_run(cfg).add_checker_error(check, result.detail)
+        return
+    if result.status == "not_judged":  # no verdict either way: say so where the user looks, and go on
+        log.warning("determ %s: %s not checked: %s", check, what, result.detail)
+        get_run(cfg).add_skip(check, f"{what}: {result.detail}")
         return
     if result.status == "compiled_error":
         dump.on_failure("runtime_error", inputs, result.error)

@@ -9,7 +9,11 @@ Non-floating outputs are ignored unless ``strict`` (then compared exactly; with
 :func:`same_two_models` never swallows an exception: a failure of the eager or
 fp64 reference, or of the comparison itself, is a ``checker_error``; a failure of
 the compiled function is a ``compiled_error``; both are distinct from a
-divergence.  The flows that act on the verdict live in :mod:`repro_tools.flows.after_dynamo`
+divergence.  A graph whose eager run draws random numbers is ``not_judged``: eager and
+compiled code never draw the same numbers (inductor's random kernels follow their own
+seeds), so their values say nothing about the compiler.  The after-AOT flow first takes
+such draws as inputs (:func:`determ_backend.backends.extract.lift_random_draws`), and
+judges the graph that remains.  The flows that act on the verdict live in :mod:`repro_tools.flows.after_dynamo`
 and :mod:`repro_tools.flows.after_aot`; the eager run is :func:`determ_backend.backends.eager.run_eager`
 and the inputs' clones :func:`determ_backend.clones.clone_inputs`.
 """
@@ -30,6 +34,7 @@ from determ_backend.backends.checks import graph_in_dtype
 from determ_backend.backends.eager import run_eager
 from determ_backend.clones import clone_inputs
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
+from determ_backend.modes.ops import RandomDrawWatch
 
 __all__ = ["same", "first_mismatch", "same_two_models", "AccuracyResult", "run_fwd_maybe_bwd", "cast_to_fp64",
            "cast_to", "call_maybe_boxed", "flatten"]
@@ -135,7 +140,8 @@ class AccuracyResult:
     """The verdict of :func:`same_two_models`; truthy only when ``status == "same"``."""
 
     status: str
-    """``same``, ``diverged``, ``compiled_error`` (the compiled function raised) or ``checker_error``."""
+    """``same``, ``diverged``, ``compiled_error`` (the compiled function raised), ``checker_error`` or
+    ``not_judged`` (the eager run drew random numbers: ``detail`` names the ops)."""
     detail: str = ""
     leaf: Optional[int] = None
     error: Optional[BaseException] = field(default=None, repr=False)
@@ -174,8 +180,16 @@ def same_two_models(gm: Callable, compiled_fn: Callable, example_inputs: Sequenc
 def _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier, strict,
                      require_fp64) -> AccuracyResult:
     params = list(gm.parameters()) if isinstance(gm, torch.nn.Module) else []
+    watch = RandomDrawWatch()
     try:
-        ref, ref_grads = _fwd_bwd(gm, example_inputs, only_fwd, params)
+        with watch:
+            ref, ref_grads = _fwd_bwd(gm, example_inputs, only_fwd, params)
+    except Exception as e:
+        return AccuracyResult("checker_error", f"the eager/fp64 reference raised {type(e).__name__}: {e}", error=e)
+    if watch.ops:
+        return AccuracyResult("not_judged", f"the graph draws random numbers ({', '.join(watch.ops)}), and eager and "
+                                            "compiled code do not draw the same ones")
+    try:
         ref64 = _fp64_reference(gm, example_inputs, only_fwd, require_fp64)
     except Exception as e:
         return AccuracyResult("checker_error", f"the eager/fp64 reference raised {type(e).__name__}: {e}", error=e)

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from determ_backend import _torch_compat as tc
+from determ_backend.backends.extract import lift_random_draws
 from determ_backend.clones import clone_inputs
 from determ_backend.config import CHECKS
 from determ_backend.compare import metrics_text
@@ -130,6 +131,11 @@ def _opaque(gm, inputs, meta, checks: List[str], tol: float) -> Dict[str, Any]:
     from repro_tools.minify.compilers import compile_graph
 
     compiler = meta.get("compiler", "eager")
+    notes: List[str] = []
+    lifted = lift_random_draws(gm, inputs)
+    if lifted is not None:  # eager and compiled draws never agree: both read eager's draws instead
+        gm, inputs = lifted.gm, lifted.inputs
+        notes.append(f"random draws taken as inputs: {', '.join(lifted.draws)}")
     with tc.inductor_config_patch(dict(meta.get("config") or {})):
         try:  # a copy: some compilers rewrite the graph they are handed, and ``gm`` is the eager reference
             compiled = compile_graph(compiler, copy.deepcopy(gm), clone_inputs(inputs))
@@ -143,7 +149,9 @@ def _opaque(gm, inputs, meta, checks: List[str], tol: float) -> Dict[str, Any]:
             r = same_two_models(gm, fn, inputs, only_fwd=True, tol=tol)
             if r.status == "compiled_error":
                 return _failed("run", r.error, compiler)
-            if r.status != "same":
+            if r.status == "not_judged":
+                notes.append(f"accuracy not judged: {r.detail}")
+            elif r.status != "same":
                 findings.append({"check": "accuracy", "node": "<outputs>", "detail": f"{r.status}: {r.detail}"})
         if "determinism" in checks:
             try:
@@ -152,9 +160,9 @@ def _opaque(gm, inputs, meta, checks: List[str], tol: float) -> Dict[str, Any]:
                 return _failed("run", e, compiler)
             if differ:
                 findings.append({"check": "determinism", "node": "<outputs>", "detail": "two runs differ bitwise"})
+    note = f"compiler {compiler!r} is opaque to determ: per-node tracing needs inductor, aot_eager or eager"
     return {"mode": "outputs only", "backend": compiler, "findings": findings, "checker_errors": [],
-            "note": f"compiler {compiler!r} is opaque to determ: per-node tracing needs inductor, "
-                    "aot_eager or eager"}
+            "note": "; ".join([note] + notes)}
 
 
 def analyze_repro(path, checks=("accuracy", "determinism"), tol: Optional[float] = None,

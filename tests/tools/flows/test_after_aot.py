@@ -86,6 +86,48 @@ def test_level4_accuracy_with_an_aot_eager_style_compiler_is_localized_to_the_re
     assert "aten.mm" not in forward_source(tmp_path / "repro.py")
 
 
+def _dropout_run(backend):
+    """One training step of :func:`repro_helpers.dropout_model` compiled with ``backend``, from seed 0: (output,
+    gradient, what the random stream draws next)."""
+    torch._dynamo.reset()
+    x, w = rh.model_inputs(requires_grad=True)
+    torch.manual_seed(0)
+    out = torch.compile(rh.dropout_model, backend=backend)(x, w)
+    out.sum().backward()
+    return out.detach(), w.grad, torch.rand(3)
+
+
+def test_level4_checks_a_dropout_graph_with_its_draws_as_inputs(tmp_path, caplog):
+    """Eager and compiled code never draw the same numbers: the check read two different dropout masks and
+    could call a correct compiler less accurate than eager, or a broken one accurate."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="repro_tools.flows.after_aot")
+    expected = _dropout_run(aot_backend(rh.aot_as_is))
+    got = _dropout_run(aot_backend(rh.aot_as_is, config=repro_config(tmp_path, 4)))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))  # the program's own draws, unchanged
+    lifted = [r.getMessage() for r in caplog.records if "random draw(s) are inputs" in r.getMessage()]
+    assert lifted and "native_dropout" in lifted[0]  # the forward graph was judged, with its mask as an input
+    assert not _report(tmp_path, written=False).get("divergent")
+    assert not (tmp_path / "out" / "r" / "repro").exists()
+
+
+@pytest.mark.slow
+def test_level4_minifies_a_dropout_graphs_bug_to_the_relu_with_the_draws_as_inputs(tmp_path, capsys, caplog):
+    torch._dynamo.reset()
+    x, w = rh.model_inputs(requires_grad=True)
+    with pytest.raises(AccuracyError, match="forward graph"):
+        torch.compile(rh.dropout_model, backend=aot_backend(rh.aot_relu_accuracy_error,
+                                                            config=repro_config(tmp_path, 4)))(x, w)
+    assert last_stderr_line(capsys.readouterr().err) == str(tmp_path / "repro.py")
+    launcher = read_meta(_graph_dir(tmp_path) / "minifier_launcher.py")
+    assert any("native_dropout" in d for d in launcher["random_draws_as_inputs"])
+    assert_reproduces(tmp_path / "repro.py", "accuracy", RELU)
+    assert "dropout" not in forward_source(tmp_path / "repro.py") and "aten.mm" not in forward_source(tmp_path / "repro.py")
+    line = next(r.getMessage() for r in caplog.records if "divergence:" in r.getMessage())
+    assert "node=relu op=aten.relu.default" in line and "None" not in line  # a minifier's culprit has no graph/stage
+
+
 def _zeros_compiler(gm, example_inputs):
     """Ignores the graph: returns zeros shaped like its outputs (boxed)."""
     outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
@@ -144,6 +186,22 @@ def test_inductor_level4_injected_accuracy_bug(tmp_path, capsys, inject):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("inject", ["accuracy"], indirect=True)
+def test_inductor_level4_finds_the_relu_bug_in_a_dropout_graph(tmp_path, capsys, inject):
+    """Inductor draws dropout masks with its own seeded kernels (``prims.inductor_random``), never eager's: the
+    check compares the graph with those draws taken as inputs, and the minifier shrinks that graph."""
+    torch._dynamo.reset()
+    x, w = rh.model_inputs(requires_grad=True)
+    with pytest.raises(AccuracyError, match="forward graph"):
+        torch.compile(rh.dropout_model, backend=inductor_backend(repro_config(tmp_path, 4)))(x, w)
+    assert last_stderr_line(capsys.readouterr().err) == str(tmp_path / "repro.py")
+    launcher = read_meta(_graph_dir(tmp_path) / "minifier_launcher.py")
+    assert any("inductor_random" in d for d in launcher["random_draws_as_inputs"])
+    assert_reproduces(tmp_path / "repro.py", "accuracy", RELU)
+    assert "inductor_" not in forward_source(tmp_path / "repro.py")
+
+
+@pytest.mark.slow
 def test_level4_compile_error_is_minified_with_real_inputs(tmp_path, capfd):
     """At compile time AOTAutograd's fake tensor mode is active: the minifier must not run under it."""
     err = compile_and_fail(aot_backend(rh.aot_relu_compile_error, config=repro_config(tmp_path, 4)))
@@ -154,6 +212,12 @@ def test_level4_compile_error_is_minified_with_real_inputs(tmp_path, capfd):
     assert (_graph_dir(tmp_path) / "minify-0" / "minimal" / "repro.py").is_file()
     assert_reproduces(tmp_path / "repro.py", "compile_error", RELU)
     assert "aten.mm" not in forward_source(tmp_path / "repro.py")
+    finding = _report(tmp_path)["findings"][0]  # the report says what the minifier found, not the error alone
+    assert finding["check"] == "repro compile_error" and finding["repro"] == str(_graph_dir(tmp_path))
+    assert finding["minified"]["nodes_after"] < finding["minified"]["nodes_before"]
+    assert finding["minified"]["repro_path"].endswith("repro.py")
+    assert finding["first_divergence"]["op"] == "aten.relu.default"  # the one op the minimal graph kept
+    assert finding["first_divergence"]["source"].endswith(f"repro_helpers.py:{rh.model.__code__.co_firstlineno + 2}")
 
 
 # ------------------------------------------------------------------ the flows never break the user's program

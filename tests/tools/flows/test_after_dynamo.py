@@ -126,6 +126,23 @@ def test_level4_passes_a_correct_backend_unchanged(tmp_path):
     assert not (tmp_path / "out" / "r" / "repro").exists()
 
 
+@pytest.mark.parametrize("backend", ["eager", "relu_accuracy_error_TESTING_ONLY"])
+def test_level4_does_not_judge_a_graph_that_draws_random_numbers(tmp_path, caplog, backend):
+    """Eager and compiled draws differ, so values say nothing about the compiler: neither a divergence (the
+    correct backend) nor a pass (the broken one).  It says so instead, and the program goes on."""
+    from repro_helpers import dropout_model
+
+    torch._dynamo.reset()
+    x, w = model_inputs(requires_grad=True)
+    torch.compile(dropout_model, backend=determ_backend.wrap_backend(backend, repro_config(tmp_path, 4)))(x, w)
+    assert any("not checked" in r.getMessage() and "REPRO_AFTER=aot" in r.getMessage() for r in caplog.records
+               if r.levelname == "WARNING")
+    report = json.loads((tmp_path / "out" / "r" / "report.json").read_text())
+    assert not report["divergent"] and report["checker_errors"] == []
+    assert "aten.bernoulli_" in report["notes"][0]["skipped"]
+    assert not (tmp_path / "out" / "r" / "repro").exists()
+
+
 def test_dumps_are_never_overwritten(tmp_path):
     backend = determ_backend.wrap_backend("relu_compile_error_TESTING_ONLY", repro_config(tmp_path, 1))
     compile_and_fail(backend)

@@ -76,6 +76,18 @@ def test_same_two_models_statuses():
     assert r.status == "checker_error" and "kernel failed" in r.detail
 
 
+def test_a_model_that_draws_random_numbers_is_not_judged_either_way():
+    """Eager and compiled draws never agree: neither "diverged" (the healthy model below, whose two dropout
+    masks differ) nor "same" (a broken one) would be a verdict on the compiler."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
+    x = torch.randn(4, 8)
+    for compiled in (model, lambda t: model(t) * 0):
+        r = same_two_models(model, compiled, [x])
+        assert r.status == "not_judged" and not r and "aten.bernoulli_" in r.detail
+    assert same_two_models(model.eval(), model, [x]).status == "same"  # no draws in eval mode
+
+
 def test_backward_divergence_is_found_unless_only_fwd():
     x = torch.randn(4, 8, requires_grad=True)
     r = same_two_models(lambda t: t * 2, _WrongGrad.apply, [x])
