@@ -108,6 +108,19 @@ def get_rng_state() -> Dict[str, Any]:
     return state
 
 
+def rng_state_moved(before: Dict[str, Any], after: Dict[str, Any]) -> bool:
+    """Whether random numbers were drawn between two :func:`get_rng_state` snapshots (a draw from any default
+    generator moves its state: CPU, or any device of an accelerator)."""
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return torch.equal(a, b)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    return before.keys() != after.keys() or not all(same(before[k], after[k]) for k in before)
+
+
 def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     for kind in DEVICE_TYPES[1:]:

@@ -7,8 +7,7 @@
   C++ and coming back as a new Python object;
 * :func:`unseen`: run a mode's own work (fingerprints, metrics) below every dispatch
   mode, so an outer mode does not record it as the user's ops;
-* random draws: which ops draw random numbers (:func:`draws_random`), and whether a
-  run drew any (:class:`RandomDrawWatch`).
+* which ops draw random numbers (:func:`draws_random`).
 
 The recording itself lives in :mod:`determ_backend.modes._record`; which frames are
 user code (an op's source and stack) in :mod:`determ_backend._frames`; private torch
@@ -30,7 +29,7 @@ from determ_backend.trace.stream import Record, format_hash
 
 __all__ = ["iter_args", "tensor_args", "written_tensors", "schema_writes", "returns_view",
            "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key", "unseen",
-           "wait_collective", "draws_random", "RandomDrawWatch"]
+           "wait_collective", "draws_random"]
 
 
 def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bool = False) -> list:
@@ -192,16 +191,3 @@ def draws_random(func) -> bool:
         return True
     return _torch_compat.is_op_overload(func) and _torch_compat.op_schema_name(func) in _SEEDED_PRIMS
 
-
-class RandomDrawWatch(_torch_compat.TorchDispatchMode):
-    """While active, :attr:`ops` collects the names of the ops that drew random numbers (in first-seen order);
-    the ops run unchanged."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: Dict[str, None] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if draws_random(func):
-            self.ops.setdefault(str(func), None)
-        return func(*args, **(kwargs or {}))

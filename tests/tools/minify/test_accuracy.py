@@ -84,8 +84,24 @@ def test_a_model_that_draws_random_numbers_is_not_judged_either_way():
     x = torch.randn(4, 8)
     for compiled in (model, lambda t: model(t) * 0):
         r = same_two_models(model, compiled, [x])
-        assert r.status == "not_judged" and not r and "aten.bernoulli_" in r.detail
+        assert r.status == "not_judged" and not r and "draws random numbers" in r.detail
     assert same_two_models(model.eval(), model, [x]).status == "same"  # no draws in eval mode
+
+
+def test_a_graph_with_higher_order_ops_is_still_judged():
+    """Finding the draws must not stop graphs it cannot look inside (``torch.cond`` under a dispatch mode raised)."""
+    got = []
+
+    def capture(gm, example_inputs):
+        got.append((gm, list(example_inputs)))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: torch.cond(x.sum() > 0, lambda y: y + 1, lambda y: y - 1, (x,)), backend=capture)(
+        torch.randn(4))
+    gm, inputs = got[0]
+    assert same_two_models(gm, gm, inputs).status == "same"
+    assert same_two_models(gm, lambda *a: (gm(*a)[0] * 2,), inputs).status == "diverged"
 
 
 def test_backward_divergence_is_found_unless_only_fwd():
