@@ -19,7 +19,7 @@ Cutting part of a graph out as a graph of its own lives in
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -40,13 +40,14 @@ class EagerInterpreter(fx.Interpreter):
     ``record``: :attr:`values` keeps every node's value by node name -- tensors as detached clones,
     other values (sizes, scalars, the tuple of a multi-output op) as they are -- and each tensor leaf of
     the output as ``output.K``.  ``inject``: nodes (by name) that yield the given value (a clone of a
-    tensor) instead of computing their own."""
+    tensor) instead of computing their own.  ``keep``: with ``record``, only these nodes' values are kept."""
 
     def __init__(self, gm: fx.GraphModule, record: bool = False, inject: Optional[Mapping[str, Any]] = None,
-                 garbage_collect_values: bool = True):
+                 garbage_collect_values: bool = True, keep: Optional[Collection[str]] = None):
         super().__init__(gm, garbage_collect_values=garbage_collect_values)
         self.record = record
         self.inject = dict(inject or {})
+        self.keep = None if keep is None else frozenset(keep)
         self.values: Dict[str, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -55,7 +56,7 @@ class EagerInterpreter(fx.Interpreter):
             v = v.clone() if isinstance(v, torch.Tensor) else v
         else:
             v = self._compute(n)
-        if self.record:
+        if self.record and (self.keep is None or n.name in self.keep):
             self._keep(n, v)
         return v
 
@@ -104,18 +105,18 @@ def run_eager(gm: fx.GraphModule, args: Sequence[Any]) -> Any:
     return EagerInterpreter(gm).run(*args)
 
 
-def eager_node_values(gm: fx.GraphModule, args: Sequence[Any],
-                      inject: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-    """Every node's value (and ``output.K`` per output leaf) from an eager run of ``gm`` without autograd;
-    nodes named in ``inject`` take the given values instead."""
-    interp = EagerInterpreter(gm, record=True, inject=inject)
+def eager_node_values(gm: fx.GraphModule, args: Sequence[Any], inject: Optional[Mapping[str, Any]] = None,
+                      keep: Optional[Collection[str]] = None) -> Dict[str, Any]:
+    """Every node's value (and ``output.K`` per output leaf), or only those named in ``keep``, from an eager run
+    of ``gm`` without autograd; nodes named in ``inject`` take the given values instead."""
+    interp = EagerInterpreter(gm, record=True, inject=inject, keep=keep)
     with torch.no_grad():
         interp.run(*args)
     return interp.values
 
 
 def replay(gm: fx.GraphModule, args: Sequence[Any], rng_state: Dict[str, Any],
-           inject: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+           inject: Optional[Mapping[str, Any]] = None, keep: Optional[Collection[str]] = None) -> Dict[str, Any]:
     """:func:`eager_node_values` on clones of ``args`` with the RNG (CPU and accelerators,
     :func:`determ_backend.devices.get_rng_state`) in ``rng_state`` for the run; the caller's RNG state is
     restored after.  Two replays from one state that differ only in ``inject`` differ only by what the
@@ -123,6 +124,6 @@ def replay(gm: fx.GraphModule, args: Sequence[Any], rng_state: Dict[str, Any],
     current = devices.get_rng_state()
     try:
         devices.set_rng_state(rng_state)
-        return eager_node_values(gm, clone_inputs(args), inject)
+        return eager_node_values(gm, clone_inputs(args), inject, keep)
     finally:
         devices.set_rng_state(current)

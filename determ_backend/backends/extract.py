@@ -28,8 +28,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import devices
-from determ_backend.backends.eager import EagerInterpreter
-from determ_backend.clones import clone_inputs
+from determ_backend.backends.eager import replay
 from determ_backend.modes.ops import draws_random
 
 __all__ = ["Step", "walk_back", "extract", "MissingValue", "KEEP_META", "Lifted", "lift_random_draws"]
@@ -180,22 +179,8 @@ def lift_random_draws(gm: fx.GraphModule, inputs: Sequence[Any]) -> Optional[Lif
     draws = _draw_nodes(gm.graph)
     if not draws:
         return None
-    names = {n.name for n in draws}
-    values: Dict[str, Any] = {}
-
-    class _Grab(EagerInterpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            v = super().run_node(n)
-            if n.name in names:
-                values[n.name] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-            return v
-
-    state = devices.get_rng_state()
-    try:
-        with torch.no_grad():
-            _Grab(gm).run(*clone_inputs(inputs))
-    finally:
-        devices.set_rng_state(state)
+    # one eager run from the current random state, which is then restored: the caller's next draws are its own
+    values = replay(gm, inputs, devices.get_rng_state(), keep={n.name for n in draws})
     lifted = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     by_name = {n.name: n for n in lifted.graph.nodes}
     last = [n for n in lifted.graph.nodes if n.op == "placeholder"][-1:]
