@@ -20,11 +20,14 @@ rounds of (variant / the plain step of the same round); then PASS/FAIL per (shap
 targets: ``HashMode`` <= 2x plain, ``HashMode``'s overhead (ratio - 1) <= 0.6x ``DebugMode hash_tensor``'s,
 and ``HashDebugTrace`` <= 3x plain.  ``--memory-steps N`` then runs N training steps of the small
 shape with one ``HashMode(keep_records=False)`` enabled for the whole run, sampling the process
-RSS every N/10 steps: PASS if it ends at most 32 MiB above its value after the first tenth.
+RSS every N/10 steps: PASS if it ends at most 32 MiB above its value after the first tenth.  ``--long-steps N``
+runs N small training steps with one ``HashMode`` left on against N plain ones, in ten alternating chunks, and
+counts the full garbage collections each side paid for (the short rounds never reach one): PASS if the median
+chunk ratio is within the HashMode target.
 Exit 0 when everything passes, 1 otherwise.  Results go to stdout, progress to stderr.
 
     .venv/bin/python scripts/bench_eager_tools.py [--shape small|large|both] [--mode forward|train|both]
-        [--rounds 7] [--steps 3] [--threads 1] [--memory-steps 0] [--only VARIANT ...]
+        [--rounds 7] [--steps 3] [--threads 1] [--memory-steps 0] [--long-steps 0] [--only VARIANT ...]
         [--model mlp|transformer] [--width 1024] [--depth 4] [--batch 256] [--seq 32]   # the large shape
 """
 
@@ -32,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -194,6 +199,62 @@ def checks(ratios: Dict[str, float], target: float) -> List[Tuple[str, Optional[
     return out
 
 
+def long_run(step: Callable[[], None], n: int, target: float) -> bool:
+    """``n`` training steps with one ``HashMode(keep_records=False)`` left on, against the plain step, in ten
+    alternating chunks of each (the mode is disabled for the plain chunks, so both see the same heap and the
+    same collector).  Short rounds never reach the collector's full collections, which a long run pays for every
+    object its tools keep long enough to reach the oldest generation; counted here per side."""
+    from tqdm import tqdm
+
+    chunk = max(1, n // 10)
+    full = {"plain": [0, 0.0], "HashMode": [0, 0.0]}
+    side, started = ["plain"], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info.get("generation") == 2:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                full[side[0]][0] += 1
+                full[side[0]][1] += time.perf_counter() - started[0]
+
+    mode = HashMode(keep_records=False)
+    ratios: List[float] = []
+    times: Dict[str, List[float]] = {"plain": [], "HashMode": []}
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in tqdm(range(10), desc="long run chunks", file=sys.stderr):
+            pair = {}
+            for name in ("plain", "HashMode"):
+                side[0] = name
+                if name == "HashMode":
+                    mode.enable()
+                try:
+                    t0 = time.perf_counter()
+                    for _ in range(chunk):
+                        step()
+                    pair[name] = (time.perf_counter() - t0) / chunk
+                finally:
+                    if name == "HashMode":
+                        mode.disable()
+                times[name].append(pair[name])
+            ratios.append(pair["HashMode"] / pair["plain"])
+    finally:
+        gc.callbacks.remove(on_gc)
+        mode.close()
+    r = statistics.median(ratios)
+    print(f"\n== long run: small/train, {10 * chunk} steps each side in 10 alternating chunks; one "
+          f"HashMode(keep_records=False) left on")
+    for name in ("plain", "HashMode"):
+        count, secs = full[name]
+        print(f"{name:10s} {statistics.median(times[name]) * 1e3:8.2f} ms/step  full collections {count} "
+              f"({secs * 1e3:.0f} ms)")
+    ok = r <= target
+    print(f"{'PASS' if ok else 'FAIL'} long run: HashMode left on <= {target:g}x plain ({r:.2f}x, median of chunk "
+          f"ratios)")
+    return ok
+
+
 def run(args) -> int:
     torch.set_num_threads(args.threads)
     probe = debug_mode_hashing("hash_tensor")  # enters the mode: close it at once
@@ -246,6 +307,8 @@ def run(args) -> int:
                                              f"({describe(sizes['small'], args.seq)})", MEMORY_LIMIT_MIB))
             finally:
                 mode.disable()
+        if args.long_steps:
+            verdicts.append(long_run(make_step(sizes["small"], "train", args), args.long_steps, args.target))
     failed = verdicts.count(False)
     print(f"\n{'FAIL' if failed else 'PASS'}: {len(verdicts) - failed} of {len(verdicts)} checks passed")
     return 1 if failed else 0
@@ -277,12 +340,17 @@ def main(argv=None) -> int:
     p.add_argument("--memory-steps", type=int, default=0, metavar="N",
                    help="N training steps (small shape) with one HashMode(keep_records=False) left on, checking "
                         "that the RSS stays flat (default 0: skip)")
+    p.add_argument("--long-steps", type=int, default=0, metavar="N",
+                   help="N training steps (small shape) with one HashMode left on against N plain steps, in "
+                        "alternating chunks, counting full garbage collections (default 0: skip)")
     args = p.parse_args(argv)
     for name in ("width", "depth", "batch", "seq", "steps", "rounds", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive integer")
     if args.memory_steps < 0:
         p.error("--memory-steps: expected a non-negative integer")
+    if args.long_steps < 0:
+        p.error("--long-steps: expected a non-negative integer")
     if args.model == "transformer" and args.width % 4:
         p.error("--width: expected a multiple of 4 for the transformer (4 heads)")
     return run(args)

@@ -436,6 +436,12 @@ class FingerprintBatch:
     def __len__(self) -> int:
         return len(self._out)
 
+    @property
+    def on_host(self) -> bool:
+        """True when every tensor added so far is already fingerprinted on the host (the native kernel read it,
+        or the caller gave its values): :meth:`resolve` then waits on no device and costs no transfer."""
+        return not self._pending
+
     def add(self, t: torch.Tensor) -> int:
         """Capture ``t``; returns its position in :meth:`resolve`'s result."""
         try:

@@ -80,6 +80,11 @@ class PendingHashes:
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def on_host(self) -> bool:
+        """True when resolving the pending records waits on no device (see :attr:`FingerprintBatch.on_host`)."""
+        return self._batch.on_host
+
     def add(self, rec: Record, t) -> None:
         """Capture ``t`` (a tensor, or a Python scalar an op returned) for ``rec``."""
         if isinstance(t, torch.Tensor):  # most tensors: read now by the native kernel, no torch op to hide

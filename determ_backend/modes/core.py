@@ -74,16 +74,16 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
-def _weak_sink(mode: "HashMode") -> Callable[[List[OpEvent]], None]:
+def _weak_sink(mode: "HashMode") -> Callable[[List[OpEvent], bool], None]:
     """``mode._sink`` without a reference to ``mode``: the recorder the mode owns must not point back at it, so
     that a mode the program lets go of (one per step, say) is freed at once with its records and the tensors it
     was settling, instead of waiting, promoted through the generations, for a full garbage collection."""
     ref = weakref.WeakMethod(mode._sink)
 
-    def sink(events: List[OpEvent]) -> None:
+    def sink(events: List[OpEvent], early: bool = False) -> None:
         bound = ref()
         if bound is not None:
-            bound(events)
+            bound(events, early)
 
     return sink
 
@@ -107,7 +107,8 @@ class HashMode(_compat.TorchDispatchMode):
         module: name this module's parameters and buffers in their ``param`` records.
         stack_depth: user frames kept per record (1 = the source line only).
         keep_records: keep the records in :attr:`records` (turn off for long streaming runs).
-        batch: ops between fingerprint batches (one host sync each).
+        batch: ops between fingerprint batches (one host sync each).  A batch that waits on no device (every
+            tensor a CPU tensor the native kernel read) is handed on after 64 records.
         check_nan: name the ops that create a NaN/Inf from finite inputs (implies ``stats``): each creating
             op is logged once, as the backends' ``DETERM_CHECK=nan`` does, and kept in :attr:`nan_creations`
             (:class:`~determ_backend.compare.nonfinite.Creation`); ops that carry one along are not named.
@@ -140,6 +141,7 @@ class HashMode(_compat.TorchDispatchMode):
                                     names=_tensor_names(module), describe_args=_describe_args, batch=batch)
         self._set_eval_frame = _compat.eval_frame_setter()
         self._writer: Optional[TraceWriter] = None
+        self._held: List[bytes] = []  # trace lines of batches handed on early, not written yet
         self._active = True
         self._on_stack = False
         self._via_enable = False
@@ -237,7 +239,13 @@ class HashMode(_compat.TorchDispatchMode):
     def _flush(self, last: bool = False) -> None:
         self._recorder.flush(prune=not last)  # the last flush leaves the table to go with the recorder
         if self._writer is not None:
+            self._write_held()
             self._writer.flush()
+
+    def _write_held(self) -> None:
+        if self._held:
+            lines, self._held = self._held, []
+            self._writer.write_lines(lines)
 
     def is_active(self) -> bool:
         """True while the mode is entered and recording."""
@@ -267,14 +275,18 @@ class HashMode(_compat.TorchDispatchMode):
         if self.trace_path is not None and self._writer is None:
             self._writer = TraceWriter(self.trace_path, run=self.run, meta={"producer": type(self).__name__})
 
-    def _sink(self, events: List[OpEvent]) -> None:
+    def _sink(self, events: List[OpEvent], early: bool = False) -> None:
         recs = [r for ev in events for r in ev.outs]
         if self._nan_watch is not None:
             self._note_creations(recs)
         if self.keep_records:
             self.records.extend(recs)
         if self._writer is not None:
-            self._writer.write(recs)
+            # a batch handed on early is encoded now (bytes: nothing for the collector to walk) and written with
+            # the next full batch, so the file sees the same writes as before
+            self._held.extend(r.to_line() for r in recs)
+            if not early:
+                self._write_held()
         self._warn_compiled()
 
     def _note_creations(self, recs: List[Record]) -> None:
@@ -369,10 +381,10 @@ class HashDebugTrace(HashMode):
             self._log = LogWriter(self.log_path, self.run, torch.__version__, echo=self.verbose,
                                   max_ops=self.max_ops_logged)
 
-    def _sink(self, events: List[OpEvent]) -> None:
-        super()._sink(events)
+    def _sink(self, events: List[OpEvent], early: bool = False) -> None:
+        super()._sink(events, early)
         if self._log is not None:
-            self._log.write(events, flush=self.auto_flush)
+            self._log.write(events, flush=self.auto_flush and not early)
 
     def _finish(self, aborted: Optional[str] = None) -> None:
         super()._finish(aborted)

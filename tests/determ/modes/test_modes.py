@@ -371,6 +371,31 @@ def test_hashdebugtrace_jsonl_log_path_names_the_trace(tmp_path):
     assert [r.__dict__ for r in read_trace(tmp_path / "out.jsonl")] == [r.__dict__ for r in read_hash_log(t.log_path)]
 
 
+def test_a_batch_the_host_finished_is_handed_on_early_and_one_waiting_on_a_device_is_not(monkeypatch):
+    """Records whose fingerprints the native kernel already computed are handed on after 64 (kept for ``batch``
+    ops they outlived the collector's young generations, and full collections walked the heap); a batch that
+    waits on device work -- here the torch path, with the native kernel off -- waits for ``batch`` records.
+    Either way the records are the same."""
+    from determ_backend.fingerprint import _native
+
+    def run():
+        with HashMode(batch=512) as m:
+            y = torch.arange(8.0)
+            for _ in range(100):
+                y = y + 1
+            seen = len(m.records)
+        return len(m.records) - seen, m.records
+
+    if not _native.available():
+        pytest.skip("the native kernel is not built here")
+    pending, early = run()
+    assert 0 < pending < 64 and len(early) > 100
+    monkeypatch.setenv("DETERM_NATIVE", "0")
+    pending, waited = run()
+    assert pending == len(waited)
+    assert [(r.node, r.hash) for r in waited] == [(r.node, r.hash) for r in early]
+
+
 def test_hashdebugtrace_log_holds_each_flushed_batch_while_the_run_goes_on(tmp_path):
     """With auto_flush (the default) the log on disk holds the header and every op of each finished batch while
     the run goes on (a reader can follow it); without, the text waits in memory and lands whole at the end."""
