@@ -10,6 +10,14 @@ copied, so storage offsets are kept relative to that span (modulo a 16-byte
 alignment); ``whole_storage=True`` copies each storage whole and keeps the offsets
 exactly, for a callee that may re-stride its input in place (``as_strided_``).
 
+A graph can also write into tensors it does not take as inputs: its module's attributes
+(``get_attr``; a compiled optimizer step holds the parameters and their state there, and updates
+them in place).  :class:`AttributeState` saves and puts back those a graph writes, so a run determ
+adds starts from the values the program's call started from and leaves the ones the program's
+call left; :func:`mark_written` names them on the graph, and an eager run of it
+(:class:`~determ_backend.backends.eager.EagerInterpreter`) then writes into copies of them
+(:func:`read_attributes_in`: and reads float ones in another dtype, for a float64 reference).
+
 Callers: :mod:`determ_backend.backends.checks` (the determinism twin, the accuracy
 reference), :mod:`determ_backend.modes._bitwise` (an op's second run),
 :mod:`determ_backend.backends.eager` (replays) and, in :mod:`repro_tools`, the
@@ -20,12 +28,14 @@ its own copy.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+import functools
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["clone_inputs"]
+__all__ = ["clone_inputs", "AttributeState", "mark_written", "written_attributes", "read_attributes_in",
+           "attributes_dtype"]
 
 _ALIGN = 16
 """Bytes: a copied region starts at a multiple of every element size, so each view's offset stays whole."""
@@ -119,3 +129,126 @@ def _plain(t: torch.Tensor) -> bool:
 
 def _keep_grad(c: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return c.requires_grad_(t.requires_grad) if c.is_leaf and t.requires_grad else c
+
+
+# -- tensors a graph reads from its module -------------------------------------------------------------------
+
+WRITTEN_KEY = "determ_written_attributes"
+"""``GraphModule.meta`` key: the ``get_attr`` targets the graph writes (see :func:`mark_written`)."""
+
+
+def mark_written(gm: Any, targets: Sequence[str]) -> None:
+    """Name on ``gm`` the ``get_attr`` targets its graph writes: an eager run of it writes into copies."""
+    meta = getattr(gm, "meta", None)
+    if isinstance(meta, dict):
+        meta[WRITTEN_KEY] = frozenset(targets)
+
+
+def written_attributes(gm: Any) -> FrozenSet[str]:
+    """The targets :func:`mark_written` named on ``gm`` (empty when none were)."""
+    meta = getattr(gm, "meta", None)
+    return meta.get(WRITTEN_KEY, frozenset()) if isinstance(meta, dict) else frozenset()
+
+
+DTYPE_KEY = "determ_attributes_dtype"
+"""``GraphModule.meta`` key: the dtype an eager run reads the graph's float tensor attributes in."""
+
+
+def read_attributes_in(gm: Any, dtype: torch.dtype) -> None:
+    """An eager run of ``gm`` reads its float tensor attributes as copies in ``dtype`` (a float64 reference
+    whose inputs are float64 then meets no float32 state)."""
+    meta = getattr(gm, "meta", None)
+    if isinstance(meta, dict):
+        meta[DTYPE_KEY] = dtype
+
+
+def attributes_dtype(gm: Any) -> Optional[torch.dtype]:
+    """The dtype :func:`read_attributes_in` set on ``gm``, or None."""
+    meta = getattr(gm, "meta", None)
+    return meta.get(DTYPE_KEY) if isinstance(meta, dict) else None
+
+
+def _attribute_tensors(gm: Any, graph: Any = None) -> Dict[str, torch.Tensor]:
+    """The plain tensors of ``gm`` that ``graph`` (default: ``gm``'s) reads with ``get_attr``, by target (one
+    target per tensor)."""
+    graph = getattr(gm, "graph", None) if graph is None else graph
+    out: Dict[str, torch.Tensor] = {}
+    if graph is None:
+        return out
+    seen = set()
+    for n in graph.nodes:
+        if n.op != "get_attr" or n.target in out:
+            continue
+        try:
+            v = functools.reduce(getattr, str(n.target).split("."), gm)
+        except AttributeError:
+            continue
+        if type(v) in (torch.Tensor, torch.nn.Parameter) and v.layout == torch.strided and id(v) not in seen:
+            seen.add(id(v))
+            out[str(n.target)] = v
+    return out
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return -1
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():  # NaN payloads and signed zeros count: compare the bits
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[a.element_size()]
+        return torch.equal(a.reshape(-1).view(width), b.reshape(-1).view(width))
+    return torch.equal(a, b)
+
+
+Saved = Dict[str, Tuple[torch.Tensor, int]]
+
+
+class AttributeState:
+    """The tensor attributes of a graph module that its calls write, saved and put back.
+
+    The program's first call shows which ones a call writes (its version counter moved, or its bits
+    changed); until then every tensor attribute is saved, afterwards only those (often none: then
+    :meth:`save` copies nothing).  A tensor written on a later call is watched from the next one on.
+    :meth:`restore` writes through ``.data``: the values come back without moving the version counter,
+    so autograd does not take the program's own tensors for modified.  ``graph``: whose ``get_attr`` targets
+    to look up on ``gm`` (default: ``gm``'s own graph; a compiler may have rewritten that one in place)."""
+
+    def __init__(self, gm: Any, graph: Any = None):
+        self.gm = gm
+        self.tensors = _attribute_tensors(gm, graph)
+        self._written: Optional[set] = None  # None until a call was seen
+        self._versions = {k: _version(t) for k, t in self.tensors.items()}
+
+    def _watched(self) -> List[str]:
+        return list(self.tensors) if self._written is None else sorted(self._written)
+
+    def save(self) -> Saved:
+        """Copies of the watched tensors as they are now (with their version counters)."""
+        with torch.no_grad():
+            return {k: (self.tensors[k].detach().clone(), _version(self.tensors[k])) for k in self._watched()}
+
+    def changed(self, saved: Saved) -> List[str]:
+        """The saved tensors whose values differ from the saved copies now."""
+        return [k for k, (c, _) in saved.items() if not _same_bits(self.tensors[k].detach(), c)]
+
+    def restore(self, saved: Saved) -> None:
+        """The saved values back, where they differ."""
+        with torch.no_grad():
+            for k in self.changed(saved):
+                self.tensors[k].data.copy_(saved[k][0])
+
+    def learn(self, saved: Saved) -> List[str]:
+        """After a program's call that started from ``saved``: the tensors it wrote are watched from now on
+        (and named on the graph, :func:`mark_written`).  Returns them."""
+        written = set(self.changed(saved))
+        written.update(k for k, (_, v) in saved.items() if _version(self.tensors[k]) != v)
+        written.update(k for k, t in self.tensors.items() if k not in saved and _version(t) != self._versions[k])
+        self._versions = {k: _version(t) for k, t in self.tensors.items()}
+        self._written = written if self._written is None else self._written | written
+        mark_written(self.gm, sorted(self._written))
+        return sorted(written)

@@ -174,3 +174,33 @@ def compile_and_fail(backend, x_w=None) -> BaseException:
     except Exception as e:  # whatever the flow re-raised: the test inspects it
         return e
     raise AssertionError("compiling and running the model did not fail")
+
+
+def train_with_compiled_optimizer(backend, steps: int = 2, options=None):
+    """A few AdamW steps of a small MLP whose ``opt.step()`` is compiled with ``backend``: dynamo hands the
+    parameters and optimizer state to the graph as attributes it updates in place, not as inputs (``options``: a
+    determ backend's).  Returns the
+    parameters and each parameter's optimizer state (step count, moments) after the last step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+
+    @torch.compile(backend=backend, options=options)
+    def update():
+        opt.step()
+
+    x = torch.randn(4, 8)
+    for _ in range(steps):
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        update()
+    params = [p.detach().clone() for p in m.parameters()]
+    return params, [{k: v.detach().clone() for k, v in opt.state[p].items()} for p in m.parameters()]
+
+
+def same_training(a, b) -> bool:
+    """Two :func:`train_with_compiled_optimizer` results hold the same bits."""
+    (pa, sa), (pb, sb) = a, b
+    return all(torch.equal(x, y) for x, y in zip(pa, pb)) and all(
+        sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(sa, sb))

@@ -61,7 +61,7 @@ from determ_backend.backends.eager import replay
 from determ_backend.backends.instrument import node_source
 from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
-from determ_backend.clones import clone_inputs
+from determ_backend.clones import AttributeState, Saved, clone_inputs, read_attributes_in
 from determ_backend.fingerprint.core import hash_tensors
 from determ_backend.modes.ops import draws_random
 from determ_backend.trace.stream import Record, format_hash
@@ -78,7 +78,7 @@ def graph_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
     """``gm`` with every floating dtype its nodes name (``dtype=`` of factory ops and ``_to_copy``,
     ``convert_element_type``'s target) replaced by ``dtype``: the graph's own float32 buffers would
     otherwise meet float64 inputs (an ``index_put`` into a ``full(..., dtype=float32)``).  The copy
-    shares ``gm``'s parameters and constants."""
+    shares ``gm``'s parameters and constants; an eager run reads the float ones as copies in ``dtype``."""
     g = fx.Graph()
     g.output(g.graph_copy(gm.graph, {}))
 
@@ -92,7 +92,9 @@ def graph_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
             n.kwargs = {**n.kwargs, "dtype": widen(n.kwargs["dtype"])}
         if _CONVERT in str(n.target) and len(n.args) > 1:
             n.args = (n.args[0], widen(n.args[1]), *n.args[2:])
-    return fx.GraphModule(gm, g)
+    out = fx.GraphModule(gm, g)
+    read_attributes_in(out, dtype)  # float state (a compiled optimizer's) meets inputs in the new dtype
+    return out
 
 
 def _to64(args: Sequence[Any]) -> List[Any]:
@@ -336,6 +338,8 @@ class GraphExec:
         self._created: set = set()  # what the nan and batch_invariance checks already reported for this graph
         self._random = reference_gm is not None and _has_random_ops(reference_gm)
         self._batch_plan: Any = None  # batch_invariance: None until the first call, False for a skipped graph
+        self._state: Optional[AttributeState] = None  # the tensor attributes calls write (first checked call on)
+        self._checks_start: Optional[Saved] = None  # while checks run: the attributes' values the call started from
         recorder.keep_values = "accuracy" in config.check or config.save_tensors
 
     def _invoke(self, args: List[Any]) -> Any:
@@ -354,12 +358,16 @@ class GraphExec:
         twin: Optional[CallResult] = None
         eager_args = self._guard("accuracy", clone_inputs, args_list) \
             if "accuracy" in checks and self.reference_gm is not None else None
+        state_before = self._guard("state", self._state_before_checks, bool(checks) and (
+            eager_args is not None or "determinism" in checks or "nan" in checks or "batch_invariance" in checks))
         if "determinism" in checks:
             rng = devices.get_rng_state()
             try:
                 twin = self._guard("determinism", self._twin, args_list)
             finally:
                 devices.set_rng_state(rng)
+                if state_before is not None:  # the twin's writes into the graph's attributes undone
+                    self._guard("state", self._state.restore, state_before)
         batch_args = self._guard("batch_invariance", clone_inputs, args_list) \
             if "batch_invariance" in checks and self._batch_plan is not False else None
         # the nan check keeps references only: the inputs are replayed when a creation hides in a fused kernel
@@ -377,17 +385,46 @@ class GraphExec:
         if self.config.save_tensors:
             self.run.store_payloads(result)
         self.run.write_call(result)
-        if twin is not None:
-            self._guard("determinism", self._check_determinism, twin, result)
-        if eager_args is not None:
-            self._guard("accuracy", self._check_accuracy, eager_args, result, rng_before)
-        if nan_args is not None and result.nonfinite():
-            self._guard("nan", self._check_nan, result, nan_args, rng_before)
-        if batch_args is not None:
-            self._guard("batch_invariance", self._check_batch, result, batch_args, rng_before)
-        if self.config.reference:
-            self._guard("reference", self._check_reference, result)
+        after = None
+        if state_before is not None:  # the checks below start from what this call started from
+            after = self._guard("state", self._states_around_call, state_before,
+                                eager_args is not None or nan_args is not None or batch_args is not None)
+        self._checks_start = state_before if after is not None else None
+        try:
+            if twin is not None:
+                self._guard("determinism", self._check_determinism, twin, result)
+            if eager_args is not None:
+                self._guard("accuracy", self._check_accuracy, eager_args, result, rng_before)
+            if nan_args is not None and result.nonfinite():
+                self._guard("nan", self._check_nan, result, nan_args, rng_before)
+            if batch_args is not None:
+                self._guard("batch_invariance", self._check_batch, result, batch_args, rng_before)
+            if self.config.reference:
+                self._guard("reference", self._check_reference, result)
+        finally:
+            self._checks_start = None
+            if after is not None:  # and the program goes on from what its call left
+                self._state.restore(after)
         return out
+
+    def _state_before_checks(self, checks_run: bool) -> Optional[Saved]:
+        """The graph's tensor attributes as this call finds them, when a check will run the graph again (the
+        first call saves every one; later calls those the program's calls write, often none)."""
+        if not checks_run:
+            return None
+        if self._state is None:
+            self._state = AttributeState(self.reference_gm if self.reference_gm is not None else self.fn)
+        return self._state.save() if self._state.tensors else None
+
+    def _states_around_call(self, before: Saved, replays: bool) -> Optional[Saved]:
+        """After the program's call: learn what it wrote; when checks replay the graph, put back what the call
+        started from and return what it left (put back once the checks are done)."""
+        self._state.learn(before)
+        if not replays or not self._state.changed(before):
+            return None
+        left = self._state.save()
+        self._state.restore(before)
+        return left
 
     def _twin(self, args_list: List[Any]) -> CallResult:
         """The determinism check's first execution, on clones of the inputs."""
@@ -556,6 +593,7 @@ class GraphExec:
     def _run_extra(self, args: List[Any], rng_state) -> CallResult:
         """One extra execution of the compiled graph on ``args`` (traced: its records carry fingerprints)."""
         current = devices.get_rng_state()
+        start = self._checks_start
         try:
             if rng_state is not None:
                 devices.set_rng_state(rng_state)
@@ -565,6 +603,8 @@ class GraphExec:
                 res = self.recorder.end_call(count=False)
         finally:
             devices.set_rng_state(current)
+            if start is not None:  # the next run starts where the program's call started too
+                self._state.restore(start)
         return res
 
     def _check_batch(self, result: CallResult, args: List[Any], rng_state) -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import devices
-from determ_backend.clones import clone_inputs
+from determ_backend.clones import attributes_dtype, clone_inputs, written_attributes
 
 __all__ = ["EagerInterpreter", "run_eager", "eager_node_values", "replay"]
 
@@ -40,7 +40,11 @@ class EagerInterpreter(fx.Interpreter):
     ``record``: :attr:`values` keeps every node's value by node name -- tensors as detached clones,
     other values (sizes, scalars, the tuple of a multi-output op) as they are -- and each tensor leaf of
     the output as ``output.K``.  ``inject``: nodes (by name) that yield the given value (a clone of a
-    tensor) instead of computing their own.  ``keep``: with ``record``, only these nodes' values are kept."""
+    tensor) instead of computing their own.  ``keep``: with ``record``, only these nodes' values are kept.
+    The tensor attributes the graph writes (:func:`~determ_backend.clones.mark_written`) are read as copies,
+    made at their first read in this run: the run writes into those, never into the program's tensors; a
+    graph marked to read its float attributes in another dtype (:func:`~determ_backend.clones.read_attributes_in`:
+    a float64 reference) reads them as copies in that dtype."""
 
     def __init__(self, gm: fx.GraphModule, record: bool = False, inject: Optional[Mapping[str, Any]] = None,
                  garbage_collect_values: bool = True, keep: Optional[Collection[str]] = None):
@@ -49,6 +53,20 @@ class EagerInterpreter(fx.Interpreter):
         self.inject = dict(inject or {})
         self.keep = None if keep is None else frozenset(keep)
         self.values: Dict[str, Any] = {}
+        self._written = written_attributes(gm)
+        self._widen = attributes_dtype(gm)
+        self._copies: Dict[str, Any] = {}
+
+    def fetch_attr(self, target: str) -> Any:
+        v = super().fetch_attr(target)
+        if not isinstance(v, torch.Tensor):
+            return v
+        widen = self._widen is not None and v.is_floating_point()
+        if not widen and target not in self._written:
+            return v
+        if target not in self._copies:  # one copy per target: two reads of it alias, as in the graph
+            self._copies[target] = v.detach().to(self._widen, copy=True) if widen else clone_inputs([v])[0]
+        return self._copies[target]
 
     def run_node(self, n: fx.Node) -> Any:
         if n.name in self.inject:

@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig, load_config
+from determ_backend.clones import AttributeState
 
 from repro_tools.minify.accuracy import same_two_models
 from repro_tools.flows.failure import GraphDump, act_on_accuracy, report_flow_error
@@ -90,11 +91,12 @@ def _compile(inner: Callable, gm: fx.GraphModule, inputs: list, kwargs: dict, cf
         dump.on_failure("compile_error", inputs, e, launcher)
         raise
     if level == 4:
-        return _checked_on_first_call(compiled, inputs, cfg, dump)
+        return _checked_on_first_call(compiled, gm, inputs, cfg, dump)
     return _guard_runtime(compiled, dump, launcher)
 
 
-def _checked_on_first_call(compiled: Callable, inputs: list, cfg: DetermConfig, dump: GraphDump) -> Callable:
+def _checked_on_first_call(compiled: Callable, gm: fx.GraphModule, inputs: list, cfg: DetermConfig,
+                           dump: GraphDump) -> Callable:
     """``compiled``, checked against eager on the example inputs when it is first called, not while dynamo is
     still compiling: its backward, compiled on first use, cannot be compiled inside dynamo's compile (torch raised
     "Metric(s) {'is_forward'} have already been set" and a healthy training step failed).  A failure (already
@@ -106,7 +108,7 @@ def _checked_on_first_call(compiled: Callable, inputs: list, cfg: DetermConfig, 
         if "error" not in state and not state.get("checked"):
             state["checked"] = True
             try:
-                _check_accuracy(compiled, inputs, cfg, dump)
+                _check_accuracy(compiled, gm, inputs, cfg, dump)
             except Exception as e:
                 state["error"] = e
         if "error" in state:
@@ -116,7 +118,8 @@ def _checked_on_first_call(compiled: Callable, inputs: list, cfg: DetermConfig, 
     return run
 
 
-def _check_accuracy(compiled: Callable, inputs: list, cfg: DetermConfig, dump: GraphDump) -> None:
+def _check_accuracy(compiled: Callable, gm: fx.GraphModule, inputs: list, cfg: DetermConfig, dump: GraphDump) -> None:
+    """``gm``: the graph ``compiled`` was compiled from; its tensor attributes are the program's."""
     # dynamo calls a backend's result with positional args, whatever ``_boxed_call`` it carries (inductor's
     # compile_fx result inherits a misleading ``_boxed_call`` from the boxed function it wraps)
     unboxed = lambda *args: compiled(*args)  # noqa: E731
@@ -125,8 +128,19 @@ def _check_accuracy(compiled: Callable, inputs: list, cfg: DetermConfig, dump: G
     except Exception as e:
         report_flow_error(cfg, "dynamo", "copying the graph for the accuracy check", e)
         return
-    result = same_two_models(reference, unboxed, inputs, only_fwd=False, tol=cfg.tol,
-                             multiplier=cfg.fp64_multiplier, strict=cfg.strict)
+    # the compiled graph reads the program's own tensor attributes (a compiled optimizer step's parameters and
+    # state): what its run for the check writes there is put back, so the program's call finds them as it left them
+    try:
+        attrs = AttributeState(gm, dump.gm.graph)
+        saved = attrs.save() if attrs.tensors else {}
+    except Exception as e:
+        report_flow_error(cfg, "dynamo", "saving the graph's tensor attributes for the accuracy check", e)
+        return
+    try:
+        result = same_two_models(reference, unboxed, inputs, only_fwd=False, tol=cfg.tol,
+                                 multiplier=cfg.fp64_multiplier, strict=cfg.strict)
+    finally:
+        attrs.restore(saved)
     if result.status == "not_judged":  # a dynamo graph's draws cannot be cut out; AOT's aten graphs' can
         result.detail += "; REPRO_AFTER=aot checks such graphs, with their draws taken as inputs"
     act_on_accuracy(result, cfg, dump, inputs, "repro accuracy", f"compiled graph ({dump.compiler})")

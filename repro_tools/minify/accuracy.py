@@ -32,7 +32,7 @@ from determ_backend import _torch_compat as tc
 from determ_backend import devices
 from determ_backend.backends.checks import graph_in_dtype
 from determ_backend.backends.eager import run_eager
-from determ_backend.clones import clone_inputs
+from determ_backend.clones import AttributeState, clone_inputs
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
 
 __all__ = ["same", "first_mismatch", "same_two_models", "AccuracyResult", "run_fwd_maybe_bwd", "cast_to_fp64",
@@ -168,16 +168,23 @@ def same_two_models(gm: Callable, compiled_fn: Callable, example_inputs: Sequenc
     """Compare ``compiled_fn`` with eager ``gm`` on clones of ``example_inputs`` (forward, and backward
     unless ``only_fwd``), against an fp64 run of ``gm``.  Parameters of ``gm`` are shared with ``compiled_fn``.
     The random state found on entry is restored on return: a check run inside the user's program (the level-4
-    flows) leaves its dropout masks and later draws as they would be without it."""
+    flows) leaves its dropout masks and later draws as they would be without it.  So are ``gm``'s tensor
+    attributes, before each run too: every run starts from them (a compiled optimizer step updates its
+    parameters and state in place)."""
     state = devices.get_rng_state()
+    attrs = AttributeState(gm)  # a graph that writes its own tensors (a compiled optimizer step's state)
+    saved = attrs.save() if attrs.tensors else {}
     try:
-        return _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier, strict, require_fp64)
+        return _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier, strict, require_fp64,
+                                lambda: attrs.restore(saved))
     finally:
         devices.set_rng_state(state)
+        attrs.restore(saved)
 
 
 def _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier, strict,
-                     require_fp64) -> AccuracyResult:
+                     require_fp64, restore: Callable[[], None]) -> AccuracyResult:
+    """``restore`` puts ``gm``'s tensor attributes back as they were on entry: each run starts from them."""
     params = list(gm.parameters()) if isinstance(gm, torch.nn.Module) else []
     state = devices.get_rng_state()
     try:
@@ -187,10 +194,12 @@ def _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier,
     if devices.rng_state_moved(state, devices.get_rng_state()):  # (higher-order ops too: no dispatch mode needed)
         return AccuracyResult("not_judged", "the graph draws random numbers (its eager run moved the random "
                                             "generator), and eager and compiled code do not draw the same ones")
+    restore()
     try:
         ref64 = _fp64_reference(gm, example_inputs, only_fwd, require_fp64)
     except Exception as e:
         return AccuracyResult("checker_error", f"the eager/fp64 reference raised {type(e).__name__}: {e}", error=e)
+    restore()
     try:
         res = run_fwd_maybe_bwd(compiled_fn, example_inputs, only_fwd, params)
     except Exception as e:

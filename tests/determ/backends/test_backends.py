@@ -25,6 +25,23 @@ def _plain(model, x, backend, backward=False):
     return y
 
 
+@pytest.mark.parametrize("check", ["determinism", "accuracy", "nan", "determinism,accuracy,nan,batch_invariance"])
+def test_checks_leave_a_compiled_optimizer_step_as_the_program_would(tmp_path, check):
+    """A compiled optimizer step's dynamo graph updates the parameters and optimizer state in place, as its
+    attributes.  The checks' extra runs updated them too: the determinism twin applied each step twice, the
+    accuracy check's replays fifteen times (and blamed the optimizer state for diverging)."""
+    from determ_backend.backends import run as run_mod
+    from repro_helpers import same_training, train_with_compiled_optimizer
+
+    want = train_with_compiled_optimizer("eager")
+    got = train_with_compiled_optimizer("determ_eager", options={"dir": str(tmp_path), "run_id": "r", "check": check})
+    run_mod.finish_all()
+    assert [s["step"].item() for s in got[1]] == [2.0] * 4
+    assert same_training(got, want)
+    _, report = load(tmp_path / "r")
+    assert not report["divergent"] and report["checker_errors"] == [], report
+
+
 @pytest.mark.parametrize("determ,plain", [("determ_eager", "eager"), ("determ_aot_eager", "aot_eager")])
 def test_tracing_on_and_off_are_bit_identical_to_wrapped_backend(tmp_path, determ, plain):
     torch.manual_seed(0)

@@ -45,3 +45,31 @@ def test_tensors_without_a_plain_layout_are_cloned_alone():
     cj = torch.randn(3, dtype=torch.complex64).conj()
     csp, ccj = clone_inputs([sp, cj])
     assert torch.equal(csp.to_dense(), sp.to_dense()) and torch.equal(ccj, cj)
+
+
+def test_attribute_state_puts_back_what_a_graph_writes_without_moving_version_counters():
+    """A graph may write into its module's tensors (a compiled optimizer step's state): the first call shows
+    which; they are put back through ``.data`` (autograd must not take them for modified by determ), and an
+    eager run of the graph then writes into copies."""
+    from determ_backend.backends.eager import EagerInterpreter
+    from determ_backend.clones import AttributeState, written_attributes
+
+    root = torch.nn.Module()
+    root.register_buffer("count", torch.zeros(()))
+    root.w = torch.nn.Parameter(torch.ones(3))
+    g = torch.fx.Graph()  # as dynamo gives it: the buffer is read as an attribute and updated in place
+    x = g.placeholder("x")
+    g.call_method("add_", (g.get_attr("count"), 1))
+    g.output(g.call_function(torch.mul, (x, g.get_attr("w"))))
+    gm = torch.fx.GraphModule(root, g)
+    state = AttributeState(gm)
+    assert sorted(state.tensors) == ["count", "w"]
+    before = state.save()
+    gm(torch.ones(3))
+    assert state.learn(before) == ["count"] and written_attributes(gm) == {"count"}  # w is only read
+    version = gm.count._version
+    state.restore(before)
+    assert gm.count.item() == 0 and gm.count._version == version
+    assert list(state.save()) == ["count"]  # from now on only what the calls write is copied
+    EagerInterpreter(gm).run(torch.ones(3))
+    assert gm.count.item() == 0

@@ -143,6 +143,22 @@ def test_level4_does_not_judge_a_graph_that_draws_random_numbers(tmp_path, caplo
     assert not (tmp_path / "out" / "r" / "repro").exists()
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_level4_leaves_a_compiled_optimizer_step_as_the_program_would(tmp_path, backend):
+    """Dynamo hands a compiled optimizer step its parameters and state as the graph's attributes, updated in
+    place.  The check's run of the compiled graph updated them once more: after two AdamW steps the step count
+    was 3 and every parameter had moved further than the program asked."""
+    from repro_helpers import same_training, train_with_compiled_optimizer
+
+    want = train_with_compiled_optimizer(backend)
+    got = train_with_compiled_optimizer(determ_backend.wrap_backend(backend, repro_config(tmp_path, 4)))
+    assert [s["step"].item() for s in got[1]] == [2.0] * 4
+    assert same_training(got, want)
+    report = tmp_path / "out" / "r" / "report.json"  # written when the run has something to say
+    assert not report.exists() or json.loads(report.read_text())["checker_errors"] == []
+    assert not (tmp_path / "out" / "r" / "repro").exists()
+
+
 def test_dumps_are_never_overwritten(tmp_path):
     backend = determ_backend.wrap_backend("relu_compile_error_TESTING_ONLY", repro_config(tmp_path, 1))
     compile_and_fail(backend)
