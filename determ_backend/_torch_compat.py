@@ -15,7 +15,9 @@ scripts' standalone runtime (``repro_tools/repro/_harness.py``) imports only tor
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -358,16 +360,24 @@ def config_diffs() -> Dict[str, str]:
     return {"inductor": ic.codegen_config(), "dynamo": dc.codegen_config(), "functorch": fc.codegen_config()}
 
 
-_REGISTERED_BY = {"prims::inductor_": "torch._inductor.inductor_prims"}
-"""Ops of torch's own namespaces that exist only once a module of torch registered them (prefix -> module):
-inductor's random prims (``prims::inductor_seeds``, ``inductor_random``...) appear in graphs after AOT."""
+_OP_REGISTERING_MODULES = ("torch._inductor.inductor_prims",)
+"""torch modules that define ops of torch's own namespaces when imported: inductor's prims (``prims::fma``,
+``prims::inductor_seeds``, ``prims::prepare_softmax_online``...) appear in dynamo and AOT graphs (the compiled
+AdamW step's ``fma``, dropout's seeds) but exist in a fresh process only once the module ran."""
+
+
+@functools.lru_cache(maxsize=None)
+def _ops_defined_by(module: str) -> frozenset:
+    mod = sys.modules[module]
+    return frozenset(v.name() for v in vars(mod).values() if isinstance(v, torch._ops.OpOverload))
 
 
 def op_registering_module(qualname: str):
     """The module to import before op ``ns::name`` can be looked up, when torch registers it lazily (None for
-    ops that always exist)."""
-    for prefix, module in _REGISTERED_BY.items():
-        if qualname.startswith(prefix):
+    ops that always exist): the one of :data:`_OP_REGISTERING_MODULES` loaded here that defined it."""
+    base = qualname.split(".")[0]
+    for module in _OP_REGISTERING_MODULES:
+        if module in sys.modules and base in _ops_defined_by(module):
             return module
     return None
 

@@ -35,7 +35,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["clone_inputs", "AttributeState", "mark_written", "written_attributes", "read_attributes_in",
-           "attributes_dtype"]
+           "attributes_dtype", "same_bits", "attribute_tensors"]
 
 _ALIGN = 16
 """Bytes: a copied region starts at a multiple of every element size, so each view's offset stays whole."""
@@ -154,9 +154,9 @@ DTYPE_KEY = "determ_attributes_dtype"
 """``GraphModule.meta`` key: the dtype an eager run reads the graph's float tensor attributes in."""
 
 
-def read_attributes_in(gm: Any, dtype: torch.dtype) -> None:
+def read_attributes_in(gm: Any, dtype: Optional[torch.dtype]) -> None:
     """An eager run of ``gm`` reads its float tensor attributes as copies in ``dtype`` (a float64 reference
-    whose inputs are float64 then meets no float32 state)."""
+    whose inputs are float64 then meets no float32 state); None: as they are."""
     meta = getattr(gm, "meta", None)
     if isinstance(meta, dict):
         meta[DTYPE_KEY] = dtype
@@ -168,7 +168,7 @@ def attributes_dtype(gm: Any) -> Optional[torch.dtype]:
     return meta.get(DTYPE_KEY) if isinstance(meta, dict) else None
 
 
-def _attribute_tensors(gm: Any, graph: Any = None) -> Dict[str, torch.Tensor]:
+def attribute_tensors(gm: Any, graph: Any = None) -> Dict[str, torch.Tensor]:
     """The plain tensors of ``gm`` that ``graph`` (default: ``gm``'s) reads with ``get_attr``, by target (one
     target per tensor)."""
     graph = getattr(gm, "graph", None) if graph is None else graph
@@ -196,7 +196,8 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (NaN payloads and signed zeros count)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point() or a.is_complex():  # NaN payloads and signed zeros count: compare the bits
@@ -220,7 +221,7 @@ class AttributeState:
 
     def __init__(self, gm: Any, graph: Any = None):
         self.gm = gm
-        self.tensors = _attribute_tensors(gm, graph)
+        self.tensors = attribute_tensors(gm, graph)
         self._written: Optional[set] = None  # None until a call was seen
         self._versions = {k: _version(t) for k, t in self.tensors.items()}
 
@@ -234,7 +235,7 @@ class AttributeState:
 
     def changed(self, saved: Saved) -> List[str]:
         """The saved tensors whose values differ from the saved copies now."""
-        return [k for k, (c, _) in saved.items() if not _same_bits(self.tensors[k].detach(), c)]
+        return [k for k, (c, _) in saved.items() if not same_bits(self.tensors[k].detach(), c)]
 
     def restore(self, saved: Saved) -> None:
         """The saved values back, where they differ."""

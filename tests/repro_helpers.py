@@ -148,6 +148,30 @@ def relu_plus_one_in_place(gm, example_inputs):
     return relu_as_plus_one(gm, in_place=True)
 
 
+def overshooting_optimizer(gm, example_inputs):
+    """A compiled optimizer step that moves one parameter 1% too far (the graph updates it as an attribute)."""
+    target = next(n.target for n in gm.graph.nodes if n.op == "get_attr" and "params" in n.target)
+
+    def run(*args):
+        out = gm(*args)
+        with torch.no_grad():
+            getattr(gm, target).data.mul_(1.01)
+        return out
+
+    return run
+
+
+def input_update_too_large(gm, example_inputs):
+    """Writes the graph's in-place update of its first input 1% too large."""
+    def run(*args):
+        out = gm(*args)
+        with torch.no_grad():
+            args[0].mul_(1.01)
+        return out
+
+    return run
+
+
 def noisy_backend(gm, example_inputs):
     """Nondeterministic: each call adds a different tiny offset (not tied to the torch seed)."""
     calls = [0]

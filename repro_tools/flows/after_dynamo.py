@@ -129,18 +129,15 @@ def _check_accuracy(compiled: Callable, gm: fx.GraphModule, inputs: list, cfg: D
         report_flow_error(cfg, "dynamo", "copying the graph for the accuracy check", e)
         return
     # the compiled graph reads the program's own tensor attributes (a compiled optimizer step's parameters and
-    # state): what its run for the check writes there is put back, so the program's call finds them as it left them
+    # state): its run for the check is judged by what it writes there, which is then put back, so the program's
+    # call finds them as it left them
     try:
         attrs = AttributeState(gm, dump.gm.graph)
-        saved = attrs.save() if attrs.tensors else {}
     except Exception as e:
-        report_flow_error(cfg, "dynamo", "saving the graph's tensor attributes for the accuracy check", e)
+        report_flow_error(cfg, "dynamo", "reading the graph's tensor attributes for the accuracy check", e)
         return
-    try:
-        result = same_two_models(reference, unboxed, inputs, only_fwd=False, tol=cfg.tol,
-                                 multiplier=cfg.fp64_multiplier, strict=cfg.strict)
-    finally:
-        attrs.restore(saved)
+    result = same_two_models(reference, unboxed, inputs, only_fwd=False, tol=cfg.tol, multiplier=cfg.fp64_multiplier,
+                             strict=cfg.strict, compiled_attributes=attrs)
     if result.status == "not_judged":  # a dynamo graph's draws cannot be cut out; AOT's aten graphs' can
         result.detail += "; REPRO_AFTER=aot checks such graphs, with their draws taken as inputs"
     act_on_accuracy(result, cfg, dump, inputs, "repro accuracy", f"compiled graph ({dump.compiler})")

@@ -21,6 +21,7 @@ and the inputs' clones :func:`determ_backend.clones.clone_inputs`.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -32,7 +33,8 @@ from determ_backend import _torch_compat as tc
 from determ_backend import devices
 from determ_backend.backends.checks import graph_in_dtype
 from determ_backend.backends.eager import run_eager
-from determ_backend.clones import AttributeState, clone_inputs
+from determ_backend.clones import (AttributeState, Saved, attribute_tensors, clone_inputs, mark_written,
+                                   read_attributes_in, same_bits, written_attributes)
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, tensor_metrics
 
 __all__ = ["same", "first_mismatch", "same_two_models", "AccuracyResult", "run_fwd_maybe_bwd", "cast_to_fp64",
@@ -89,6 +91,16 @@ def cast_to(dtype: torch.dtype, model: Any, inputs: Sequence[Any]) -> Tuple[Any,
         model = copy.deepcopy(model).to(dtype)
         if isinstance(model, fx.GraphModule):
             model = graph_in_dtype(model, dtype)
+            # tensors the graph reads as plain attributes (not parameters or buffers: ``.to`` leaves them) in dtype
+            # too, its own: a run updates them there, where the comparison reads what it wrote
+            for target, t in attribute_tensors(model).items():
+                if t.is_floating_point() and t.dtype != dtype:
+                    *path, leaf = target.split(".")
+                    owner = functools.reduce(getattr, path, model)
+                    new = t.detach().to(dtype)
+                    setattr(owner, leaf, torch.nn.Parameter(new, t.requires_grad)
+                            if isinstance(t, torch.nn.Parameter) else new.requires_grad_(t.requires_grad))
+            read_attributes_in(model, None)
     cast = []
     for x in inputs:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -110,8 +122,11 @@ def call_maybe_boxed(fn: Callable, args: Sequence[Any]) -> Any:
 
 
 def _fwd_bwd(fn: Callable, args: Sequence[Any], only_fwd: bool,
-             params: Optional[Sequence[torch.Tensor]]) -> Tuple[List[Any], List[Any]]:
+             params: Optional[Sequence[torch.Tensor]], after: Optional[List[Any]] = None) -> Tuple[List[Any], List[Any]]:
+    """``after``: receives the argument copies the run was given, as the run left them."""
     args = clone_inputs(args)
+    if after is not None:
+        after.extend(args)
     if params is None:
         params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     with torch.set_grad_enabled(torch.is_grad_enabled() and not only_fwd):  # as the graph was called
@@ -151,65 +166,136 @@ class AccuracyResult:
         return self.status == "same"
 
 
-def _fp64_reference(gm: Callable, inputs: Sequence[Any], only_fwd: bool, require_fp64: bool) -> Optional[List[Any]]:
+class _Writes:
+    """What a run wrote besides its outputs: its argument copies and its module's tensor attributes, as the run
+    left them (a graph that updates state in place, a compiled optimizer step, returns nothing)."""
+
+    def __init__(self, inputs: Sequence[Any], args_after: Sequence[Any], attrs: Optional[AttributeState] = None,
+                 attrs_before: Optional[Saved] = None):
+        self.after = [a.detach() if isinstance(a, torch.Tensor) else a for a in args_after]  # the run's own copies
+        self.args = [i for i, (x, a) in enumerate(zip(inputs, self.after))
+                     if isinstance(x, torch.Tensor) and isinstance(a, torch.Tensor) and _written(x, a)]
+        self._before = attrs_before or {}
+        self.attrs = {k: attrs.tensors[k].detach().clone() for k in attrs.changed(attrs_before)} \
+            if attrs is not None and attrs_before else {}
+
+    def attr(self, k: str) -> Optional[torch.Tensor]:
+        """Attribute ``k`` as the run left it (as it found it, when the run did not write it)."""
+        if k in self.attrs:
+            return self.attrs[k]
+        return self._before[k][0] if k in self._before else None
+
+
+def _written(before: torch.Tensor, after: torch.Tensor) -> bool:
+    if before.shape != after.shape or before.dtype != after.dtype or before.device != after.device:
+        return True
+    try:
+        return not same_bits(before.detach(), after.detach())
+    except Exception:  # a layout without bits to compare (sparse, nested): its outputs say what it did
+        return False
+
+
+def _written_leaves(ref: _Writes, res: _Writes, ref64: Optional[_Writes]) -> Tuple[List[Any], List[Any], List[Any],
+                                                                                   List[str]]:
+    """The values the runs wrote besides their outputs, in both runs and the float64 one, with a name for each:
+    every input the eager run wrote (an input only the compiled code wrote is scratch memory it was given, as
+    inductor reuses a donated buffer), and every attribute either run wrote (the other run's as it found it)."""
+    a, b, c, names = [], [], [], []
+    for i in ref.args:
+        a.append(ref.after[i])
+        b.append(res.after[i] if i < len(res.after) else None)
+        c.append(ref64.after[i] if ref64 is not None and i < len(ref64.after) else None)
+        names.append(f"input {i} as the graph left it")
+    for k in sorted(set(ref.attrs) | set(res.attrs)):
+        a.append(ref.attr(k))
+        b.append(res.attr(k))
+        c.append(ref64.attr(k) if ref64 is not None else None)
+        names.append(f"attribute {k} as the graph left it")
+    return a, b, c, names
+
+
+def _fp64_reference(gm: Callable, inputs: Sequence[Any], only_fwd: bool,
+                    require_fp64: bool) -> Tuple[Optional[List[Any]], Optional[_Writes]]:
     try:
         m64, in64 = cast_to_fp64(gm, inputs)
-        return run_fwd_maybe_bwd(m64, in64, only_fwd)
+        state = AttributeState(m64)
+        before = state.save() if state.tensors else {}
+        after: List[Any] = []
+        outs, grads = _fwd_bwd(m64, in64, only_fwd, None, after)
+        return outs + grads, _Writes(in64, after, state, before)
     except Exception as e:  # some ops have no fp64 kernel: say so, and judge with tolerance alone
         if require_fp64:
             raise
         log.warning("accuracy check: no fp64 reference (%s: %s); judging with tolerance only", type(e).__name__, e)
-        return None
+        return None, None
 
 
 def same_two_models(gm: Callable, compiled_fn: Callable, example_inputs: Sequence[Any], only_fwd: bool = False, *,
                     tol: float = DEFAULT_TOL, multiplier: float = DEFAULT_FP64_MULTIPLIER, strict: bool = False,
-                    require_fp64: bool = False) -> AccuracyResult:
+                    require_fp64: bool = False, compiled_attributes: Optional[AttributeState] = None) -> AccuracyResult:
     """Compare ``compiled_fn`` with eager ``gm`` on clones of ``example_inputs`` (forward, and backward
     unless ``only_fwd``), against an fp64 run of ``gm``.  Parameters of ``gm`` are shared with ``compiled_fn``.
     The random state found on entry is restored on return: a check run inside the user's program (the level-4
     flows) leaves its dropout masks and later draws as they would be without it.  So are ``gm``'s tensor
     attributes, before each run too: every run starts from them (a compiled optimizer step updates its
-    parameters and state in place)."""
+    parameters and state in place).  What a run writes besides its outputs -- its inputs, its tensor attributes
+    (``compiled_attributes``: those of the module ``compiled_fn`` was compiled from, when it is not ``gm``; they
+    are put back too) -- is compared like an output: a step that returns nothing is judged by its updates."""
     state = devices.get_rng_state()
     attrs = AttributeState(gm)  # a graph that writes its own tensors (a compiled optimizer step's state)
+    marks = written_attributes(gm)
+    mark_written(gm, ())  # the eager run writes gm's own tensors, where the comparison reads them
     saved = attrs.save() if attrs.tensors else {}
+    theirs = compiled_attributes if compiled_attributes is not None else attrs
+    theirs_saved = theirs.save() if theirs is not attrs and theirs.tensors else saved
     try:
         return _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier, strict, require_fp64,
-                                lambda: attrs.restore(saved))
+                                (attrs, saved), (theirs, theirs_saved))
     finally:
         devices.set_rng_state(state)
         attrs.restore(saved)
+        if theirs is not attrs:
+            theirs.restore(theirs_saved)
+        mark_written(gm, marks)
 
 
-def _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier, strict,
-                     require_fp64, restore: Callable[[], None]) -> AccuracyResult:
-    """``restore`` puts ``gm``'s tensor attributes back as they were on entry: each run starts from them."""
+def _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier, strict, require_fp64,
+                     mine: Tuple[AttributeState, Saved], theirs: Tuple[AttributeState, Saved]) -> AccuracyResult:
+    """``mine``/``theirs``: the tensor attributes of ``gm`` and of what ``compiled_fn`` runs, with their values on
+    entry; each run starts from those, and what a run wrote is read before they are put back."""
     params = list(gm.parameters()) if isinstance(gm, torch.nn.Module) else []
     state = devices.get_rng_state()
+    after: List[Any] = []
     try:
-        ref, ref_grads = _fwd_bwd(gm, example_inputs, only_fwd, params)
+        ref, ref_grads = _fwd_bwd(gm, example_inputs, only_fwd, params, after)
     except Exception as e:
         return AccuracyResult("checker_error", f"the eager/fp64 reference raised {type(e).__name__}: {e}", error=e)
     if devices.rng_state_moved(state, devices.get_rng_state()):  # (higher-order ops too: no dispatch mode needed)
         return AccuracyResult("not_judged", "the graph draws random numbers (its eager run moved the random "
                                             "generator), and eager and compiled code do not draw the same ones")
-    restore()
+    ref_writes = _Writes(example_inputs, after, *mine)
+    mine[0].restore(mine[1])
     try:
-        ref64 = _fp64_reference(gm, example_inputs, only_fwd, require_fp64)
+        ref64, ref64_writes = _fp64_reference(gm, example_inputs, only_fwd, require_fp64)
     except Exception as e:
         return AccuracyResult("checker_error", f"the eager/fp64 reference raised {type(e).__name__}: {e}", error=e)
-    restore()
+    mine[0].restore(mine[1])
+    after = []
     try:
-        res = run_fwd_maybe_bwd(compiled_fn, example_inputs, only_fwd, params)
+        res_outs, res_grads = _fwd_bwd(compiled_fn, example_inputs, only_fwd, params, after)
     except Exception as e:
         return AccuracyResult("compiled_error", f"{type(e).__name__}: {e}", error=e)
     try:
-        bad = first_mismatch(ref + ref_grads, res, ref64, tol, multiplier, strict)
+        a, b, c, names = _written_leaves(ref_writes, _Writes(example_inputs, after, *theirs), ref64_writes)
+        ref_all, res_all = ref + ref_grads + a, res_outs + res_grads + b
+        ref64_all = ref64 + c if ref64 is not None and len(ref64) == len(ref + ref_grads) else None
+        bad = first_mismatch(ref_all, res_all, ref64_all, tol, multiplier, strict)
     except Exception as e:
         return AccuracyResult("checker_error", f"comparing outputs raised {type(e).__name__}: {e}", error=e)
     if bad is None:
         return AccuracyResult("same", fp64=ref64 is not None)
     i, what = bad
-    label = "outputs" if i < 0 else f"output {i}" if i < len(ref) else f"gradient {i - len(ref)}"
+    n = len(ref) + len(ref_grads)
+    label = "outputs" if i < 0 else f"output {i}" if i < len(ref) else f"gradient {i - len(ref)}" if i < n \
+        else names[i - n]
     return AccuracyResult("diverged", f"{label}: {what}", leaf=i, fp64=ref64 is not None)

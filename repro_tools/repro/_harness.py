@@ -97,9 +97,12 @@ def _flat(x):
     return [x]
 
 
-def run_fwd_maybe_bwd(fn, args, params=()):
-    """Outputs, then the gradients of float leaves (inputs requiring grad, parameters) when any output needs one."""
+def run_fwd_maybe_bwd(fn, args, params=(), after=None):
+    """Outputs, then the gradients of float leaves (inputs requiring grad, parameters) when any output needs one.
+    ``after``: receives the argument copies the run was given, as the run left them."""
     args = _clone(args)
+    if after is not None:
+        after.extend(args)
     with torch.set_grad_enabled(not META.get("only_fwd", True)):  # a forward-only graph ran without grad
         outs = [o for o in _flat(fn(args)) if isinstance(o, torch.Tensor)]
     diff = [o for o in outs if o.requires_grad]
@@ -133,26 +136,75 @@ def same_leaf(e, c, r, tol, mult, strict):
     return _rmse(r, c) <= mult * _rmse(r, e) + tol / 10.0
 
 
+def _module_tensors(mod):
+    """The module's parameters and buffers by name: the state a graph may update in place."""
+    return dict(list(mod.named_parameters()) + list(mod.named_buffers()))
+
+
+def _writes(inputs, after, tensors, saved):
+    """What a run wrote besides its outputs: ``{index: input as left}`` and ``{name: tensor as left}``."""
+    args = {i: a.detach() for i, (x, a) in enumerate(zip(inputs, after))
+            if isinstance(x, torch.Tensor) and isinstance(a, torch.Tensor) and not _bitwise_equal([x], [a])}
+    attrs = {k: t.detach().clone() for k, t in tensors.items() if not _bitwise_equal([t], [saved[k]])}
+    return args, attrs
+
+
+def _put_back(tensors, saved):
+    with torch.no_grad():
+        for k, t in tensors.items():
+            if not _bitwise_equal([t], [saved[k]]):
+                t.data.copy_(saved[k])  # through .data: the version counter does not move
+
+
 def check_accuracy(mod, fn, args, tol, strict):
-    """``None`` when compiled agrees with eager (fp64 reference), else a message naming the first bad output."""
+    """``None`` when compiled agrees with eager (fp64 reference), else a message naming the first bad output.
+    Each run starts from the module's state as found (a graph may update it in place: a compiled optimizer
+    step), and what a run writes besides its outputs -- an input eager writes, a parameter or buffer either run
+    writes -- is compared like an output; the state is put back at the end."""
     params = list(mod.parameters())
-    eager = run_fwd_maybe_bwd(lambda a: mod(*a), args, params)
-    comp = run_fwd_maybe_bwd(fn, args, params)
+    tensors = _module_tensors(mod)
+    saved = {k: t.detach().clone() for k, t in tensors.items()}
     try:
-        m64 = copy.deepcopy(mod).double()
-        a64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in _clone(args)]
-        ref = run_fwd_maybe_bwd(lambda a: m64(*a), a64, list(m64.parameters()))
-    except Exception as err:  # an op without fp64 support: judged without a reference, and said so
-        print(f"warning: no fp64 reference ({type(err).__name__}: {err}); comparing with tolerance only", file=sys.stderr)
-        ref = [None] * len(eager)
+        e_after, c_after = [], []
+        eager = run_fwd_maybe_bwd(lambda a: mod(*a), args, params, e_after)
+        e_args, e_attrs = _writes(args, e_after, tensors, saved)
+        _put_back(tensors, saved)
+        comp = run_fwd_maybe_bwd(fn, args, params, c_after)
+        _, c_attrs = _writes(args, c_after, tensors, saved)
+        _put_back(tensors, saved)
+        r_args, r_attrs = {}, {}
+        try:
+            m64 = copy.deepcopy(mod).double()
+            a64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in _clone(args)]
+            r_after, t64 = [], _module_tensors(m64)
+            ref = run_fwd_maybe_bwd(lambda a: m64(*a), a64, list(m64.parameters()), r_after)
+            r_args = dict(enumerate(r_after))
+            r_attrs = {k: t.detach() for k, t in t64.items()}
+        except Exception as err:  # an op without fp64 support: judged without a reference, and said so
+            print(f"warning: no fp64 reference ({type(err).__name__}: {err}); comparing with tolerance only",
+                  file=sys.stderr)
+            ref = [None] * len(eager)
+    finally:
+        _put_back(tensors, saved)
     if len(eager) != len(comp):
         return f"compiled returned {len(comp)} tensors, eager {len(eager)}"
+    names = [f"output {i}" for i in range(len(eager))]
+    for i in sorted(e_args):  # an input only compiled code wrote is scratch memory it was given
+        eager.append(e_args[i])
+        comp.append(c_after[i].detach())
+        ref.append(r_args.get(i))
+        names.append(f"input {i} as the graph left it")
+    for k in sorted(set(e_attrs) | set(c_attrs)):
+        eager.append(e_attrs.get(k, saved[k]))
+        comp.append(c_attrs.get(k, saved[k]))
+        ref.append(r_attrs.get(k))
+        names.append(f"{k} as the graph left it")
     mult = float(META.get("multiplier", 2.0))
-    for i, (e, c, r) in enumerate(zip(eager, comp, ref)):
+    for name, e, c, r in zip(names, eager, comp, ref):
         if same_leaf(e, c, r, tol, mult, strict) is False:
             err = (e.double() - c.double()).abs().max().item() if e.shape == c.shape else float("nan")
             extra = f", rmse vs fp64: compiled {_rmse(r, c):.3g} eager {_rmse(r, e):.3g}" if r is not None else ""
-            return f"output {i} {tuple(e.shape)} {e.dtype}: max abs error {err:.3g}{extra}"
+            return f"{name} {tuple(e.shape)} {e.dtype}: max abs error {err:.3g}{extra}"
     return None
 
 

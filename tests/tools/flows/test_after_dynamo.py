@@ -159,6 +159,34 @@ def test_level4_leaves_a_compiled_optimizer_step_as_the_program_would(tmp_path, 
     assert not (tmp_path / "out" / "r" / "repro").exists()
 
 
+def test_level4_judges_a_graph_by_what_it_writes_not_only_what_it_returns(tmp_path):
+    """A compiled optimizer step returns nothing, and a function may update its input in place: the check
+    compared outputs and gradients only, so an update 1% off passed.  What a graph writes -- an input, a
+    tensor attribute -- is now compared like an output; the correct compilers still pass."""
+    from repro_helpers import input_update_too_large, overshooting_optimizer, train_with_compiled_optimizer
+
+    with pytest.raises(AccuracyError, match="attribute .* as the graph left it"):
+        train_with_compiled_optimizer(determ_backend.wrap_backend(
+            overshooting_optimizer, repro_config(tmp_path / "opt", 4, minify=False)))
+
+    def scale(x, y):
+        x.mul_(2)
+        return y.sum()
+
+    for backend, fails in ((input_update_too_large, True), ("eager", False), ("aot_eager", False)):
+        torch._dynamo.reset()
+        x, y = torch.randn(6), torch.randn(6)
+        want = x * 2
+        f = torch.compile(scale, backend=determ_backend.wrap_backend(backend, repro_config(tmp_path / str(fails), 4,
+                                                                                         minify=False)))
+        if fails:
+            with pytest.raises(AccuracyError, match="input 0 as the graph left it"):
+                f(x, y)
+        else:
+            f(x, y)
+            assert torch.equal(x, want)
+
+
 def test_dumps_are_never_overwritten(tmp_path):
     backend = determ_backend.wrap_backend("relu_compile_error_TESTING_ONLY", repro_config(tmp_path, 1))
     compile_and_fail(backend)

@@ -289,9 +289,10 @@ def test_a_long_compile_error_keeps_its_error_lines():
     assert len(kept) <= 4100 and "'compile' was not declared" in kept and kept.endswith("conversion\n")
 
 
-def test_a_graph_with_inductors_random_prims_loads_in_a_fresh_process(tmp_path):
+def test_a_graph_with_inductors_prims_loads_in_a_fresh_process(tmp_path):
     """``prims.inductor_seeds`` & co. exist once torch's inductor registered them: a dropout graph's repro after
-    AOT could not be traced back (and so not minified) in a process that had not compiled anything."""
+    AOT could not be traced back (and so not minified) in a process that had not compiled anything.  So does
+    ``prims.fma``, in a compiled AdamW step's dynamo graph: its repro failed to load, a compile error."""
     import torch._inductor.inductor_prims  # noqa: F401  (here, to build the graph)
 
     prims = torch.ops.prims
@@ -301,10 +302,46 @@ def test_a_graph_with_inductors_random_prims_loads_in_a_fresh_process(tmp_path):
                            (g.call_function(prims.inductor_seeds.default, (1, torch.device("cpu"))), 0))
     rand = g.call_function(prims.inductor_random.default, ([3], seed, "rand"))
     g.output((g.call_function(torch.ops.aten.mul.Tensor, (x, g.call_function(torch.ops.aten.gt.Scalar, (rand, 0.5)))),))
-    path = write_repro(fx.GraphModule(torch.nn.Module(), g), [torch.randn(3)], tmp_path / "repro.py",
-                       meta={"kind": "runtime_error", "compiler": "eager"})
-    code = ("import sys, torch\nfrom repro_tools.repro.script import load_repro\n"
-            f"gm, inputs, _ = load_repro({str(path)!r})\n"
-            "print('targets', sorted({str(n.target) for n in gm.graph.nodes if n.op == 'call_function'}))\n")
-    proc = run_code(code, tmp_path)
-    assert proc.returncode == 0 and "prims.inductor_random.default" in proc.stdout, proc.stderr[-2000:]
+    g2 = fx.Graph()  # the fma alone: no prims.inductor_* op in the graph to bring the module in
+    y = g2.placeholder("y")
+    g2.output((g2.call_function(prims.fma.default, (y, y, y)),))
+    for name, graph, op in (("dropout", g, "prims.inductor_random.default"), ("fma", g2, "prims.fma.default")):
+        path = write_repro(fx.GraphModule(torch.nn.Module(), graph), [torch.randn(3)], tmp_path / f"{name}.py",
+                           meta={"kind": "runtime_error", "compiler": "eager"})
+        code = ("import sys, torch\nfrom repro_tools.repro.script import load_repro\n"
+                f"gm, inputs, _ = load_repro({str(path)!r})\n"
+                "print('targets', sorted({str(n.target) for n in gm.graph.nodes if n.op == 'call_function'}))\n")
+        proc = run_code(code, tmp_path)
+        assert proc.returncode == 0 and op in proc.stdout, proc.stderr[-2000:]
+
+
+def test_standalone_accuracy_check_judges_what_a_graph_writes_and_leaves_the_state_as_found():
+    """A repro's own check (torch alone) judges a graph's in-place updates of its buffers like its outputs, and
+    runs eager, compiled and float64 each from the state it found: a compiled optimizer step whose update is off
+    returns nothing wrong."""
+    from repro_tools.repro import _harness
+
+    class Repro(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("avg", torch.ones(4))
+
+        def forward(self, x):
+            self.avg.mul_(0.9).add_(x, alpha=0.1)
+            return (x * 2,)
+
+    mod, x = Repro(), torch.randn(4)
+
+    def right(args):
+        return mod(*args)
+
+    def wrong(args):
+        out = mod(*args)
+        mod.avg.data.mul_(1.5)
+        return out
+
+    assert _harness.check_accuracy(mod, right, [x], 1e-3, False) is None
+    assert torch.equal(mod.avg, torch.ones(4))
+    msg = _harness.check_accuracy(mod, wrong, [x], 1e-3, False)
+    assert msg is not None and msg.startswith("avg as the graph left it"), msg
+    assert torch.equal(mod.avg, torch.ones(4))
