@@ -32,6 +32,7 @@ import copy
 import logging
 from typing import Any, Callable, Optional, Sequence, Union
 
+import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
@@ -71,7 +72,10 @@ def wrap_backend(backend: Union[str, Callable], config: Optional[DetermConfig] =
         cfg = config if config is not None else load_config()
         inner = tc.lookup_backend(backend) if isinstance(backend, str) else backend
         try:
-            dump = GraphDump(cfg, "dynamo", label, copy.deepcopy(gm), {"sys_path": sys_path, "only_fwd": False})
+            # a graph compiled without grad (inference, an optimizer step) only runs without it: dynamo guards on
+            # the grad mode, so the repro runs it so too (with grad, its in-place update of a parameter raises)
+            dump = GraphDump(cfg, "dynamo", label, copy.deepcopy(gm), {"sys_path": sys_path,
+                                                                       "only_fwd": not torch.is_grad_enabled()})
         except Exception as e:
             report_flow_error(cfg, "dynamo", "copying the graph", e)
             return inner(gm, example_inputs, **kwargs)  # this graph goes on without the flows

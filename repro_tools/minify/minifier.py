@@ -323,6 +323,10 @@ def _final_check(s: _Session, r: Reducer, gm: fx.GraphModule, inputs: List[Any])
 
 def _minify(view, spec, runner, out, budget, localize, resume, progress, meta) -> MinifyResult:
     start = view.normalize(view.full())
+    if start is None:  # candidates are cut by the values they return: a graph that returns none has no cut
+        raise ReproError("the graph returns no tensor computed in it (it only updates tensors in place, as a "
+                         "compiled optimizer step does), so it cannot be shrunk by its outputs; the repro itself "
+                         "runs and reproduces the failure")
     gm0, in0 = view.materialize(start)
     meta["start_key"] = view.key(gm0, in0)
     s = _Session(view, spec, runner, out, budget, progress, meta)

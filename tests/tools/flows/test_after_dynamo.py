@@ -168,6 +168,9 @@ def test_level4_judges_a_graph_by_what_it_writes_not_only_what_it_returns(tmp_pa
     with pytest.raises(AccuracyError, match="attribute .* as the graph left it"):
         train_with_compiled_optimizer(determ_backend.wrap_backend(
             overshooting_optimizer, repro_config(tmp_path / "opt", 4, minify=False)))
+    # the step was compiled without grad (dynamo guards on it): its repro runs it so (with grad, the in-place
+    # update of a parameter raised "a leaf Variable that requires grad is being used in an in-place operation")
+    assert read_meta(next((tmp_path / "opt").rglob("minifier_launcher.py")))["only_fwd"] is True
 
     def scale(x, y):
         x.mul_(2)

@@ -67,6 +67,18 @@ def test_input_that_does_not_fail_is_rejected_clearly():
         minify(gm, inputs, OracleSpec(kind="accuracy", compiler="aot_eager"), progress=False)
 
 
+def test_a_graph_that_returns_nothing_is_refused_clearly():
+    """A graph that only updates tensors in place (a compiled optimizer step) has no output to cut candidates by:
+    the minifier stopped with "'NoneType' object has no attribute 'values'"."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.call_function(torch.ops.aten.mul_.Tensor, (x, x))
+    g.output(())
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    with pytest.raises(ReproError, match="returns no tensor computed in it"):
+        minify(gm, [torch.randn(4)], OracleSpec(kind="accuracy", compiler="aot_eager"), progress=False)
+
+
 def _write(tmp_path, kind, compiler, layers=2):
     gm, inputs = H.mlp_graph(layers=layers, backward=True)
     write_graph_dir(gm, inputs, tmp_path / "repro", {"kind": kind, "compiler": compiler})
