@@ -8,6 +8,7 @@ lazily, by the ``minify`` and ``analyze`` subcommands only.
 import argparse
 import contextlib
 import copy
+import operator
 import os
 import subprocess
 import sys
@@ -70,9 +71,35 @@ class _EveryOpTraced(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _InPlaceProxy(torch.fx.Proxy):
+    """A traced value whose augmented assignments (``step += 1``) stay in-place calls, as in the graph: plain
+    proxies turn them into an out-of-place op and a rebinding, and the tensor is never updated."""
+
+
+def _in_place(op):
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    return method
+
+
+for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift",
+              "irshift", "imatmul"):
+    setattr(_InPlaceProxy, f"__{_name}__", _in_place(getattr(operator, _name)))
+
+
+class _ReproTracer(torch.fx.Tracer):
+    """Buffers are read as the attributes they are, not folded in as constants (a graph may update them in place:
+    an optimizer step's state)."""
+
+    proxy_buffer_attributes = True
+
+    def proxy(self, node):
+        return _InPlaceProxy(node, self)
+
+
 def trace_repro(mod):
     """``Repro`` as a GraphModule."""
-    tracer = torch.fx.Tracer()
+    tracer = _ReproTracer()
     with _EveryOpTraced(tracer):
         graph = tracer.trace(mod)
     return torch.fx.GraphModule(tracer.root, graph)

@@ -106,14 +106,17 @@ def make_tensor(spec, gen, device=None, cache=None):
     shape, stride, offset = spec["shape"], spec["stride"], spec.get("offset", 0)
     key = spec.get("storage")
     if key is not None:
-        if cache is None or key not in cache:
+        # tensors share memory when they shared it when dumped ("memory"), not because their bytes were equal
+        # (older scripts: by file)
+        mem = ("memory", spec["memory"]) if "memory" in spec else key
+        if cache is None or mem not in cache:
             raw = read_storage(key)
             base = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             base = base.to(dev)
             if cache is not None:
-                cache[key] = base
+                cache[mem] = base
         else:
-            base = cache[key]
+            base = cache[mem]
         t = torch.empty(0, dtype=dtype, device=dev).set_(base.untyped_storage(), offset, shape, stride)
     else:
         n = _span(shape, stride, offset)

@@ -42,11 +42,16 @@ def _write_store_file(store: Path, data: torch.Tensor) -> str:
 
 
 class StoreWriter:
-    """Describes tensors for the script; writes each distinct storage once (when data is available)."""
+    """Describes tensors for the script; writes each distinct storage once (when data is available).
+
+    Files are named by their bytes, so two storages that hold equal bytes share one file; ``memory`` (one
+    number per storage of this process) says which tensors share memory, so the script gives each storage its
+    own copy (an optimizer's zero-filled moments, updated in place, must not become one tensor)."""
 
     def __init__(self, store: Path, save_data: bool):
         self.store, self.save_data = store, save_data
         self.keys: Dict[Tuple[str, int, int], str] = {}
+        self.memory: Dict[Tuple[str, int, int], int] = {}
         self.regenerated = 0
 
     def describe(self, t: torch.Tensor, name: str) -> Dict[str, Any]:
@@ -62,7 +67,9 @@ class StoreWriter:
             ident = (str(t.device), st.data_ptr(), st.nbytes())
             if ident not in self.keys:
                 self.keys[ident] = _write_store_file(self.store, _storage_bytes(t))
+                self.memory[ident] = len(self.memory)
             spec["storage"] = self.keys[ident]
+            spec["memory"] = self.memory[ident]
         else:
             self.regenerated += 1
         return spec

@@ -170,7 +170,11 @@ def test_level4_judges_a_graph_by_what_it_writes_not_only_what_it_returns(tmp_pa
             overshooting_optimizer, repro_config(tmp_path / "opt", 4, minify=False)))
     # the step was compiled without grad (dynamo guards on it): its repro runs it so (with grad, the in-place
     # update of a parameter raised "a leaf Variable that requires grad is being used in an in-place operation")
-    assert read_meta(next((tmp_path / "opt").rglob("minifier_launcher.py")))["only_fwd"] is True
+    launcher = next((tmp_path / "opt").rglob("minifier_launcher.py"))
+    assert read_meta(launcher)["only_fwd"] is True
+    # and run standalone it reproduces the same verdict, from the state the program's call found
+    proc = assert_reproduces(launcher, "accuracy", "lerp_", "run")
+    assert "as the graph left it" in proc.stdout and "nan" not in proc.stdout, proc.stdout
 
     def scale(x, y):
         x.mul_(2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import re
 
 import pytest
@@ -345,3 +346,36 @@ def test_standalone_accuracy_check_judges_what_a_graph_writes_and_leaves_the_sta
     msg = _harness.check_accuracy(mod, wrong, [x], 1e-3, False)
     assert msg is not None and msg.startswith("avg as the graph left it"), msg
     assert torch.equal(mod.avg, torch.ones(4))
+
+
+def test_storages_that_hold_equal_bytes_stay_distinct_and_views_stay_views(tmp_path):
+    """Store files are named by their bytes: an optimizer's zero-filled moments (one per parameter) loaded as one
+    tensor, and each in-place update of one moved them all."""
+    a, b = torch.zeros(3), torch.zeros(3)
+    g = fx.Graph()
+    xs = [g.placeholder(n) for n in ("a", "b", "c")]
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (xs[0], xs[1])),))
+    path = write_repro(fx.GraphModule(torch.nn.Module(), g), [a, b, a[1:]], tmp_path / "repro.py",
+                       meta={"kind": "runtime_error", "compiler": "eager"})
+    _, (la, lb, lc), _ = load_repro(path)
+    la.add_(1)
+    assert torch.equal(lb, torch.zeros(3)) and torch.equal(lc, torch.ones(2))
+
+
+def test_a_buffer_updated_in_place_is_traced_back_as_an_update(tmp_path):
+    """Traced back with torch.fx, a buffer was read as a constant: ``step += 1`` ran once while tracing and
+    was folded away, and ``1 - 0.9 ** step`` with it; the repro of a compiled optimizer step computed NaN."""
+    root = torch.nn.Module()
+    root.register_buffer("step", torch.zeros(()))
+    g = fx.Graph()
+    x = g.placeholder("x")
+    step = g.call_function(operator.iadd, (g.get_attr("step"), 1))
+    g.output((g.call_function(torch.mul, (x, g.call_function(operator.sub, (1, g.call_function(
+        operator.pow, (0.9, step)))))),))
+    path = write_repro(fx.GraphModule(root, g), [torch.ones(2)], tmp_path / "repro.py",
+                       meta={"kind": "runtime_error", "compiler": "eager"})
+    gm, inputs, _ = load_repro(path)
+    assert gm.step.item() == 0  # tracing ran nothing
+    for k in (1, 2):
+        (out,) = gm(*inputs)
+        assert gm.step.item() == k and torch.allclose(out, torch.full((2,), 1 - 0.9 ** k))
