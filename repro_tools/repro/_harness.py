@@ -8,7 +8,6 @@ lazily, by the ``minify`` and ``analyze`` subcommands only.
 import argparse
 import contextlib
 import copy
-import operator
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import traceback
 import torch
 
 # --- placeholders: replaced by the generated script's own definitions (not copied) ---
-from repro_tools.repro._inputs import META, INPUTS, ReproInputError, _device, _dtype, load_args  # noqa: F401
+from repro_tools.repro._inputs import META, INPUTS, ReproInputError, ReproTracer, _device, _dtype, load_args  # noqa: F401
 Repro = torch.nn.Module
 
 
@@ -71,35 +70,9 @@ class _EveryOpTraced(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _InPlaceProxy(torch.fx.Proxy):
-    """A traced value whose augmented assignments (``step += 1``) stay in-place calls, as in the graph: plain
-    proxies turn them into an out-of-place op and a rebinding, and the tensor is never updated."""
-
-
-def _in_place(op):
-    def method(self, other):
-        return self.tracer.create_proxy("call_function", op, (self, other), {})
-    return method
-
-
-for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift",
-              "irshift", "imatmul"):
-    setattr(_InPlaceProxy, f"__{_name}__", _in_place(getattr(operator, _name)))
-
-
-class _ReproTracer(torch.fx.Tracer):
-    """Buffers are read as the attributes they are, not folded in as constants (a graph may update them in place:
-    an optimizer step's state)."""
-
-    proxy_buffer_attributes = True
-
-    def proxy(self, node):
-        return _InPlaceProxy(node, self)
-
-
 def trace_repro(mod):
     """``Repro`` as a GraphModule."""
-    tracer = _ReproTracer()
+    tracer = ReproTracer()
     with _EveryOpTraced(tracer):
         graph = tracer.trace(mod)
     return torch.fx.GraphModule(tracer.root, graph)

@@ -1,4 +1,5 @@
-"""Runtime of a generated ``repro.py``, part 1: its inputs, parameters and constants.
+"""Runtime of a generated ``repro.py``, part 1: its inputs, parameters and constants, and the tracer that
+turns ``Repro`` back into a graph.
 
 :mod:`repro_tools.repro.codegen` copies this file's source (minus the placeholder
 block below), then :mod:`repro_tools.repro._harness`'s, into every script it
@@ -12,6 +13,7 @@ determ need not be installed), or is regenerated with a fixed seed.
 
 import hashlib
 import json
+import operator
 import os
 import struct
 
@@ -165,3 +167,30 @@ def install_attrs(root, device=None):
             mod.register_parameter(leaf, torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad))
         else:
             mod.register_buffer(leaf, t.detach())
+
+
+class _InPlaceProxy(torch.fx.Proxy):
+    """A traced value whose augmented assignments (``step += 1``) stay in-place calls, as in the graph: plain
+    proxies turn them into an out-of-place op and a rebinding, and the tensor is never updated."""
+
+
+def _in_place(op):
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    return method
+
+
+for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift",
+              "irshift", "imatmul"):
+    setattr(_InPlaceProxy, f"__{_name}__", _in_place(getattr(operator, _name)))
+
+
+class ReproTracer(torch.fx.Tracer):
+    """Traces ``Repro`` back into a graph (the runtime's ``trace_repro`` and determ's loader): buffers are read as
+    the attributes they are, not folded in as constants, and augmented assignments stay in place (a graph may
+    update its buffers: an optimizer step's state)."""
+
+    proxy_buffer_attributes = True
+
+    def proxy(self, node):
+        return _InPlaceProxy(node, self)

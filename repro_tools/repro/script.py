@@ -37,7 +37,7 @@ from determ_backend import _torch_compat as tc
 from determ_backend.errors import ReproError
 from determ_backend.trace.stream import atomic_write_text
 
-from repro_tools.repro._harness import _ReproTracer
+from repro_tools.repro._inputs import ReproTracer
 from repro_tools.repro.codegen import CodeWriter, script_text
 from repro_tools.repro.store import STORE_NAME, StoreWriter, copy_store_files, describe_value, json_safe
 
@@ -257,7 +257,7 @@ def load_repro(path: Union[str, Path], device: Optional[str] = None) -> Tuple[fx
     return gm, inputs, dict(module.META)
 
 
-class _NamingTracer(_ReproTracer):
+class _NamingTracer(ReproTracer):
     """Traces ``Repro`` back into a graph whose call nodes get their original names and source lines (buffers
     read as attributes, augmented assignments kept in place: the runtime's tracer).
 
@@ -284,8 +284,8 @@ class _NamingTracer(_ReproTracer):
         return node
 
 
-# Twin of _harness._EveryOpTraced (the scripts' torch-only runtime), which tests for an op overload without
-# determ's _torch_compat: here the test goes through it.
+# Twin of _harness._EveryOpTraced (the scripts' torch-only runtime): importing that module here would close an
+# import cycle (it reaches repro_tools.flows), and it tests for an op overload without determ's _torch_compat.
 class _RecordConstantOps(torch.overrides.TorchFunctionMode):
     """While tracing: every operator call becomes a node, as it was in the graph -- one called on no
     traced value (a factory op), and one whose traced values sit inside a list (``full([2, s0], ...)``
