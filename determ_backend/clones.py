@@ -34,6 +34,8 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from determ_backend.fingerprint._words import same_size_int
+
 __all__ = ["clone_inputs", "AttributeState", "mark_written", "written_attributes", "read_attributes_in",
            "attributes_dtype", "same_bits", "attribute_tensors"]
 
@@ -197,13 +199,13 @@ def _version(t: torch.Tensor) -> int:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape, dtype and bits (NaN payloads and signed zeros count)."""
+    """Same shape, dtype and bits (NaN payloads and signed zeros count): compared as the integers of their
+    element size."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.is_floating_point() or a.is_complex():  # NaN payloads and signed zeros count: compare the bits
-        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[a.element_size()]
-        return torch.equal(a.reshape(-1).view(width), b.reshape(-1).view(width))
-    return torch.equal(a, b)
+    if a.is_complex():
+        a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
+    return torch.equal(same_size_int(a.reshape(-1)), same_size_int(b.reshape(-1)))
 
 
 Saved = Dict[str, Tuple[torch.Tensor, int]]

@@ -419,8 +419,8 @@ class GraphExec:
     def _states_around_call(self, before: Saved, replays: bool) -> Optional[Saved]:
         """After the program's call: learn what it wrote; when checks replay the graph, put back what the call
         started from and return what it left (put back once the checks are done)."""
-        self._state.learn(before)
-        if not replays or not self._state.changed(before):
+        written = self._state.learn(before)
+        if not replays or not written:
             return None
         left = self._state.save()
         self._state.restore(before)

@@ -167,23 +167,26 @@ class AccuracyResult:
 
 
 class _Writes:
-    """What a run wrote besides its outputs: its argument copies and its module's tensor attributes, as the run
-    left them (a graph that updates state in place, a compiled optimizer step, returns nothing)."""
+    """What a run left besides its outputs: the argument copies it was given and its module's tensor attributes
+    (a graph that updates state in place, a compiled optimizer step, returns nothing).  ``attrs_before``: the
+    attributes' values when the run started, for a module whose attributes are put back after the run: what the
+    run wrote is copied now.  Without it the attributes are read as they are (a module of the run's own)."""
 
-    def __init__(self, inputs: Sequence[Any], args_after: Sequence[Any], attrs: Optional[AttributeState] = None,
+    def __init__(self, args_after: Sequence[Any], attrs: Optional[AttributeState] = None,
                  attrs_before: Optional[Saved] = None):
         self.after = [a.detach() if isinstance(a, torch.Tensor) else a for a in args_after]  # the run's own copies
-        self.args = [i for i, (x, a) in enumerate(zip(inputs, self.after))
-                     if isinstance(x, torch.Tensor) and isinstance(a, torch.Tensor) and _written(x, a)]
-        self._before = attrs_before or {}
+        self._state, self._before = attrs, attrs_before or {}
         self.attrs = {k: attrs.tensors[k].detach().clone() for k in attrs.changed(attrs_before)} \
             if attrs is not None and attrs_before else {}
 
     def attr(self, k: str) -> Optional[torch.Tensor]:
-        """Attribute ``k`` as the run left it (as it found it, when the run did not write it)."""
+        """Attribute ``k`` as the run left it."""
         if k in self.attrs:
             return self.attrs[k]
-        return self._before[k][0] if k in self._before else None
+        if k in self._before:  # not written: as the run found it
+            return self._before[k][0]
+        t = self._state.tensors.get(k) if self._state is not None else None
+        return None if t is None else t.detach()
 
 
 def _written(before: torch.Tensor, after: torch.Tensor) -> bool:
@@ -195,14 +198,16 @@ def _written(before: torch.Tensor, after: torch.Tensor) -> bool:
         return False
 
 
-def _written_leaves(ref: _Writes, res: _Writes, ref64: Optional[_Writes]) -> Tuple[List[Any], List[Any], List[Any],
-                                                                                   List[str]]:
+def _written_leaves(inputs: Sequence[Any], ref: _Writes, res: _Writes,
+                    ref64: Optional[_Writes]) -> Tuple[List[Any], List[Any], List[Any], List[str]]:
     """The values the runs wrote besides their outputs, in both runs and the float64 one, with a name for each:
     every input the eager run wrote (an input only the compiled code wrote is scratch memory it was given, as
     inductor reuses a donated buffer), and every attribute either run wrote (the other run's as it found it)."""
     a, b, c, names = [], [], [], []
-    for i in ref.args:
-        a.append(ref.after[i])
+    for i, (x, left) in enumerate(zip(inputs, ref.after)):
+        if not (isinstance(x, torch.Tensor) and isinstance(left, torch.Tensor) and _written(x, left)):
+            continue
+        a.append(left)
         b.append(res.after[i] if i < len(res.after) else None)
         c.append(ref64.after[i] if ref64 is not None and i < len(ref64.after) else None)
         names.append(f"input {i} as the graph left it")
@@ -218,11 +223,9 @@ def _fp64_reference(gm: Callable, inputs: Sequence[Any], only_fwd: bool,
                     require_fp64: bool) -> Tuple[Optional[List[Any]], Optional[_Writes]]:
     try:
         m64, in64 = cast_to_fp64(gm, inputs)
-        state = AttributeState(m64)
-        before = state.save() if state.tensors else {}
         after: List[Any] = []
         outs, grads = _fwd_bwd(m64, in64, only_fwd, None, after)
-        return outs + grads, _Writes(in64, after, state, before)
+        return outs + grads, _Writes(after, AttributeState(m64))  # m64 is the run's own: read as it is left
     except Exception as e:  # some ops have no fp64 kernel: say so, and judge with tolerance alone
         if require_fp64:
             raise
@@ -273,7 +276,7 @@ def _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier,
     if devices.rng_state_moved(state, devices.get_rng_state()):  # (higher-order ops too: no dispatch mode needed)
         return AccuracyResult("not_judged", "the graph draws random numbers (its eager run moved the random "
                                             "generator), and eager and compiled code do not draw the same ones")
-    ref_writes = _Writes(example_inputs, after, *mine)
+    ref_writes = _Writes(after, *mine)
     mine[0].restore(mine[1])
     try:
         ref64, ref64_writes = _fp64_reference(gm, example_inputs, only_fwd, require_fp64)
@@ -286,7 +289,7 @@ def _same_two_models(gm, compiled_fn, example_inputs, only_fwd, tol, multiplier,
     except Exception as e:
         return AccuracyResult("compiled_error", f"{type(e).__name__}: {e}", error=e)
     try:
-        a, b, c, names = _written_leaves(ref_writes, _Writes(example_inputs, after, *theirs), ref64_writes)
+        a, b, c, names = _written_leaves(example_inputs, ref_writes, _Writes(after, *theirs), ref64_writes)
         ref_all, res_all = ref + ref_grads + a, res_outs + res_grads + b
         ref64_all = ref64 + c if ref64 is not None and len(ref64) == len(ref + ref_grads) else None
         bad = first_mismatch(ref_all, res_all, ref64_all, tol, multiplier, strict)

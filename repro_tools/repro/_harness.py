@@ -141,18 +141,18 @@ def _module_tensors(mod):
     return dict(list(mod.named_parameters()) + list(mod.named_buffers()))
 
 
-def _writes(inputs, after, tensors, saved):
-    """What a run wrote besides its outputs: ``{index: input as left}`` and ``{name: tensor as left}``."""
-    args = {i: a.detach() for i, (x, a) in enumerate(zip(inputs, after))
-            if isinstance(x, torch.Tensor) and isinstance(a, torch.Tensor) and not _bitwise_equal([x], [a])}
-    attrs = {k: t.detach().clone() for k, t in tensors.items() if not _bitwise_equal([t], [saved[k]])}
-    return args, attrs
+def _written_state(tensors, saved):
+    """``{name: tensor as left}`` for the module tensors a run changed (and puts them back as ``saved``)."""
+    written = {k: t.detach().clone() for k, t in tensors.items() if not _bitwise_equal([t], [saved[k]])}
+    _put_back(tensors, saved, written)
+    return written
 
 
-def _put_back(tensors, saved):
+def _put_back(tensors, saved, names=None):
+    """``saved`` back into ``tensors`` (those named, else those that differ)."""
     with torch.no_grad():
         for k, t in tensors.items():
-            if not _bitwise_equal([t], [saved[k]]):
+            if (k in names) if names is not None else not _bitwise_equal([t], [saved[k]]):
                 t.data.copy_(saved[k])  # through .data: the version counter does not move
 
 
@@ -167,11 +167,11 @@ def check_accuracy(mod, fn, args, tol, strict):
     try:
         e_after, c_after = [], []
         eager = run_fwd_maybe_bwd(lambda a: mod(*a), args, params, e_after)
-        e_args, e_attrs = _writes(args, e_after, tensors, saved)
-        _put_back(tensors, saved)
+        e_args = {i: a.detach() for i, (x, a) in enumerate(zip(args, e_after))
+                  if isinstance(x, torch.Tensor) and isinstance(a, torch.Tensor) and not _bitwise_equal([x], [a])}
+        e_attrs = _written_state(tensors, saved)
         comp = run_fwd_maybe_bwd(fn, args, params, c_after)
-        _, c_attrs = _writes(args, c_after, tensors, saved)
-        _put_back(tensors, saved)
+        c_attrs = _written_state(tensors, saved)
         r_args, r_attrs = {}, {}
         try:
             m64 = copy.deepcopy(mod).double()
