@@ -39,7 +39,7 @@ from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, r
                                       uninitialized, uninitialized_hash, version, written_tensors)
 from determ_backend.trace.stream import Record, dtype_name, shape_of
 
-__all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY"]
+__all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY", "op_info"]
 
 _version = _compat.tensor_version  # a C attribute getter: the hot paths call it per tensor without a Python frame
 _storage_weak_ref, _storage_release = _compat.storage_weak_ref, _compat.storage_release
@@ -48,7 +48,7 @@ _storage_weak_ref, _storage_release = _compat.storage_weak_ref, _compat.storage_
 # made per step starts warm): which frames are user code, each user line's names, each op's schema facts.
 _FRAMES = FrameFilter()
 _LINES: Dict[tuple, tuple] = {}  # (id(code), line) -> (source, name location, code); the code keeps its id
-_OP_INFO: Dict[int, tuple] = {}  # id(op) -> (writes, is view, uninitialized, copied arg, name, op)
+_OP_INFO: Dict[int, tuple] = {}  # id(op) -> (writes, is view, uninitialized, copied arg, name, op, collective)
 _LINES_LIMIT = 1 << 16  # user lines remembered (generated code makes new ones)
 
 FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, name location) of its forward op
@@ -59,6 +59,18 @@ _FLUSH_BYTES = 256 << 20  # also finish the fingerprint batch once this much dat
 # thousand ops a full collection then walked the whole heap: 4 collections of ~165 ms in 1,000 small training
 # steps of a process with transformers loaded, 0.67 ms a step.  The producer table is still pruned per ``batch``.
 _HOST_BATCH = 64
+
+
+def op_info(func) -> tuple:
+    """What the recorder needs to know of an op, once per op of the process: ``(writes, is view, uninitialized,
+    copied arg, name, op, collective)`` (``collective``: a ``torch.distributed`` op, whose outputs are final only
+    once its work is done)."""
+    info = _OP_INFO.get(id(func))  # by id: OpOverload's __hash__ is Python code
+    if info is None or info[5] is not func:
+        info = _OP_INFO[id(func)] = (schema_writes(func), returns_view(func), uninitialized(func),
+                                     COPIES.get(_compat.op_schema_name(func)), str(func), func,
+                                     str(getattr(func, "namespace", "")) == "c10d")
+    return info
 
 
 def _release_storages(producers: Dict[tuple, tuple]) -> None:
@@ -300,9 +312,8 @@ class OpRecorder:
         func, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
         info = _OP_INFO.get(id(func))  # by id: OpOverload's __hash__ is Python code
         if info is None or info[5] is not func:
-            info = _OP_INFO[id(func)] = (schema_writes(func), returns_view(func), uninitialized(func),
-                                             COPIES.get(_compat.op_schema_name(func)), str(func), func)
-        writes, is_view, uninit, copy_arg, op, _ = info
+            info = op_info(func)
+        writes, is_view, uninit, copy_arg, op = info[:5]
         outs = (result,) if not writes and isinstance(result, torch.Tensor) else written_tensors(result, writes, args,
                                                                                                  kwargs)
         base = self._name(op, loc, "/bw" if backward else "")

@@ -35,7 +35,7 @@ import torch
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._bitwise import BitwiseEquivalenceMode
 from determ_backend.modes.log import LogWriter, read_hash_log, read_hash_log_file
-from determ_backend.modes._record import OpEvent, OpRecorder
+from determ_backend.modes._record import OpEvent, OpRecorder, op_info
 from determ_backend.modes.ops import wait_collective
 from determ_backend.modes._args import check_bool as _check_bool, check_count as _check_count, check_path as _check_path
 from determ_backend.errors import ConfigError
@@ -45,14 +45,6 @@ from determ_backend.trace.stream import Record, TraceWriter
 __all__ = ["HashMode", "HashDebugTrace", "BitwiseEquivalenceMode", "read_hash_log", "read_hash_log_file"]
 
 logger = logging.getLogger(__name__)
-
-
-_C10D: Dict[int, tuple] = {}  # id(op) -> (op, is a torch.distributed op): by id, OpOverload's __hash__ is Python code
-
-
-def _c10d(func) -> tuple:
-    ent = _C10D[id(func)] = (func, str(getattr(func, "namespace", "")) == "c10d")
-    return ent
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,10 +156,7 @@ class HashMode(_compat.TorchDispatchMode):
             with rec.lock:
                 ctx = rec.begin(func, args, kwargs, sys._getframe(1), prior is not None and prior is not False)
             out = func(*args, **kwargs)
-            c10d = _C10D.get(id(func))
-            if c10d is None or c10d[0] is not func:
-                c10d = _c10d(func)
-            if c10d[1]:  # a torch.distributed op: its outputs are read below, final only once its work is done
+            if op_info(func)[6]:  # a torch.distributed op: its outputs are read below, final only once its work is done
                 wait_collective(func, out)
             nondet = False
             if self.output_hook is not None:
