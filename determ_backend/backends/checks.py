@@ -631,8 +631,11 @@ class GraphExec:
                 self._created.add(key)
                 summary = cmp.summary(["batch_invariance"])
                 summary.update(batch=batch, sub_batch=b)
+                # which inputs hold the batch, as this check cut them: a repro's own guess by sizes would also
+                # cut a weight whose first size is a multiple of the batch
+                cuts = {s: [[i, dim, s] for i in rows] + [[i, None, s] for i in sizes] for s in sub_batches(batch)}
                 summary["repro"] = self._write_repro("batch_invariance", args, batch=batch,
-                                                     batch_dim=self.config.batch_dim)
+                                                     batch_dim=self.config.batch_dim, batch_cuts=cuts)
                 self.run.add_finding("batch_invariance", summary, cmp.pairs)
                 return
 

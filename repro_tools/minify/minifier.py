@@ -38,6 +38,7 @@ from determ_backend.trace.stream import atomic_write_text
 from repro_tools.minify import passes
 from repro_tools.minify.compilers import resolve_compiler
 from repro_tools.minify.oracles import ISOLATED_ONLY, InProcessRunner, OracleSpec, Signature, Verdict
+from repro_tools.minify.oracles import batch_cuts as batch_cuts_of, given_cuts, script_cuts
 from repro_tools.minify.reducer import BudgetExhausted, Reducer
 from repro_tools.minify.repro_files import inherited_meta, load_repro_any, spec_from_meta, write_repro_any
 from repro_tools.minify.subgraph import Candidate, GraphView, source_line
@@ -90,11 +91,12 @@ class _Session:
             return
         self.checkpoints += 1
         gm, inputs = self.view.materialize(r.current)
-        write_repro_any(gm, inputs, self.out_dir / "checkpoints" / f"{self.checkpoints:03d}", self._meta(r))
+        write_repro_any(gm, inputs, self.out_dir / "checkpoints" / f"{self.checkpoints:03d}", self._meta(r, gm))
         self.save_state(r)
 
-    def _meta(self, r: Reducer) -> Dict[str, Any]:
-        """The caller's ``meta`` (e.g. what the source repro's flow recorded), then the oracle's settings."""
+    def _meta(self, r: Reducer, gm: fx.GraphModule) -> Dict[str, Any]:
+        """The caller's ``meta`` (e.g. what the source repro's flow recorded), then the oracle's settings for the
+        repro of ``gm`` (a batch-invariance repro: which of its inputs hold the batch)."""
         sp = self.spec
         m = dict(self.meta)
         m.update(oracle=sp.kind, compiler=sp.compiler_label(), config=dict(sp.config), tol=sp.tol,
@@ -105,6 +107,8 @@ class _Session:
             m["runs"] = sp.runs
         if sp.kind == "batch_invariance":
             m["batch"], m["batch_dim"] = sp.batch, sp.batch_dim
+            if sp.cuts:
+                m["batch_cuts"] = script_cuts(sp, gm)
         if sp.kind == "hang":
             m["timeout"] = sp.timeout
         return m
@@ -217,16 +221,22 @@ def _search(s: _Session, r: Reducer, localize: bool) -> bool:
 def minify(gm: fx.GraphModule, inputs: Sequence[Any], spec: OracleSpec, *, runner: Any = None,
            isolate: bool = False, budget: int = 500, localize: bool = True,
            out_dir: Optional[Union[str, Path]] = None, resume: bool = False, progress: bool = True,
-           meta: Optional[Dict[str, Any]] = None) -> MinifyResult:
+           meta: Optional[Dict[str, Any]] = None, batch_cuts: Optional[Dict[Any, Any]] = None) -> MinifyResult:
     """Shrink ``gm`` to a small graph that still fails ``spec``'s oracle.
 
     ``runner``: an object with ``check``/``observe`` (default: in-process, or a
     persistent :class:`~repro_tools.minify.isolate.Worker` with ``isolate=True`` or for
-    crash/hang oracles).  ``out_dir``: checkpoints, state and the final repro.
+    crash/hang oracles).  ``out_dir``: checkpoints, state and the final repro.  ``batch_cuts``: for a
+    batch-invariance oracle, the cuts of ``inputs`` a repro recorded (``META["batch_cuts"]``: per sub-batch
+    size, ``[input index, dim, rows]`` of each input holding the batch); the oracle then cuts every candidate's
+    inputs as a run of the whole graph on those rows cuts them (:func:`~repro_tools.minify.oracles.batch_cuts`).
     Raises :class:`OracleError` when the input graph does not fail, :class:`ConfigError` when the
     compiler does not resolve or ``out_dir`` holds an earlier minification and ``resume`` is false.
     """
     view = GraphView(gm, inputs)
+    if spec.kind == "batch_invariance" and not spec.cuts:
+        spec = spec.replace(cuts=batch_cuts_of(gm, inputs, view.ref, spec.batch, spec.batch_dim,
+                                               given_cuts(batch_cuts, len(inputs))))
     out = Path(out_dir) if out_dir is not None else None
     _check_start(spec, view, out, resume)
     own_runner = runner is None
@@ -269,7 +279,8 @@ def minify_repro(src: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
         raise ConfigError(f"--compiler: {e}" if overrides.get("compiler") else f"{src}: the recorded {e}") from e
     with flows_suspended():  # candidates are compiled to check the compiler, never to dump and minify again
         return minify(gm, inputs, spec, out_dir=out_dir,
-                      meta={**inherited_meta(meta), "source": str(src.resolve())}, **options)
+                      meta={**inherited_meta(meta), "source": str(src.resolve())},
+                      batch_cuts=meta.get("batch_cuts"), **options)
 
 
 def _resume(s: _Session, state: Dict[str, Any], spec: OracleSpec, budget: int) -> Reducer:
@@ -343,7 +354,7 @@ def _minify(view, spec, runner, out, budget, localize, resume, progress, meta) -
     repro_path = None
     if out is not None:
         s.save_state(r)
-        repro_path = str(write_repro_any(gm_f, in_f, out / "minimal", s._meta(r)))
+        repro_path = str(write_repro_any(gm_f, in_f, out / "minimal", s._meta(r, gm_f)))
     summary = {"kind": s.spec.kind, "compiler": s.spec.compiler_label(),
                "nodes_before": len(gm0.graph.nodes), "nodes_after": len(gm_f.graph.nodes),
                "ops_before": len(start.keep), "ops_after": len(r.current.keep), "queries": r.queries,

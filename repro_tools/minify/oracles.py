@@ -15,8 +15,9 @@ isolated worker) names the kind of failure and the compiler under test:
   of :func:`determ_backend.compare.judge` (``strict``: non-float outputs count too);
 * ``nondeterminism``: two executions of one compiled graph differ bitwise;
 * ``batch_invariance``: the graph compiled for its inputs and for the first rows of its batched
-  inputs (those whose dimension ``batch_dim`` is ``batch``, or a multiple of it; size arguments equal
-  to ``batch`` follow) gives outputs whose matching rows differ bitwise
+  inputs (the values the whole graph's run on its first rows cut, :func:`batch_cuts`; without them,
+  those whose dimension ``batch_dim`` is ``batch`` or a multiple of it, size arguments equal to
+  ``batch`` following) gives outputs whose matching rows differ bitwise
   (:func:`determ_backend.compare.rows_agree`), for the first half or the first row;
 * ``nan``: the compiled graph creates a NaN/Inf -- an output holds one while every input is finite
   (the rule of :mod:`determ_backend.compare.nonfinite`);
@@ -38,6 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -46,11 +48,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
+from determ_backend.backends.eager import eager_node_values
 from determ_backend.clones import clone_inputs
-from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, judge, rows_agree, sub_batches
+from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, batch_rows, judge, rows_agree, sub_batches
 from determ_backend.compare.nonfinite import creates, nonfinite
 from determ_backend.devices import parse_device_spec
-from determ_backend.errors import ConfigError
+from determ_backend.errors import ConfigError, ReproError
 from determ_backend.fingerprint.core import hash_tensors
 from determ_backend.backends.retarget import converter, moved_graph
 
@@ -58,7 +61,10 @@ from repro_tools.minify.compilers import (Compiler, call_compiled, compile_graph
 from repro_tools.minify.inductor_values import SUPPORTED, BufferValues
 
 __all__ = ["KINDS", "OracleSpec", "Signature", "Verdict", "check", "check_observed", "observe", "similar",
-           "InProcessRunner", "leaf_differs", "reference_outputs"]
+           "InProcessRunner", "leaf_differs", "reference_outputs", "sub_batch_inputs", "batch_cuts", "input_cuts",
+           "given_cuts", "script_cuts"]
+
+log = logging.getLogger(__name__)
 
 KINDS = ("compile_error", "runtime_error", "error", "crash", "hang", "accuracy", "nondeterminism", "cross_device",
          "batch_invariance", "nan")
@@ -117,6 +123,12 @@ class OracleSpec:
     """Batch invariance: the batch size of the repro's inputs."""
     batch_dim: int = 0
     """Batch invariance: the dimension that holds the batch."""
+    cuts: Tuple[Tuple[int, Tuple[Tuple[str, Optional[int], int], ...]], ...] = ()
+    """Batch invariance: per sub-batch size ``b``, the graph's values that hold the batch, by node name:
+    ``(name, dim, rows)`` for a tensor (its first ``rows`` entries along ``dim`` are the first ``b`` rows),
+    ``(name, None, value)`` for a size argument, ``(name, -1, 0)`` for a tensor that cannot be cut
+    (:func:`batch_cuts`).  A candidate's inputs are cut by their names; empty: by the rule of
+    :func:`sub_batch_inputs`."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -135,6 +147,8 @@ class OracleSpec:
             raise ConfigError(f"oracle similarity must be within [0, 1], got {self.similarity}")
         if isinstance(self.config, dict):
             object.__setattr__(self, "config", tuple(sorted(self.config.items())))
+        object.__setattr__(self, "cuts", tuple((int(b), tuple((str(n), None if d is None else int(d), int(r))
+                                                              for n, d, r in entries)) for b, entries in self.cuts))
 
     def replace(self, **changes) -> "OracleSpec":
         return dataclasses.replace(self, **changes)
@@ -153,6 +167,7 @@ class OracleSpec:
         d["config"] = [list(kv) for kv in self.config]
         d["devices"] = list(self.devices)
         d["expected"] = dataclasses.asdict(self.expected) if self.expected else None
+        d["cuts"] = [[b, [list(e) for e in entries]] for b, entries in self.cuts]
         return d
 
     @classmethod
@@ -315,18 +330,110 @@ def _judge_outputs(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) 
     return Verdict(False, None, "devices agree")
 
 
-def sub_batch_inputs(inputs: Sequence[Any], batch: int, b: int, dim: int = 0) -> List[Any]:
-    """Clones of ``inputs`` cut to their first ``b`` rows: tensors whose dimension ``dim`` is ``batch`` (or a
-    multiple of it) keep ``b`` (times that multiple) rows, int sizes equal to ``batch`` become ``b``."""
+def sub_batch_inputs(inputs: Sequence[Any], batch: int, b: int, dim: int = 0,
+                     cuts: Optional[Sequence[Optional[Tuple[Optional[int], int]]]] = None) -> List[Any]:
+    """Clones of ``inputs`` cut to their first ``b`` rows.  ``cuts`` (one per input): None leaves it whole,
+    ``(dim, rows)`` keeps a tensor's first ``rows`` entries along ``dim``, ``(None, value)`` replaces a size
+    argument, ``(-1, 0)`` (a value that cannot be cut) raises ValueError.  Without ``cuts``, a guess: tensors
+    whose dimension ``dim`` is ``batch`` (or a multiple of it) keep ``b`` (times that multiple) rows, int sizes
+    equal to ``batch`` become ``b`` -- which also cuts a parameter whose first size happens to be a multiple of
+    the batch, so repros record their cuts."""
     out: List[Any] = []
-    for x in clone_inputs(inputs):
-        if isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] % batch == 0 and x.shape[dim]:
+    for i, x in enumerate(clone_inputs(inputs)):
+        if cuts is not None:
+            c = cuts[i]
+            if c is None:
+                out.append(x)
+            elif c[0] is None:
+                out.append(c[1])
+            elif c[0] < 0 or not isinstance(x, torch.Tensor) or x.dim() <= c[0]:
+                raise ValueError(f"input {i} holds the batch in a way that cannot be cut to {b} rows")
+            else:
+                out.append(x.narrow(c[0], 0, c[1]).clone())
+        elif isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] % batch == 0 and x.shape[dim]:
             out.append(x.narrow(dim, 0, x.shape[dim] // batch * b).clone())
         elif isinstance(x, int) and not isinstance(x, bool) and x == batch:
             out.append(b)
         else:
             out.append(x)
     return out
+
+
+def batch_cuts(gm: fx.GraphModule, inputs: Sequence[Any], full: Dict[str, Any], batch: int, dim: int = 0,
+               given: Optional[Dict[int, Sequence[Optional[Tuple[Optional[int], int]]]]] = None) -> tuple:
+    """:attr:`OracleSpec.cuts` of ``gm``: which of its values hold the batch, and where.  ``full``: every node's
+    eager value on ``inputs`` (by name); ``given``: per sub-batch size, the cuts of ``inputs`` themselves (what the
+    check that found the failure knew), else :func:`sub_batch_inputs`' guess.  The graph runs eagerly on the
+    sub-batch, and a value whose shape shrank there (one dimension, by the batch's ratio) holds the batch: its
+    first rows in that dimension are the sub-batch's.  Candidates of the minifier read their inputs from these
+    values, so each is cut as the whole graph's run cut it -- a weight whose size is a multiple of the batch stays
+    whole, ``B*T`` rows of a reshape become ``b*T``.  A sub-batch the graph cannot run gives no cuts (the guess
+    decides)."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    for b in sub_batches(batch):
+        sub = sub_batch_inputs(inputs, batch, b, dim, given.get(b) if given else None)
+        try:
+            part = eager_node_values(gm, sub)
+        except Exception as e:  # the guess decides, as for a repro that recorded nothing
+            log.warning("batch invariance: the graph does not run eagerly on its first %d rows (%s: %s); "
+                        "inputs are cut by their sizes", b, type(e).__name__, e)
+            return ()
+        entries = []
+        for name, v in full.items():
+            w = part.get(name)
+            if isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor):
+                if v.shape == w.shape:
+                    continue
+                where = batch_rows(list(v.shape), list(w.shape), batch, b)
+                entries.append((name,) + (where if where is not None else (-1, 0)))
+            elif isinstance(v, int) and not isinstance(v, bool) and isinstance(w, int) and v != w:
+                entries.append((name, None, w))
+        for i, name in enumerate(names):  # an input the run left unused keeps its given cut
+            cut = given.get(b)[i] if given and given.get(b) and i < len(given[b]) else None
+            if cut is not None and name not in {e[0] for e in entries}:
+                entries.append((name,) + tuple(cut))
+        out.append((b, tuple(entries)))
+    return tuple(out)
+
+
+def given_cuts(recorded: Any, n: int) -> Optional[Dict[int, List[Optional[Tuple[Optional[int], int]]]]]:
+    """A repro's ``META["batch_cuts"]`` (per sub-batch size, ``[input index, dim, rows]`` of each input holding
+    the batch; ``dim`` None for a size argument) as one cut per input of ``n``; None when it recorded none.
+    Raises :class:`ReproError` on a malformed entry."""
+    if not recorded:
+        return None
+    out: Dict[int, List[Optional[Tuple[Optional[int], int]]]] = {}
+    try:
+        for b, entries in dict(recorded).items():
+            cuts: List[Optional[Tuple[Optional[int], int]]] = [None] * n
+            for i, d, rows in entries:
+                cuts[int(i)] = (None if d is None else int(d), int(rows))
+            out[int(b)] = cuts
+    except (TypeError, ValueError, IndexError) as e:
+        raise ReproError(f"repro metadata: batch_cuts is malformed ({type(e).__name__}: {e}); expected "
+                         "{sub-batch size: [[input index, dim or None, rows], ...]}") from None
+    return out
+
+
+def script_cuts(spec: OracleSpec, gm: fx.GraphModule) -> Dict[int, List[list]]:
+    """``META["batch_cuts"]`` of a repro of ``gm`` (see :func:`given_cuts`), from the spec's cuts by name."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    out = {}
+    for b, _ in spec.cuts:
+        cuts = input_cuts(spec, names, b) or []
+        out[b] = [[i, c[0], c[1]] for i, c in enumerate(cuts) if c is not None]
+    return out
+
+
+def input_cuts(spec: OracleSpec, names: Sequence[str], b: int) -> Optional[List[Optional[Tuple[Optional[int], int]]]]:
+    """The cuts of inputs named ``names`` for a sub-batch of ``b`` (:attr:`OracleSpec.cuts`), or None when the
+    spec has none (the guess of :func:`sub_batch_inputs` decides)."""
+    table = dict(spec.cuts).get(b)
+    if table is None:
+        return None
+    by_name = {n: (d, r) for n, d, r in table}
+    return [by_name.get(n) for n in names]
 
 
 def _judge_batch(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Verdict:
@@ -336,7 +443,8 @@ def _judge_batch(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) ->
         return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
     for b in sub_batches(spec.batch):
         try:
-            part = _compile_run(spec, gm, sub_batch_inputs(inputs, spec.batch, b, spec.batch_dim))[0]
+            cuts = input_cuts(spec, [n.name for n in gm.graph.nodes if n.op == "placeholder"], b)
+            part = _compile_run(spec, gm, sub_batch_inputs(inputs, spec.batch, b, spec.batch_dim, cuts))[0]
         except Exception as e:  # the candidate cannot run on a sub-batch: not this failure
             return Verdict(False, _error_signature("compile/run", e), f"candidate raised on a batch of {b}")
         for i, (x, y) in enumerate(zip(full, part)):

@@ -29,7 +29,7 @@ _KIND_ALIASES = {"any": "error"}
 _NOT_INHERITED = frozenset({
     # the failure and the oracle: the minifier writes its own (from the spec, command-line overrides included)
     "kind", "oracle", "compiler", "config", "oracle_spec", "culprit", "tol", "multiplier", "strict", "devices",
-    "runs", "timeout", "similarity",
+    "runs", "timeout", "similarity", "batch_cuts",
     # the source file itself: its store, name, inputs, when and where it was written, its role
     "store", "store_abs", "script_name", "regenerated_inputs", "created", "device", "torch_version", "launcher",
     "minified", "source", "start_key",

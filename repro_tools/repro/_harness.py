@@ -261,9 +261,19 @@ def _cross_device(mod, compiler, args, tol):
 
 
 def _sub_batch(args, batch, b, dim):
-    """The first ``b`` rows of the batched inputs (the minifier's rule, repeated here: this runtime imports
-    torch alone): a tensor whose dimension ``dim`` is a multiple of ``batch`` keeps that multiple of ``b``
-    rows; an int size equal to ``batch`` becomes ``b``."""
+    """The first ``b`` rows of the batched inputs (the minifier's rules, repeated here: this runtime imports
+    torch alone).  A repro that recorded its cuts (``batch_cuts``: per sub-batch size, ``[input index, dim,
+    rows]`` of each input that holds the batch, ``dim`` None for a size argument) is cut by them; an older one
+    by a guess: a tensor whose dimension ``dim`` is a multiple of ``batch`` keeps that multiple of ``b`` rows,
+    an int size equal to ``batch`` becomes ``b``."""
+    recorded = META.get("batch_cuts")
+    if recorded:
+        cuts = {int(i): (d, int(rows)) for i, d, rows in recorded.get(b, recorded.get(str(b), []))}
+        out = []
+        for i, a in enumerate(_clone(args)):
+            d, rows = cuts.get(i, (False, 0))
+            out.append(a if d is False else rows if d is None else a.detach().narrow(int(d), 0, rows).clone())
+        return out
     out = []
     for a in _clone(args):
         if isinstance(a, torch.Tensor) and a.dim() > dim and a.shape[dim] and a.shape[dim] % batch == 0:

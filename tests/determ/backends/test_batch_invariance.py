@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import real_models
-from backend_helpers import BackwardBatchDependent, BatchDependent, RowWise, load
+from backend_helpers import BackwardBatchDependent, BatchDependent, RowWise, batch_dep_sum, load
 from determ_backend.backends import run as run_mod
 from paths import ROOT, TESTS
 
@@ -120,3 +120,39 @@ def test_a_batch_size_shared_with_another_dimension_is_skipped_with_a_note(tmp_p
     (note,) = [n for n in report["notes"] if n["check"] == "batch_invariance"]
     assert "also the size of another dimension" in note["skipped"]
     assert report["findings"] == [] and report["checker_errors"] == []
+
+
+class _EmbeddedBatchDependent(torch.nn.Module):
+    """An embedding of 16 rows (a multiple of the batch of 8) in front of the culprit: a repro that cut every
+    tensor whose first size is a multiple of the batch would cut the table to 8 rows, and ids past them fail."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 256)
+        self.head = torch.nn.Linear(1, 4)
+
+    def forward(self, ids):
+        h = torch.exp(self.emb(ids)) * 100  # (relu * 100 sums to the same bits in 2 or 3 chunks for this table)
+        return self.head(batch_dep_sum(h))
+
+
+def test_a_repro_cuts_the_inputs_the_check_cut_and_a_weight_stays_whole(tmp_path):
+    ids = torch.arange(8, 16)  # every id past the first 8 rows of the table
+    torch.manual_seed(0)  # the table's values decide the culprit's sums: the same ones whatever ran before
+    report = _run(_EmbeddedBatchDependent().eval(), "determ_aot_eager", tmp_path, "emb", x=ids)
+    (f,) = [f for f in report["findings"] if f["check"] == "batch_invariance"]
+    repro = f["repro"]
+    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    run = subprocess.run([sys.executable, repro, "run"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=env)
+    # before: "reproduced runtime_error: IndexError: index out of range in self" (the table cut to 8 rows)
+    assert run.returncode == 1 and "differ bitwise between batch 8 and batch 4" in run.stdout, run.stdout + run.stderr[-2000:]
+    out = tmp_path / "min"
+    m = subprocess.run([sys.executable, "-m", "repro_tools.cli", "minify", repro, "--out", str(out), "--in-process"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert m.returncode == 1, m.stderr[-3000:]
+    minimal = out / "minimal" / "repro.py"
+    assert "torch.ops.determ_test.batch_dep_sum.default(" in minimal.read_text()
+    again = subprocess.run([sys.executable, str(minimal), "run"], capture_output=True, text=True, timeout=300,
+                           cwd=tmp_path, env=env)
+    assert again.returncode == 1 and "differ bitwise" in again.stdout, again.stdout + again.stderr[-2000:]
