@@ -95,7 +95,10 @@ def _compile(inner: Callable, gm: fx.GraphModule, inputs: list, kwargs: dict, cf
         dump.on_failure("compile_error", inputs, e, launcher)
         raise
     if level == 4:
-        return _checked_on_first_call(compiled, gm, inputs, cfg, dump)
+        # a dynamic graph's size arguments come as dynamo's SymInts (``s0``): the check calls the compiled code,
+        # which needs the numbers they stand for on this call
+        concrete = [tc.symint_hint(x) if isinstance(x, torch.SymInt) else x for x in inputs]
+        return _checked_on_first_call(compiled, gm, concrete, cfg, dump)
     return _guard_runtime(compiled, dump, launcher)
 
 

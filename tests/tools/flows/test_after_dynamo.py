@@ -314,3 +314,20 @@ def test_a_compile_error_is_a_finding_in_the_report(tmp_path, capsys):
     report = json.loads(next((tmp_path / "out").glob("*/report.json")).read_text())
     assert report["divergent"] and report["findings"][0]["check"] == "repro compile_error"
     assert "Relu" in report["findings"][0]["detail"]
+
+
+@pytest.mark.slow
+def test_level4_checks_a_dynamic_graph_with_the_sizes_of_its_call(tmp_path, capsys):
+    """A dynamic graph's size arguments reach the backend as dynamo's SymInts; the check runs inductor's code on
+    the numbers they stand for (it crashed the program: "Expected result >= 0", a buffer sized by ``s0``)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 4)
+    xs = [torch.randn(b, 16) for b in (8, 5)]
+    compiled = torch.compile(lin, backend=determ_backend.wrap_backend("inductor", repro_config(tmp_path, 4)),
+                             dynamic=True)
+    got = [compiled(x).detach() for x in xs]
+    ref = [lin(x).detach() for x in xs]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ref, got))
+    assert not (tmp_path / "out" / "r" / "repro").exists()  # nothing dumped: no finding
+    assert "divergence" not in capsys.readouterr().err
