@@ -185,6 +185,8 @@ class Run:
         HTML report, which is written (``report.html``, unless ``DETERM_REPORT=0``) before the line."""
         fd = summary.get("first_divergence") or {}
         finding = {"check": check, **summary}
+        if not isinstance(finding.get("pairs"), str):  # a comparison's count of paired records: ``pairs`` names
+            finding["paired"] = finding.pop("pairs", None)  # the file of its verdicts, kept for the first findings
         with self._lock:
             k = len(self.findings)
             self.findings.append(finding)
@@ -277,7 +279,10 @@ class Run:
     def add_checker_error(self, check: str, message: str) -> None:
         with self._lock:
             self.checker_errors.append(f"{check}: {message}")
-        log.error("determ %s check could not run: %s", check, message)
+        if check == "report":  # the run's own files, not a check
+            log.error("determ could not write its report: %s", message)
+        else:
+            log.error("determ %s check could not run: %s", check, message)
         self._write_report()
 
     def report(self) -> Dict[str, Any]:

@@ -127,7 +127,7 @@ def _findings_pairs(d: Path, findings: List[Dict[str, Any]]) -> List[Dict[str, A
     out: List[Dict[str, Any]] = []
     seen: set = set()
     for f in findings:
-        if not f.get("pairs") or not (d / f["pairs"]).is_file():
+        if not isinstance(f.get("pairs"), str) or not (d / f["pairs"]).is_file():
             continue
         rows = _read_pairs(d / f["pairs"])
         groups = {(r.get("graph"), r.get("stage"), r.get("call")) for r in rows}

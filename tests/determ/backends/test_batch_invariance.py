@@ -156,3 +156,28 @@ def test_a_repro_cuts_the_inputs_the_check_cut_and_a_weight_stays_whole(tmp_path
     again = subprocess.run([sys.executable, str(minimal), "run"], capture_output=True, text=True, timeout=300,
                            cwd=tmp_path, env=env)
     assert again.returncode == 1 and "differ bitwise" in again.stdout, again.stdout + again.stderr[-2000:]
+
+
+def test_a_run_with_more_findings_than_pair_files_writes_its_page(tmp_path):
+    """Only the first findings keep their verdicts in a pairs file; a later one kept the comparison's count under
+    the same key, and the page (report.html, repro-tools report) then failed on ``run_dir / 79``."""
+    def f(x):  # five graphs, each returning its culprit's rows (a graph break in a loop makes dynamo skip the frame)
+        a = batch_dep_sum(torch.relu(x) * 100)
+        torch._dynamo.graph_break()
+        b = batch_dep_sum(torch.relu(x) * 50)
+        torch._dynamo.graph_break()
+        c = batch_dep_sum(torch.relu(x) * 51)
+        torch._dynamo.graph_break()
+        d = batch_dep_sum(torch.relu(x) * 52)
+        torch._dynamo.graph_break()
+        return a, b, c, d, batch_dep_sum(torch.relu(x) * 53)
+
+    report = _run(f, "determ_aot_eager", tmp_path, "many")
+    found = [f for f in report["findings"] if f["check"] == "batch_invariance"]
+    assert len(found) == 5 and report["checker_errors"] == [], ([(f["first_divergence"]["graph"], f["first_divergence"]["node"]) for f in found], report["notes"])
+    assert [f.get("pairs") for f in found] == [f"pairs-{k}.jsonl" for k in range(3)] + [None, None]
+    assert all(isinstance(f["paired"], int) and f["paired"] > 0 for f in found)
+    assert (tmp_path / "many" / "report.html").is_file()
+    page = subprocess.run([sys.executable, "-m", "repro_tools.cli", "report", str(tmp_path / "many"), "--out",
+                           str(tmp_path / "page.html")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert page.returncode in (0, 1) and (tmp_path / "page.html").is_file(), page.stderr[-2000:]
