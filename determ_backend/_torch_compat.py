@@ -40,7 +40,7 @@ __all__ = [
     # eager dispatch modes
     "eval_frame_setter", "dynamo_skip_code", "current_autograd_node_getter",
     # repro scripts and flows
-    "config_diffs", "custom_op_module", "op_registering_module", "is_fake_tensor", "real_tensors", "symint_hint",
+    "config_diffs", "is_dynamo_control_flow", "custom_op_module", "op_registering_module", "is_fake_tensor", "real_tensors", "symint_hint",
     # API dump
     "queue_autograd_callback", "is_compiled_module", "observe_compiled_calls", "suspend_function_mode",
     "resume_function_mode", "compiled_original",
@@ -107,6 +107,18 @@ def lookup_backend(name_or_fn) -> Callable:
     from torch._dynamo.backends.registry import lookup_backend as _lookup
 
     return _lookup(name_or_fn)
+
+
+def is_dynamo_control_flow(e: BaseException) -> bool:
+    """Whether ``e`` is how dynamo steers its own tracing -- a restart of the frame's analysis
+    (``TensorifyScalarRestartAnalysis`` and the other ``RestartAnalysis``), a frame to skip -- rather than a
+    failure: a backend lets it through untouched, and dynamo goes on."""
+    try:
+        from torch._dynamo import exc
+    except ImportError:
+        return False
+    kinds = tuple(k for k in (getattr(exc, "RestartAnalysis", None), getattr(exc, "SkipFrame", None)) if k is not None)
+    return bool(kinds) and isinstance(e, kinds)
 
 
 def aot_autograd(**kwargs) -> Callable:

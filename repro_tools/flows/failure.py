@@ -184,8 +184,9 @@ class GraphDump:
         """Dump (and minify, per level) a graph's first failure; returns the final repro (or launcher) path.
 
         A failure to dump or minify is a checker error (:func:`report_flow_error`), never raised, so the
-        caller can go on with the original error or result."""
-        if self.failed:
+        caller can go on with the original error or result.  Dynamo's own control flow (a restart of its analysis,
+        a frame to skip) raised through the compiler is no failure: nothing is recorded."""
+        if self.failed or (error is not None and tc.is_dynamo_control_flow(error)):
             return None
         self.failed = True
         finding = None

@@ -331,3 +331,17 @@ def test_level4_checks_a_dynamic_graph_with_the_sizes_of_its_call(tmp_path, caps
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ref, got))
     assert not (tmp_path / "out" / "r" / "repro").exists()  # nothing dumped: no finding
     assert "divergence" not in capsys.readouterr().err
+
+
+def test_dynamos_restart_of_its_analysis_is_no_compile_error(tmp_path, capsys):
+    """A LayerNorm compiled dynamic: AOT raises dynamo's TensorifyScalarRestartAnalysis through the backend, and
+    dynamo traces the frame again.  It was recorded as a compile error, dumped and minified into another error."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    compiled = torch.compile(m, backend=determ_backend.wrap_backend("aot_eager", repro_config(tmp_path, 2)),
+                             dynamic=True)
+    for b in (8, 10):
+        compiled(torch.randn(b, 16)).sum().backward()
+    assert not (tmp_path / "out" / "r" / "repro").exists() and not (tmp_path / "repro.py").exists()
+    assert "compile_error" not in capsys.readouterr().err
