@@ -40,7 +40,7 @@ __all__ = [
     # eager dispatch modes
     "eval_frame_setter", "dynamo_skip_code", "current_autograd_node_getter",
     # repro scripts and flows
-    "config_diffs", "is_dynamo_control_flow", "custom_op_module", "op_registering_module", "is_fake_tensor", "real_tensors", "symint_hint",
+    "config_diffs", "is_dynamo_control_flow", "inductor_mode_options", "custom_op_module", "op_registering_module", "is_fake_tensor", "real_tensors", "symint_hint",
     # API dump
     "queue_autograd_callback", "is_compiled_module", "observe_compiled_calls", "suspend_function_mode",
     "resume_function_mode", "compiled_original",
@@ -107,6 +107,14 @@ def lookup_backend(name_or_fn) -> Callable:
     from torch._dynamo.backends.registry import lookup_backend as _lookup
 
     return _lookup(name_or_fn)
+
+
+def inductor_mode_options(mode: str) -> Dict[str, Any]:
+    """The inductor config entries ``torch.compile(..., mode=mode)`` stands for (``max-autotune`` ->
+    ``max_autotune``, ``coordinate_descent_tuning``...)."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
 
 
 def is_dynamo_control_flow(e: BaseException) -> bool:

@@ -22,7 +22,7 @@ from determ_backend.backends import retarget
 from determ_backend.backends.checks import GraphExec
 from determ_backend.backends.flows import load_flow
 from determ_backend.config import DetermConfig, load_config
-from determ_backend.errors import ConfigError
+from determ_backend.errors import ConfigError, first_line
 from determ_backend.backends.inductor_instrument import compile_with_origins, instrument_compiled
 from determ_backend.backends.instrument import graph_node_infos, instrument_graph, param_names
 from determ_backend.backends.recorder import NodeInfo, Recorder
@@ -164,7 +164,17 @@ def make_backend(kind: str, options: Optional[Dict[str, Any]] = None) -> Callabl
 
     def backend(gm: fx.GraphModule, example_inputs, **kwargs):
         opts = dict(options or {})
-        opts.update(kwargs.pop("options", None) or {})
+        mode = kwargs.pop("mode", None)  # torch.compile(..., mode=): what it stands for, as inductor applies it
+        if mode not in (None, "default"):
+            if kind == "inductor":
+                try:
+                    opts.update(_torch_compat.inductor_mode_options(mode))
+                except Exception as e:
+                    raise ConfigError(f"torch.compile(mode={mode!r}): {first_line(e)}") from None
+            else:
+                log.warning("determ_%s: torch.compile(mode=%r) sets inductor options; %s ignores it, as torch's "
+                            "%s backend does", kind, mode, f"determ_{kind}", kind)
+        opts.update(kwargs.pop("options", None) or {})  # explicit options win over the mode's
         opts, inductor_opts = split_options(opts, kind)
         cfg = load_config(opts)
         return _dispatch(kind, gm, example_inputs, cfg, opts, inductor_opts)

@@ -308,3 +308,33 @@ def test_a_functional_collective_is_judged_at_its_wait_not_read_in_flight():
     infos, index = graph_node_infos(fx.GraphModule(torch.nn.Module(), g))
     assert infos[index[ar.name]].kind == "view" and infos[index[done.name]].kind == "node"
     assert infos[index[done.name]].inputs == (ar.name,)
+
+
+@pytest.mark.slow
+def test_compile_mode_reaches_inductor_as_it_does_plain_inductor(tmp_path, caplog):
+    """``torch.compile(..., mode=)`` stands for inductor options; determ_inductor applied none of them."""
+    import torch._inductor.config as ic
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    seen = []
+
+    class Probe(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append((ic.max_autotune, ic.coordinate_descent_tuning))
+
+        def uuid(self):
+            return get_hash_for_files((__file__,))
+
+    def run(backend, mode, **kw):
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: torch.sin(x) + 1, backend=backend, mode=mode, **kw)
+        return f(torch.ones(4))
+
+    with ic.patch(post_grad_custom_post_pass=Probe(), fx_graph_cache=False):
+        run("inductor", "max-autotune-no-cudagraphs")
+        run("determ_inductor", "max-autotune-no-cudagraphs")
+        run("determ_inductor", "default")
+    assert seen == [(True, True), (True, True), (False, False)]
+    with caplog.at_level("WARNING"):
+        run("determ_aot_eager", "max-autotune")  # no inductor underneath: said, not silently dropped
+    assert "ignores it" in caplog.text
