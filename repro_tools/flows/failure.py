@@ -239,7 +239,7 @@ class GraphDump:
             where = "in a process of its own"
         else:
             with contextlib.redirect_stdout(sys.stderr):  # the program's stdout is not ours to write to
-                rc = minify_script(launcher, ["--kind", kind, "--known-failure", "--in-process"])
+                rc = minify_script(launcher, ["--kind", kind, "--known-failure", "--in-process"], own_process=False)
             where = "in this process"
         if rc != 1:
             raise ReproError(f"minifying {launcher} {where} ended with exit status {rc} (see above); "
@@ -321,9 +321,11 @@ def _pop_option(argv: List[str], name: str) -> Optional[str]:
     return None
 
 
-def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
+def minify_script(path: Path, argv: Sequence[str] = (), own_process: bool = True) -> int:
     """Minify a repro/launcher script; the minimal ``repro.py`` goes under ``<script dir>/minify*/`` and to the
     cwd (as ``repro.min.py`` when the script is ``./repro.py``: the source is never overwritten).
+    ``own_process``: the process is the command's own (a script's ``minify``), so its logging is set up as the
+    command line's; inside the user's program (the level-4 flows) the program's logging is left as it is.
 
     Exit code: 1 when a minimal repro was written (the failure reproduces), 0 when the script does not
     fail here (nothing is written), 2 for bad input.
@@ -342,7 +344,7 @@ def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
         kind = found if kind == "any" else kind
     given = _pop_option(argv, "--out")
     out = Path(given or _unique_dir(path.parent, "minify"))
-    rc = _minify(path, out, kind, argv)
+    rc = _minify(path, out, kind, argv, own_process)
     minimal = out / "minimal" / REPRO
     if rc != 1 or not minimal.is_file():
         if not given and out.is_dir() and not any(out.iterdir()):
@@ -361,11 +363,12 @@ def minify_script(path: Path, argv: Sequence[str] = ()) -> int:
     return 1
 
 
-def _minify(path: Path, out: Path, kind: str, argv: List[str]) -> int:
+def _minify(path: Path, out: Path, kind: str, argv: List[str], own_process: bool = True) -> int:
     """The minifier on ``path`` with ``repro-tools minify``'s options ``argv``: parsed by that command's
     parser, run by its handler (:func:`repro_tools.minify.minifier.minify_repro`, the summary, Ctrl-C and
     SIGTERM handling), its errors reported as the command line does; its exit code."""
-    configure_logging()
+    if own_process:  # never the user's root logger: it set its own levels and handlers, or chose none
+        configure_logging()
     try:
         return minify_command.run(minify_command.parse_args([str(path), "--kind", kind, "--out", str(out)] + argv))
     except SystemExit as e:  # argparse: a usage error (2), or --help (0)

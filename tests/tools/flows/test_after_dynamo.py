@@ -345,3 +345,19 @@ def test_dynamos_restart_of_its_analysis_is_no_compile_error(tmp_path, capsys):
         compiled(torch.randn(b, 16)).sum().backward()
     assert not (tmp_path / "out" / "r" / "repro").exists() and not (tmp_path / "repro.py").exists()
     assert "compile_error" not in capsys.readouterr().err
+
+
+def test_level4_minifying_in_the_program_leaves_its_logging_alone(tmp_path):
+    """The in-process minifier set up logging as the command line does (logging.basicConfig at INFO on the
+    root logger): from then on the program's and its libraries' INFO messages reached stderr."""
+    code = f"""
+import logging, torch, determ_backend
+from repro_helpers import compile_and_fail, repro_config
+from pathlib import Path
+compile_and_fail(determ_backend.wrap_backend("relu_accuracy_error_TESTING_ONLY", repro_config(Path({str(tmp_path)!r}), 4)))
+root = logging.getLogger()
+print("ROOT", root.level, len(root.handlers))
+"""
+    r = run_code(code, tmp_path)
+    assert "ROOT 30 0" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    assert (tmp_path / "repro.py").is_file()  # it did minify, in this process
