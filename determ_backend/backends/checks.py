@@ -551,6 +551,10 @@ class GraphExec:
         r0 = result.records[0] if result.records else None
         if r0 is None or self.reference_gm is None:
             return "a graph with no traced records or no FX graph"
+        if self._random:  # the first rows' draws are the batch's only up to the first random op: after it the
+            # generator stands elsewhere (it drew for fewer rows), and dropout would be blamed for the batch
+            return (f"graph {r0.graph} {r0.stage}: it draws random numbers (dropout in training), and a sub-batch "
+                    "draws other numbers for its rows than the batch did")
         placeholders = [n for n in self.reference_gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(args):
             return f"graph {r0.graph} {r0.stage}: its placeholders do not match its arguments"
