@@ -66,7 +66,7 @@ from determ_backend.fingerprint.core import hash_tensors
 from determ_backend.modes.ops import draws_random
 from determ_backend.trace.stream import Record, format_hash
 
-__all__ = ["GraphExec", "graph_in_dtype"]
+__all__ = ["GraphExec", "graph_in_dtype", "has_random_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _mentions(expr: Any, sym: Any) -> bool:
     return expr is not None and (expr == sym or sym in getattr(expr, "free_symbols", ()))
 
 
-def _has_random_ops(gm: fx.GraphModule) -> bool:
+def has_random_ops(gm: fx.GraphModule) -> bool:
     """Whether the graph draws random numbers (then a replay needs the call's RNG state)."""
     return any(n.op == "call_function" and draws_random(n.target) for n in gm.graph.nodes)
 
@@ -336,7 +336,7 @@ class GraphExec:
         _torch_compat.set_boxed(self, boxed)
         self._unmatched: set = set()  # (graph, stage) already reported as missing from the reference
         self._created: set = set()  # what the nan and batch_invariance checks already reported for this graph
-        self._random = reference_gm is not None and _has_random_ops(reference_gm)
+        self._random = reference_gm is not None and has_random_ops(reference_gm)
         self._batch_plan: Any = None  # batch_invariance: None until the first call, False for a skipped graph
         self._state: Optional[AttributeState] = None  # the tensor attributes calls write (first checked call on)
         self._checks_start: Optional[Saved] = None  # while checks run: the attributes' values the call started from

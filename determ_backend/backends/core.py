@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat
 from determ_backend.backends import retarget
-from determ_backend.backends.checks import GraphExec
+from determ_backend.backends.checks import GraphExec, has_random_ops
 from determ_backend.backends.flows import load_flow
 from determ_backend.config import DetermConfig, load_config
 from determ_backend.errors import ConfigError, first_line
@@ -137,6 +137,10 @@ def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_c
             return compiled
         if rec is None:
             return compiled
+        if "accuracy" in cfg.check and not backward and has_random_ops(fx_g):
+            log.warning("determ accuracy: graph %s draws random numbers (dropout in training); it is compiled with "
+                        "inductor's fallback_random so that its draws are eager's and can be compared, so the "
+                        "program's random numbers are eager's, not those plain inductor draws", graph)
         exec_ = GraphExec(compiled.current_callable, rec, run, cfg, reference_gm=fx_g, boxed=True, compiler="inductor",
                           compile_region=functools.partial(_compile_region, patches=patches))
         _torch_compat.set_compiled_callable(compiled, exec_)

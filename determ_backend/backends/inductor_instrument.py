@@ -447,14 +447,16 @@ def instrument_compiled(compiled, gm: fx.GraphModule, recorder_factory, origins:
     """Swap ``compiled``'s callable for an instrumented copy; returns its recorder (None if not possible)."""
     src, key, current = _torch_compat.compiled_source(compiled)
     func = getattr(current, "__func__", current)
+    if not any(n.op == "call_function" for n in gm.graph.nodes):  # it only hands on its inputs: nothing to trace
+        return None
     if src is None or not hasattr(func, "__globals__") or getattr(func, "__name__", "") != "call":
-        log.warning("determ: inductor output has no instrumentable wrapper; only graph inputs/outputs are traced")
+        log.warning("determ: inductor output has no instrumentable wrapper; this graph is not traced")
         return None
     try:
         plan = plan_call(src, gm, origins, display)
         ast.parse(plan.source)
     except (ValueError, SyntaxError) as e:
-        log.warning("determ: could not instrument inductor wrapper (%s); only graph inputs/outputs are traced", e)
+        log.warning("determ: could not instrument inductor wrapper (%s); this graph is not traced", e)
         return None
     recorder = recorder_factory(plan.infos)
     recorder.reused = plan.reused

@@ -338,3 +338,36 @@ def test_compile_mode_reaches_inductor_as_it_does_plain_inductor(tmp_path, caplo
     with caplog.at_level("WARNING"):
         run("determ_aot_eager", "max-autotune")  # no inductor underneath: said, not silently dropped
     assert "ignores it" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_graph_that_only_hands_on_its_input_is_not_called_untraced(tmp_path, caplog):
+    """``loss.backward()`` inside a compiled step breaks the graph; the graph after it returns ``loss.detach()``
+    alone (no kernel, no wrapper to instrument), and determ warned that only its inputs and outputs were
+    traced: nothing of it is, and nothing needs to be."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+
+    def step(x):
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    f = torch.compile(step, backend="determ_inductor", options={"dir": str(tmp_path), "run_id": "r"})
+    with caplog.at_level("WARNING"):
+        f(torch.randn(4, 8))
+    assert "not traced" not in caplog.text and "instrumentable" not in caplog.text
+
+
+@pytest.mark.slow
+def test_the_accuracy_check_says_it_gives_an_inductor_graph_eagers_draws(tmp_path, caplog):
+    """Under DETERM_CHECK=accuracy an inductor graph is compiled with fallback_random: a dropout model's masks
+    are then eager's, not plain inductor's, and the program's losses differ from a plain run; that is said."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4)).train()
+    f = torch.compile(m, backend="determ_inductor", options={"dir": str(tmp_path), "run_id": "r", "check": "accuracy"})
+    with caplog.at_level("WARNING"):
+        f(torch.randn(8, 16)).sum().backward()
+    assert "graph g0 draws random numbers" in caplog.text and "fallback_random" in caplog.text
