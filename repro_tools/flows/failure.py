@@ -54,6 +54,7 @@ from determ_backend.backends.run import get_run
 
 from repro_tools.cli import configure_logging
 from repro_tools.cli import minify as minify_command
+from repro_tools.minify.subgraph import source_line
 from repro_tools.repro.script import capture_compile_config, copy_repro, read_meta, write_repro
 
 __all__ = ["GraphDump", "graph_snapshot", "report_flow_error", "minify_script", "print_summary", "LAUNCHER", "REPRO"]
@@ -409,6 +410,8 @@ def act_on_accuracy(result, cfg: DetermConfig, dump: "GraphDump", inputs: List[A
         get_run(cfg).add_checker_error(check, result.detail)
         return
     if result.status == "not_judged":  # no verdict either way: say so where the user looks, and go on
+        first = next((source_line(n) for n in dump.gm.graph.nodes if source_line(n)), None)
+        what = f"{what} starting at {first.split(': ')[0]}" if first else what  # which of the graphs
         log.warning("determ %s: %s not checked: %s", check, what, result.detail)
         get_run(cfg).add_skip(check, f"{what}: {result.detail}")
         return

@@ -12,6 +12,7 @@ from determ_backend.errors import AccuracyError
 from repro_tools.flows.failure import GraphDump
 from repro_tools.repro.script import read_meta
 
+import repro_helpers
 from repro_helpers import (assert_reproduces, compile_and_fail, forward_source, last_stderr_line, model, model_inputs,
                            repro_config, run_code, run_script)
 
@@ -140,6 +141,7 @@ def test_level4_does_not_judge_a_graph_that_draws_random_numbers(tmp_path, caplo
     report = json.loads((tmp_path / "out" / "r" / "report.json").read_text())
     assert not report["divergent"] and report["checker_errors"] == []
     assert "draws random numbers" in report["notes"][0]["skipped"]
+    assert "starting at " + repro_helpers.__file__ in report["notes"][0]["skipped"]  # which graph
     assert not (tmp_path / "out" / "r" / "repro").exists()
 
 
