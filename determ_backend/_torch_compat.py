@@ -40,7 +40,7 @@ __all__ = [
     # eager dispatch modes
     "eval_frame_setter", "dynamo_skip_code", "current_autograd_node_getter",
     # repro scripts and flows
-    "config_diffs", "is_dynamo_control_flow", "inductor_mode_options", "custom_op_module", "op_registering_module", "is_fake_tensor", "real_tensors", "symint_hint",
+    "config_diffs", "is_dynamo_control_flow", "is_run_and_save_rng_state", "inductor_mode_options", "custom_op_module", "op_registering_module", "is_fake_tensor", "real_tensors", "symint_hint",
     # API dump
     "queue_autograd_callback", "is_compiled_module", "observe_compiled_calls", "suspend_function_mode",
     "resume_function_mode", "compiled_original",
@@ -107,6 +107,14 @@ def lookup_backend(name_or_fn) -> Callable:
     from torch._dynamo.backends.registry import lookup_backend as _lookup
 
     return _lookup(name_or_fn)
+
+
+def is_run_and_save_rng_state(target) -> bool:
+    """Whether ``target`` is ``higher_order.run_and_save_rng_state``: ``(op, *args) -> (state, op(*args))``, how
+    activation checkpointing saves the generator's state around a forward draw so that its backward draws the
+    same numbers again."""
+    return isinstance(target, torch._ops.HigherOrderOperator) and getattr(target, "_name", None) == \
+        "run_and_save_rng_state"
 
 
 def inductor_mode_options(mode: str) -> Dict[str, Any]:

@@ -36,6 +36,13 @@ def dropout_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.relu(torch.nn.functional.dropout(x @ w, 0.5, training=True)).sum(0) * 2
 
 
+def checkpointed_dropout_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`dropout_model` with its matmul, dropout and relu under activation checkpointing: the forward graph
+    draws the mask inside ``run_and_save_rng_state``, which saves the generator's state for the backward."""
+    block = lambda h: torch.relu(torch.nn.functional.dropout(h @ w, 0.5, training=True))  # noqa: E731
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum(0) * 2
+
+
 def model_inputs(requires_grad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g).requires_grad_(requires_grad)

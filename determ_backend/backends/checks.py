@@ -52,6 +52,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
 from determ_backend.backends import flows, narrow
+from determ_backend.backends.extract import node_draws
 from determ_backend.compare import (Comparison, Pair, align, batch_rows, close_to_scale, compare_traces, dtype_tol,
                                     find_roots, is_float, is_output, judge, rmse, sub_batches, tensor_metrics)
 from determ_backend.compare.nonfinite import causal_creations, first_created
@@ -63,7 +64,6 @@ from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
 from determ_backend.clones import AttributeState, Saved, clone_inputs, read_attributes_in
 from determ_backend.fingerprint.core import hash_tensors
-from determ_backend.modes.ops import draws_random
 from determ_backend.trace.stream import Record, format_hash
 
 __all__ = ["GraphExec", "graph_in_dtype", "has_random_ops"]
@@ -162,7 +162,7 @@ def _mentions(expr: Any, sym: Any) -> bool:
 
 def has_random_ops(gm: fx.GraphModule) -> bool:
     """Whether the graph draws random numbers (then a replay needs the call's RNG state)."""
-    return any(n.op == "call_function" and draws_random(n.target) for n in gm.graph.nodes)
+    return any(node_draws(n) for n in gm.graph.nodes)
 
 
 _ONE_OP_KERNELS = ("extern_kernels.", "torch.ops.")

@@ -27,11 +27,11 @@ from typing import Any, Callable, Dict, Hashable, List, Mapping, NamedTuple, Opt
 import torch
 import torch.fx as fx
 
-from determ_backend import devices
+from determ_backend import _torch_compat, devices
 from determ_backend.backends.eager import replay
 from determ_backend.modes.ops import draws_random
 
-__all__ = ["Step", "walk_back", "extract", "MissingValue", "KEEP_META", "Lifted", "lift_random_draws"]
+__all__ = ["Step", "walk_back", "extract", "MissingValue", "KEEP_META", "Lifted", "lift_random_draws", "node_draws"]
 
 KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "original_aten")
 """Node meta copied into the cut: where each node came from in the user's code."""
@@ -137,19 +137,54 @@ class Lifted(NamedTuple):
     """the lifted nodes' names, in input order, each with its op: ``"inductor_random (prims.inductor_random)"``"""
 
 
+def _saves_rng_around_a_draw(n: fx.Node) -> bool:
+    """``run_and_save_rng_state(op, ...)`` around an op that draws (activation checkpointing's forward)."""
+    return n.op == "call_function" and _torch_compat.is_run_and_save_rng_state(n.target) and bool(n.args) \
+        and draws_random(n.args[0])
+
+
+def node_draws(n: fx.Node) -> bool:
+    """Whether running node ``n`` draws random numbers: a drawing op (``rand``, ``native_dropout``...), or
+    ``run_and_save_rng_state`` around one."""
+    return n.op == "call_function" and (draws_random(n.target) or _saves_rng_around_a_draw(n))
+
+
+def _items(n: fx.Node) -> List[fx.Node]:
+    """The items of a tuple-valued node, when every use of it takes one; else the node itself."""
+    users = list(n.users)
+    if users and all(u.op == "call_function" and u.target is operator.getitem for u in users):
+        return users
+    return [n]
+
+
+def _drawn_by(d: fx.Node) -> str:
+    """The op a draw node holds a result of: ``aten.native_dropout.default``; under activation checkpointing,
+    ``aten.native_dropout.default under run_and_save_rng_state`` (its saved state: ``... state``)."""
+    n, first = d, None
+    while n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        first = n.args[1]
+        n = n.args[0]
+    if _saves_rng_around_a_draw(n):
+        return f"{n.args[0]} under run_and_save_rng_state" + (" (the state it saved)" if d.args[0] is n and
+                                                               first == 0 else "")
+    return str(n.target)
+
+
 def _draw_nodes(graph: fx.Graph) -> List[fx.Node]:
-    """The nodes whose values are random draws: a drawing op's node, or the items of a multi-output one's
-    tuple (``native_dropout``'s output and mask), in graph order."""
+    """The nodes whose values are random draws, in graph order: a drawing op's node, or the items of a
+    multi-output one's tuple (``native_dropout``'s output and mask); under ``run_and_save_rng_state`` (activation
+    checkpointing), the state it saved and the drawing op's items."""
     out: List[fx.Node] = []
     for n in graph.nodes:
-        if n.op != "call_function" or not draws_random(n.target):
+        if n.op != "call_function":
             continue
-        users = list(n.users)
-        if users and all(u.op == "call_function" and u.target is operator.getitem for u in users):
-            out.extend(users)
-        else:
-            out.append(n)
-    return out
+        if draws_random(n.target):
+            out.extend(_items(n))
+        elif _saves_rng_around_a_draw(n):
+            for item in _items(n):  # (state, the op's result)
+                out.extend(_items(item) if item is not n and item.args[1] == 1 else [item])
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(out, key=order.__getitem__)
 
 
 def _erase_dead(node: fx.Node, erased: set) -> None:
@@ -160,7 +195,8 @@ def _erase_dead(node: fx.Node, erased: set) -> None:
         n = stack.pop()
         if n.users or n.name in erased or n.op != "call_function":
             continue
-        if n.is_impure() and not draws_random(n.target) and n.target is not operator.getitem:
+        if n.is_impure() and not draws_random(n.target) and n.target is not operator.getitem \
+                and not _saves_rng_around_a_draw(n):
             continue
         producers = n.all_input_nodes
         n.graph.erase_node(n)
@@ -201,7 +237,7 @@ def lift_random_draws(gm: fx.GraphModule, inputs: Sequence[Any]) -> Optional[Lif
     order = {n: i for i, n in enumerate(lifted.graph.nodes)}
     kept = sorted((d for d in draws if d.name in placed), key=lambda d: order[placed[d.name]])
     new_inputs = list(inputs) + [values[d.name] for d in kept]
-    labels = [f"{d.name} ({(d.args[0] if d.target is operator.getitem else d).target})" for d in kept]
+    labels = [f"{d.name} ({_drawn_by(d)})" for d in kept]
     lifted.graph.lint()
     lifted.recompile()
     return Lifted(lifted, new_inputs, labels)

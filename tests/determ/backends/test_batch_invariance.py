@@ -192,3 +192,17 @@ def test_a_graph_that_draws_random_numbers_is_skipped_not_blamed(tmp_path):
     assert report["findings"] == [] and report["checker_errors"] == []
     notes = [n["skipped"] for n in report["notes"] if n["check"] == "batch_invariance"]
     assert "draws random numbers" in notes[0] and all("forward graph was not checked" in n for n in notes[1:]), notes
+
+
+def test_a_checkpointed_graph_that_draws_random_numbers_is_skipped_too(tmp_path):
+    """Under activation checkpointing the draw sits inside run_and_save_rng_state: the graph was not seen to draw,
+    and ``operator.getitem[0]`` of the checkpointed dropout was named."""
+    class Ckpt(torch.nn.Module):
+        def forward(self, x):
+            block = lambda h: torch.nn.functional.dropout(torch.tanh(h), 0.5, training=True)  # noqa: E731
+            return torch.utils.checkpoint.checkpoint(block, torch.tanh(x), use_reentrant=False) * 2
+
+    report = _run(Ckpt(), "determ_aot_eager", tmp_path, "ckpt", x=torch.randn(8, 16), train=True)
+    assert report["findings"] == [] and report["checker_errors"] == []
+    notes = [n["skipped"] for n in report["notes"] if n["check"] == "batch_invariance"]
+    assert notes and "draws random numbers" in notes[0], notes

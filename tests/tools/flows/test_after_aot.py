@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+import functools
+
 import pytest
 import torch
 
@@ -86,13 +88,13 @@ def test_level4_accuracy_with_an_aot_eager_style_compiler_is_localized_to_the_re
     assert "aten.mm" not in forward_source(tmp_path / "repro.py")
 
 
-def _dropout_run(backend):
-    """One training step of :func:`repro_helpers.dropout_model` compiled with ``backend``, from seed 0: (output,
-    gradient, what the random stream draws next)."""
+def _dropout_run(backend, model=rh.dropout_model):
+    """One training step of ``model`` (:func:`repro_helpers.dropout_model`) compiled with ``backend``, from seed 0:
+    (output, gradient, what the random stream draws next)."""
     torch._dynamo.reset()
     x, w = rh.model_inputs(requires_grad=True)
     torch.manual_seed(0)
-    out = torch.compile(rh.dropout_model, backend=backend)(x, w)
+    out = torch.compile(model, backend=backend)(x, w)
     out.sum().backward()
     return out.detach(), w.grad, torch.rand(3)
 
@@ -110,6 +112,28 @@ def test_level4_checks_a_dropout_graph_with_its_draws_as_inputs(tmp_path, caplog
     assert lifted and "native_dropout" in lifted[0]  # the forward graph was judged, with its mask as an input
     assert not _report(tmp_path, written=False).get("divergent")
     assert not (tmp_path / "out" / "r" / "repro").exists()
+
+
+def test_level4_checks_a_checkpointed_dropout_graph_with_its_saved_draws_as_inputs(tmp_path, caplog):
+    """Under activation checkpointing the forward draws inside run_and_save_rng_state (the generator's state is
+    saved for the backward to draw again): the graph was left unchecked ("draws random numbers"), though
+    REPRO_AFTER=dynamo sends such graphs here.  The saved state and the mask are inputs now."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="repro_tools.flows.after_aot")
+    run = functools.partial(_dropout_run, model=rh.checkpointed_dropout_model)
+    expected = run(aot_backend(rh.aot_as_is))
+    got = run(aot_backend(rh.aot_as_is, config=repro_config(tmp_path, 4)))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))  # the program's own draws, unchanged
+    lifted = [r.getMessage() for r in caplog.records if "random draw(s) are inputs" in r.getMessage()]
+    assert lifted and "native_dropout" in lifted[0], caplog.text[-2000:]
+    assert not any("not checked" in r.getMessage() for r in caplog.records)
+    assert not _report(tmp_path, written=False).get("divergent")
+    torch._dynamo.reset()
+    x, w = rh.model_inputs(requires_grad=True)
+    with pytest.raises(AccuracyError, match="forward graph"):  # and a broken compiler is caught there
+        torch.compile(rh.checkpointed_dropout_model,
+                      backend=aot_backend(rh.aot_relu_accuracy_error, config=repro_config(tmp_path, 4, minify=False)))(x, w)
 
 
 @pytest.mark.slow
