@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
 from determ_backend.backends.eager import replay
-from determ_backend.modes.ops import draws_random
+from determ_backend.modes.ops import call_draws_random, draws_random
 
 __all__ = ["Step", "walk_back", "extract", "MissingValue", "KEEP_META", "Lifted", "lift_random_draws", "node_draws"]
 
@@ -140,13 +140,13 @@ class Lifted(NamedTuple):
 def _saves_rng_around_a_draw(n: fx.Node) -> bool:
     """``run_and_save_rng_state(op, ...)`` around an op that draws (activation checkpointing's forward)."""
     return n.op == "call_function" and _torch_compat.is_run_and_save_rng_state(n.target) and bool(n.args) \
-        and draws_random(n.args[0])
+        and call_draws_random(n.args[0], n.args[1:], n.kwargs)
 
 
 def node_draws(n: fx.Node) -> bool:
     """Whether running node ``n`` draws random numbers: a drawing op (``rand``, ``native_dropout``...), or
     ``run_and_save_rng_state`` around one."""
-    return n.op == "call_function" and (draws_random(n.target) or _saves_rng_around_a_draw(n))
+    return n.op == "call_function" and (call_draws_random(n.target, n.args, n.kwargs) or _saves_rng_around_a_draw(n))
 
 
 def _items(n: fx.Node) -> List[fx.Node]:
@@ -178,7 +178,7 @@ def _draw_nodes(graph: fx.Graph) -> List[fx.Node]:
     for n in graph.nodes:
         if n.op != "call_function":
             continue
-        if draws_random(n.target):
+        if call_draws_random(n.target, n.args, n.kwargs):
             out.extend(_items(n))
         elif _saves_rng_around_a_draw(n):
             for item in _items(n):  # (state, the op's result)

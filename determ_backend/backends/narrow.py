@@ -38,7 +38,7 @@ from determ_backend.backends.extract import MissingValue, Step, extract, walk_ba
 from determ_backend.backends.instrument import node_source, op_name
 from determ_backend.trace.stream import dtype_name
 from determ_backend.clones import clone_inputs
-from determ_backend.modes.ops import draws_random
+from determ_backend.modes.ops import call_draws_random
 
 __all__ = ["region_of", "region_module", "narrow_root", "Narrowed", "CannotNarrow", "MAX_REGION"]
 
@@ -63,7 +63,7 @@ def _standalone(n: fx.Node) -> bool:
         return not isinstance(src, fx.Node) or src.op != "call_function" or _standalone(src)
     if not _torch_compat.is_op_overload(t):
         return False
-    return not draws_random(t)
+    return not call_draws_random(t, n.args, n.kwargs)
 
 
 def _step(judged: Set[str]) -> Callable[[fx.Node], Step]:

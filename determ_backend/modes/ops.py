@@ -29,7 +29,7 @@ from determ_backend.trace.stream import Record, format_hash
 
 __all__ = ["iter_args", "tensor_args", "written_tensors", "schema_writes", "returns_view",
            "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key", "unseen",
-           "wait_collective", "draws_random"]
+           "wait_collective", "draws_random", "call_draws_random"]
 
 
 def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bool = False) -> list:
@@ -180,6 +180,26 @@ def unseen():
 _SEEDED_PRIMS = frozenset({"prims::inductor_random", "prims::inductor_randint"})
 """Inductor's random prims: compiled, they draw from the seed tensor they are given; run eagerly, they ignore it
 and draw from the global generator (their seeds come from ``prims::inductor_seeds``, an op of aten's kind)."""
+
+
+def call_draws_random(func, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> bool:
+    """Whether calling ``func(*args, **kwargs)`` draws random numbers: :func:`draws_random`, less the calls
+    whose arguments switch the draw off -- a ``dropout_p`` of 0 (attention: every model's
+    ``scaled_dot_product_attention`` in eval), ``train=False`` (``native_dropout``)."""
+    if not draws_random(func):
+        return False
+    schema = _torch_compat.op_schema(func)
+    if schema is None:
+        return True
+    kwargs = kwargs or {}
+    for i, a in enumerate(schema.arguments):
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name, a.default_value
+                                                                          if a.has_default_value() else None)
+        if a.name == "dropout_p" and isinstance(v, (int, float)) and v == 0:
+            return False
+        if a.name == "train" and v is False:
+            return False
+    return True
 
 
 def draws_random(func) -> bool:

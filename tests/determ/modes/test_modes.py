@@ -621,3 +621,19 @@ def test_hash_mode_around_bitwise_mode_sees_each_op_once():
     with HashMode() as outer, BitwiseEquivalenceMode():
         m(x).sum()
     assert [r.op for r in outer.records] == [r.op for r in plain.records]
+
+
+def test_a_call_draws_random_numbers_only_when_its_arguments_let_it():
+    """Attention ops carry the random tag for their dropout: with ``dropout_p=0`` (every model in eval) they draw
+    nothing, and a Llama graph in eval was taken for one that draws (batch invariance skipped it)."""
+    from determ_backend.modes.ops import call_draws_random
+
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(1, 2, 4, 8)
+    assert not call_draws_random(sdpa, (q, q, q, 0.0, True), {"scale": 0.25})
+    assert call_draws_random(sdpa, (q, q, q, 0.1, True), {})
+    assert call_draws_random(sdpa, (q, q, q), {"dropout_p": 0.2})
+    assert not call_draws_random(torch.ops.aten.native_dropout.default, (q, 0.5, False), {})
+    assert call_draws_random(torch.ops.aten.native_dropout.default, (q, 0.5, True), {})
+    assert call_draws_random(torch.ops.aten.rand.default, ([3],), {})
+    assert not call_draws_random(torch.ops.aten.relu.default, (q,), {})
