@@ -242,7 +242,11 @@ class OpRecorder:
 
     # -- the two halves of an op -----------------------------------------------------------------
     def begin(self, func, args, kwargs, frame, compiled: bool) -> tuple:
-        """Before the op runs: resolve its inputs (hashing first-seen ones as they are now)."""
+        """Before the op runs: resolve its inputs (hashing first-seen ones as they are now).  Returns the context
+        :meth:`end` takes; its first item is the op's :func:`op_info` (the mode reads whether it is a collective)."""
+        info = _OP_INFO.get(id(func))  # by id: OpOverload's __hash__ is Python code
+        if info is None or info[5] is not func:
+            info = op_info(func)
         if self._unsettled:
             self._settle()
         node = self._autograd_node()
@@ -287,7 +291,7 @@ class OpRecorder:
                 if grad_on and t.requires_grad:
                     self._tag_grad_fn(t, rec)
                 in_recs.append(rec)
-        return (func, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
+        return (info, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
 
     def _input(self, t: torch.Tensor, source: Optional[str], loc: str, events: list, grad_on: bool) -> Record:
         """The record of input ``t``: its producer's, else a new ``input``/``param`` record."""
@@ -309,10 +313,7 @@ class OpRecorder:
 
     def end(self, ctx: tuple, result, args, kwargs, nondeterministic: bool = False) -> List[Record]:
         """After the op ran: one record per tensor (or Python scalar) it produced."""
-        func, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
-        info = _OP_INFO.get(id(func))  # by id: OpOverload's __hash__ is Python code
-        if info is None or info[5] is not func:
-            info = op_info(func)
+        info, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
         writes, is_view, uninit, copy_arg, op = info[:5]
         outs = (result,) if not writes and isinstance(result, torch.Tensor) else written_tensors(result, writes, args,
                                                                                                  kwargs)

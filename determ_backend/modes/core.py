@@ -35,7 +35,7 @@ import torch
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._bitwise import BitwiseEquivalenceMode
 from determ_backend.modes.log import LogWriter, read_hash_log, read_hash_log_file
-from determ_backend.modes._record import OpEvent, OpRecorder, op_info
+from determ_backend.modes._record import OpEvent, OpRecorder
 from determ_backend.modes.ops import wait_collective
 from determ_backend.modes._args import check_bool as _check_bool, check_count as _check_count, check_path as _check_path
 from determ_backend.errors import ConfigError
@@ -156,7 +156,8 @@ class HashMode(_compat.TorchDispatchMode):
             with rec.lock:
                 ctx = rec.begin(func, args, kwargs, sys._getframe(1), prior is not None and prior is not False)
             out = func(*args, **kwargs)
-            if op_info(func)[6]:  # a torch.distributed op: its outputs are read below, final only once its work is done
+            if ctx[0][6]:  # the op's facts (op_info): a torch.distributed op, whose outputs (read below) are final
+                # only once its work is done
                 wait_collective(func, out)
             nondet = False
             if self.output_hook is not None:

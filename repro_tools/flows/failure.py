@@ -410,7 +410,7 @@ def act_on_accuracy(result, cfg: DetermConfig, dump: "GraphDump", inputs: List[A
         get_run(cfg).add_checker_error(check, result.detail)
         return
     if result.status == "not_judged":  # no verdict either way: say so where the user looks, and go on
-        first = next((source_line(n) for n in dump.gm.graph.nodes if source_line(n)), None)
+        first = next(filter(None, map(source_line, dump.gm.graph.nodes)), None)
         what = f"{what} starting at {first.split(': ')[0]}" if first else what  # which of the graphs
         log.warning("determ %s: %s not checked: %s", check, what, result.detail)
         get_run(cfg).add_skip(check, f"{what}: {result.detail}")

@@ -372,7 +372,8 @@ def batch_cuts(gm: fx.GraphModule, inputs: Sequence[Any], full: Dict[str, Any], 
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     out = []
     for b in sub_batches(batch):
-        sub = sub_batch_inputs(inputs, batch, b, dim, given.get(b) if given else None)
+        given_b = (given or {}).get(b)  # one cut per input, or None
+        sub = sub_batch_inputs(inputs, batch, b, dim, given_b)
         try:
             part = eager_node_values(gm, sub)
         except Exception as e:  # the guess decides, as for a repro that recorded nothing
@@ -389,9 +390,9 @@ def batch_cuts(gm: fx.GraphModule, inputs: Sequence[Any], full: Dict[str, Any], 
                 entries.append((name,) + (where if where is not None else (-1, 0)))
             elif isinstance(v, int) and not isinstance(v, bool) and isinstance(w, int) and v != w:
                 entries.append((name, None, w))
-        for i, name in enumerate(names):  # an input the run left unused keeps its given cut
-            cut = given.get(b)[i] if given and given.get(b) and i < len(given[b]) else None
-            if cut is not None and name not in {e[0] for e in entries}:
+        seen = {e[0] for e in entries}
+        for name, cut in zip(names, given_b or ()):  # an input missing from the run's values keeps its given cut
+            if cut is not None and name not in seen:
                 entries.append((name,) + tuple(cut))
         out.append((b, tuple(entries)))
     return tuple(out)

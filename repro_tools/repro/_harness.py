@@ -271,8 +271,8 @@ def _sub_batch(args, batch, b, dim):
         cuts = {int(i): (d, int(rows)) for i, d, rows in recorded.get(b, recorded.get(str(b), []))}
         out = []
         for i, a in enumerate(_clone(args)):
-            d, rows = cuts.get(i, (False, 0))
-            out.append(a if d is False else rows if d is None else a.detach().narrow(int(d), 0, rows).clone())
+            cut = cuts.get(i)  # None: the input holds no batch
+            out.append(a if cut is None else cut[1] if cut[0] is None else a.detach().narrow(int(cut[0]), 0, cut[1]).clone())
         return out
     out = []
     for a in _clone(args):
