@@ -114,13 +114,16 @@ class _Side:
 
 _NEAR = 16
 """Records of the same op and shape, nearest the current partner, tried for an op in between."""
+_WALK = 64
+"""Records of B alone walked back through, looking for what a record's partner consumes."""
 
 
 def _by_inputs(pairs: List[Pair]) -> List[Pair]:
     """Mend pairs the sequence alignment got wrong, by the dependency links: a record whose partner does not consume
     the partners of its inputs is paired instead with the other side's record of the same op and shape that does
     (when one does, and its own partner, if any, does not), or that consumes them with one op of its own run in
-    between (then that op, which sequence alignment had taken for A's record, is left to its run).  Records of one op
+    between (then that op, which sequence alignment had taken for A's record, is left to its run); when none does and
+    its partner consumes none of them either, the two are left unpaired.  Records of one op
     and shape repeat along a graph (every layer's adds); one extra or missing record nearby, which sequence alignment
     cannot place, then shifts them."""
     if not any(p.rec.inputs for p in pairs):
@@ -170,6 +173,23 @@ def _by_inputs(pairs: List[Pair]) -> List[Pair]:
             yield from (c for c in sorted(same, key=lambda c: abs(where[c.node] - at))[:_NEAR]
                         if one_op_between(want, c))
 
+    def reaches(want: tuple, b: Record) -> bool:
+        """Whether ``b`` consumes one of the wanted inputs, directly or through records only B has (the ops a
+        forward hook adds on B's path): a walk back that stops at records with a partner in A."""
+        wanted_names, todo, seen = set(want), list(b_side.sources(b)), set()
+        while todo and len(seen) < _WALK:
+            n = todo.pop()
+            if n in wanted_names:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            q = pair_of_b.get(n)
+            r = b_side.by_node.get(n)
+            if r is not None and (q is None or q.a is None):
+                todo.extend(b_side.sources(r))
+        return False
+
     extra: Dict[int, List[Pair]] = {}  # id(pair) -> records of B left without a partner, placed after it
     for p in pairs:
         a = p.a
@@ -178,6 +198,7 @@ def _by_inputs(pairs: List[Pair]) -> List[Pair]:
         want = wanted(a)
         if want is None:
             continue
+        mended = False
         for cand in candidates(a, want, p.b):
             q = pair_of_b[cand.node]
             if q is p or (q.a is not None and consistent(q.a, cand)):
@@ -188,7 +209,15 @@ def _by_inputs(pairs: List[Pair]) -> List[Pair]:
                 pair_of_b[p.b.node] = extra[id(p)][-1]
             p.b = cand
             pair_of_b[cand.node] = p
+            mended = True
             break
+        if not mended and p.b is not None and want and not reaches(want, p.b):
+            # no record of B consumes what A's record consumed, and its partner consumes none of it, not even through
+            # ops of its own run alone (one name, two values: a checkpointed run's recomputed forward takes the names
+            # of the other run's backward ops): not one value, so no divergence -- each is a record its run alone has
+            extra.setdefault(id(p), []).append(Pair(None, p.b))
+            pair_of_b[p.b.node] = extra[id(p)][-1]
+            p.b = None
     out: List[Pair] = []
     for p in pairs:
         if p.a is not None or p.b is not None:
@@ -226,7 +255,9 @@ def _op(r: Record) -> str:
 
 
 def _name(r: Record) -> str:
-    return f"{r.node}|{r.op}"
+    # the shape too: one extra call in a run renumbers the calls after it (``#0`` becomes ``#1``), and a name that
+    # moved to a value of another shape is another value (a weight paired with an input as a false divergence)
+    return f"{r.node}|{r.op}|{r.shape}"
 
 
 def _located(records: Sequence[Record]) -> bool:

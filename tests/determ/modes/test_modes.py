@@ -99,6 +99,58 @@ def test_extra_op_does_not_misalign(tmp_path):
     assert not [p for p in cmp.pairs if p.b is None]
 
 
+def _block(x, w):
+    return torch.tanh(x @ w)
+
+
+def test_an_extra_call_renumbering_names_pairs_no_values_of_two_shapes(tmp_path):
+    """Run A calls a function once more first (on fewer rows): its names' call counts shift, so a name of B stands
+    for a value of another shape in A (the weight for the input).  Values of two shapes never pair: no divergence,
+    A's extra call is A's alone."""
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 8), torch.randn(6, 8)
+    for name, extra in (("a", True), ("b", False)):
+        with HashMode(trace_path=tmp_path / f"{name}.jsonl"):
+            if extra:
+                _block(x[:2], w)
+            _block(x, w).sum()
+    cmp = compare_traces(read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl"))
+    assert all(p.a.shape == p.b.shape for p in cmp.pairs if p.paired)
+    assert not cmp.divergent and not cmp.root_causes
+    assert {p.a.op for p in cmp.pairs if p.b is None} >= {"aten.mm.default", "aten.tanh.default"}
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.checkpointed = checkpointed
+
+    def block(self, x):
+        return torch.nn.functional.scaled_dot_product_attention(self.a(x), self.b(x), x).tanh()
+
+    def forward(self, x):
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False).sum()
+        return self.block(x).sum()
+
+
+def test_a_checkpointed_run_against_a_plain_one_shows_no_false_divergence(tmp_path):
+    """Activation checkpointing recomputes the forward inside the backward: its ops take names the plain run gives
+    its backward ops, for other values.  Gradients are bitwise equal, so nothing diverges."""
+    grads = []
+    x = torch.randn(2, 2, 4, 8)
+    for name, ckpt in (("a", False), ("b", True)):
+        m = _Checkpointed(ckpt)
+        with HashMode(trace_path=tmp_path / f"{name}.jsonl", module=m):
+            m(x).backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(g, h) for g, h in zip(*grads))
+    cmp = compare_traces(read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl"))
+    assert not cmp.divergent and not cmp.root_causes, [(p.rec.node, p.metrics) for p in cmp.pairs if p.equal is False]
+
+
 def test_log_shows_list_inputs_tuple_outputs_and_sources(two_logs):
     text = two_logs[0].read_text()
     assert "in  args[0][1] = " in text  # torch.cat's list input
