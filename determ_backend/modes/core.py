@@ -85,8 +85,12 @@ def _tensor_names(module: Optional[torch.nn.Module]) -> Dict[int, Tuple[weakref.
         return {}
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
-    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
-    return {id(t): (weakref.ref(t), name) for name, t in named if t is not None}
+    # a tensor under two names (a tied embedding and output head) takes its first, torch's own (named_parameters())
+    out: Dict[int, Tuple[weakref.ref, str]] = {}
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if t is not None and id(t) not in out:
+            out[id(t)] = (weakref.ref(t), name)
+    return out
 
 
 class HashMode(_compat.TorchDispatchMode):

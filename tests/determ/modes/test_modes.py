@@ -201,6 +201,25 @@ def _records(fn, **kwargs):
     return m.records
 
 
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied, as language models tie their embedding and output head
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_a_tied_weight_is_named_as_torch_names_it():
+    m = _Tied()
+    with HashMode(module=m) as hm:
+        m(torch.tensor([[1, 2, 3]]))
+    assert [r.node for r in hm.records if r.kind == "param"] == [next(n for n, _ in m.named_parameters())] == [
+        "embed.weight"]
+
+
 def test_backward_ops_are_traced_and_named_after_forward_lines():
     model, x = make(nondet=False)
     recs = _records(lambda: train_step(model, x), module=model)
