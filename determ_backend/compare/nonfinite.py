@@ -50,12 +50,17 @@ class Creation:
 
 
 def value_range(stats: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    return {"min": (stats or {}).get("min"), "max": (stats or {}).get("max")}
+    out = {"min": (stats or {}).get("min"), "max": (stats or {}).get("max")}
+    if (stats or {}).get("view"):
+        out["view"] = True
+    return out
 
 
 def input_ranges(inputs: Sequence[Mapping[str, Any]]) -> str:
-    """A creation's inputs for a log line: ``sub in [-1.3, 0.56], ...`` (``no inputs`` when it has none)."""
-    return ", ".join(f"{i['node']} in [{i.get('min')}, {i.get('max')}]" for i in inputs) or "no inputs"
+    """A creation's inputs for a log line: ``sub in [-1.3, 0.56], ...`` (``no inputs`` when it has none); a view,
+    whose values are not read, by the range of the values it views: ``view within [-0.8, 1.06]``."""
+    return ", ".join(f"{i['node']} {'within' if i.get('view') else 'in'} [{i.get('min')}, {i.get('max')}]"
+                     for i in inputs) or "no inputs"
 
 
 class NonfiniteWatch:
@@ -84,7 +89,10 @@ class NonfiniteWatch:
                 known = [seen.get(name) for name in r.inputs]
                 if all(nonfinite_count(k) is not None for k in known):
                     seen[r.node] = {"nan": sum(int(k.get("nan") or 0) for k in known),
-                                    "inf": sum(int(k.get("inf") or 0) for k in known)}
+                                    "inf": sum(int(k.get("inf") or 0) for k in known), "view": True}
+                    lows, highs = [k.get("min") for k in known], [k.get("max") for k in known]
+                    if None not in lows and None not in highs:  # its values are among those it views
+                        seen[r.node].update(min=min(lows), max=max(highs))
                     self.seen_nonfinite = self.seen_nonfinite or bool(nonfinite_count(seen[r.node]))
                     continue
             seen[r.node] = r.stats

@@ -44,3 +44,17 @@ def test_hashmode_healthy_run_names_nothing_and_bad_flag_is_a_config_error():
     assert m.nan_creations == []
     with pytest.raises(ConfigError, match="check_nan"):
         HashMode(check_nan="yes")
+
+
+def test_a_creation_from_a_view_gives_the_range_of_the_values_it_views(caplog):
+    """A Linear on a 3-D input returns a view of its addmm: the view's values are not read, its range is its base's."""
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(8, 8), torch.randn(2, 3, 8)
+    with caplog.at_level(logging.WARNING, logger="determ_backend.modes.core"):
+        with HashMode(check_nan=True) as m:
+            torch.log(lin(x))
+    (c,) = m.nan_creations
+    (inp,) = c.inputs
+    h = lin(x).detach()
+    assert inp["view"] and (inp["min"], inp["max"]) == (h.min().item(), h.max().item())
+    assert f"within [{inp['min']}, {inp['max']}]" in caplog.text
