@@ -4,8 +4,8 @@ The same comparison as :func:`determ_backend.dump.compare` (or, with
 ``--distributed``, :func:`~determ_backend.dump.compare_distributed`): the CSV and the
 advisor text go into OUT, the analysis (root cause) and the files' paths to stdout, so
 a script or CI job can gate on the exit code without writing Python.
-Exit 0: no divergence; 1: a divergence (in any rank), or a dump cut short (killed, out of room) with calls
-it never wrote (the runs are not shown to agree); 2: bad input or usage.
+Exit 0: no divergence; 1: a divergence (in any rank), or the runs are not shown to agree (a dump cut short with
+calls it never wrote, no call paired, nothing to judge); 2: bad input or usage.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Pair the API calls of two dumps written by determ_backend.dump, judge every "
                                    "tensor and name the root cause: the first API whose inputs match while its "
                                    "output does not.  Writes ptdbg's compare_result CSV and the advisor text into "
-                                   "OUT.  Exit 0: no divergence; 1: a divergence, or a dump cut short with calls it never wrote; "
-                                   "2: bad input.")
+                                   "OUT.  Exit 0: no divergence; 1: a divergence, or the runs are not shown to agree (a dump "
+                                   "cut short with calls it never wrote, no call paired, nothing to judge); 2: bad input.")
     p.add_argument("npu", metavar="NPU_DUMP",
                    help="the dump under test: its index (*.pkl) or the rank directory holding it; with "
                         "--distributed, the directory holding rank0, rank1, ...")

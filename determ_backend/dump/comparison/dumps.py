@@ -93,6 +93,8 @@ class DumpComparison:
     """The rank :func:`compare_distributed` compared here (None for a single comparison)."""
     partial: bool = False
     """A dump was cut short (its writer killed, or out of room): what it never wrote is not compared."""
+    judged: bool = True
+    """Some paired call had an output value to judge (a stack-mode dump holds none; two dumps may pair no call)."""
 
     @property
     def rows(self) -> List[Dict[str, Any]]:
@@ -116,9 +118,15 @@ class DumpComparison:
         return sum(1 for p in self.pairs if p.a is None or p.b is None)
 
     @property
+    def paired(self) -> int:
+        """Calls present in both dumps."""
+        return sum(1 for p in self.pairs if p.a is not None and p.b is not None)
+
+    @property
     def shown_to_agree(self) -> bool:
-        """No divergence, and no dump cut short with calls left unpaired: the runs agree as far as dumps can say."""
-        return not self.divergent and not (self.partial and self.unpaired)
+        """No divergence, some value judged, and no dump cut short with calls left unpaired: the runs agree as far
+        as dumps can say."""
+        return not self.divergent and self.judged and not (self.partial and self.unpaired)
 
 
 def _to_record(e: Dict[str, Any], side: str, i: int) -> Record:
@@ -205,7 +213,8 @@ def _payloads(ta: Dict[str, Any], tb: Dict[str, Any], da: Dump, db: Dump):
 
 
 def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> Dict[str, List[Optional[bool]]]:
-    """Fill ``pa.rows``; returns the match verdicts of the (non-parameter) ``inputs`` and the ``outputs``.
+    """Fill ``pa.rows``; returns the match verdicts of the ``inputs`` that are not parameters, of the ``params``
+    and of the ``outputs``.
 
     Bitwise verdicts only when ``exact`` and every paired tensor of the call has the same dtype on both sides:
     a call fed a bf16 tensor on one side and fp32 on the other is judged by tolerance, outputs included."""
@@ -220,14 +229,13 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> D
             found.append((io_, n, ta, tb, bool((ta or tb or {}).get("param"))))
     api_exact = exact and all(ta is None or tb is None or ta.get("dtype") == tb.get("dtype")
                               for _, _, ta, tb, _ in found)
-    verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "outputs": []}
+    verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "params": [], "outputs": []}
     for io_, n, ta, tb, param in found:
         row, _, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
                                 f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, api_exact, tol)
         row["_io"], row["_match"] = io_, v
         pa.rows.append(row)
-        if not (io_ == "inputs" and param):
-            verdicts[io_].append(v)
+        verdicts["params" if io_ == "inputs" and param else io_].append(v)
     return verdicts
 
 
@@ -259,7 +267,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
     if mixed:  # values computed in float32 from bfloat16 inputs carry bfloat16's rounding: judge all at its precision
         tol = dtype_tol(tol, *_float_dtypes(pairs))
     fwd_inputs: Dict[str, Optional[bool]] = {}
-    diverged_before = False
+    diverged_before = judged_any = False
     judged: List[Pair] = []
     api: Dict[int, ApiPair] = {}
     for pa in pairs:
@@ -269,7 +277,10 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
                     _unmatched_rows(pa, e, side)
             continue
         v = _pair_tensors(pa, da, db, exact, tol)
-        ins = all(x is True for x in v["inputs"])
+        # a weight that differs where nothing diverged before is where the runs part (a perturbed weight blames its
+        # first consumer); after a divergence it may be its consequence (an optimizer step updated it from a
+        # differing gradient): then it is an input that differs like any other
+        ins = all(x is True for x in v["inputs"]) and not (diverged_before and any(x is False for x in v["params"]))
         if str(pa.a.get("op", "")).startswith("Parameter."):
             ins = not diverged_before  # a parameter or gradient read-out depends on everything before it
         elif pa.a.get("dir") == "backward":
@@ -279,6 +290,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
             fwd_inputs[pa.a["name"]] = ins
         pa.inputs_match = ins
         pa.output_diverges = any(x is False for x in v["outputs"])
+        judged_any = judged_any or any(x is not None for x in v["outputs"])
         diverged_before = diverged_before or pa.output_diverges
         # a compiled region whose own FX nodes diverge is explained by them: its inputs do not agree
         p = Pair(_to_record(pa.a, "a", 0), _to_record(pa.b, "b", 0), equal=not pa.output_diverges,
@@ -294,7 +306,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
             for r in pa.rows:
                 if r["_io"] == "outputs" and r["_match"] is False:
                     r["Root Cause"] = "Yes"
-    return DumpComparison(pairs, exact, partial=any(d.partial or d.cut for d in (da, db)))
+    return DumpComparison(pairs, exact, partial=any(d.partial or d.cut for d in (da, db)), judged=judged_any)
 
 
 def _warn_missing_payloads(d: Dump) -> None:
@@ -420,6 +432,12 @@ def analysis(cmp: DumpComparison) -> str:
                          ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'})" for q in extra))
         else:
             lines.append("  (the model inputs differ, or the culprit was not dumped)")
+    elif not cmp.paired:
+        lines = [f"no call of one dump pairs with a call of the other ({cmp.unpaired} calls in one dump only): the "
+                 f"runs are not shown to agree"]
+    elif not cmp.judged:
+        lines = ["nothing to judge: no paired call has an output value in both dumps (a dump of mode 'stack' holds "
+                 "none): the runs are not shown to agree"]
     else:
         lines = [f"no divergence: every paired API agrees ({cmp.unpaired} unpaired calls)" if cmp.shown_to_agree
                  else f"no divergence among the paired APIs, but a dump was cut short and {cmp.unpaired} calls are "

@@ -70,6 +70,47 @@ def test_perturbed_layer_is_the_root_cause_not_its_backward_or_consumers(tmp_pat
     assert all(r["Bitwise Equal"] == "Yes" for r in before)
 
 
+def _two_training_steps(net):
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        train_step(net)
+        opt.step()
+
+
+def test_weights_an_earlier_divergence_updated_blame_none_of_their_consumers(tmp_path):
+    """Two AdamW steps with one weight perturbed: step 1's optimizer updates every weight from differing gradients,
+    so in step 2 each layer reads a differing weight.  Only the perturbed weight's first consumer is a root cause,
+    not step 2's layers nor the optimizer's weight decay (which read the weights, and nothing else that differs)."""
+    a = dump_run(tmp_path, "a", make_net(), step=_two_training_steps, filter_switch="OFF")
+    b = dump_run(tmp_path, "b", make_net(perturb="fc1.weight"), step=_two_training_steps, filter_switch="OFF")
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Functional_linear_0_forward"]
+    assert sum(1 for p in cmp.pairs if p.output_diverges) > 10  # step 2 and the updates diverge too
+
+
+def test_dumps_with_nothing_to_judge_are_not_shown_to_agree(tmp_path, capsys):
+    """A stack-mode dump holds no values, and a run that failed at once dumped no call: neither agrees with a run."""
+    from repro_tools.cli import main as cli_main
+
+    a = dump_run(tmp_path, "a", make_net(), mode="stack")
+    b = dump_run(tmp_path, "b", make_net(perturb="fc1.weight", scale=3.0), mode="stack")
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert not cmp.divergent and not cmp.shown_to_agree
+    assert "nothing to judge" in capsys.readouterr().out
+    assert cli_main(["compare", str(b), str(a), "-o", str(tmp_path / "out")]) == 1
+
+    def fails_at_once(net):
+        raise RuntimeError("the model failed before its first call")
+
+    full = dump_run(tmp_path, "full", make_net())
+    with pytest.raises(RuntimeError):
+        dump_run(tmp_path, "empty", make_net(), step=fails_at_once)
+    cmp = compare_two(tmp_path / "empty" / "rank0" / "dump.pkl", full, tmp_path / "out")
+    assert not cmp.divergent and not cmp.shown_to_agree and cmp.paired == 0
+    assert "no call of one dump pairs" in capsys.readouterr().out
+
+
 def test_extra_identity_op_does_not_break_the_pairing(tmp_path):
     a = dump_run(tmp_path, "a", make_net())
     b = dump_run(tmp_path, "b", make_net(extra=True, perturb="fc2.weight"))
