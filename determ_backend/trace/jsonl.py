@@ -370,8 +370,9 @@ def read_stream(path: Union[str, Path], fmt: StreamFormat, allow_partial: bool =
             if not raw.strip():
                 continue
             if cut is not None:
-                raise TraceFormatError(f"{p}:{cut}: corrupt JSON line in the middle of the {fmt.what} (only a "
-                                       f"truncated last line is accepted, with allow_partial/--allow-partial)")
+                raise TraceFormatError(f"{p}:{cut}: corrupt JSON line in the middle of the {fmt.what} (a file is "
+                                       f"read up to a cut last line, as its writer left it when killed, but never "
+                                       f"past a corrupt line)")
             if footer:
                 raise TraceFormatError(f"{p}:{lineno}: data after the end line")
             if skip is not None and skip(raw) and not raw.startswith(b'{"end"'):

@@ -34,6 +34,7 @@ import io
 import logging
 import math
 import numbers
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -467,6 +468,15 @@ def _unique(path: Path) -> Path:
     return p
 
 
+def _check_suffix(suffix: Any, who: str) -> None:
+    """``suffix`` goes into file names inside the output directory: a string that names no other directory."""
+    if not isinstance(suffix, str):
+        raise ConfigError(f"{who}: suffix must be a string, got {type(suffix).__name__} {suffix!r}")
+    if "/" in suffix or os.sep in suffix or (os.altsep and os.altsep in suffix) or "\0" in suffix:
+        raise ConfigError(f"{who}: suffix {suffix!r} must not hold a path separator (it is part of the file names "
+                          f"written into the output directory)")
+
+
 def compare(input_param: Dict[str, Any], output_path: Union[str, Path], stack_mode: bool = False,
             auto_analyze: bool = True, suffix: str = "", fuzzy_match: bool = False,
             exact: Optional[bool] = None, tol: float = DEFAULT_TOL) -> DumpComparison:
@@ -496,6 +506,7 @@ def compare(input_param: Dict[str, Any], output_path: Union[str, Path], stack_mo
     if out.exists() and not out.is_dir():
         raise ConfigError(f"compare: output_path {out} is not a directory")
     tol = check_tol(tol, "compare: tol")
+    _check_suffix(suffix, "compare")
     da = open_dump(input_param["npu_pkl_path"], data_dirs[0])
     db = open_dump(input_param["bench_pkl_path"], data_dirs[1])
     cmp = compare_dumps(da, db, exact, tol)
@@ -520,8 +531,7 @@ def compare_distributed(npu_dump_dir: Union[str, Path], bench_dump_dir: Union[st
     goes before each rank's own ``_rank<N>-rank<N>``."""
     printing = kwargs.pop("is_print_compare_log", True)
     suffix = kwargs.pop("suffix", "")
-    if not isinstance(suffix, str):
-        raise ConfigError(f"compare_distributed: suffix must be a string, got {type(suffix).__name__} {suffix!r}")
+    _check_suffix(suffix, "compare_distributed")
     ra, rb = rank_dirs(npu_dump_dir), rank_dirs(bench_dump_dir)
     if not ra:
         raise TraceFormatError(f"{npu_dump_dir}: no rank<N> directories")

@@ -18,6 +18,7 @@ warning -- the entries before a kill are exactly what a user needs to compare.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -121,8 +122,17 @@ def data_dir_of(index: Path) -> Path:
 
 
 def _entry(p: Path, lineno: int, d: Dict[str, Any]) -> Dict[str, Any]:
-    if "name" not in d:
+    if not isinstance(d.get("name"), str):
         raise TraceFormatError(f"{p}:{lineno}: entry without a name")
+    for key in ("inputs", "outputs"):
+        items = d.get(key, [])
+        if not isinstance(items, list) or not all(isinstance(t, dict) for t in items):
+            raise TraceFormatError(f"{p}:{lineno}: entry {d['name']}: {key!r} must be a list of objects, got "
+                                   f"{json.dumps(items)[:60]}")
+    for key in ("op", "dir", "source"):
+        if key in d and not isinstance(d[key], str):
+            raise TraceFormatError(f"{p}:{lineno}: entry {d['name']}: {key!r} must be a string, got "
+                                   f"{json.dumps(d[key])[:60]}")
     return d
 
 

@@ -98,9 +98,21 @@ def test_json_summary(dumps, tmp_path, capsys):
     (["compare", "PICKLE", "SAME"], "a pickle file (ptdbg/msprobe?)"),
     (["compare", "HALFHEADER", "SAME"], "not a determ dump index"),
     (["compare", "SAME", "SAME", "--distributed"], "not a directory"),
+    (["compare", "BADENTRY", "SAME"], "'outputs' must be a list of objects"),
+    (["compare", "MIDDLE", "SAME"], "never past a corrupt line"),
+    (["compare", "SAME", "SAME", "-o", "OUT", "--suffix", "/../../escaped"], "must not hold a path separator"),
 ])
 def test_bad_input_exits_2_with_one_line(dumps, tmp_path, capsys, argv, needle):
     (tmp_path / "afile").write_text("")
+    lines = dumps["same"].read_text().splitlines()
+    entry = json.loads(lines[1])
+    entry["outputs"] = "zzz"  # a hand-edited index, or another tool's
+    bad_entry = tmp_path / "e" / "dump.pkl"
+    bad_entry.parent.mkdir()
+    bad_entry.write_text("\n".join([lines[0], json.dumps(entry), *lines[2:]]) + "\n")
+    middle = tmp_path / "m" / "dump.pkl"
+    middle.parent.mkdir()
+    middle.write_text("\n".join([lines[0], "{this is not json", *lines[2:]]) + "\n")
     pickle = tmp_path / "p" / "dump.pkl"
     pickle.parent.mkdir()
     pickle.write_bytes(b"\x80\x04\x95\x00\x00")
@@ -108,8 +120,10 @@ def test_bad_input_exits_2_with_one_line(dumps, tmp_path, capsys, argv, needle):
     half.parent.mkdir()
     half.write_text(dumps["same"].read_text()[:20])
     subst = {"MISSING": str(tmp_path / "missing"), "SAME": str(dumps["same"]), "AFILE": str(tmp_path / "afile"),
-             "TAG": str(dumps["same"].parent.parent), "PICKLE": str(pickle), "HALFHEADER": str(half)}
+             "TAG": str(dumps["same"].parent.parent), "PICKLE": str(pickle), "HALFHEADER": str(half),
+             "BADENTRY": str(bad_entry), "MIDDLE": str(middle), "OUT": str(tmp_path / "out" / "o")}
     assert main([subst.get(a, a) for a in argv]) == 2
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "out").exists()
     err = capsys.readouterr().err
     lines = _err_lines(err)
     assert len(lines) == 1 and lines[0].startswith("repro-tools compare: error: ") and needle in lines[0], err
