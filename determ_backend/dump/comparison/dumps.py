@@ -214,8 +214,9 @@ def _payloads(ta: Dict[str, Any], tb: Dict[str, Any], da: Dump, db: Dump):
 
 
 def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> Dict[str, List[Optional[bool]]]:
-    """Fill ``pa.rows``; returns the match verdicts of the ``inputs`` that are not parameters, of the ``params``
-    and of the ``outputs``.
+    """Fill ``pa.rows``; returns the match verdicts of the computed ``inputs``, of the ``given`` ones (weights and
+    non-tensor arguments: what the calling code hands the call, not what an earlier call computed) and of the
+    ``outputs``.
 
     Bitwise verdicts only when ``exact`` and every paired tensor of the call has the same dtype on both sides:
     a call fed a bf16 tensor on one side and fp32 on the other is judged by tolerance, outputs included."""
@@ -227,16 +228,17 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> D
         order = [t.get("name") for t in la] + [n for n in by_b if n not in by_a]
         for n in order:
             ta, tb = by_a.get(n), by_b.get(n)
-            found.append((io_, n, ta, tb, bool((ta or tb or {}).get("param"))))
+            t = ta or tb or {}
+            found.append((io_, n, ta, tb, bool(t.get("param")) or "dtype" not in t))
     api_exact = exact and all(ta is None or tb is None or ta.get("dtype") == tb.get("dtype")
                               for _, _, ta, tb, _ in found)
-    verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "params": [], "outputs": []}
-    for io_, n, ta, tb, param in found:
+    verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "given": [], "outputs": []}
+    for io_, n, ta, tb, given in found:
         row, _, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
                                 f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, api_exact, tol)
         row["_io"], row["_match"] = io_, v
         pa.rows.append(row)
-        verdicts["params" if io_ == "inputs" and param else io_].append(v)
+        verdicts["given" if io_ == "inputs" and given else io_].append(v)
     return verdicts
 
 
@@ -278,10 +280,11 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
                     _unmatched_rows(pa, e, side)
             continue
         v = _pair_tensors(pa, da, db, exact, tol)
-        # a weight that differs where nothing diverged before is where the runs part (a perturbed weight blames its
-        # first consumer); after a divergence it may be its consequence (an optimizer step updated it from a
-        # differing gradient): then it is an input that differs like any other
-        ins = all(x is True for x in v["inputs"]) and not (diverged_before and any(x is False for x in v["params"]))
+        # a weight or a non-tensor argument that differs where nothing diverged before is where the runs part (a
+        # perturbed weight blames its first consumer, gelu's approximate='tanh' the gelu); after a divergence it may
+        # be its consequence (an optimizer step updated the weight from a differing gradient, an argument came from
+        # a differing .item()): then it is an input that differs like any other
+        ins = all(x is True for x in v["inputs"]) and not (diverged_before and any(x is False for x in v["given"]))
         if str(pa.a.get("op", "")).startswith("Parameter."):
             ins = not diverged_before  # a parameter or gradient read-out depends on everything before it
         elif pa.a.get("dir") == "backward":
@@ -408,7 +411,10 @@ def analysis(cmp: DumpComparison) -> str:
         p = roots[0]
         bad = [r for r in p.rows if r["Root Cause"] == "Yes"] or p.rows
         r = bad[0]
-        lines = [f"root cause: {p.a['name']} (bench: {p.b['name']}): its inputs match but its output does not",
+        given = [row["NPU Name"] for row in p.rows if row.get("_io") == "inputs" and row.get("_match") is False]
+        lines = [f"root cause: {p.a['name']} (bench: {p.b['name']}): " +
+                 (f"its output differs, and so does what it was given ({', '.join(given)}), while nothing before it "
+                  f"diverged" if given else "its inputs match but its output does not"),
                  f"  {r['NPU Name']}: Cosine={r['Cosine']} MaxAbsErr={r['MaxAbsErr']} "
                  f"Bitwise Equal={r['Bitwise Equal']} Accuracy Reached or Not={r['Accuracy Reached or Not']}",
                  f"  at {p.a.get('source') or '?'}"]

@@ -89,6 +89,24 @@ def test_weights_an_earlier_divergence_updated_blame_none_of_their_consumers(tmp
     assert sum(1 for p in cmp.pairs if p.output_diverges) > 10  # step 2 and the updates diverge too
 
 
+@pytest.mark.parametrize("filter_switch", ["ON", "OFF"])
+def test_a_differing_non_tensor_argument_blames_its_call(tmp_path, capsys, filter_switch):
+    """gelu(approximate='tanh') in one run: the call the code hands another argument is the root cause, whether or
+    not the dump keeps non-tensor arguments."""
+    def step(approximate):
+        def run(net):
+            x, _ = batch()
+            F.gelu(net.fc1(torch.relu(net.conv(x)).flatten(1)), approximate=approximate).sum()
+        return run
+
+    a = dump_run(tmp_path, "a", make_net(), step=step("none"), filter_switch=filter_switch)
+    b = dump_run(tmp_path, "b", make_net(), step=step("tanh"), filter_switch=filter_switch)
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Functional_gelu_0_forward"]
+    if filter_switch == "OFF":
+        assert "so does what it was given (Functional_gelu_0_forward_input.approximate)" in capsys.readouterr().out
+
+
 def test_dumps_with_nothing_to_judge_are_not_shown_to_agree(tmp_path, capsys):
     """A stack-mode dump holds no values, and a run that failed at once dumped no call: neither agrees with a run."""
     from repro_tools.cli import main as cli_main
