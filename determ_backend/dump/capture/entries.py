@@ -118,11 +118,18 @@ def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data:
     """Index entries for ``items``.  ``data=False``: dtype/shape only (stack mode).  Otherwise each new
     tensor is snapshotted by ``pipeline`` and its entry gets an ``_fp`` future (hash, stats, payload) that
     the pipeline resolves before writing; tensors already seen (same object, same version) reuse theirs.
+    ``keep_non_float=False`` (the dump's filter): non-tensor values are left out, and integer and bool tensors
+    get a ``filtered`` entry with their fingerprint and statistics but no payload.
     ``refs``: filled with ``{id(entry): tensor}`` for the tensors described (the online baseline keeps some)."""
     entries: List[Dict[str, Any]] = []
     for name, v in items:
         if isinstance(v, torch.Tensor):
             if not keep_non_float and not (v.is_floating_point() or v.is_complex()):
+                # filtered out (integer ids, indices, masks): no values stored, but a fingerprint, so that a
+                # comparison knows whether the call was fed other ids instead of taking its inputs for equal
+                if data and pipeline is not None and is_data_tensor(v):
+                    entries.append({"name": name, "dtype": str(v.dtype), "shape": shape_of(v), "filtered": True,
+                                    "_fp": pipeline.fingerprint_only(v)})
                 continue
             e: Dict[str, Any] = {"name": name, "dtype": str(v.dtype), "shape": shape_of(v)}
             if isinstance(v, torch.nn.Parameter):

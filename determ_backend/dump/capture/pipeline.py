@@ -94,6 +94,7 @@ class DumpPipeline:
         self._regions: Deque[Tuple[int, int]] = collections.deque()
         self._queue: Deque[Tuple[str, Any]] = collections.deque()
         self._pending: List[Fingerprint] = []
+        self._light: List[Fingerprint] = []  # fingerprinted at commit, never stored (fingerprint_only)
         self._cond = threading.Condition()
         self._lock = threading.RLock()
         self._error: Optional[BaseException] = None
@@ -126,12 +127,25 @@ class DumpPipeline:
                 self._cond.notify_all()
             return fp
 
+    def fingerprint_only(self, t: torch.Tensor) -> Fingerprint:
+        """``t``'s fingerprint and statistics, never its bytes (a tensor the dump's filter leaves out, fingerprinted
+        so that a comparison still sees whether it differs): computed at the next :meth:`commit`."""
+        with self._lock:
+            self._raise_if_failed()
+            t = t.detach()
+            fp = Fingerprint(0, t.numel() * t.element_size(), t.dtype, list(t.shape), tensor=t)
+            self._light.append(fp)
+            return fp
+
     def commit(self) -> None:
-        """Statistics mode: fingerprint, in one batch, the tensors taken since the last commit (before the
-        recording thread goes on and they may change)."""
+        """Fingerprint, in one batch, the tensors taken since the last commit that were not snapshotted (statistics
+        mode; :meth:`fingerprint_only`), before the recording thread goes on and they may change."""
         if self._pending:
             fps, self._pending = self._pending, []
             self._resolve(fps)
+        if self._light:
+            fps, self._light = self._light, []
+            self._resolve(fps, store=False)
 
     def submit(self, entry: Dict[str, Any]) -> None:
         """Queue an index entry (its tensors' ``_fp`` futures are resolved before it is written)."""
@@ -204,12 +218,12 @@ class DumpPipeline:
             return torch.empty(fp.shape, dtype=fp.dtype)
         return self._ring[fp.pos: fp.pos + fp.n].view(fp.dtype).view(fp.shape)
 
-    def _resolve(self, fps: List[Fingerprint]) -> None:
+    def _resolve(self, fps: List[Fingerprint], store: bool = True) -> None:
         views = [self._view(f) for f in fps]
         hashes, stats = _fingerprints(views, self.stats)
         for f, h, st in zip(fps, hashes, stats):
             f.hash, f.stats = format_hash(h), st
-        if self._pack is not None:  # the batch's new tensors: one shard
+        if self._pack is not None and store:  # the batch's new tensors: one shard
             for f, span in zip(fps, self._pack.put_many([(f.hash, v) for f, v in zip(fps, views)])):
                 f.payload = list(span)
         for f in fps:

@@ -107,6 +107,28 @@ def test_a_differing_non_tensor_argument_blames_its_call(tmp_path, capsys, filte
         assert "so does what it was given (Functional_gelu_0_forward_input.approximate)" in capsys.readouterr().out
 
 
+def test_integer_inputs_the_filter_leaves_out_still_show_that_they_differ(tmp_path):
+    """With the default filter_switch="ON" integer tensors are not dumped, but fingerprinted: an embedding fed another
+    token id has inputs that differ, so it is not blamed ("its inputs match") for what the data changed."""
+    def step(changed):
+        def run(emb):
+            ids = torch.tensor([[1, 2, 3, 4]])
+            if changed:
+                ids[0, 2] = 5
+            F.embedding(ids, emb.weight).sum()
+        return run
+
+    emb = torch.nn.Embedding(8, 4)
+    a = dump_run(tmp_path, "a", emb, step=step(False), summary_only=False)
+    b = dump_run(tmp_path, "b", emb, step=step(True), summary_only=False)
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == []
+    first = cmp.first_divergence
+    assert first.name == "Functional_embedding_0_forward" and first.inputs_match is False
+    ids = next(t for t in dump.read_dump(b).by_name("Functional_embedding_0_forward")["inputs"] if t["name"] == "input.0")
+    assert ids["filtered"] and ids["hash"] and "payload" not in ids
+
+
 def test_dumps_with_nothing_to_judge_are_not_shown_to_agree(tmp_path, capsys):
     """A stack-mode dump holds no values, and a run that failed at once dumped no call: neither agrees with a run."""
     from repro_tools.cli import main as cli_main
