@@ -9,7 +9,8 @@ modes' ``check_nan`` and the API dump's overflow check all decide with :func:`cr
 using the nan/inf counts the trace's statistics already hold (no extra pass over the data);
 :func:`causal_creations` keeps as root causes the creations of one graph call whose NaN/Inf
 reaches an output of the graph holding a NaN (an intentional ``-inf`` attention mask, even one
-a training graph saves for its backward, is a masked creation, not a finding).
+a training graph saves for its backward, is a masked creation, not a finding); :class:`NanLedWatch`
+does the same for a stream without outputs (the eager modes): a creation counts once a NaN comes of it.
 :func:`first_created` applies it to the node values of an eager replay, to name the op inside
 a fused kernel.
 """
@@ -22,7 +23,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
-__all__ = ["creates", "nonfinite", "nonfinite_count", "Creation", "NonfiniteWatch", "causal_creations",
+__all__ = ["creates", "nonfinite", "nonfinite_count", "Creation", "NonfiniteWatch", "NanLedWatch",
+           "causal_creations",
            "first_created", "value_range", "input_ranges"]
 
 
@@ -122,6 +124,54 @@ class NonfiniteWatch:
     def nans(self, node: str) -> int:
         """NaN elements of a record fed (0 when not known)."""
         return int((self._seen.get(node) or {}).get("nan") or 0)
+
+
+class NanLedWatch:
+    """:class:`NonfiniteWatch` for a stream with no graph outputs (the eager modes): the creations that lead to a
+    NaN, as :func:`causal_creations` keeps them for a graph.  A creation holding a NaN is one at once; one holding
+    only an Inf (an intentional ``-inf`` attention mask, an Inf that a relu's backward drops) is one once a record
+    holding a NaN descends from it through records holding a NaN or an Inf, and until then it is :attr:`masked`."""
+
+    _ORIGINS = 16  # pending creations remembered per record (a record descends from few)
+
+    def __init__(self, limit: int = 1 << 16):
+        self.watch = NonfiniteWatch(limit)
+        self._pending: Dict[str, Creation] = {}  # node -> an Inf-only creation no NaN descends from yet
+        self._origins: Dict[str, tuple] = {}  # node of a record holding NaN/Inf -> the pending creations it carries
+
+    @property
+    def masked(self) -> List[Creation]:
+        """Inf-only creations from which no NaN has descended (so far)."""
+        return list(self._pending.values())
+
+    def feed(self, records: Iterable[Any]) -> List[Creation]:
+        """The creations that lead to a NaN, as they become known (in the order they do)."""
+        out: List[Creation] = []
+        watch, origins, pending = self.watch, self._origins, self._pending
+        for r in records:
+            found = watch.feed([r])
+            if found:
+                c = found[0]
+                if c.nan:
+                    out.append(c)
+                else:
+                    pending[r.node] = c
+                    origins[r.node] = (r.node,)
+                continue
+            if not watch.holds(r.node):
+                continue
+            carried = tuple(dict.fromkeys(o for i in r.inputs for o in origins.get(i, ()) if o in pending))
+            if watch.nans(r.node):
+                out.extend(pending.pop(o) for o in carried)
+            elif carried:
+                origins[r.node] = carried[: self._ORIGINS]
+        if len(origins) > watch.limit:
+            for k in list(origins)[: len(origins) - watch.limit // 2]:
+                del origins[k]
+        if len(pending) > watch.limit:
+            for k in list(pending)[: len(pending) - watch.limit // 2]:
+                del pending[k]
+        return out
 
 
 def causal_creations(records: Sequence[Any], is_output: Callable[[Any], bool]) -> Tuple[List[Creation], List[Creation]]:

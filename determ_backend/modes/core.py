@@ -39,7 +39,7 @@ from determ_backend.modes._record import OpEvent, OpRecorder
 from determ_backend.modes.ops import wait_collective
 from determ_backend.modes._args import check_bool as _check_bool, check_count as _check_count, check_path as _check_path
 from determ_backend.errors import ConfigError
-from determ_backend.compare.nonfinite import Creation, NonfiniteWatch, input_ranges
+from determ_backend.compare.nonfinite import Creation, NanLedWatch, input_ranges
 from determ_backend.trace.stream import Record, TraceWriter
 
 __all__ = ["HashMode", "HashDebugTrace", "BitwiseEquivalenceMode", "read_hash_log", "read_hash_log_file"]
@@ -107,7 +107,9 @@ class HashMode(_compat.TorchDispatchMode):
             tensor a CPU tensor the native kernel read) is handed on after 64 records.
         check_nan: name the ops that create a NaN/Inf from finite inputs (implies ``stats``): each creating
             op is logged once, as the backends' ``DETERM_CHECK=nan`` does, and kept in :attr:`nan_creations`
-            (:class:`~determ_backend.compare.nonfinite.Creation`); ops that carry one along are not named.
+            (:class:`~determ_backend.compare.nonfinite.Creation`); ops that carry one along are not named.  As
+            there, an Inf alone is often meant (a ``-inf`` attention mask a softmax turns into 0): an op that
+            creates only an Inf is named once a NaN comes of it, and is :attr:`masked_creations` until then.
 
     Use as a context manager, or :meth:`enable` / :meth:`disable` around regions and
     :meth:`close` at the end.  :attr:`records` is complete after :meth:`flush`.
@@ -122,7 +124,7 @@ class HashMode(_compat.TorchDispatchMode):
         _check_bool(stats=stats, keep_records=keep_records, check_nan=check_nan)
         stats = stats or check_nan  # the rule reads the nan/inf counts of the statistics
         self.nan_creations: List[Creation] = []
-        self._nan_watch: Optional[NonfiniteWatch] = NonfiniteWatch() if check_nan else None
+        self._nan_watch: Optional[NanLedWatch] = NanLedWatch() if check_nan else None
         self._nan_named: set = set()
         if run is not None and not isinstance(run, str):
             raise ConfigError(f"run={run!r}: expected a string or None")
@@ -308,12 +310,19 @@ class HashMode(_compat.TorchDispatchMode):
             self._writer.close(aborted)
             self._writer = None
 
+    @property
+    def masked_creations(self) -> List[Creation]:
+        """``check_nan``: the ops that created only an Inf from which no NaN has come (so far)."""
+        return self._nan_watch.masked if self._nan_watch is not None else []
+
     def summary(self) -> List[str]:
         lines = [f"records: {self._recorder.seq}"]
         if self._nan_watch is not None:
             first = self.nan_creations[0].record if self.nan_creations else None
             lines.append(f"NaN/Inf created by {len(self.nan_creations)} op(s)" +
                          (f"; first: {first.node} ({first.op}) at {first.source}" if first else ""))
+            if self.masked_creations:
+                lines.append(f"{len(self.masked_creations)} op(s) created an Inf no NaN came of (masked, not named)")
         return lines + self._notes()
 
     def _notes(self) -> List[str]:
