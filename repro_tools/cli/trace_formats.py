@@ -1,6 +1,7 @@
 """Loading any trace-like file the CLI accepts: determ JSONL traces and run
-directories, and ``HashDebugTrace`` text logs (``*.log``, or any file whose first
-line is the log's magic line); other producers register a loader here."""
+directories, and ``HashDebugTrace`` text logs (any file whose first line is the log's
+magic line, or a ``*.log`` file that holds no JSONL trace); decided by content, not
+by name; other producers register a loader here."""
 
 from __future__ import annotations
 
@@ -10,21 +11,43 @@ from typing import Callable, List, Tuple
 from determ_backend.errors import TraceFormatError
 from determ_backend.trace.stream import Record, TraceFile, read_trace_file
 
-__all__ = ["load_any", "load_file", "LOADERS"]
+__all__ = ["load_any", "load_file", "is_trace_file", "LOADERS"]
+
+
+def _first_line(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.readline(4096).rstrip(b"\r\n")
+    except OSError as e:
+        raise TraceFormatError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def _is_text_log(path: Path) -> bool:
+    """A text log by its first line; a ``*.log`` file that is no JSONL trace either (read as a log, to be told
+    what is wrong with it).  Not by name alone: a JSONL trace saved as ``run.log`` is a trace."""
     from determ_backend.modes.log import MAGIC
 
     if not path.is_file():
         return False
-    if path.suffix == ".log":
+    first = _first_line(path)
+    if first == MAGIC.encode():
         return True
-    try:
-        with open(path, "rb") as f:
-            return f.readline().rstrip(b"\r\n") == MAGIC.encode()
-    except OSError as e:
-        raise TraceFormatError(f"{path}: cannot read ({e.strerror})") from None
+    return path.suffix == ".log" and not _is_jsonl_trace_line(first)
+
+
+def _is_jsonl_trace_line(first: bytes) -> bool:
+    return first.startswith(b"{") and b'"determ-trace"' in first
+
+
+def is_trace_file(path: Path) -> bool:
+    """Whether ``path`` is a file holding a trace by its content: a JSONL trace's header, or a text log's magic
+    line (whatever its name)."""
+    from determ_backend.modes.log import MAGIC
+
+    if not path.is_file():
+        return False
+    first = _first_line(path)
+    return first == MAGIC.encode() or _is_jsonl_trace_line(first)
 
 
 def _load_text_log(path: Path, allow_partial: bool) -> TraceFile:

@@ -80,13 +80,19 @@ def detect(paths: Sequence[str]) -> str:
             return "trace"
     elif p.suffix == ".csv":
         return "compare"
-    elif p.suffix == ".jsonl":
+    elif p.suffix == ".jsonl" or _is_trace_file(p):
         return "trace"
     if _is_dump(p):
         raise ConfigError(f"{paths[0]}: one API dump; expected two (the dump under test and the benchmark) or a "
                           "compare output directory")
     raise ConfigError(f"{paths[0]}: not a determ result; expected a run directory (report.json), a trace, an "
                       "xdevice, compare or minify output directory, or two traces or dumps")
+
+
+def _is_trace_file(p: Path) -> bool:
+    from repro_tools.cli.trace_formats import is_trace_file
+
+    return is_trace_file(p)
 
 
 def build(paths: Sequence[str], tol: Optional[float] = None) -> Report:
@@ -243,8 +249,13 @@ def _load_trace(paths: List[str]) -> Report:
 
     tf = load_file(paths[0], allow_partial=True)
     rows = rows_from_records(tf.records)
+    state = "" if tf.complete else " (incomplete: its producer stopped before closing it)"
+    if tf.limited:
+        state += f" ({tf.limited})"
+    if state:
+        log.warning("%s: %s", paths[0], state.strip(" ()"))
     return _finish(Report(kind="trace", title=f"determ trace {tf.path}", inputs=paths,
-                          checked=f"one trace, {len(tf.records)} records: nothing compared",
+                          checked=f"one trace, {len(tf.records)} records{state}: nothing compared",
                           divergent=False, verdict="one trace: compare it with another (two paths) for a verdict",
                           rows=rows, series=["NaN + Inf values (statistics)", ""]))
 

@@ -127,6 +127,31 @@ def test_a_single_trace_renders_without_a_verdict(tmp_path):
     a = _determinism_run(tmp_path, "a", check="")
     rep = build([str(a / "trace.jsonl")])
     assert rep.kind == "trace" and not rep.divergent and rep.rows and rep.root is None
+    assert "incomplete" not in rep.checked
+
+
+def test_a_single_incomplete_trace_says_so_and_traces_are_known_by_content(tmp_path, caplog, capsys):
+    """A trace whose producer died is read up to its last line and the page says it is incomplete; a JSONL trace
+    saved as ``*.log`` and a text log given alone are traces, whatever their names."""
+    from determ_backend.modes.core import HashDebugTrace, HashMode
+
+    x = torch.randn(4, 4)
+    with HashMode(trace_path=tmp_path / "t.jsonl"):
+        (x @ x).relu()
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:-1]) + "\n")  # no end line: the producer was killed
+    rep = build([str(cut)])
+    assert rep.kind == "trace" and "incomplete" in rep.checked and "incomplete" in render(rep)
+    assert "incomplete" in caplog.text
+    named_log = tmp_path / "hm.log"
+    named_log.write_text((tmp_path / "t.jsonl").read_text())
+    assert main(["diff", str(named_log), str(named_log)]) == 0
+    with HashDebugTrace(log_path=tmp_path / "h.log"):
+        (x @ x).relu()
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "h.log"), "-o", str(tmp_path / "h.html")]) == 0
+    assert build([str(tmp_path / "h.log")]).kind == "trace"
 
 
 @pytest.fixture(scope="module")
