@@ -273,6 +273,27 @@ class _Planner:
             self._ancestors[n.name] = seen
         return self._ancestors[n.name]
 
+    def producers_first(self, indices: List[int]) -> List[int]:
+        """Positions in ``indices`` (the buffers one launch writes, in argument order) in an order where a buffer
+        comes after the siblings its node depends on: the records then follow the graph (a consumer recorded
+        before the buffer it reads took that input for one not seen yet, and the nan check named it)."""
+        order = list(range(len(indices)))
+        nodes = {k: self.fx_of.get(i) for k, i in enumerate(indices)}
+        if sum(n is not None for n in nodes.values()) < 2:
+            return order
+        out: List[int] = []
+        while order:
+            for k in order:
+                n = nodes[k]
+                up = self.ancestors(n) if n is not None else set()
+                if not any(nodes[j] is not None and nodes[j].name in up for j in order if j != k):
+                    break
+            else:  # a cycle cannot be (nodes of a graph): keep the launch's order
+                return out + order
+            order.remove(k)
+            out.append(k)
+        return out
+
     def link_siblings(self, indices: List[int]) -> None:
         """One kernel launch that writes several buffers computes them in one body: a buffer whose node
         depends on a sibling's node reads that sibling's value inside the kernel (a pooling fused after the
@@ -358,14 +379,13 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
         # a generated or extern kernel writes exactly its output arguments; anything else may write what it names
         pure = bool(writes) and (writes[0][1] in pl.kernels or writes[0][1].startswith("extern_kernels."))
         pl.forget(stripped, keep=[n for _, _, ins in writes for n in ins] if pure else ())
-        added = []
-        for (var, kernel, _), ins in zip(writes, resolved):
-            i = pl.add(var, kernel, ins)
-            added.append(i)
-            out.append(f"{pad}_determ_capture({i}, {var})")
-            pl.current[var] = i
+        added = [pl.add(var, kernel, ins) for (var, kernel, _), ins in zip(writes, resolved)]
         if len(added) > 1:
             pl.link_siblings(added)
+        for k in pl.producers_first(added):
+            var, i = writes[k][0], added[k]
+            out.append(f"{pad}_determ_capture({i}, {var})")
+            pl.current[var] = i
         if writes:
             pl.pending_comment = []
     _name_last_writes(pl.infos)

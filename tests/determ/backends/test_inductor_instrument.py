@@ -55,6 +55,18 @@ def test_a_buffer_computed_from_a_sibling_in_the_same_kernel_depends_on_it():
     assert by_node["output.0"].inputs == ("pool",)
 
 
+def test_siblings_are_recorded_after_the_siblings_they_read():
+    """The launch writes the pooling's buffer first and the relu's second (argument order); the records must follow
+    the graph, the relu before the pooling that reads it: the nan check, seeing the pooling first, took its input
+    for one not seen yet and named the pooling (a compiled RMSNorm of every Llama-like model in training)."""
+    origins = {"buf0": {"origin": "pool", "origins": ["pool", "relu"]}, "buf1": {"origin": "relu", "origins": ["relu"]}}
+    plan = plan_call(_WRAPPER, _gm(), origins, display={})
+    at = {i.node: k for k, i in enumerate(plan.infos)}
+    captures = [ln.strip() for ln in plan.source.splitlines() if ln.strip().startswith("_determ_capture(")]
+    assert [c for c in captures if "buf" in c][:2] == [f"_determ_capture({at['relu']}, buf1)", f"_determ_capture({at['pool']}, buf0)"]
+    assert plan.infos[at["pool"]].inputs == ("arg0_1", "relu")
+
+
 def test_siblings_that_do_not_depend_on_each_other_stay_apart():
     origins = {"buf0": {"origin": "relu", "origins": ["relu"]}, "buf1": {"origin": "neg", "origins": ["neg"]}}
     g = fx.Graph()
