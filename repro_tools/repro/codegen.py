@@ -38,6 +38,18 @@ log = logging.getLogger(__name__)
 _BUILTIN_NAMESPACES = {"aten", "prims", "quantized", "higher_order", "_c10d_functional", "c10d_functional",
                        "_dtensor", "inductor", "profiler", "debugprims", "rngprims", "_quantized", "quantized_decomposed"}
 _CALL_OPS = ("call_function", "call_method", "call_module")
+
+
+def call_key(kind: str, target: Any) -> str:
+    """What a call node calls, as text that is the same for the graph a script was written from and for the graph
+    traced back from the script (``call_function:torch.nn.functional.relu``, ``call_method:view``): a script's
+    ``NODES`` entry goes to the node that makes the same call, not merely the next one."""
+    if isinstance(target, str):
+        return f"{kind}:{target}"
+    if tc.is_op_overload(target) or tc.is_op_overload_packet(target):
+        return f"{kind}:{target}"
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    return f"{kind}:{getattr(target, '__module__', None) or ''}.{name}"
 _RUNTIME = [Path(__file__).with_name("_inputs.py"), Path(__file__).with_name("_harness.py")]
 _HEADER = "import torch\nimport torch.fx\nfrom torch import device\n"
 
@@ -103,8 +115,8 @@ class CodeWriter:
                 self.imports.setdefault(k, line)
         self._scan_custom_ops(gm)
         if not prefix:
-            self.nodes = [[n.name, _last_frame(n.meta["stack_trace"]) if n.meta.get("stack_trace") else None]
-                          for n in gm.graph.nodes if n.op in _CALL_OPS]
+            self.nodes = [[n.name, _last_frame(n.meta["stack_trace"]) if n.meta.get("stack_trace") else None,
+                           call_key(n.op, n.target)] for n in gm.graph.nodes if n.op in _CALL_OPS]
         init = self._init_lines(gm, prefix)
         body = "\n".join("    " + ln if ln.strip() else "" for ln in code.src.strip("\n").splitlines())
         src = f"class {cls_name}(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
@@ -230,7 +242,7 @@ def script_text(m: Dict[str, Any], specs: List[Dict[str, Any]], writer: CodeWrit
              "META = " + pprint.pformat(m, width=110, sort_dicts=True) + "\n",
              "INPUTS = " + pprint.pformat(specs, width=110) + "\n",
              "ATTRS = " + pprint.pformat(writer.attrs, width=110) + "\n",
-             "NODES = " + pprint.pformat(writer.nodes, width=110) + "  # [node name, user source line], in order\n",
+             "NODES = " + pprint.pformat(writer.nodes, width=110) + "  # [node name, user source line, call], in order\n",
              _config_function({"inductor": m.get("config", {}), **m.get("config_other", {})}),
              *writer.classes,
              "\n# ---- runtime (written by determ's repro_tools; needs only torch) ----\n" + _runtime_source(),

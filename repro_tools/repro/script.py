@@ -38,7 +38,7 @@ from determ_backend.errors import ReproError
 from determ_backend.trace.stream import atomic_write_text
 
 from repro_tools.repro._inputs import ReproTracer
-from repro_tools.repro.codegen import CodeWriter, script_text
+from repro_tools.repro.codegen import CodeWriter, call_key, script_text
 from repro_tools.repro.store import STORE_NAME, StoreWriter, copy_store_files, describe_value, json_safe
 
 __all__ = ["write_repro", "load_repro", "read_meta", "repro_class_span", "add_sys_path", "import_script", "copy_repro", "capture_compile_config", "capture_env",
@@ -264,7 +264,10 @@ class _NamingTracer(ReproTracer):
     Names are handed out in call order, so every call of the script must become a node: an op
     whose arguments hold no traced value (``iota``, ``full``, ``rand`` and what is computed from
     them) is recorded as a call too, not run while tracing and folded into a constant, which
-    would also shift every later node's name onto another op."""
+    would also shift every later node's name onto another op.  A call that still runs while tracing
+    (``torch._C._log_api_usage_once(...)``, ``torch._C._set_grad_enabled(False)`` of a graph after dynamo)
+    makes no node: an entry that names its call (written since) goes to the next node making that call, and
+    the entries of calls that made no node are passed over."""
 
     def __init__(self, nodes: Sequence[Sequence[Any]]):
         super().__init__()
@@ -277,7 +280,11 @@ class _NamingTracer(ReproTracer):
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         src = None
         if kind in ("call_function", "call_method", "call_module") and self._pending:
-            name, src = self._pending.pop(0)
+            key = call_key(kind, target)
+            k = next((j for j, n in enumerate(self._pending) if len(n) < 3 or n[2] == key), None)
+            if k is not None:
+                name, src = self._pending[k][:2]
+                del self._pending[: k + 1]
         node = super().create_node(kind, target, args, kwargs, name, None if isinstance(type_expr, str) else type_expr)
         if src:
             node.meta["stack_trace"] = src

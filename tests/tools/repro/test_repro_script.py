@@ -379,3 +379,35 @@ def test_a_buffer_updated_in_place_is_traced_back_as_an_update(tmp_path):
     for k in (1, 2):
         (out,) = gm(*inputs)
         assert gm.step.item() == k and torch.allclose(out, torch.full((2,), 1 - 0.9 ** k))
+
+
+class _BuildsAModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        act = torch.nn.ReLU()  # dynamo keeps torch._C._log_api_usage_once(...) for it: a call that makes no node
+        h = self.l1(x) * 2.0
+        with torch.no_grad():  # _set_grad_enabled(False), (True): calls on constants too
+            s = h.sum()
+        return act(h) + s
+
+
+def test_a_script_traced_back_names_each_node_after_the_call_it_was(tmp_path):
+    """Calls on constants alone run while the script is traced back and make no node: every later node took the
+    name and source line of the node before it (a repro blamed the mul's line for the relu)."""
+    gm, inputs = capture_graph(_BuildsAModule(), torch.randn(4, 8))
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch._C._log_api_usage_once in targets and torch._C._set_grad_enabled in targets
+    gm2, _, _ = load_repro(write_repro(gm, inputs, tmp_path / "repro.py"))
+    before = {n.name: n.target for n in gm.graph.nodes if n.op == "call_function"}
+    after = {n.name: n for n in gm2.graph.nodes if n.op == "call_function"}
+    assert after and all(before.get(name) is n.target for name, n in after.items())  # each name on its own call
+    relu = next(n for n in after.values() if n.target is torch.nn.functional.relu)
+    assert f"test_repro_script.py\", line {_line_of('return act(h) + s')}" in relu.meta["stack_trace"]
+
+
+def _line_of(text: str) -> int:
+    with open(__file__, encoding="utf-8") as f:
+        return next(i for i, ln in enumerate(f, 1) if text in ln and "_line_of" not in ln)
