@@ -55,7 +55,7 @@ from determ_backend.backends import flows, narrow
 from determ_backend.backends.extract import node_draws
 from determ_backend.compare import (Comparison, Pair, align, batch_rows, close_to_scale, compare_traces, dtype_tol,
                                     find_roots, is_float, is_output, judge, rmse, sub_batches, tensor_metrics)
-from determ_backend.compare.nonfinite import causal_creations, first_created
+from determ_backend.compare.nonfinite import causal_creations, first_created, nonfinite_sources
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, first_line
 from determ_backend.backends.eager import replay
@@ -495,6 +495,7 @@ class GraphExec:
                                                       "source": m.source, "note": "NaN/Inf created here reaches no "
                                                       "output of the graph"}]})
         if not found:
+            self._note_sources(result)
             return
         c = found[0]
         rec = c.record
@@ -516,6 +517,26 @@ class GraphExec:
         if intact:
             summary["repro"] = self._write_repro("nan", args)
         self.run.add_finding("nan", summary)
+
+    def _note_sources(self, result: CallResult) -> None:
+        """No node of the graph created the NaN at its output: it came in with an input or a parameter (a weight
+        holding an Inf).  Said once per input, in a note and a warning: the check finds nothing to blame here.
+        Not said once a node was named: a graph fed what an earlier graph created is explained by it."""
+        if any(f.get("check") == "nan" for f in self.run.findings):
+            return
+        for r in nonfinite_sources(result.records, is_output):
+            key = ("source", r.graph, r.stage, r.node)
+            if key in self._created:
+                continue
+            self._created.add(key)
+            st = r.stats or {}
+            nan, inf = int(st.get("nan") or 0), int(st.get("inf") or 0)
+            notice = (f"a NaN at an output of graph={r.graph} stage={r.stage} comes from {r.kind} {r.node}, which "
+                      f"holds {nan} NaN and {inf} Inf when the graph is called: no node of the graph created it "
+                      f"(look where that value was made)")
+            self.run.add_notice("nan", notice, graph=r.graph, stage=r.stage, node=r.node, kind=r.kind,
+                                metrics={"nan": nan, "inf": inf})
+            log.warning("determ nan: %s", notice)
 
     def _created_inside(self, rec: Record, result: CallResult, args: List[Any], rng_state,
                         intact: bool) -> Optional[Dict[str, Any]]:

@@ -267,6 +267,15 @@ class Run:
                      n.get("node"), n.get("op"), n.get("source") or "")
         self._write_report()
 
+    def add_notice(self, check: str, notice: str, **details: Any) -> None:
+        """Something ``check`` saw that is no finding and no masked divergence (a NaN that came in with a
+        parameter): a note in ``report.json``; the caller logs it."""
+        with self._lock:
+            if len(self.notes) >= _MAX_NOTES:
+                return
+            self.notes.append({"check": check, "notice": notice, **details})
+        self._write_report()
+
     def add_skip(self, check: str, detail: str) -> None:
         """``check`` does not apply to a graph (say why, once): a note in ``report.json`` and one INFO line."""
         with self._lock:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 
 __all__ = ["creates", "nonfinite", "nonfinite_count", "Creation", "NonfiniteWatch", "NanLedWatch",
-           "causal_creations",
+           "causal_creations", "nonfinite_sources",
            "first_created", "value_range", "input_ranges"]
 
 
@@ -179,6 +179,17 @@ def causal_creations(records: Sequence[Any], is_output: Callable[[Any], bool]) -
     holds a NaN (walking back through records that hold a NaN or an Inf), and those that reach none -- an Inf
     that a softmax turns into 0, a NaN a ``where`` drops, an Inf mask saved for the backward: created, but
     harmless here."""
+    roots, masked, _ = _causal(records, is_output)
+    return roots, masked
+
+
+def nonfinite_sources(records: Sequence[Any], is_output: Callable[[Any], bool]) -> List[Any]:
+    """The ``input``/``param`` records of one graph call that hold a NaN/Inf reaching an output of the graph that
+    holds a NaN: where a NaN came from when the graph created none (a weight that holds an Inf)."""
+    return _causal(records, is_output)[2]
+
+
+def _causal(records: Sequence[Any], is_output: Callable[[Any], bool]) -> Tuple[List[Creation], List[Creation], List[Any]]:
     watch = NonfiniteWatch(limit=max(1 << 16, 2 * len(records)))
     found = watch.feed(records)
     by_node = {r.node: r for r in records}
@@ -195,7 +206,8 @@ def causal_creations(records: Sequence[Any], is_output: Callable[[Any], bool]) -
         if r is not None:
             todo.extend(i for i in r.inputs if watch.holds(i))
     roots = [c for c in found if c.record.node in live]
-    return roots, [c for c in found if c.record.node not in live]
+    sources = [r for r in records if r.kind in ("input", "param") and r.node in live]
+    return roots, [c for c in found if c.record.node not in live], sources
 
 
 def _leaves(values: Iterable[Any], out: List[Any]) -> List[Any]:

@@ -225,6 +225,8 @@ def _load_run(paths: List[str]) -> Report:
     for n in rep_json.get("notes") or []:
         if n.get("skipped"):
             rep.notes.append(f"{n.get('check')}: skipped {n['skipped']}")
+        if n.get("notice"):
+            rep.notes.append(f"{n.get('check')}: {n['notice']}")
         for m in n.get("masked") or []:
             rep.notes.append(f"{n.get('check')}: masked divergence at {m.get('node')} ({m.get('op')}) "
                              f"{m.get('source') or ''}: reaches no failing output")

@@ -190,3 +190,19 @@ def test_a_keyword_tensor_of_an_extern_kernel_is_its_input_and_the_mask_is_named
     assert "scaled_dot_product" not in fd[0]["op"]  # the attention only consumed the NaN it was given
     assert fd[0]["source"].startswith(_line(NanMaskIntoAttention, "# the creator"))
     assert report["checker_errors"] == []
+
+
+def test_a_nan_that_comes_in_with_a_parameter_is_said_not_blamed(tmp_path, caplog):
+    """One weight entry holds an Inf: every output is NaN, and no node of the graph created it.  The run names no
+    node, but says where the NaN came from (it said nothing at all)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        m[0].weight[0, 0] = float("inf")
+        y, run_dir = compile_run(m, (torch.randn(4, 8),), "determ_aot_eager", tmp_path, "p", check="nan")
+    assert y.isnan().any()
+    _, rep = load(run_dir)
+    assert not rep["divergent"] and not rep["findings"]
+    (note,) = [n for n in rep["notes"] if n.get("notice")]
+    assert (note["node"], note["kind"], note["metrics"]) == ("0.weight", "param", {"nan": 0, "inf": 1})
+    assert "comes from param 0.weight" in caplog.text
