@@ -88,7 +88,30 @@ def align(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
 def _align_group(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
     if len(a) == len(b) and all(x.node == y.node and x.signature == y.signature for x, y in zip(a, b)):
         return [Pair(x, y) for x, y in zip(a, b)]
-    return _by_inputs(_align_by_sequence(a, b))
+    pairs = _by_inputs(_align_by_sequence(a, b))
+    return _same_name_other_shape(pairs) if _located(a) and _located(b) else pairs
+
+
+def _same_name_other_shape(pairs: List[Pair]) -> List[Pair]:
+    """Pair the records of one name left alone because their shapes differ, when they consume the same values (the
+    partners of A's record's inputs are B's record's inputs): one value computed to another shape (a slice one row
+    longer), a divergence to report, not two ops each run ran alone.  A name that moved to a value made from other
+    inputs (an extra call renumbered the names after it) stays unpaired."""
+    lone_b = {p.b.node: p for p in pairs if p.a is None and p.b is not None}
+    if not lone_b:
+        return pairs
+    partner = {p.a.node: p.b.node for p in pairs if p.paired}
+    for p in pairs:
+        a = p.a
+        if a is None or p.b is not None or not a.inputs:
+            continue
+        q = lone_b.get(a.node)
+        if q is None or q.b.op != a.op or tuple(partner.get(n) for n in a.inputs) != tuple(q.b.inputs):
+            continue
+        p.b, q.b = q.b, None
+        del lone_b[a.node]
+        partner[a.node] = p.b.node
+    return [p for p in pairs if p.a is not None or p.b is not None]
 
 
 class _Side:

@@ -31,6 +31,7 @@ from determ_backend.errors import ConfigError, DetermError
 from determ_backend.trace.store import PackWriter
 from determ_backend.trace.stream import atomic_write_text
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
+from determ_backend.dump.comparison.dumps import is_given
 from determ_backend.dump.comparison.metrics import tensor_record
 
 __all__ = ["OnlineBaseline", "REPORT_FILE"]
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 REPORT_FILE = "online_compare.json"
 _FIRST = 20  # divergent records listed in the report
+_REMEMBERED = 1 << 16  # forward calls with differing inputs remembered for their backward
 
 
 def _resolve_index(bench: Path, step: int, rank: int) -> Path:
@@ -71,6 +73,9 @@ class OnlineBaseline:
         self._device: Optional[str] = None
         self._pack: Optional[PackWriter] = None
         self._lock = threading.Lock()
+        self._diverged_before = False
+        # forward calls whose inputs differ (their backward is no root cause), the most recent _REMEMBERED
+        self._forward_differs: Dict[str, None] = {}
         self.off = False
         """Set when the check itself failed (reported once): the dump goes on without it."""
 
@@ -89,12 +94,18 @@ class OnlineBaseline:
             return None
         return dtype_tol(DEFAULT_TOL, ta.get("dtype"), tb.get("dtype"))
 
-    def _agree(self, io: str, entry: Dict[str, Any], ref: Dict[str, Any]) -> List[bool]:
+    def _agree(self, io: str, entry: Dict[str, Any], ref: Dict[str, Any], given: Optional[bool] = None) -> List[bool]:
+        """Verdicts of ``entry``'s ``io`` tensors against the reference's; ``given``: only the inputs that are
+        (True) or are not (False) weights and non-tensor arguments (:func:`~..comparison.dumps.is_given`)."""
         theirs = {t.get("name"): t for t in ref.get(io, [])}
         out = []
         for t in entry.get(io, []):
             r = theirs.get(t.get("name"))
-            if "dtype" not in t or t.get("param") and io == "inputs":
+            if given is not None and is_given(t) != given:
+                continue
+            if "dtype" not in t:
+                if "type" in t and r is not None:  # a non-tensor argument: its value
+                    out.append(t.get("value") == r.get("value") and t.get("type") == r.get("type"))
                 continue
             if r is None or "dtype" not in r:
                 out.append(False)
@@ -129,11 +140,27 @@ class OnlineBaseline:
             if ref is None:
                 self.unmatched += 1
                 return None
+            ins = all(self._agree("inputs", entry, ref, given=False))
+            # compare's rules (comparison.dumps.compare_dumps): a weight or argument that differs blames its call only
+            # where nothing diverged before; a parameter read-out depends on everything before it; a backward call
+            # is no root cause when its forward's inputs differed
+            if ins and self._diverged_before and not all(self._agree("inputs", entry, ref, given=True)):
+                ins = False
+            name = entry["name"]
+            if str(entry.get("op", "")).startswith("Parameter."):
+                ins = not self._diverged_before
+            elif entry.get("dir") == "backward":
+                ins = ins and name[: -len("backward")] + "forward" not in self._forward_differs
+            elif not ins:
+                self._forward_differs[name] = None
+                if len(self._forward_differs) > _REMEMBERED:
+                    for k in list(self._forward_differs)[: _REMEMBERED // 2]:
+                        del self._forward_differs[k]
             outs = self._agree("outputs", entry, ref)
             if all(outs):
                 return None
-            ins = self._agree("inputs", entry, ref)
-            verdict = "root_cause" if all(ins) else "diverged"
+            self._diverged_before = True
+            verdict = "root_cause" if ins else "diverged"
             finding = {"name": entry["name"], "verdict": verdict, "source": entry.get("source")}
             self.divergent += 1
             if len(self.first) < _FIRST:

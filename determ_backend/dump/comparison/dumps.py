@@ -213,6 +213,13 @@ def _payloads(ta: Dict[str, Any], tb: Dict[str, Any], da: Dump, db: Dump):
         raise
 
 
+def is_given(t: Dict[str, Any]) -> bool:
+    """Whether a call's argument entry is one the calling code hands it rather than one an earlier call computed:
+    a weight, or a non-tensor value (an entry with a ``type`` and no ``dtype``).  A tensor whose producer is not
+    known (a compiled node's unattributed input) is not: it counts as a computed input not shown to agree."""
+    return bool(t.get("param")) or ("type" in t and "dtype" not in t)
+
+
 def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> Dict[str, List[Optional[bool]]]:
     """Fill ``pa.rows``; returns the match verdicts of the computed ``inputs``, of the ``given`` ones (weights and
     non-tensor arguments: what the calling code hands the call, not what an earlier call computed) and of the
@@ -229,7 +236,7 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> D
         for n in order:
             ta, tb = by_a.get(n), by_b.get(n)
             t = ta or tb or {}
-            found.append((io_, n, ta, tb, bool(t.get("param")) or "dtype" not in t))
+            found.append((io_, n, ta, tb, is_given(t)))
     api_exact = exact and all(ta is None or tb is None or ta.get("dtype") == tb.get("dtype")
                               for _, _, ta, tb, _ in found)
     verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "given": [], "outputs": []}

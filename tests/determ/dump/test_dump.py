@@ -603,3 +603,15 @@ def test_inference_and_nested_tensors_are_dumped_without_breaking_the_call(tmp_p
     idx = dump_run(tmp_path, "u", net, step=lambda n: got.setdefault("out", n(x)))
     assert torch.equal(got["out"][0], want[0]) and torch.equal(got["out"][1], want[1])
     assert any(e["name"].startswith("Tensor_mul") for e in dump.read_dump(idx).entries)
+
+
+def test_what_a_call_is_given_and_what_it_computes():
+    """Weights and non-tensor arguments are given (blamed where nothing diverged before); a tensor whose producer
+    the backend's trace does not attribute is computed, its verdict unknown (never taken for agreeing)."""
+    from determ_backend.dump.comparison.dumps import is_given
+
+    assert is_given({"name": "input.1", "dtype": "torch.float32", "shape": [4], "param": True})
+    assert is_given({"name": "approximate", "type": "str", "value": "tanh"})
+    assert is_given({"name": "input.2", "type": "None"})
+    assert not is_given({"name": "input.0", "dtype": "torch.float32", "shape": [4]})
+    assert not is_given({"name": "input.0", "node": "buf3", "unresolved": True})

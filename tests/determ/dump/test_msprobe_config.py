@@ -155,3 +155,31 @@ def test_a_failing_online_check_is_one_error_line_and_the_dump_goes_on(tmp_path,
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == ["determ dump: the online baseline failed (RuntimeError: boom) and is off for this dump"]
     assert _names(new) == _names(ref)  # the dump itself is whole
+
+
+def test_online_baseline_judges_as_compare_does(tmp_path):
+    """One token id changed: the embedding's inputs differ, and so do its backward's and every later call's; online
+    and compare agree that no call is a root cause (online blamed the linear's backward, whose own inputs matched)."""
+    def run(out, bench=None, changed=False):
+        cfg = {"task": "statistics", "dump_path": str(tmp_path / out)}
+        if bench:
+            cfg["statistics"] = {"bench_path": str(bench)}
+        (tmp_path / f"{out}.json").write_text(json.dumps(cfg))
+        dbg = dump.PrecisionDebugger(config_path=str(tmp_path / f"{out}.json"))
+        torch.manual_seed(0)
+        net = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "lin": torch.nn.Linear(4, 3)})
+        ids = torch.tensor([[1, 2, 3, 4]])
+        if changed:
+            ids[0, 2] = 5
+        dbg.start(net)
+        net["lin"](F.embedding(ids, net["emb"].weight)).sum().backward()
+        dbg.stop()
+        dbg.step()
+        return tmp_path / out / "step0" / "rank0"
+
+    ref = run("ref")
+    new = run("new", bench=tmp_path / "ref", changed=True)
+    report = json.loads((new / "online_compare.json").read_text())
+    cmp = dump.compare({"npu_pkl_path": str(new), "bench_pkl_path": str(ref)}, tmp_path / "out")
+    assert report["root_cause"] is None and cmp.root_causes == []
+    assert report["first_divergences"][0]["name"] == cmp.first_divergence.name == "Functional_embedding_0_forward"

@@ -120,6 +120,19 @@ def test_an_extra_call_renumbering_names_pairs_no_values_of_two_shapes(tmp_path)
     assert {p.a.op for p in cmp.pairs if p.b is None} >= {"aten.mm.default", "aten.tanh.default"}
 
 
+def test_a_value_computed_to_another_shape_is_named(tmp_path):
+    """Run B slices one row more (a slicing bug): the slice of one name consumes the same value in both runs, so
+    its two shapes pair as one value that differs, and the slice is named -- not two ops each run ran alone."""
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(8, 8), torch.randn(2, 6, 8)
+    for name, rows in (("a", 4), ("b", 5)):
+        with HashMode(trace_path=tmp_path / f"{name}.jsonl"):
+            torch.relu(lin(x)[:, :rows]).mean(1).sum()
+    cmp = compare_traces(read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl"))
+    assert [p.rec.op for p in cmp.root_causes] == ["aten.slice.Tensor"]
+    assert cmp.root_causes[0].metrics.get("shape_mismatch") == [[2, 4, 8], [2, 5, 8]]
+
+
 class _Checkpointed(torch.nn.Module):
     def __init__(self, checkpointed: bool):
         super().__init__()
