@@ -79,7 +79,10 @@ def _summary(cmp: DumpComparison) -> Dict[str, Any]:
         "root_cause_bench": root.b["name"] if root else None,
         "root_causes": len(cmp.root_causes),
         "unpaired": cmp.unpaired,
+        "paired": cmp.paired,
+        "judged": cmp.judged,
         "partial": cmp.partial,
+        "shown_to_agree": cmp.shown_to_agree,
         "first_divergence": first.name if first else None,
         "verdict": "bitwise" if cmp.exact else "tolerance",
         "csv": str(cmp.csv_path),
@@ -114,5 +117,8 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"{'  ' if head else ''}csv: {c.csv_path}")
     if args.distributed:
         bad = [str(c.rank) for c in results if c.divergent]
+        unshown = [str(c.rank) for c in results if not c.divergent and not c.shown_to_agree]
         print(f"ranks divergent: {', '.join(bad)}" if bad else "no rank diverges")
+        if unshown:
+            print(f"ranks not shown to agree: {', '.join(unshown)}")
     return status

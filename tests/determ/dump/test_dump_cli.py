@@ -89,6 +89,7 @@ def test_json_summary(dumps, tmp_path, capsys):
     assert main(["compare", str(dumps["same"]), str(dumps["same2"]), "-o", str(tmp_path), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["divergent"] is False and s["root_cause"] is None
+    assert s["shown_to_agree"] is True and s["judged"] is True and s["paired"] > 0
 
 
 @pytest.mark.parametrize("argv, needle", [
