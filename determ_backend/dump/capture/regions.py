@@ -76,12 +76,13 @@ class RegionCall:
 
 
 class _Open:
-    __slots__ = ("region", "items", "edges", "min_seq", "source", "stack", "suspended")
+    __slots__ = ("region", "items", "edges", "min_seq", "source", "stack", "suspended", "first")
 
-    def __init__(self, region: RegionCall, items, edges, min_seq, source, stack):
+    def __init__(self, region: RegionCall, items, edges, min_seq, source, stack, first: int = 0):
         self.region, self.items, self.edges, self.min_seq = region, items, edges, min_seq
         self.source, self.stack = source, stack
         self.suspended = False
+        self.first = first  # ``seq`` of the first entry written inside the call
 
 
 class Regions:
@@ -120,7 +121,8 @@ class Regions:
             min_seq = bw.sequence_probe() if edges and edges[0] else None
             stack = user_stack() if rec.settings.with_stack else None
             source = user_source()
-            state = _Open(RegionCall(call, info, compiled, source), items, edges, min_seq, source, stack)
+            state = _Open(RegionCall(call, info, compiled, source), items, edges, min_seq, source, stack,
+                          rec.session.seq)
         if opaque:
             self._open().append(state)
             enter_opaque()
@@ -146,8 +148,10 @@ class Regions:
             outs = output_items(output)
             if rec.overflow is None and rec.selector.select(region.call, region.info, "forward"):
                 ins, outs_e = rec.describe_io(state.items, outs)
-                rec.write(region.call, region.info, "forward", ins, outs_e, state.source, state.stack,
-                          **region.extra("forward"))
+                extra = region.extra("forward")
+                if extra.get("module") and rec.session.seq > state.first:  # a module boundary around entries of its own
+                    extra["first"] = state.first
+                rec.write(region.call, region.info, "forward", ins, outs_e, state.source, state.stack, **extra)
             if state.edges and state.edges[0]:
                 rec._attach(region.call, region.info, state.edges, outs, state.source, state.stack, state.min_seq,
                             extra=lambda: region.extra("backward"))

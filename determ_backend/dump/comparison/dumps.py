@@ -278,6 +278,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         tol = dtype_tol(tol, *_float_dtypes(pairs))
     fwd_inputs: Dict[str, Optional[bool]] = {}
     diverged_before = judged_any = False
+    diverged_at: List[int] = []  # ``seq`` of A's calls whose output diverged, in A's order
     judged: List[Pair] = []
     api: Dict[int, ApiPair] = {}
     for pa in pairs:
@@ -298,10 +299,15 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
             fwd = pa.a["name"][: -len("backward")] + "forward"
             ins = ins and fwd_inputs.get(fwd, True) is not False
         else:
+            first = pa.a.get("first")
+            if isinstance(first, int) and diverged_at and diverged_at[-1] >= first:
+                ins = False  # a module boundary: a call inside it diverged, which explains the module's output
             fwd_inputs[pa.a["name"]] = ins
         pa.inputs_match = ins
         pa.output_diverges = any(x is False for x in v["outputs"])
         judged_any = judged_any or any(x is not None for x in v["outputs"])
+        if pa.output_diverges and isinstance(pa.a.get("seq"), int):
+            diverged_at.append(pa.a["seq"])
         diverged_before = diverged_before or pa.output_diverges
         # a compiled region whose own FX nodes diverge is explained by them: its inputs do not agree
         p = Pair(_to_record(pa.a, "a", 0), _to_record(pa.b, "b", 0), equal=not pa.output_diverges,

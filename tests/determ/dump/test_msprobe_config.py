@@ -183,3 +183,16 @@ def test_online_baseline_judges_as_compare_does(tmp_path):
     cmp = dump.compare({"npu_pkl_path": str(new), "bench_pkl_path": str(ref)}, tmp_path / "out")
     assert report["root_cause"] is None and cmp.root_causes == []
     assert report["first_divergences"][0]["name"] == cmp.first_divergence.name == "Functional_embedding_0_forward"
+
+
+@pytest.mark.parametrize("level, root", [("L0", "Module_fc1.Linear_0_forward"), ("mix", "Functional_linear_0_forward")])
+def test_a_module_around_the_root_cause_is_not_one_too(tmp_path, level, root):
+    """A module boundary's output differs whenever a call inside it diverged: the enclosing model (and, at mix,
+    the layer around the linear) is explained by what ran inside it, so only the innermost call is the root."""
+    cfg = {"task": "statistics", "level": level}
+    a, b = _run(tmp_path, "a", cfg, perturb="fc1.weight"), _run(tmp_path, "b", cfg)
+    cmp = dump.compare({"npu_pkl_path": str(a / "step0" / "rank0" / "dump.pkl"),
+                        "bench_pkl_path": str(b / "step0" / "rank0" / "dump.pkl")}, tmp_path / "out")
+    assert [p.name for p in cmp.root_causes] == [root]
+    model = next(p for p in cmp.pairs if p.name == "Module_Net_0_forward")
+    assert model.output_diverges and not model.inputs_match
