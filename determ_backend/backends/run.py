@@ -32,7 +32,8 @@ from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import (TRACE_NAME, Record, TraceWriter, atomic_write_text, encode,
                                          read_trace_file)
 
-__all__ = ["Run", "ReferenceTrace", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe"]
+__all__ = ["Run", "ReferenceTrace", "get_run", "find_run", "finish_all", "current_rank", "subscribe", "unsubscribe",
+           "reuse_run_dir"]
 
 log = logging.getLogger(__name__)
 _MAX_NOTES = 50  # masked-divergence notes kept in report.json
@@ -79,6 +80,13 @@ def _claim_dir(root: Path, run_id: str, rank_part: str, given: str) -> Path:
                         "writes to %s", root / f"{run_id}{rank_part}", leaf)
         return leaf
     raise ConfigError(f"DETERM_RUN_ID={run_id!r}: {root} holds 9999 runs of that id; expected a new id")
+
+
+def reuse_run_dir(leaf: Path) -> None:
+    """Let the next run of the same id write into ``leaf`` again (a tool that reruns a program into one directory
+    it owns, such as ``repro-tools xdevice``): the earlier run's trace, report and claim go."""
+    for stale in (TRACE_NAME, "report.json", _CLAIM):
+        (Path(leaf) / stale).unlink(missing_ok=True)
 
 
 def _default_run_id() -> str:

@@ -126,9 +126,10 @@ def _run_script(script: str, script_args: List[str], spec: str, out: Path, backe
     env.pop("DETERM_BISECT_STAGE", None)
     if backend:
         env["TORCH_BISECT_BACKEND"] = backend
+    from determ_backend.backends.run import reuse_run_dir  # not at import: the module registers its exit handler
+
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("trace.jsonl", "report.json"):  # an earlier run's, which this run may not rewrite
-        (out / stale).unlink(missing_ok=True)
+    reuse_run_dir(out)  # an earlier run's files, which this run may not rewrite, and its claim on the directory
     t0 = time.perf_counter()
     with open(out / "stdout.txt", "wb") as so, open(out / "stderr.txt", "wb") as se:
         code = subprocess.run([sys.executable, script, *script_args], env=env, stdout=so, stderr=se,

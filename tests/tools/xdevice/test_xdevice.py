@@ -322,6 +322,18 @@ def test_script_without_a_trace_is_not_judged_on_an_earlier_runs_trace(tmp_path,
     assert "wrote no determ trace" in capsys.readouterr().err
 
 
+def test_a_second_run_into_the_same_out_replaces_the_first(tmp_path, capsys, script_runs):
+    """README: a second run replaces the first's files.  The first run's claim on its side directories made the
+    second's program write to side0_cpu-2 and xdevice, reading side0_cpu, said it wrote no trace."""
+    code, first, runs = script_runs
+    out = tmp_path / "out"
+    shutil.copytree(runs, out)  # the first run's directories, claims included
+    (tmp_path / "train.py").write_text(SCRIPT)
+    again, s = xdevice(capsys, str(tmp_path / "train.py"), "--devices", DEVICES, "--out", str(out))
+    assert (again, _root(s)) == (code, _root(first))
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(p.name for p in runs.iterdir() if p.is_dir())
+
+
 def test_minify_picks_a_new_directory_per_run(tmp_path, capsys):
     torch.manual_seed(0)
     inputs = [torch.randn(4, 16), torch.randn(4, 16)]
