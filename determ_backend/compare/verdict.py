@@ -99,8 +99,8 @@ def judge(expected: Any, actual: Any, ref64: Any = None, *, tol: float = DEFAULT
         return bool(expected == actual) if (strict or bitwise) else None
     if expected.shape != actual.shape:
         return False
-    if bitwise or (strict and tol == 0):
-        return _bitwise(expected.detach(), actual.detach())
+    if bitwise or (strict and tol == 0 and expected.dtype == actual.dtype):
+        return _bitwise(expected.detach(), actual.detach())  # two dtypes never hold the same bits: values, within 0
     if not is_float(expected):
         if not strict:
             return None

@@ -12,26 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Any, Dict, List, Optional
 
 from determ_backend.compare import DEFAULT_TOL
 from determ_backend.dump.comparison.dumps import DumpComparison, compare, compare_distributed
 from determ_backend.dump.comparison.parse import check_path, holds_index, rank_dirs
 from determ_backend.errors import ConfigError
+from repro_tools.cli.args import tol_arg
 
-__all__ = ["register", "run_compare", "tol_arg"]
-
-
-def tol_arg(text: str) -> float:
-    """``--tol``: a finite number >= 0 (argparse turns the error into a usage line and exit 2)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return v
+__all__ = ["register", "run_compare"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

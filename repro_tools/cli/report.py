@@ -13,7 +13,7 @@ import logging
 
 from determ_backend.errors import ConfigError
 
-from repro_tools.cli.compare import tol_arg
+from repro_tools.cli.args import tol_arg
 from repro_tools.report import build, write_html
 from repro_tools.report.screenshot import screenshot
 

@@ -42,6 +42,7 @@ from determ_backend.config import CHECKS
 from determ_backend.compare import metrics_text
 from determ_backend.errors import DetermError
 
+from repro_tools.cli.args import tol_arg
 from repro_tools.minify.accuracy import call_maybe_boxed, flatten, same_two_models
 from repro_tools.repro.script import add_sys_path, load_repro, repro_class_span
 
@@ -61,7 +62,7 @@ def register(subparsers) -> None:
                                           "Exit 0: no divergence; 1: divergence; 2: bad input.")
     p.add_argument("repro", help="a repro.py or minifier_launcher.py written by determ")
     p.add_argument("--checks", default="accuracy,determinism", help="comma-separated subset of accuracy,determinism")
-    p.add_argument("--tol", type=float, help="accuracy tolerance (default: the repro's, else 1e-3)")
+    p.add_argument("--tol", type=tol_arg, help="accuracy tolerance (default: the repro's, else 1e-3)")
     p.add_argument("--out", help="directory for the trace and report (default: <repro dir>/analyze)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--traceback", action="store_true",

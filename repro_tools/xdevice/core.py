@@ -39,6 +39,7 @@ from determ_backend.devices import parse_device_spec, require
 from determ_backend.errors import ConfigError, ReproError
 from determ_backend.trace.store import store_for
 
+from repro_tools.cli.args import tol_arg
 from repro_tools.cli.diff import diff_summary, format_table
 
 __all__ = ["register", "run", "compare_repro", "compare_trace_pair", "compare_script"]
@@ -174,7 +175,7 @@ def register(subparsers) -> None:
     p.add_argument("targets", nargs="+", metavar="TARGET",
                    help="repro.py, a user script, A.jsonl,B.jsonl, or two trace files / run directories")
     p.add_argument("--devices", help="two device specs, e.g. cpu,cpu:float64 (required except for traces)")
-    p.add_argument("--tol", type=float, default=1e-3,
+    p.add_argument("--tol", type=tol_arg, default=1e-3,
                    help="a node agrees when its max abs error or its max rel error is <= TOL (default 1e-3)")
     p.add_argument("--json", action="store_true", help="print the comparison summary as JSON")
     p.add_argument("--minify", action="store_true",
@@ -223,8 +224,6 @@ def run(args: argparse.Namespace) -> int:
     from repro_tools.cli.minify import out_dir_for
 
     kind = _kind(args.targets)
-    if args.tol < 0:
-        raise ConfigError(f"--tol must be >= 0, got {args.tol}")
     if args.limit < 0:
         raise ConfigError(f"--limit must be >= 0 (rows to print), got {args.limit}")
     if args.minify and kind != "repro":

@@ -186,6 +186,24 @@ def test_bad_devices_exit_2_with_one_line(repro, capsys, argv, needle):
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("repro-tools xdevice: error:")
 
 
+@pytest.mark.parametrize("tol", ["nan", "-1", "inf", "x"])
+def test_a_tolerance_that_is_no_finite_number_is_a_usage_error(repro, capsys, tol):
+    assert main(["xdevice", str(repro), "--devices", DEVICES, "--tol", tol]) == 2
+    err = capsys.readouterr().err
+    assert "argument --tol: expected a finite number >= 0" in err and "Traceback" not in err
+
+
+def test_a_zero_tolerance_across_dtypes_compares_values_not_bits():
+    """float32 against float64 never share bits: at --tol 0 two dtypes agree when their values are equal (the
+    graph inputs, equal after the cast, were each named root cause)."""
+    from determ_backend.compare.verdict import judge
+
+    x = torch.randn(8)
+    assert judge(x, x.double(), tol=0.0, strict=True) is True
+    assert judge(x, x.double() + 1e-9, tol=0.0, strict=True) is False
+    assert judge(x, x.clone(), tol=0.0, strict=True) is True
+
+
 @pytest.mark.parametrize("make, needle", [
     (lambda d: d / "missing.py", "no such script"),
     (lambda d: d / "one.jsonl", "a single trace"),
