@@ -46,8 +46,37 @@ def converter(spec: str) -> Callable[[Any], Any]:
     return conv
 
 
-def moved_graph(gm: fx.GraphModule, conv: Callable[[Any], Any]) -> fx.GraphModule:
-    """A copy of ``gm`` whose constants and submodules live on the target device/dtype."""
+_TO_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+
+def _widen_casts(graph: fx.Graph, dtype: torch.dtype) -> None:
+    """Casts the model writes to a floating dtype narrower than ``dtype`` become casts to ``dtype`` (``.to(float32)``,
+    ``.float()``, ``softmax(dtype=float32)``): on a ``cpu:float64`` side a value cast back to float32 met float64
+    ones in a matmul, which does not promote (every Hugging Face eager attention).  Casts to a wider dtype stay (a
+    bfloat16 run's float32 softmax)."""
+    size = torch.finfo(dtype).bits
+
+    def widen(v: Any) -> Any:
+        return dtype if isinstance(v, torch.dtype) and v.is_floating_point and torch.finfo(v).bits < size else v
+
+    for n in graph.nodes:
+        if n.op == "call_method" and n.target in _TO_METHODS and len(n.args) == 1 and not n.kwargs:
+            if widen(_TO_METHODS[n.target]) is dtype:
+                n.target, n.args = "to", (n.args[0], dtype)
+            continue
+        if n.op not in ("call_function", "call_method"):
+            continue
+        if isinstance(n.kwargs.get("dtype"), torch.dtype):
+            n.kwargs = {**n.kwargs, "dtype": widen(n.kwargs["dtype"])}
+        if n.op == "call_method" and n.target in ("to", "type"):
+            n.args = tuple(widen(a) for a in n.args)
+        elif n.op == "call_function" and "convert_element_type" in str(n.target) and len(n.args) > 1:
+            n.args = (n.args[0], widen(n.args[1]), *n.args[2:])
+
+
+def moved_graph(gm: fx.GraphModule, conv: Callable[[Any], Any], dtype: Optional[torch.dtype] = None) -> fx.GraphModule:
+    """A copy of ``gm`` whose constants and submodules live on the target device/dtype (``dtype``: the spec's
+    floating dtype, to which the model's narrower casts are widened)."""
     owned: Dict[str, Any] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
@@ -55,7 +84,10 @@ def moved_graph(gm: fx.GraphModule, conv: Callable[[Any], Any]) -> fx.GraphModul
             owned[n.target] = conv(value.detach()) if isinstance(value, torch.Tensor) else value
         elif n.op == "call_module":
             owned[n.target] = _move_module(copy.deepcopy(gm.get_submodule(n.target)), conv)
-    new = fx.GraphModule(owned, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    graph = copy.deepcopy(gm.graph)
+    if dtype is not None:
+        _widen_casts(graph, dtype)
+    new = fx.GraphModule(owned, graph, class_name=type(gm).__name__)
     new.meta.update(getattr(gm, "meta", {}))
     return new
 
@@ -105,7 +137,7 @@ def on_device(spec: str, compile_fn: Callable, gm: fx.GraphModule, example_input
     for x, m in zip(example_inputs, moved):  # AOTAutograd must see the inputs' own shape symbols
         if isinstance(x, torch.Tensor):
             _torch_compat.share_symbolic_context(x, m)
-    compiled = compile_fn(moved_graph(gm, conv), moved)
+    compiled = compile_fn(moved_graph(gm, conv, devices.parse_device_spec(spec)[1]), moved)
 
     def run(*args: Any) -> Any:
         return _back(compiled(*[conv(a) for a in args]), targets)

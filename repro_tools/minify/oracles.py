@@ -265,7 +265,8 @@ def _on_device(gm: fx.GraphModule, inputs: Sequence[Any], spec: str) -> Tuple[fx
     """``gm`` and ``inputs`` on device spec ``spec``: the graph's own parameters, buffers and tensor
     constants are moved (and cast, for a dtype spec) along with the inputs."""
     conv = converter(spec)
-    return moved_graph(gm, conv), [conv(x.detach()) if isinstance(x, torch.Tensor) else x for x in inputs]
+    moved = [conv(x.detach()) if isinstance(x, torch.Tensor) else x for x in inputs]
+    return moved_graph(gm, conv, parse_device_spec(spec)[1]), moved
 
 
 def observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:

@@ -314,6 +314,32 @@ def test_user_script_with_a_real_llama_agrees_on_cpu_and_float64(tmp_path):
     assert stages == {"aot_forward", "aot_backward"}
 
 
+CAST_SCRIPT = textwrap.dedent("""
+    import torch
+
+    class Attn(torch.nn.Module):  # Hugging Face's eager attention: softmax in float32, cast back, then a matmul
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            w = torch.softmax(q @ k.transpose(-1, -2), dim=-1, dtype=torch.float32).to(q.dtype)
+            return w @ v
+
+    torch.manual_seed(0)
+    torch.compile(Attn(), backend="determ_eager")(torch.randn(2, 5, 16)).sum()
+""")
+
+
+def test_a_models_own_casts_follow_a_wider_device_dtype(tmp_path, capsys):
+    """The model casts to float32 (a constant to Dynamo): on the cpu:float64 side that value met float64 ones in a
+    matmul, which does not promote, and the run died.  Casts to a narrower dtype than the side's are widened."""
+    (tmp_path / "attn.py").write_text(CAST_SCRIPT)
+    code, s = xdevice(capsys, str(tmp_path / "attn.py"), "--devices", DEVICES, "--out", str(tmp_path / "out"))
+    assert code == 0 and not s["divergent"] and s["pairs"] > 5 and s["unmatched_a"] == s["unmatched_b"] == 0, s
+
+
 @pytest.mark.parametrize("env, needle", [
     ({"DETERM_DEVICE": "gpu"}, "DETERM_DEVICE='gpu'"),
     ({"DETERM_BISECT_STAGE": "dynamo"}, "DETERM_BISECT_STAGE='dynamo'"),
