@@ -129,7 +129,7 @@ def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data:
                 # comparison knows whether the call was fed other ids instead of taking its inputs for equal
                 if data and pipeline is not None and is_data_tensor(v):
                     entries.append({"name": name, "dtype": str(v.dtype), "shape": shape_of(v), "filtered": True,
-                                    "_fp": pipeline.fingerprint_only(v)})
+                                    "_fp": pipeline.tensor(v, store=False)})
                 continue
             e: Dict[str, Any] = {"name": name, "dtype": str(v.dtype), "shape": shape_of(v)}
             if isinstance(v, torch.nn.Parameter):

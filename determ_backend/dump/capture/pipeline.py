@@ -50,10 +50,11 @@ _BATCH = 64
 class Fingerprint:
     """Future fingerprint of one tensor snapshot: ``hash``, ``stats`` and ``payload`` once resolved."""
 
-    __slots__ = ("hash", "stats", "payload", "pos", "n", "dtype", "shape", "tensor")
+    __slots__ = ("hash", "stats", "payload", "pos", "n", "dtype", "shape", "tensor", "store")
 
-    def __init__(self, pos: int, n: int, dtype: torch.dtype, shape: List[int], tensor=None):
+    def __init__(self, pos: int, n: int, dtype: torch.dtype, shape: List[int], tensor=None, store: bool = True):
         self.pos, self.n, self.dtype, self.shape, self.tensor = pos, n, dtype, shape, tensor
+        self.store = store  # False: fingerprint and statistics only, its bytes are not kept
         self.hash: Optional[str] = None
         self.stats: Optional[Dict[str, Any]] = None
         self.payload: Optional[List[int]] = None
@@ -94,7 +95,6 @@ class DumpPipeline:
         self._regions: Deque[Tuple[int, int]] = collections.deque()
         self._queue: Deque[Tuple[str, Any]] = collections.deque()
         self._pending: List[Fingerprint] = []
-        self._light: List[Fingerprint] = []  # fingerprinted at commit, never stored (fingerprint_only)
         self._cond = threading.Condition()
         self._lock = threading.RLock()
         self._error: Optional[BaseException] = None
@@ -106,8 +106,10 @@ class DumpPipeline:
         baseline), on the writer's thread."""
 
     # ---- recording thread --------------------------------------------------------------------
-    def tensor(self, t: torch.Tensor) -> Fingerprint:
-        """Snapshot ``t``; its fingerprint is computed later (or now, for a large tensor)."""
+    def tensor(self, t: torch.Tensor, store: bool = True) -> Fingerprint:
+        """Snapshot ``t``; its fingerprint is computed later (or now, for a large tensor).  ``store=False``: its
+        fingerprint and statistics only, never its bytes (a tensor the dump's filter leaves out, fingerprinted so
+        that a comparison still sees whether it differs)."""
         with self._lock:
             self._raise_if_failed()
             t = t.detach()
@@ -117,9 +119,9 @@ class DumpPipeline:
                 self._pending.append(fp)
                 return fp
             if n > self._cap // 4:
-                return self._now(t, n)
+                return self._now(t, n, store)
             pos = self._reserve(n) if n else 0
-            fp = Fingerprint(pos, n, t.dtype, list(t.shape))
+            fp = Fingerprint(pos, n, t.dtype, list(t.shape), store=store)
             if n:
                 self._ring[pos: pos + n].view(t.dtype).view(t.shape).copy_(t)
             with self._cond:
@@ -127,25 +129,12 @@ class DumpPipeline:
                 self._cond.notify_all()
             return fp
 
-    def fingerprint_only(self, t: torch.Tensor) -> Fingerprint:
-        """``t``'s fingerprint and statistics, never its bytes (a tensor the dump's filter leaves out, fingerprinted
-        so that a comparison still sees whether it differs): computed at the next :meth:`commit`."""
-        with self._lock:
-            self._raise_if_failed()
-            t = t.detach()
-            fp = Fingerprint(0, t.numel() * t.element_size(), t.dtype, list(t.shape), tensor=t)
-            self._light.append(fp)
-            return fp
-
     def commit(self) -> None:
-        """Fingerprint, in one batch, the tensors taken since the last commit that were not snapshotted (statistics
-        mode; :meth:`fingerprint_only`), before the recording thread goes on and they may change."""
+        """Statistics mode: fingerprint, in one batch, the tensors taken since the last commit (before the
+        recording thread goes on and they may change)."""
         if self._pending:
             fps, self._pending = self._pending, []
             self._resolve(fps)
-        if self._light:
-            fps, self._light = self._light, []
-            self._resolve(fps, store=False)
 
     def submit(self, entry: Dict[str, Any]) -> None:
         """Queue an index entry (its tensors' ``_fp`` futures are resolved before it is written)."""
@@ -156,10 +145,10 @@ class DumpPipeline:
                 self._queue.append(("entry", entry))
                 self._cond.notify_all()
 
-    def _now(self, t: torch.Tensor, n: int) -> Fingerprint:
+    def _now(self, t: torch.Tensor, n: int, store: bool = True) -> Fingerprint:
         """A large tensor: drain the queue, then fingerprint and store it from this thread (no copy)."""
         self.flush()
-        fp = Fingerprint(0, n, t.dtype, list(t.shape), tensor=t)
+        fp = Fingerprint(0, n, t.dtype, list(t.shape), tensor=t, store=store)
         try:
             self._resolve([fp])
         except OSError as e:
@@ -218,13 +207,14 @@ class DumpPipeline:
             return torch.empty(fp.shape, dtype=fp.dtype)
         return self._ring[fp.pos: fp.pos + fp.n].view(fp.dtype).view(fp.shape)
 
-    def _resolve(self, fps: List[Fingerprint], store: bool = True) -> None:
+    def _resolve(self, fps: List[Fingerprint]) -> None:
         views = [self._view(f) for f in fps]
         hashes, stats = _fingerprints(views, self.stats)
         for f, h, st in zip(fps, hashes, stats):
             f.hash, f.stats = format_hash(h), st
-        if self._pack is not None and store:  # the batch's new tensors: one shard
-            for f, span in zip(fps, self._pack.put_many([(f.hash, v) for f, v in zip(fps, views)])):
+        kept = [(f, v) for f, v in zip(fps, views) if f.store]
+        if self._pack is not None and kept:  # the batch's new tensors: one shard
+            for (f, _), span in zip(kept, self._pack.put_many([(f.hash, v) for f, v in kept])):
                 f.payload = list(span)
         for f in fps:
             f.tensor = None
