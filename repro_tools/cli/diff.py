@@ -118,7 +118,10 @@ def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None)
                      f"graph={m0['graph']} stage={m0['stage']} node={m0['node']} op={m0['op']} "
                      f"source={m0['source'] or '?'}")
     elif fd is None:
-        if s["identical"]:
+        if s.get("divergent_pairs"):  # a difference that no failing output shows (not traced to one)
+            lines.append(f"{s['divergent_pairs']} paired record(s) differ, but no output differs: no divergence "
+                         f"reaches an output")
+        elif s["identical"]:
             lines.append("identical")
         elif s.get("notes"):
             lines.append(f"no divergence among the {s['pairs']} paired records, but the runs are not shown identical")

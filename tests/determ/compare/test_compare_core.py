@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from determ_backend.compare import Pair, find_roots, judge
+from determ_backend.compare import Pair, compare_traces, find_roots, judge
 from determ_backend.trace.stream import Record
 from repro_tools.repro import _harness as _repro_harness
 
@@ -328,3 +328,25 @@ def test_an_op_one_run_has_on_an_input_path_is_left_to_that_run_not_paired_with_
          _fx("mul", "aten.mul.Tensor", inputs=["add_1", "y"])]
     pairs = align(a, b)
     assert _partners(pairs) == {("x", "x"), ("y", "y"), ("add", "add_1"), ("mul", "mul"), (None, "add")}
+
+
+def test_a_difference_that_reaches_no_differing_output_is_not_called_no_divergence():
+    """A paired record differs while every output agrees (within tolerance, on a real run; a trace whose extra op
+    left the difference's dependency unpaired): the table counted it ('divergent: 1') and the verdict line then
+    said 'no divergence among the paired records'."""
+    from repro_tools.cli.diff import format_table
+
+    def recs(h: str, extra: bool):
+        out = [Record("g0", "aot_forward", "x", "input", "input", 0, 0, None, "float32", [2], "aa", None, [], [])]
+        if extra:
+            out.append(Record("g0", "aot_forward", "w", "aten.cos", "node", 0, 1, None, "float32", [2], "ww", None,
+                              ["x"], ["aa"]))
+        return out + [Record("g0", "aot_forward", "y", "aten.sin", "node", 0, 2, None, "float32", [2], h, None,
+                             ["w" if extra else "x"], ["aa"]),
+                      Record("g0", "aot_forward", "output.0", "output", "output", 0, 3, None, "float32", [2], "cc",
+                             None, ["y"], [h])]
+
+    cmp = compare_traces(recs("b1", True), recs("b2", False))
+    text = format_table(cmp)
+    assert cmp.summary()["divergent_pairs"] == 1 and "divergent: 1" in text
+    assert "1 paired record(s) differ, but no output differs" in text and "no divergence among" not in text
