@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from tqdm import tqdm
 
+from determ_backend import devices
 from determ_backend.config import flows_suspended
 from determ_backend.errors import ConfigError, DetermError, OracleError, ReproError
 from determ_backend.trace.stream import atomic_write_text
@@ -273,6 +274,8 @@ def minify_repro(src: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
         recorded = meta.get("config") if isinstance(meta.get("config"), dict) else {}
         overrides["config"] = {**recorded, **config}
     spec = spec_from_meta(meta, **overrides)
+    for d in spec.devices if spec.kind == "cross_device" else ():  # an absent device is bad input, not the candidate's
+        devices.require(devices.parse_device_spec(d)[0])
     try:
         resolve_compiler(spec.compiler)  # a name that does not resolve is bad input, never the failure under study
     except ConfigError as e:

@@ -212,6 +212,20 @@ def test_cli_compiler_that_does_not_resolve_is_bad_input(tmp_path, capsys, compi
     assert not (repro / "minify").exists()
 
 
+def test_cli_cross_device_on_a_device_this_machine_lacks_is_bad_input(tmp_path, capsys):
+    """A cross-device minification on a device that is absent: one line naming it, before any query (it was
+    'input graph does not fail the cross_device oracle (candidate raised instead of running)')."""
+    from determ_backend.devices import is_available
+
+    if is_available("cuda"):
+        pytest.skip("this machine has CUDA")
+    repro = _write(tmp_path, "compile_error", "minifier_helpers:erf_compile_error", layers=1)
+    assert main(["minify", str(repro), "--kind", "cross_device", "--devices", "cpu,cuda", "--compiler", "eager",
+                 "--no-progress"]) == 2
+    _one_line_error(capsys, "device 'cuda' is not available on this machine")
+    assert not (repro / "minify").exists()
+
+
 def test_api_compiler_that_does_not_resolve_is_never_the_failure():
     gm, inputs = H.mlp_graph(layers=1)
     with pytest.raises(ConfigError, match="determ_no_such_backend"):
