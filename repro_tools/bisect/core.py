@@ -80,15 +80,19 @@ class Verdict:
     history: List[Dict[str, Any]] = field(default_factory=list)
     fails_uncompiled: bool = False
     """The command fails with ``torch.compile`` disabled too: not a compiler failure."""
+    compiled: bool = True
+    """Some run compiled a graph (a command that compiles nothing passes every stage and is not healthy: there
+    was nothing to bisect)."""
 
     @property
     def healthy(self) -> bool:
-        return self.stage is None and not self.fails_uncompiled
+        return self.stage is None and not self.fails_uncompiled and self.compiled
 
     def to_json(self) -> Dict[str, Any]:
         return {"stage": self.stage, "knob": self.knob, "detail": self.detail, "index": self.index,
                 "runs": self.runs, "seconds": round(self.seconds, 2), "healthy": self.healthy,
-                "fails_uncompiled": self.fails_uncompiled, "failure": self.reason, "history": self.history}
+                "fails_uncompiled": self.fails_uncompiled, "compiled": self.compiled, "failure": self.reason,
+                "history": self.history}
 
 
 def config_knobs(stage: str) -> List[Tuple[str, Any]]:
@@ -197,15 +201,19 @@ def bisect_command(command: Sequence[str], workdir: Path, timeout: Optional[floa
     r = CommandRunner(command, workdir, timeout=timeout, progress=bar)
     v = Verdict()
     t0 = time.perf_counter()
+    compiled = False
     try:
         for stage in STAGES:
             res = r.run(stage)
+            compiled = compiled or res.compiled
             if res.failed:
                 if stage == "eager" and _fails_uncompiled(r, v, res):
                     break
                 v.stage, v.reason = stage, res.reason
                 _search_knobs(r, stage, v)
                 break
+        else:
+            v.compiled = compiled
     finally:
         bar.close()
     v.runs, v.seconds, v.history = r.runs, time.perf_counter() - t0, r.history
@@ -221,7 +229,8 @@ def register(subparsers) -> None:
                     "toggle the knobs inside the first failing stage (config changes, passes, lowerings, "
                     "decompositions), binary-searching counted ones.  A run fails when CMD exits non-zero or a "
                     "determ report.json says divergent.  Exit 1: guilty stage found; 0: healthy; 2: usage error, "
-                    "or the command fails with torch.compile disabled too (not a compiler failure).",
+                    "the command fails with torch.compile disabled too (not a compiler failure), or it "
+                    "compiles nothing (nothing to bisect).",
         epilog="example: repro-tools bisect -- python train.py --steps 1")
     p.add_argument("--json", action="store_true", help="print the verdict (stage, knob, detail, runs, seconds) as JSON")
     p.add_argument("--timeout", type=float, default=None,
@@ -252,6 +261,10 @@ def _print_text(v: Verdict) -> None:
         print(f"not a compiler failure: the command fails with torch.compile disabled too ({v.reason}); "
               "nothing to bisect")
         return
+    if v.stage is None and not v.compiled:
+        print("nothing to bisect: the command compiled no graph under any stage (does it call torch.compile? "
+              "TORCH_COMPILE_DISABLE set?)")
+        return
     if v.healthy:
         print("healthy: the command passes under every stage (" + ", ".join(STAGES) + ")")
         return
@@ -278,4 +291,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(v.to_json(), indent=1))
     else:
         _print_text(v)
-    return 2 if v.fails_uncompiled else 0 if v.healthy else 1
+    return 2 if v.fails_uncompiled or (v.stage is None and not v.compiled) else 0 if v.healthy else 1

@@ -55,6 +55,12 @@ class RunResult:
     reason: str
     seconds: float
     log_dir: str
+    compiled: bool = True
+    """The run compiled a graph through the determ backend (it left a trace or a report)."""
+
+
+def _compiled_any(roots: Sequence[Path]) -> bool:
+    return any(next(root.rglob(name), None) is not None for root in roots for name in ("trace.jsonl", "report.json"))
 
 
 def _report_failure(roots: Sequence[Path]) -> Optional[str]:
@@ -160,10 +166,11 @@ class CommandRunner:
             reason = f"timed out after {self.timeout:g} s"
         elif code != 0:
             reason = f"exit status {code}" if code > 0 else f"killed by signal {-code}"
-        else:
-            roots = [run_dir] + _run_id_dirs(Path.cwd(), self._run_id(run_dir))
+        roots = [run_dir] + _run_id_dirs(Path.cwd(), self._run_id(run_dir))
+        if code == 0:
             reason = _report_failure(roots) or ""
-        result = RunResult(failed=bool(reason), reason=reason or "passes", seconds=seconds, log_dir=str(run_dir))
+        result = RunResult(failed=bool(reason), reason=reason or "passes", seconds=seconds, log_dir=str(run_dir),
+                           compiled=stage is not None and _compiled_any(roots))
         self.runs += 1
         self.seconds += seconds
         self.history.append({"run": self.runs, "stage": stage, "knob": what or None, "failed": result.failed,

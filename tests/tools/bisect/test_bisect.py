@@ -199,6 +199,16 @@ def test_command_failing_without_compiling_is_not_a_compiler_failure(tmp_path, c
     assert code == 2 and "not a compiler failure" in out and "exit status 3" in out and "guilty" not in out
 
 
+def test_a_command_that_compiles_nothing_is_nothing_to_bisect(tmp_path, capsys):
+    """It passes every stage without compiling a graph: not 'healthy' (it was), there was nothing to bisect."""
+    code = main(["bisect", "--no-progress", "--json", "--workdir", str(tmp_path), "--", sys.executable, "-c",
+                 "import torch; print(torch.ones(2).sum())"])
+    v = json.loads(capsys.readouterr().out)
+    assert code == 2 and v["compiled"] is False and v["healthy"] is False and v["stage"] is None
+    code = main(["bisect", "--no-progress", "--workdir", str(tmp_path / "again"), "--", sys.executable, "-c", "0"])
+    assert code == 2 and "nothing to bisect: the command compiled no graph" in capsys.readouterr().out
+
+
 _SPAWNER = "import subprocess, sys; p = subprocess.Popen(['sleep', '60']); " \
            "open(sys.argv[1], 'a').write(f'{p.pid}\\n'); p.wait()"
 
