@@ -122,7 +122,8 @@ def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None)
             lines.append(f"{s['divergent_pairs']} paired record(s) differ, but no output differs: no divergence "
                          f"reaches an output")
         elif s["identical"]:
-            lines.append("identical")
+            lines.append("identical" if s["mode"] == "bitwise" else
+                         f"agree within {s['mode']}: every record pairs and none differs beyond it")
         elif s.get("notes"):
             lines.append(f"no divergence among the {s['pairs']} paired records, but the runs are not shown identical")
         else:

@@ -56,6 +56,8 @@ def test_identical_traces_exit_0_and_json_agrees(tmp_path, capsys):
     rc, out, _ = diff(capsys, a, b, "--json")
     s = json.loads(out)
     assert rc == 0 and s["identical"] is True and s["notes"] == []
+    rc, out, _ = diff(capsys, a, b, "--tol", "1e-3")  # agreeing within a tolerance is not said to be identical
+    assert rc == 0 and out.strip().endswith("agree within tol=0.001: every record pairs and none differs beyond it")
 
 
 def test_unpaired_records_exit_1_with_a_line_saying_so(tmp_path, capsys):
