@@ -183,7 +183,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="output directory: user scripts' runs (default ./determ_xdevice, reused), or "
                                  "--minify's checkpoints and minimal repro (default: a new xdevice, xdevice-2, ... "
                                  "next to REPRO)")
-    p.add_argument("--script-args", default="", help="arguments for a user script, as one shell-quoted string")
+    p.add_argument("--script-args", default="", help="arguments for a user script, as one shell-quoted string "
+                                                     "(a single option: --script-args=--fast)")
     p.add_argument("--backend", choices=_BACKENDS,
                    help="user scripts: compile with this determ backend whatever the script asks for")
     p.add_argument("--limit", type=int, default=20, help="rows of divergent nodes to print (default 20)")
