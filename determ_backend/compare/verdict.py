@@ -209,7 +209,8 @@ def _stats_close(m: Dict[str, Any], b: Record, tol: float) -> bool:
 def judge_records(a: Record, b: Record, tol: Optional[float], store_a: Optional[TensorStore] = None,
                   store_b: Optional[TensorStore] = None, strict: bool = False):
     """``(verdict, metrics)`` for two records of one value: bitwise when ``tol`` is None, else within
-    ``tol`` by :func:`judge` on the stored payloads, or by the statistics when no payloads are stored."""
+    ``tol`` by :func:`judge` on the stored payloads, or by the statistics when no payloads are stored; None
+    (not judged) within a tolerance when the fingerprints differ and neither is at hand."""
     if a.hash is not None and a.hash == b.hash and a.dtype == b.dtype and a.shape == b.shape:
         return True, {"bitwise": True}
     if a.shape != b.shape:
@@ -227,6 +228,8 @@ def judge_records(a: Record, b: Record, tol: Optional[float], store_a: Optional[
     m = stats_metrics(a, b)
     if tol is None:
         return False, m
+    if not any(k in m for k in _STAT_DELTAS):  # fingerprints alone: they differ, by how much nothing says
+        return None, dict(m, unjudged="no statistics or stored values to judge a tolerance by")
     return _stats_close(m, b, tol), m
 
 

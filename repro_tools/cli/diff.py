@@ -83,7 +83,12 @@ def diff_summary(cmp: Comparison, files: Dict[str, tuple], checks: Sequence[str]
         notes.append(f"not paired: {s['unmatched_a']} records of A and {s['unmatched_b']} of B have no counterpart, "
                      f"so the runs are not shown identical{why}")
     if s["unjudged"]:
-        notes.append(f"not judged: {s['unjudged']} paired records carry no fingerprint and no judged input")
+        no_tol = sum(1 for p in cmp.pairs if p.paired and p.equal is None and p.metrics.get("unjudged"))
+        why = (f"{no_tol} differ in their fingerprints with no statistics or stored values to judge --tol by "
+               f"(record them with stats, or DETERM_SAVE_TENSORS=1)" if no_tol else "")
+        rest = s["unjudged"] - no_tol
+        why += ("; " if why and rest else "") + (f"{rest} carry no fingerprint and no judged input" if rest else "")
+        notes.append(f"not judged: {s['unjudged']} paired records: {why}")
     for side, (path, tf) in files.items():
         if tf.limited:
             notes.append(f"{side.upper()} ({path}): {tf.limited}; only those are compared, so the runs are not "

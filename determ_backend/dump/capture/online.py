@@ -112,7 +112,9 @@ class OnlineBaseline:
                 continue
             if t.get("hash") is None and t.get("stats") is None:
                 continue  # stack-only records: nothing to judge
-            out.append(bool(judge_records(tensor_record(t), tensor_record(r), self._tol(t, r))[0]))
+            v = judge_records(tensor_record(t), tensor_record(r), self._tol(t, r))[0]
+            if v is not None:  # None: fingerprints alone, which a tolerance cannot judge
+                out.append(v)
         return out
 
     def _failed(self, e: BaseException) -> None:

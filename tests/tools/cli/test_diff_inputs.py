@@ -217,3 +217,20 @@ def test_tolerance_zero_is_accepted(tmp_path, capsys):
     a = traced(tmp_path / "a.jsonl")
     rc, _, _ = diff(capsys, a, a, "--tol", "0")
     assert rc == 0
+
+
+def test_a_tolerance_without_statistics_judges_nothing_and_shows_nothing_identical(tmp_path, capsys):
+    """HashMode traces without statistics, one weight 1e-3 off: with --tol 1e-5 every differing fingerprint was
+    taken for agreeing (no statistics, no difference) and the runs were said to agree, exit 0."""
+    for name, delta in (("a", 0.0), ("b", 1e-3)):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            lin.weight[0, 0] += delta
+        with HashMode(trace_path=tmp_path / f"{name}.jsonl", module=lin):
+            lin(torch.randn(4, 8)).relu().sum()
+    rc, out, _ = diff(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--tol", "1e-5")
+    assert rc == 1 and "agree within" not in out
+    assert "differ in their fingerprints with no statistics or stored values to judge --tol by" in out
+    rc, out, _ = diff(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl")
+    assert rc == 1 and "root cause: graph=eager stage=eager node=weight" in out
