@@ -350,3 +350,12 @@ def test_a_difference_that_reaches_no_differing_output_is_not_called_no_divergen
     text = format_table(cmp)
     assert cmp.summary()["divergent_pairs"] == 1 and "divergent: 1" in text
     assert "1 paired record(s) differ, but no output differs" in text and "no divergence among" not in text
+
+
+def test_the_cosine_of_a_tensor_with_itself_is_one_never_more():
+    from determ_backend.compare.verdict import tensor_metrics
+
+    cosines = [tensor_metrics(x, x.clone())["cosine"]
+               for x in (torch.randn(37, 13, generator=torch.Generator().manual_seed(s)) for s in range(50))]
+    assert all(-1.0 <= c <= 1.0 for c in cosines) and max(cosines) == 1.0
+    assert tensor_metrics(torch.ones(4), -torch.ones(4))["cosine"] == -1.0
