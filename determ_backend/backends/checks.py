@@ -55,7 +55,7 @@ from determ_backend.backends import flows, narrow
 from determ_backend.backends.extract import node_draws
 from determ_backend.compare import (Comparison, Pair, align, batch_rows, close_to_scale, compare_traces, dtype_tol,
                                     find_roots, is_float, is_output, judge, rmse, sub_batches, tensor_metrics)
-from determ_backend.compare.nonfinite import causal_creations, first_created, nonfinite_sources
+from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, first_line
 from determ_backend.backends.eager import replay
@@ -485,7 +485,7 @@ class GraphExec:
 
     def _check_nan(self, result: CallResult, args: List[Any], rng_state) -> None:
         """The first record of this call created non-finite, once per node (later calls repeat it)."""
-        found, masked = causal_creations(result.records, is_output)
+        found, masked, sources = causal_creations(result.records, is_output)
         if masked and not found:
             m = masked[0].record
             key = ("masked", m.graph, m.stage, m.node)
@@ -495,7 +495,7 @@ class GraphExec:
                                                       "source": m.source, "note": "NaN/Inf created here reaches no "
                                                       "output of the graph"}]})
         if not found:
-            self._note_sources(result)
+            self._note_sources(sources)
             return
         c = found[0]
         rec = c.record
@@ -518,13 +518,13 @@ class GraphExec:
             summary["repro"] = self._write_repro("nan", args)
         self.run.add_finding("nan", summary)
 
-    def _note_sources(self, result: CallResult) -> None:
+    def _note_sources(self, sources: List[Record]) -> None:
         """No node of the graph created the NaN at its output: it came in with an input or a parameter (a weight
         holding an Inf).  Said once per input, in a note and a warning: the check finds nothing to blame here.
         Not said once a node was named: a graph fed what an earlier graph created is explained by it."""
         if any(f.get("check") == "nan" for f in self.run.findings):
             return
-        for r in nonfinite_sources(result.records, is_output):
+        for r in sources:
             key = ("source", r.graph, r.stage, r.node)
             if key in self._created:
                 continue

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
 __all__ = ["creates", "nonfinite", "nonfinite_count", "Creation", "NonfiniteWatch", "NanLedWatch",
-           "causal_creations", "nonfinite_sources",
+           "Causal", "causal_creations",
            "first_created", "value_range", "input_ranges"]
 
 
@@ -174,22 +174,20 @@ class NanLedWatch:
         return out
 
 
-def causal_creations(records: Sequence[Any], is_output: Callable[[Any], bool]) -> Tuple[List[Creation], List[Creation]]:
-    """``(roots, masked)``: the creations of one graph call whose NaN/Inf reaches an output of the graph that
-    holds a NaN (walking back through records that hold a NaN or an Inf), and those that reach none -- an Inf
-    that a softmax turns into 0, a NaN a ``where`` drops, an Inf mask saved for the backward: created, but
-    harmless here."""
-    roots, masked, _ = _causal(records, is_output)
-    return roots, masked
+class Causal(NamedTuple):
+    """What :func:`causal_creations` finds in one graph call."""
+
+    roots: List[Creation]  # creations whose NaN/Inf reaches an output of the graph that holds a NaN
+    masked: List[Creation]  # creations that reach none: created, but harmless here
+    sources: List[Any]  # ``input``/``param`` records holding a NaN/Inf that reaches such an output
 
 
-def nonfinite_sources(records: Sequence[Any], is_output: Callable[[Any], bool]) -> List[Any]:
-    """The ``input``/``param`` records of one graph call that hold a NaN/Inf reaching an output of the graph that
-    holds a NaN: where a NaN came from when the graph created none (a weight that holds an Inf)."""
-    return _causal(records, is_output)[2]
-
-
-def _causal(records: Sequence[Any], is_output: Callable[[Any], bool]) -> Tuple[List[Creation], List[Creation], List[Any]]:
+def causal_creations(records: Sequence[Any], is_output: Callable[[Any], bool]) -> Causal:
+    """The creations of one graph call whose NaN/Inf reaches an output of the graph that holds a NaN (walking
+    back through records that hold a NaN or an Inf: ``roots``), those that reach none (``masked``: an Inf that a
+    softmax turns into 0, a NaN a ``where`` drops, an Inf mask saved for the backward), and the ``input``/``param``
+    records whose NaN/Inf reaches such an output (``sources``: where a NaN came from when the graph created none,
+    a weight that holds an Inf).  One walk for all three."""
     watch = NonfiniteWatch(limit=max(1 << 16, 2 * len(records)))
     found = watch.feed(records)
     by_node = {r.node: r for r in records}
@@ -205,9 +203,9 @@ def _causal(records: Sequence[Any], is_output: Callable[[Any], bool]) -> Tuple[L
         r = by_node.get(name)
         if r is not None:
             todo.extend(i for i in r.inputs if watch.holds(i))
-    roots = [c for c in found if c.record.node in live]
-    sources = [r for r in records if r.kind in ("input", "param") and r.node in live]
-    return roots, [c for c in found if c.record.node not in live], sources
+    return Causal(roots=[c for c in found if c.record.node in live],
+                  masked=[c for c in found if c.record.node not in live],
+                  sources=[r for r in records if r.kind in ("input", "param") and r.node in live])
 
 
 def _leaves(values: Iterable[Any], out: List[Any]) -> List[Any]:
