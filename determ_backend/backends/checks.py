@@ -62,6 +62,7 @@ from determ_backend.backends.eager import replay
 from determ_backend.backends.instrument import node_source
 from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
+from determ_backend.backends.retarget import widen_casts
 from determ_backend.clones import AttributeState, Saved, clone_inputs, read_attributes_in
 from determ_backend.fingerprint.core import hash_tensors
 from determ_backend.trace.stream import Record, format_hash
@@ -71,27 +72,15 @@ __all__ = ["GraphExec", "graph_in_dtype", "has_random_ops"]
 log = logging.getLogger(__name__)
 
 
-_CONVERT = "convert_element_type"
-
-
 def graph_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
-    """``gm`` with every floating dtype its nodes name (``dtype=`` of factory ops and ``_to_copy``,
-    ``convert_element_type``'s target) replaced by ``dtype``: the graph's own float32 buffers would
-    otherwise meet float64 inputs (an ``index_put`` into a ``full(..., dtype=float32)``).  The copy
-    shares ``gm``'s parameters and constants; an eager run reads the float ones as copies in ``dtype``."""
+    """``gm`` with every narrower floating dtype its nodes name widened to ``dtype``
+    (:func:`~determ_backend.backends.retarget.widen_casts`): the graph's own float32 buffers would otherwise
+    meet float64 inputs (an ``index_put`` into a ``full(..., dtype=float32)``), a ``.float()`` of a Dynamo graph
+    a float64 weight.  The copy shares ``gm``'s parameters and constants; an eager run reads the float ones as
+    copies in ``dtype``."""
     g = fx.Graph()
     g.output(g.graph_copy(gm.graph, {}))
-
-    def widen(v: Any) -> Any:
-        return dtype if isinstance(v, torch.dtype) and v.is_floating_point else v
-
-    for n in g.nodes:
-        if n.op != "call_function":
-            continue
-        if "dtype" in n.kwargs:
-            n.kwargs = {**n.kwargs, "dtype": widen(n.kwargs["dtype"])}
-        if _CONVERT in str(n.target) and len(n.args) > 1:
-            n.args = (n.args[0], widen(n.args[1]), *n.args[2:])
+    widen_casts(g, dtype)
     out = fx.GraphModule(gm, g)
     read_attributes_in(out, dtype)  # float state (a compiled optimizer's) meets inputs in the new dtype
     return out

@@ -21,39 +21,48 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
 
-__all__ = ["on_device", "converter", "moved_graph", "stage_scope", "scoped_wrap"]
+__all__ = ["on_device", "Converter", "converter", "moved_graph", "widen_casts", "stage_scope", "scoped_wrap"]
 
 
-def converter(spec: str) -> Callable[[Any], Any]:
-    """``value -> value`` moved to device spec ``spec`` (floating tensors cast to its dtype, if any).
+class Converter(NamedTuple):
+    """Moves values to one device spec: ``conv(value)`` puts a tensor on ``device``, a floating one cast to
+    ``dtype`` when the spec names one; any other value is returned as is."""
+
+    device: str
+    dtype: Optional[torch.dtype]
+
+    def __call__(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        want = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+        return t.to(device=self.device, dtype=want)
+
+
+def converter(spec: str) -> Converter:
+    """The :class:`Converter` to device spec ``spec`` (``"cuda"``, ``"cpu:float64"``, ...).
     Raises :class:`~determ_backend.errors.DeviceUnavailableError` when the device is absent."""
     dev, dtype = devices.parse_device_spec(spec)
     devices.require(dev)
-
-    def conv(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        want = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return t.to(device=dev, dtype=want)
-
-    return conv
+    return Converter(dev, dtype)
 
 
 _TO_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 
 
-def _widen_casts(graph: fx.Graph, dtype: torch.dtype) -> None:
-    """Casts the model writes to a floating dtype narrower than ``dtype`` become casts to ``dtype`` (``.to(float32)``,
-    ``.float()``, ``softmax(dtype=float32)``): on a ``cpu:float64`` side a value cast back to float32 met float64
-    ones in a matmul, which does not promote (every Hugging Face eager attention).  Casts to a wider dtype stay (a
-    bfloat16 run's float32 softmax)."""
+def widen_casts(graph: fx.Graph, dtype: torch.dtype) -> None:
+    """Every floating dtype the nodes of ``graph`` name that is narrower than ``dtype`` becomes ``dtype``, in
+    place: the model's casts (``.to(float32)``, ``.float()``, ``softmax(dtype=float32)``, ``convert_element_type``,
+    ``_to_copy``) and the dtypes of the tensors it creates (``full(..., dtype=float32)``).  On a ``cpu:float64``
+    side, or in a float64 reference, a value cast back to float32 met float64 ones in a matmul, which does not
+    promote (every Hugging Face eager attention), and a float32 buffer refused float64 values (``index_put``).
+    Casts to a wider dtype stay (a bfloat16 run's float32 softmax); so do bit views (``.view(dtype)``)."""
     size = torch.finfo(dtype).bits
 
     def widen(v: Any) -> Any:
@@ -74,9 +83,9 @@ def _widen_casts(graph: fx.Graph, dtype: torch.dtype) -> None:
             n.args = (n.args[0], widen(n.args[1]), *n.args[2:])
 
 
-def moved_graph(gm: fx.GraphModule, conv: Callable[[Any], Any], dtype: Optional[torch.dtype] = None) -> fx.GraphModule:
-    """A copy of ``gm`` whose constants and submodules live on the target device/dtype (``dtype``: the spec's
-    floating dtype, to which the model's narrower casts are widened)."""
+def moved_graph(gm: fx.GraphModule, conv: Converter) -> fx.GraphModule:
+    """A copy of ``gm`` whose constants and submodules live on ``conv``'s device and dtype; the model's casts to
+    a narrower floating dtype are widened to ``conv.dtype``."""
     owned: Dict[str, Any] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
@@ -85,8 +94,8 @@ def moved_graph(gm: fx.GraphModule, conv: Callable[[Any], Any], dtype: Optional[
         elif n.op == "call_module":
             owned[n.target] = _move_module(copy.deepcopy(gm.get_submodule(n.target)), conv)
     graph = copy.deepcopy(gm.graph)
-    if dtype is not None:
-        _widen_casts(graph, dtype)
+    if conv.dtype is not None:
+        widen_casts(graph, conv.dtype)
     new = fx.GraphModule(owned, graph, class_name=type(gm).__name__)
     new.meta.update(getattr(gm, "meta", {}))
     return new
@@ -137,7 +146,7 @@ def on_device(spec: str, compile_fn: Callable, gm: fx.GraphModule, example_input
     for x, m in zip(example_inputs, moved):  # AOTAutograd must see the inputs' own shape symbols
         if isinstance(x, torch.Tensor):
             _torch_compat.share_symbolic_context(x, m)
-    compiled = compile_fn(moved_graph(gm, conv, devices.parse_device_spec(spec)[1]), moved)
+    compiled = compile_fn(moved_graph(gm, conv), moved)
 
     def run(*args: Any) -> Any:
         return _back(compiled(*[conv(a) for a in args]), targets)

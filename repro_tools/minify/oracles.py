@@ -266,7 +266,7 @@ def _on_device(gm: fx.GraphModule, inputs: Sequence[Any], spec: str) -> Tuple[fx
     constants are moved (and cast, for a dtype spec) along with the inputs."""
     conv = converter(spec)
     moved = [conv(x.detach()) if isinstance(x, torch.Tensor) else x for x in inputs]
-    return moved_graph(gm, conv, parse_device_spec(spec)[1]), moved
+    return moved_graph(gm, conv), moved
 
 
 def observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> List[List[Any]]:

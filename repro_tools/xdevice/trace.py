@@ -33,7 +33,7 @@ _SEED = 1234
 def trace_on_device(gm: fx.GraphModule, inputs: Sequence[Any], spec: str, stage: str = "xdevice") -> CallResult:
     """Every node's record and value (moved to the CPU) for ``gm`` on device spec ``spec``."""
     conv = converter(spec)
-    g = moved_graph(gm, conv, parse_device_spec(spec)[1])
+    g = moved_graph(gm, conv)
     infos, index = graph_node_infos(g)
     rec = Recorder("g0", stage, infos, stats=True, run=spec)
     rec.keep_values = True

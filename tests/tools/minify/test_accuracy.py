@@ -170,3 +170,32 @@ def test_the_fp64_reference_widens_the_graphs_own_float_dtypes():
     assert [n.kwargs.get("dtype") for n in gm.graph.nodes if n.op == "call_function"][0] == torch.float32  # untouched
     m64, _ = cast_to_fp64(gm, args)
     assert m64(*args)[0].dtype == torch.float64
+
+
+def test_the_fp64_reference_widens_a_dynamo_graphs_own_casts():
+    """A Dynamo-level graph (what the minifier sees after dynamo) casts with methods: ``.float()`` and
+    ``.to(torch.float32)`` of a float64 value met a float64 weight in a matmul, which does not promote, so the
+    float64 reference could not run; a bit view (``.view(dtype)``) is no cast and stays."""
+    import torch.fx as fx
+
+    from determ_backend.backends.checks import graph_in_dtype
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 3))
+
+        def forward(self, x):
+            h = torch.softmax(x.float() @ self.w, dim=-1, dtype=torch.float32)
+            return h.to(torch.float32) @ self.w, x.view(torch.int64)
+
+    gm = fx.symbolic_trace(M())
+    m64, (x64,) = cast_to_fp64(gm, [torch.randn(2, 3)])
+    with pytest.raises(RuntimeError, match="dtype"):  # the graph as traced, with float64 weights
+        fx.GraphModule(m64, gm.graph)(x64)
+    out, bits = m64(x64)  # the minifier's fp64 reference
+    assert [n.args for n in graph_in_dtype(gm, torch.float64).graph.nodes if n.target == "to"][0][1] == torch.float64
+    assert out.dtype == torch.float64 and bits.dtype == torch.int64
+    w = m64.w.detach()
+    torch.testing.assert_close(out, torch.softmax(x64 @ w, dim=-1) @ w)
+    assert bits.shape == (2, 3)
