@@ -138,9 +138,7 @@ class ApiRecorder:
         if stack is not None:
             entry["stack"] = stack
         entry.update(extra)
-        if self._refs is not None:
-            self._judge_online(entry)
-        self.session.write(entry)
+        self.session.write(entry, judge=self._judge_online if self._refs is not None else None)
 
     def _judge_online(self, entry: Dict[str, Any]) -> None:
         """Statistics mode: judge ``entry`` against the baseline now (its fingerprints were computed when its

@@ -4,9 +4,11 @@ msprobe's ``bench_path``: the run being dumped is checked, record by record, aga
 stored reference dump of the same step and rank (matched by call name).  Each tensor is
 judged by the compare core's rule (:func:`determ_backend.compare.judge_records`):
 bitwise when both sides ran on the same device type in the same dtype, otherwise within
-the dtypes' tolerance on the statistics.  A record whose (non-parameter) inputs all
-agree while an output does not is a **root cause**; one whose inputs already differ
-only carries a divergence along.  The first root cause is logged at once with its
+the dtypes' tolerance on the statistics.  A record whose inputs agree while an output
+does not is a **root cause**, by compare's own rule
+(:class:`~determ_backend.dump.comparison.dumps.InputsRule`: weights after a divergence,
+parameter read-outs, a backward whose forward's inputs differed); one whose inputs
+already differ only carries a divergence along.  The first root cause is logged at once with its
 source line; every divergent record is counted.
 
 In statistics mode the dump keeps no tensors, except for the first ``keep`` divergent
@@ -31,7 +33,7 @@ from determ_backend.errors import ConfigError, DetermError
 from determ_backend.trace.store import PackWriter
 from determ_backend.trace.stream import atomic_write_text
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
-from determ_backend.dump.comparison.dumps import is_given
+from determ_backend.dump.comparison.dumps import InputsRule, is_given
 from determ_backend.dump.comparison.metrics import tensor_record
 
 __all__ = ["OnlineBaseline", "REPORT_FILE"]
@@ -73,9 +75,7 @@ class OnlineBaseline:
         self._device: Optional[str] = None
         self._pack: Optional[PackWriter] = None
         self._lock = threading.Lock()
-        self._diverged_before = False
-        # forward calls whose inputs differ (their backward is no root cause), the most recent _REMEMBERED
-        self._forward_differs: Dict[str, None] = {}
+        self._rule = InputsRule(remembered=_REMEMBERED)  # compare's rule for whether a call's inputs agree
         self.off = False
         """Set when the check itself failed (reported once): the dump goes on without it."""
 
@@ -94,11 +94,13 @@ class OnlineBaseline:
             return None
         return dtype_tol(DEFAULT_TOL, ta.get("dtype"), tb.get("dtype"))
 
-    def _agree(self, io: str, entry: Dict[str, Any], ref: Dict[str, Any], given: Optional[bool] = None) -> List[bool]:
-        """Verdicts of ``entry``'s ``io`` tensors against the reference's; ``given``: only the inputs that are
-        (True) or are not (False) weights and non-tensor arguments (:func:`~..comparison.dumps.is_given`)."""
+    def _agree(self, io: str, entry: Dict[str, Any], ref: Dict[str, Any],
+               given: Optional[bool] = None) -> List[Optional[bool]]:
+        """Verdicts of ``entry``'s ``io`` tensors against the reference's (None: not judged -- fingerprints alone,
+        which a tolerance cannot judge); ``given``: only the inputs that are (True) or are not (False) weights and
+        non-tensor arguments (:func:`~..comparison.dumps.is_given`)."""
         theirs = {t.get("name"): t for t in ref.get(io, [])}
-        out = []
+        out: List[Optional[bool]] = []
         for t in entry.get(io, []):
             r = theirs.get(t.get("name"))
             if given is not None and is_given(t) != given:
@@ -112,9 +114,7 @@ class OnlineBaseline:
                 continue
             if t.get("hash") is None and t.get("stats") is None:
                 continue  # stack-only records: nothing to judge
-            v = judge_records(tensor_record(t), tensor_record(r), self._tol(t, r))[0]
-            if v is not None:  # None: fingerprints alone, which a tolerance cannot judge
-                out.append(v)
+            out.append(judge_records(tensor_record(t), tensor_record(r), self._tol(t, r))[0])
         return out
 
     def _failed(self, e: BaseException) -> None:
@@ -142,26 +142,12 @@ class OnlineBaseline:
             if ref is None:
                 self.unmatched += 1
                 return None
-            ins = all(self._agree("inputs", entry, ref, given=False))
-            # compare's rules (comparison.dumps.compare_dumps): a weight or argument that differs blames its call only
-            # where nothing diverged before; a parameter read-out depends on everything before it; a backward call
-            # is no root cause when its forward's inputs differed
-            if ins and self._diverged_before and not all(self._agree("inputs", entry, ref, given=True)):
-                ins = False
-            name = entry["name"]
-            if str(entry.get("op", "")).startswith("Parameter."):
-                ins = not self._diverged_before
-            elif entry.get("dir") == "backward":
-                ins = ins and name[: -len("backward")] + "forward" not in self._forward_differs
-            elif not ins:
-                self._forward_differs[name] = None
-                if len(self._forward_differs) > _REMEMBERED:
-                    for k in list(self._forward_differs)[: _REMEMBERED // 2]:
-                        del self._forward_differs[k]
-            outs = self._agree("outputs", entry, ref)
-            if all(outs):
+            ins = self._rule.inputs_agree(entry, self._agree("inputs", entry, ref, given=False),
+                                          self._agree("inputs", entry, ref, given=True))
+            diverges = any(v is False for v in self._agree("outputs", entry, ref))
+            self._rule.output_judged(entry, diverges)
+            if not diverges:
                 return None
-            self._diverged_before = True
             verdict = "root_cause" if ins else "diverged"
             finding = {"name": entry["name"], "verdict": verdict, "source": entry.get("source")}
             self.divergent += 1

@@ -17,7 +17,7 @@ import collections
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -71,10 +71,14 @@ class DumpSession:
             self.counters[key] = n + 1
             return n
 
-    def write(self, entry: Dict[str, Any]) -> None:
+    def write(self, entry: Dict[str, Any], judge: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+        """Number ``entry`` (``seq``) and hand it to the pipeline; ``judge(entry)`` runs in between, so an online
+        baseline sees the entries in ``seq`` order with their numbers."""
         with self._lock:
             entry["seq"] = self.seq
             self.seq += 1
+            if judge is not None:
+                judge(entry)
             self.pipeline.submit(entry)
 
     @property

@@ -38,7 +38,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from determ_backend.compare import DEFAULT_TOL, Pair, align, dtype_tol, find_roots, judge, judge_records
 from determ_backend.errors import ConfigError, TraceFormatError
@@ -49,7 +49,7 @@ from determ_backend.dump.comparison.parse import (Dump, check_path, check_rank, 
                                                   rank_dirs, read_header)
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
 
-__all__ = ["compare", "compare_dumps", "compare_distributed", "auto_analyze", "analyze", "analysis", "DumpComparison",
+__all__ = ["compare", "compare_dumps", "InputsRule", "compare_distributed", "auto_analyze", "analyze", "analysis", "DumpComparison",
            "CSV_COLUMNS"]
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,55 @@ def is_given(t: Dict[str, Any]) -> bool:
     return bool(t.get("param")) or ("type" in t and "dtype" not in t)
 
 
+class InputsRule:
+    """Whether a paired call's inputs agree, judged in call order: one rule for :func:`compare_dumps` and the online
+    baseline (:mod:`determ_backend.dump.capture.online`).  A call whose inputs agree and whose output does not is a
+    root cause.
+
+    * The computed inputs must each be shown to agree (a verdict of None, not judged, is no agreement).
+    * A weight or a non-tensor argument that differs where nothing diverged before is where the runs part (a
+      perturbed weight blames its first consumer, gelu's ``approximate='tanh'`` the gelu); after a divergence it
+      may be its consequence (an optimizer step updated the weight from a differing gradient, an argument came from
+      a differing ``.item()``): then it is an input that differs like any other.
+    * A parameter or gradient read-out (``Parameter.*``) depends on everything before it.
+    * A backward call's inputs do not agree when its forward's did not.
+    * A module boundary whose ``first`` inner call (by ``seq``) came before the last divergent call is explained by
+      it (entries without ``seq`` leave this rule out).
+
+    ``remembered``: how many forward calls' verdicts are kept for their backward (None: all)."""
+
+    def __init__(self, remembered: Optional[int] = None):
+        self.diverged_before = False
+        self._last_diverged: Optional[int] = None  # ``seq`` of the last call whose output diverged
+        self._forward: Dict[str, bool] = {}
+        self._remembered = remembered
+
+    def inputs_agree(self, entry: Dict[str, Any], computed: Sequence[Optional[bool]],
+                     given: Sequence[Optional[bool]]) -> bool:
+        """The verdict for ``entry`` (judged before its output) from its ``computed`` and ``given`` inputs' verdicts."""
+        ins = all(x is True for x in computed) and not (self.diverged_before and any(x is False for x in given))
+        name = str(entry.get("name", ""))
+        if str(entry.get("op", "")).startswith("Parameter."):
+            return not self.diverged_before
+        if entry.get("dir") == "backward":
+            return ins and self._forward.get(name[: -len("backward")] + "forward", True)
+        first = entry.get("first")
+        if isinstance(first, int) and self._last_diverged is not None and self._last_diverged >= first:
+            ins = False
+        self._forward[name] = ins
+        if self._remembered is not None and len(self._forward) > self._remembered:
+            for k in list(self._forward)[: self._remembered // 2]:
+                del self._forward[k]
+        return ins
+
+    def output_judged(self, entry: Dict[str, Any], diverges: bool) -> None:
+        """``entry``'s output verdict: later calls are judged knowing whether anything diverged before."""
+        if diverges:
+            self.diverged_before = True
+            if isinstance(entry.get("seq"), int):
+                self._last_diverged = entry["seq"]
+
+
 def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> Dict[str, List[Optional[bool]]]:
     """Fill ``pa.rows``; returns the match verdicts of the computed ``inputs``, of the ``given`` ones (weights and
     non-tensor arguments: what the calling code hands the call, not what an earlier call computed) and of the
@@ -276,9 +325,8 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         exact = da.header.get("device") == db.header.get("device") and not mixed
     if mixed:  # values computed in float32 from bfloat16 inputs carry bfloat16's rounding: judge all at its precision
         tol = dtype_tol(tol, *_float_dtypes(pairs))
-    fwd_inputs: Dict[str, Optional[bool]] = {}
-    diverged_before = judged_any = False
-    diverged_at: List[int] = []  # ``seq`` of A's calls whose output diverged, in A's order
+    rule = InputsRule()
+    judged_any = False
     judged: List[Pair] = []
     api: Dict[int, ApiPair] = {}
     for pa in pairs:
@@ -288,27 +336,11 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
                     _unmatched_rows(pa, e, side)
             continue
         v = _pair_tensors(pa, da, db, exact, tol)
-        # a weight or a non-tensor argument that differs where nothing diverged before is where the runs part (a
-        # perturbed weight blames its first consumer, gelu's approximate='tanh' the gelu); after a divergence it may
-        # be its consequence (an optimizer step updated the weight from a differing gradient, an argument came from
-        # a differing .item()): then it is an input that differs like any other
-        ins = all(x is True for x in v["inputs"]) and not (diverged_before and any(x is False for x in v["given"]))
-        if str(pa.a.get("op", "")).startswith("Parameter."):
-            ins = not diverged_before  # a parameter or gradient read-out depends on everything before it
-        elif pa.a.get("dir") == "backward":
-            fwd = pa.a["name"][: -len("backward")] + "forward"
-            ins = ins and fwd_inputs.get(fwd, True) is not False
-        else:
-            first = pa.a.get("first")
-            if isinstance(first, int) and diverged_at and diverged_at[-1] >= first:
-                ins = False  # a module boundary: a call inside it diverged, which explains the module's output
-            fwd_inputs[pa.a["name"]] = ins
+        ins = rule.inputs_agree(pa.a, v["inputs"], v["given"])
         pa.inputs_match = ins
         pa.output_diverges = any(x is False for x in v["outputs"])
         judged_any = judged_any or any(x is not None for x in v["outputs"])
-        if pa.output_diverges and isinstance(pa.a.get("seq"), int):
-            diverged_at.append(pa.a["seq"])
-        diverged_before = diverged_before or pa.output_diverges
+        rule.output_judged(pa.a, pa.output_diverges)
         # a compiled region whose own FX nodes diverge is explained by them: its inputs do not agree
         p = Pair(_to_record(pa.a, "a", 0), _to_record(pa.b, "b", 0), equal=not pa.output_diverges,
                  inputs_equal=ins and not cc.explained_by_nodes(pa.nodes))

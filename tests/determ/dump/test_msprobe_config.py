@@ -196,3 +196,19 @@ def test_a_module_around_the_root_cause_is_not_one_too(tmp_path, level, root):
     assert [p.name for p in cmp.root_causes] == [root]
     model = next(p for p in cmp.pairs if p.name == "Module_Net_0_forward")
     assert model.output_diverges and not model.inputs_match
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_online_baseline_takes_a_module_around_the_root_cause_as_compare_does(tmp_path, task):
+    """level mix, one weight perturbed: the layer around the linear that reads it diverges because the linear inside
+    did. Compare names the linear alone; so does the online baseline (it called the layer a root cause as well)."""
+    cfg = {"task": task, "level": "mix"}
+    b = _run(tmp_path, "b", cfg)
+    a = _run(tmp_path, "a", dict(cfg, **{task: {"bench_path": str(b)}}), perturb="fc1.weight")
+    report = json.loads((a / "step0" / "rank0" / "online_compare.json").read_text())
+    cmp = dump.compare({"npu_pkl_path": str(a / "step0" / "rank0" / "dump.pkl"),
+                        "bench_pkl_path": str(b / "step0" / "rank0" / "dump.pkl")}, tmp_path / "out")
+    online_roots = [f["name"] for f in report["first_divergences"] if f["verdict"] == "root_cause"]
+    assert online_roots == [p.name for p in cmp.root_causes] == ["Functional_linear_0_forward"]
+    verdicts = {f["name"]: f["verdict"] for f in report["first_divergences"]}
+    assert verdicts["Module_fc1.Linear_0_forward"] == "diverged"
