@@ -53,7 +53,7 @@ import torch.fx as fx
 from determ_backend import _torch_compat, devices
 from determ_backend.backends import flows, narrow
 from determ_backend.backends.extract import node_draws
-from determ_backend.compare import (Comparison, Pair, align, batch_rows, close_to_scale, compare_traces, dtype_tol,
+from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, dtype_tol,
                                     find_roots, is_float, is_output, judge, rmse, sub_batches, tensor_metrics)
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
@@ -63,6 +63,7 @@ from determ_backend.backends.instrument import node_source
 from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
 from determ_backend.backends.retarget import widen_casts
+from determ_backend.backends.upstream import Upstream, move_innocent_roots
 from determ_backend.clones import AttributeState, Saved, clone_inputs, read_attributes_in
 from determ_backend.fingerprint.core import hash_tensors
 from determ_backend.trace.stream import Record, format_hash
@@ -166,39 +167,6 @@ def _kernel_of(node: str, records) -> Optional[str]:
     return None
 
 
-_MAX_UPSTREAM = 8
-"""Steps a root found innocent is followed upstream (one eager replay each)."""
-
-
-def _move_innocent_roots(cmp: Comparison, confirmation: "_Confirmation", ref: Dict[str, Any],
-                         ref64: Dict[str, Any]) -> None:
-    """A root whose node computes its compiled value from its compiled inputs is innocent: its error came in
-    through inputs that passed the absolute tolerance because they are small (``relu(x) * 1e-4`` feeding a
-    matmul).  The root moves to those inputs, step by step, while each is innocent in turn."""
-    by_node = {p.rec.node: p for p in cmp.pairs}
-    roots: List[Pair] = []
-    for p in cmp.root_causes:
-        for _ in range(_MAX_UPSTREAM):
-            if confirmation.innocent(p) is not True:
-                break
-            upstream = confirmation.carriers(p, by_node)
-            if len(upstream) != 1:  # several inputs (or none recorded) carry the error in: say so, stay here
-                p.metrics["computes_right_from_its_inputs"] = True
-                break
-            p.root_cause = False
-            p.metrics["computes_right_from_its_inputs"] = True
-            p = upstream[0]
-            if p.equal is not False:  # it passed only on the absolute tolerance
-                got, name = confirmation.result.values.get(p.rec.node), _ref_name(p.rec)
-                p.equal = False
-                p.metrics = dict(_accuracy_metrics(got, ref[name], ref64.get(name)), within_absolute_tol_only=True)
-            p.reaches_output = True
-        p.root_cause = True
-        if p not in roots:
-            roots.append(p)
-    cmp.root_causes[:] = roots
-
-
 _MAX_NARROW = 2
 """Roots narrowed inside their fused kernel per graph call (one compile each)."""
 
@@ -224,63 +192,29 @@ class _Confirmation:
     def confirm(self, candidates: List[Pair]) -> List[Optional[bool]]:
         return [self._one(p) for p in candidates]
 
-    def innocent(self, p: Pair) -> Optional[bool]:
-        """Whether ``p``'s node computes its compiled value from the compiled values of its inputs: the eager
-        graph is replayed with every input that has a compiled value substituted, and the node's replayed value
-        is compared with its compiled one relative to its size.  True: the error came in through inputs that
-        passed the tolerance only because they are small; None: cannot tell."""
-        node = self._node(p)
-        value = self.result.values.get(p.rec.node)
-        if node is None or not isinstance(value, torch.Tensor):
-            return None
-        inject = {n.name: self.result.values[n.name] for n in self._frontier(node)}
-        if not inject:
-            return None
-        try:
-            replayed = replay(self.ex.reference_gm, self.args, self.rng, inject=inject).get(node.name)
-        except Exception as e:
-            log.info("determ accuracy: replay of %s from its compiled inputs failed (%s)", node.name, e)
-            return None
-        return close_to_scale(replayed, value, self.ex.config.tol)
+    @functools.cached_property
+    def upstream(self) -> Upstream:
+        """The innocence test of a root (:mod:`determ_backend.backends.upstream`): the eager graph replayed with
+        the compiled values of a node's inputs."""
+        return Upstream(self.ex.reference_gm, self.args, self.rng, self.result.values, self.ref, self.ex.config.tol,
+                        holds=self._holds)
 
-    def carriers(self, p: Pair, by_node: Dict[str, Pair]) -> List[Pair]:
-        """The pairs of ``p``'s inputs whose compiled values differ from eager's relative to their size."""
-        node = self._node(p)
-        found = []
-        for inp in (self._frontier(node) if node is not None else ()):
-            q = by_node.get(inp.name)
-            got, exp = self.result.values.get(inp.name), self.ref.get(inp.name)
-            if q is not None and close_to_scale(exp, got, self.ex.config.tol) is False:
-                found.append(q)
-        return found
+    def move_innocent_roots(self, cmp: Comparison) -> None:
+        """A root whose node computes its compiled value from its compiled inputs is innocent: its error came in
+        through inputs that passed the absolute tolerance because they are small (``relu(x) * 1e-4`` feeding a
+        matmul); the root moves to them (:func:`~determ_backend.backends.upstream.move_innocent_roots`)."""
+        def node_of(p: Pair) -> Optional[str]:
+            return _ref_name(p.rec) if p.rec.kind == "node" else None
 
-    def _frontier(self, node: fx.Node, limit: int = 64) -> List[fx.Node]:
-        """The nearest nodes upstream of ``node`` whose whole compiled value was captured: its inputs, looked
-        through the views and fused nodes that have no buffer of their own (graph inputs end the walk)."""
-        found, seen, stack = [], set(), list(node.all_input_nodes)
-        while stack and len(seen) < limit:
-            n = stack.pop(0)
-            if n.name in seen or n.op == "placeholder":
-                continue
-            seen.add(n.name)
-            if isinstance(self.result.values.get(n.name), torch.Tensor) and self._holds(n.name):
-                found.append(n)
-            else:
-                stack.extend(n.all_input_nodes)
-        return found
+        def remeasure(name: str) -> Dict[str, Any]:
+            return _accuracy_metrics(self.result.values.get(name), self.ref[name], self.ref64.get(name))
 
-    def _node(self, p: Pair) -> Optional[fx.Node]:
-        name = _ref_name(p.rec)
-        return self._nodes.get(name) if name is not None and p.rec.kind == "node" else None
+        move_innocent_roots(cmp, self.upstream, node_of, remeasure)
 
     def _holds(self, name: str) -> bool:
         """Whether the compiled value recorded as ``name`` is that node's whole value."""
         rec = self._records.get(name)
         return rec is not None and _ref_name(rec) == name
-
-    @functools.cached_property
-    def _nodes(self) -> Dict[str, fx.Node]:
-        return {n.name: n for n in self.ex.reference_gm.graph.nodes}
 
     @functools.cached_property
     def _records(self) -> Dict[str, Record]:
@@ -464,7 +398,7 @@ class GraphExec:
                 f"tol={self.config.tol:g} widened to the dtypes' precision (no fp64 reference: {self._no_ref64})")
         cmp = find_roots(pairs, mode=mode, strict=self.config.strict, confirm=confirmation.confirm)
         if cmp.root_causes:
-            _move_innocent_roots(cmp, confirmation, ref, ref64)
+            confirmation.move_innocent_roots(cmp)
         if cmp.divergent and self.compile_region is not None:
             self._narrow(cmp, ref, ref64)
         if cmp.divergent:

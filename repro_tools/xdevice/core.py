@@ -95,7 +95,7 @@ def compare_repro(path: str, specs: Tuple[str, ...], tol: float) -> Tuple[Compar
     """``(comparison, gm, inputs)`` for a repro script or graph directory run on both devices."""
     from repro_tools.minify.repro_files import load_repro_any
     from repro_tools.repro.script import load_repro
-    from repro_tools.xdevice.trace import compare_devices, reference_spec, trace_on_device
+    from repro_tools.xdevice.trace import compare_devices, move_roots_upstream, reference_spec, trace_on_device
 
     # a repro recorded on an accelerator loads on the CPU here; each side moves it where it runs
     gm, inputs, _ = load_repro(path, device="cpu") if Path(path).is_file() else load_repro_any(path)
@@ -104,7 +104,9 @@ def compare_repro(path: str, specs: Tuple[str, ...], tol: float) -> Tuple[Compar
     for s in tqdm(list(specs) + ([ref] if ref else []), desc="xdevice", unit="device", file=sys.stderr,
                   disable=len(gm.graph.nodes) < 200):
         sides.append(trace_on_device(gm, inputs, s))
-    return compare_devices(sides[0], sides[1], tol, sides[2] if ref else None), gm, inputs
+    cmp = compare_devices(sides[0], sides[1], tol, sides[2] if ref else None)
+    move_roots_upstream(cmp, gm, inputs, specs[1], sides[0], sides[1], tol, sides[2] if ref else None)
+    return cmp, gm, inputs
 
 
 def compare_trace_pair(a: str, b: str, tol: float) -> Comparison:

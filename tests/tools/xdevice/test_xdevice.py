@@ -102,6 +102,30 @@ def test_repro_localizes_the_cancellation(repro, capsys):
     assert s["divergent_pairs"] == 3  # sub and the two consumers that inherit its error
 
 
+class SmallCancel(torch.nn.Module):
+    """A cancellation on small values, then a LayerNorm: float32's ``(x * 1e-3 + 1e3) - 1e3`` is wrong by about a
+    third of its size, yet within the absolute tolerance; the LayerNorm scales it up and only amplifies it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(self.ln((x * 1e-3 + 1e3) - 1e3))
+
+
+def test_a_node_that_only_amplifies_an_error_below_the_tolerance_is_not_the_root(tmp_path, capsys):
+    torch.manual_seed(0)
+    path = write_repro(fx.symbolic_trace(SmallCancel()), [torch.randn(4, 16)], tmp_path / "repro.py",
+                       meta={"kind": "cross_device", "compiler": "eager"})
+    code, s = xdevice(capsys, str(path), "--devices", DEVICES)
+    assert code == 1 and [r["node"] for r in s["root_causes"]] == ["sub"]
+    assert s["root_causes"][0]["metrics"]["within_absolute_tol_only"]
+    assert main(["xdevice", str(path), "--devices", DEVICES]) == 1
+    ln = next(line for line in capsys.readouterr().out.splitlines() if " ln " in line)
+    assert not ln.startswith("*") and "computes_right_from_its_inputs=True" in ln  # innocent: not marked
+
+
 def test_repro_agrees_within_a_loose_tolerance(repro, capsys):
     code, s = xdevice(capsys, str(repro), "--devices", DEVICES, "--tol", "100")
     assert code == 0 and not s["divergent"] and s["first_divergence"] is None

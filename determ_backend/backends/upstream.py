@@ -1,0 +1,127 @@
+"""Does a root cause compute its value right from its inputs?  The rule that moves a root upstream.
+
+A root cause of the causal rule (:mod:`determ_backend.compare.roots`) is a node whose inputs agree
+within the tolerance while its output does not.  An absolute tolerance passes any two small tensors,
+so a node that only amplifies an error it was handed looks guilty: a LayerNorm after a cancellation
+(``(x + 1e3) - 1e3`` in float32 is wrong by a third of its small size), a matmul fed ``relu(x) * 1e-4``.
+
+:class:`Upstream` asks of such a node whether it is **innocent**: the reference graph is replayed
+with the suspect side's values of the node's inputs substituted, and the node's replayed value is
+compared with the suspect's own value relative to its size (:func:`~determ_backend.compare.close_to_scale`).
+If they agree, the node computes the suspect value from the suspect inputs: the error came in
+through them.  :func:`move_innocent_roots` then follows the one input that carries the error
+(differs relative to its size), step by step, while each is innocent in turn; where several inputs
+carry it, or none does, the root stays and says it computes right from its inputs.
+
+Used by the backends' accuracy check (compiled against eager) and by ``repro-tools xdevice`` (one
+device against another).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from determ_backend.backends.eager import replay
+from determ_backend.compare import Comparison, Pair, close_to_scale
+
+__all__ = ["Upstream", "move_innocent_roots", "MAX_UPSTREAM"]
+
+log = logging.getLogger(__name__)
+
+MAX_UPSTREAM = 8
+"""Steps a root found innocent is followed upstream (one replay each)."""
+
+
+class Upstream:
+    """The innocence test on one graph call.
+
+    Args:
+        gm: the reference graph, replayed with substituted values.
+        args: its inputs; ``rng_state``: the RNG state (:func:`determ_backend.devices.get_rng_state`) it ran from.
+        suspect: the suspect side's values by node name; ``reference``: the reference side's.
+        tol: the tolerance, relative to each value's largest magnitude.
+        holds: whether ``suspect[name]`` is that node's whole value (an inductor buffer may be less).
+        convert: a suspect value as the reference graph takes it (another device or dtype).
+    """
+
+    def __init__(self, gm: fx.GraphModule, args: Sequence[Any], rng_state: Dict[str, Any],
+                 suspect: Mapping[str, Any], reference: Mapping[str, Any], tol: float,
+                 holds: Callable[[str], bool] = lambda name: True, convert: Callable[[Any], Any] = lambda v: v):
+        self.gm, self.args, self.rng = gm, args, rng_state
+        self.suspect, self.reference, self.tol = suspect, reference, tol
+        self.holds, self.convert = holds, convert
+        self.nodes: Dict[str, fx.Node] = {n.name: n for n in gm.graph.nodes}
+
+    def innocent(self, name: str) -> Optional[bool]:
+        """Whether node ``name`` computes its suspect value from the suspect values of its inputs (True: the error
+        came in through them); None: cannot tell (no such node, no inputs captured, the replay failed)."""
+        node, value = self.nodes.get(name), self.suspect.get(name)
+        if node is None or not isinstance(value, torch.Tensor):
+            return None
+        inject = {n.name: self.convert(self.suspect[n.name]) for n in self.frontier(node)}
+        if not inject:
+            return None
+        try:
+            replayed = replay(self.gm, self.args, self.rng, inject=inject, keep={name}).get(name)
+        except Exception as e:
+            log.info("determ: replay of %s from the suspect side's inputs failed (%s)", name, e)
+            return None
+        return close_to_scale(replayed, value, self.tol)
+
+    def carriers(self, name: str) -> List[str]:
+        """The inputs of node ``name`` (:meth:`frontier`) whose suspect values differ from the reference's relative
+        to their size."""
+        node = self.nodes.get(name)
+        return [n.name for n in (self.frontier(node) if node is not None else ())
+                if close_to_scale(self.reference.get(n.name), self.suspect.get(n.name), self.tol) is False]
+
+    def frontier(self, node: fx.Node, limit: int = 64) -> List[fx.Node]:
+        """The nearest nodes upstream of ``node`` whose whole suspect value is known: its inputs, looked through
+        the nodes that have none (views and fused nodes without a buffer); graph inputs end the walk (both sides
+        are given the same)."""
+        found, seen, stack = [], set(), list(node.all_input_nodes)
+        while stack and len(seen) < limit:
+            n = stack.pop(0)
+            if n.name in seen or n.op == "placeholder":
+                continue
+            seen.add(n.name)
+            if isinstance(self.suspect.get(n.name), torch.Tensor) and self.holds(n.name):
+                found.append(n)
+            else:
+                stack.extend(n.all_input_nodes)
+        return found
+
+
+def move_innocent_roots(cmp: Comparison, up: Upstream, node_of: Callable[[Pair], Optional[str]],
+                        remeasure: Callable[[str], Dict[str, Any]]) -> None:
+    """Each root of ``cmp`` that :meth:`Upstream.innocent` clears moves to the one input that carries the error in,
+    while each is innocent in turn (at most :data:`MAX_UPSTREAM` steps).  ``node_of(pair)``: the graph node whose
+    value the pair holds (None: none); ``remeasure(node)``: the metrics of an input that passed only on the
+    absolute tolerance, which is then marked divergent (``within_absolute_tol_only``).  A root that computes right
+    from its inputs but where several inputs (or none) carry the error stays, marked
+    ``computes_right_from_its_inputs``."""
+    by_node = {name: p for p in cmp.pairs for name in (node_of(p),) if name is not None}
+    roots: List[Pair] = []
+    for p in cmp.root_causes:
+        for _ in range(MAX_UPSTREAM):
+            name = node_of(p)
+            if name is None or up.innocent(name) is not True:
+                break
+            p.metrics["computes_right_from_its_inputs"] = True
+            upstream = [by_node[n] for n in up.carriers(name) if n in by_node]
+            if len(upstream) != 1:  # several inputs (or none recorded) carry the error in: say so, stay here
+                break
+            p.root_cause = False
+            p = upstream[0]
+            if p.equal is not False:  # it passed only on the absolute tolerance
+                p.equal = False
+                p.metrics = dict(remeasure(node_of(p)), within_absolute_tol_only=True)
+            p.reaches_output = True
+        p.root_cause = True
+        if p not in roots:
+            roots.append(p)
+    cmp.root_causes[:] = roots
