@@ -35,8 +35,9 @@ import torch
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._hashing import PendingHashes, hashable
 from determ_backend._frames import FrameFilter
-from determ_backend.modes.ops import (COPIES, iter_args, mem_key, tensor_args, returns_view, same_layout, schema_writes,
-                                      uninitialized, uninitialized_hash, version, written_tensors)
+from determ_backend.modes.ops import (COPIES, iter_args, mem_key, out_args, out_tensor_ids, tensor_args, returns_view,
+                                      same_layout, schema_writes, uninitialized, uninitialized_hash, version,
+                                      written_tensors)
 from determ_backend.trace.stream import Record, dtype_name, shape_of
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY", "op_info"]
@@ -48,7 +49,7 @@ _storage_weak_ref, _storage_release = _compat.storage_weak_ref, _compat.storage_
 # made per step starts warm): which frames are user code, each user line's names, each op's schema facts.
 _FRAMES = FrameFilter()
 _LINES: Dict[tuple, tuple] = {}  # (id(code), line) -> (source, name location, code); the code keeps its id
-_OP_INFO: Dict[int, tuple] = {}  # id(op) -> (writes, is view, uninitialized, copied arg, name, op, collective)
+_OP_INFO: Dict[int, tuple] = {}  # id(op) -> (writes, is view, uninitialized, copied arg, name, op, collective, out args)
 _LINES_LIMIT = 1 << 16  # user lines remembered (generated code makes new ones)
 
 FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, name location) of its forward op
@@ -59,17 +60,18 @@ _FLUSH_BYTES = 256 << 20  # also finish the fingerprint batch once this much dat
 # thousand ops a full collection then walked the whole heap: 4 collections of ~165 ms in 1,000 small training
 # steps of a process with transformers loaded, 0.67 ms a step.  The producer table is still pruned per ``batch``.
 _HOST_BATCH = 64
+_SILENT_LIMIT = 64  # storages written by collectives that are remembered (DDP: one per gradient bucket)
 
 
 def op_info(func) -> tuple:
     """What the recorder needs to know of an op, once per op of the process: ``(writes, is view, uninitialized,
-    copied arg, name, op, collective)`` (``collective``: a ``torch.distributed`` op, whose outputs are final only
-    once its work is done)."""
+    copied arg, name, op, collective, out args)`` (``collective``: a ``torch.distributed`` op, whose outputs are
+    final only once its work is done; ``out args``: its ``out=`` arguments, :func:`~.ops.out_args`)."""
     info = _OP_INFO.get(id(func))  # by id: OpOverload's __hash__ is Python code
     if info is None or info[5] is not func:
         info = _OP_INFO[id(func)] = (schema_writes(func), returns_view(func), uninitialized(func),
                                      COPIES.get(_compat.op_schema_name(func)), str(func), func,
-                                     str(getattr(func, "namespace", "")) == "c10d")
+                                     str(getattr(func, "namespace", "")) == "c10d", out_args(func))
     return info
 
 
@@ -114,6 +116,9 @@ class OpRecorder:
         # reference left at exit is only a small leak)
         weakref.finalize(self, _release_storages, self._producers).atexit = False
         self._by_object: Dict[int, tuple] = {}  # id(tensor) -> (weakref to it, Record, version): the fast path
+        # storages a write changed without moving their version counter (torch.distributed ops): (first byte, end,
+        # seq of the write's record, that record); an entry of an alias of such memory made before is stale
+        self._silent: List[tuple] = []
         self._counts: Dict[tuple, int] = {}
         self._hashes = PendingHashes(stats)
         self._events: List[OpEvent] = []
@@ -215,7 +220,16 @@ class OpRecorder:
         for t, rec, view in unsettled:
             self.set_producer(t, rec, view)
 
-    def _input_record(self, t: torch.Tensor, source: Optional[str], loc: str, events: list) -> Record:
+    def _input_record(self, t: torch.Tensor, source: Optional[str], loc: str, events: list,
+                      unread: bool = False, gathered: bool = False) -> Record:
+        """A first-seen input's record; ``unread``: an ``out=`` tensor, whose values the op overwrites unread: its
+        memory may hold anything (DDP's gradient bucket before the first backward), so only its dtype and shape
+        are fingerprinted, as for ``empty``'s; ``gathered``: the input of a collective, which may be memory earlier
+        ops wrote through views (:meth:`_silent_alias`)."""
+        if (self._silent or gathered) and not unread:
+            alias = self._silent_alias(t, source, loc, events, gathered)
+            if alias is not None:
+                return alias
         named = self.names.get(id(t))
         if named is not None and named[0]() is t:
             k = self._counts.get(named[1], 0)
@@ -223,7 +237,10 @@ class OpRecorder:
             rec = self._record(named[1] if k == 0 else f"{named[1]}#{k}", "param", "param", source, t)
         else:
             rec = self._record(self._name("input", loc), "input", "input", source, t)
-        self._capture(rec, t)
+        if unread:
+            rec.hash = uninitialized_hash(rec)
+        else:
+            self._capture(rec, t)
         self.set_producer(t, rec)
         events.append(OpEvent(rec.op, source, None, (), [rec], [str(t.device)], ()))
         return rec
@@ -263,13 +280,14 @@ class OpRecorder:
                 source, loc = fwd
         in_recs, events = [], []
         grad_on = node is None and torch.is_grad_enabled()
+        unread = out_tensor_ids(info[7], args, kwargs) if info[7] else None  # out= tensors: written, not read
         if self.describe_args:
             arg_desc = []
             for path, t in iter_args(args, kwargs, [], True):
                 if not isinstance(t, torch.Tensor):
                     arg_desc.append((path, None, t, None))
                     continue
-                rec = self._input(t, source, loc, events, grad_on)
+                rec = self._input(t, source, loc, events, grad_on, unread is not None and id(t) in unread, info[6])
                 in_recs.append(rec)
                 arg_desc.append((path, rec, None, str(t.device)))
         else:
@@ -286,21 +304,93 @@ class OpRecorder:
                 else:
                     rec = self._producer_by_memory(t, v)
                     if rec is None:
-                        in_recs.append(self._input_record(t, source, loc, events))
+                        in_recs.append(self._input_record(t, source, loc, events,
+                                                          unread is not None and id(t) in unread, info[6]))
                         continue
+                if self._silent:
+                    rec = self._fresh(t, rec, source, loc, events)
                 if grad_on and t.requires_grad:
                     self._tag_grad_fn(t, rec)
                 in_recs.append(rec)
         return (info, source, loc, stack, backward, compiled, in_recs, arg_desc, events)
 
-    def _input(self, t: torch.Tensor, source: Optional[str], loc: str, events: list, grad_on: bool) -> Record:
-        """The record of input ``t``: its producer's, else a new ``input``/``param`` record."""
+    def _input(self, t: torch.Tensor, source: Optional[str], loc: str, events: list, grad_on: bool,
+               unread: bool = False, gathered: bool = False) -> Record:
+        """The record of input ``t``: its producer's, else a new ``input``/``param`` record (``unread``,
+        ``gathered``: as for :meth:`_input_record`)."""
         rec = self._producer(t)  # under the lock (begin holds it)
         if rec is None:
-            return self._input_record(t, source, loc, events)
+            return self._input_record(t, source, loc, events, unread, gathered)
+        if self._silent:
+            rec = self._fresh(t, rec, source, loc, events)
         if grad_on and t.requires_grad:
             self._tag_grad_fn(t, rec)
         return rec
+
+    def _fresh(self, t: torch.Tensor, rec: Record, source: Optional[str], loc: str, events: list) -> Record:
+        """``rec``, unless a write that left the version counter as it was (a ``torch.distributed`` op: DDP's
+        all-reduce of a gradient bucket) changed ``t``'s memory after ``rec`` was made: then :meth:`_silent_alias`
+        (the bucket view DDP copies into ``.grad`` held the local gradient's record, and its fingerprint, before the
+        all-reduce)."""
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:  # no storage
+            return rec
+        for lo, hi, seq, _ in self._silent:
+            if lo <= ptr < hi and rec.seq < seq:
+                return self._silent_alias(t, source, loc, events) or rec
+        return rec
+
+    def _silent_alias(self, t: torch.Tensor, source: Optional[str], loc: str, events: list,
+                      gathered: bool = False) -> Optional[Record]:
+        """A new ``alias`` record of ``t``'s values as they are now, made of the writes into its memory: when ``t``
+        lies in memory a collective wrote (:meth:`_written_silently`), that write and the records written into the
+        same memory since; with ``gathered`` (a collective's input seen for the first time), the records written
+        into ``t``'s storage.  DDP writes each gradient into its bucket through a view (``mul.out``), then
+        all-reduces the whole bucket, an object first seen there.  None when neither applies."""
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:
+            return None
+        writer, lo, hi, seq = None, 0, 0, -1
+        for w_lo, w_hi, w_seq, w in self._silent:
+            if w_lo <= ptr < w_hi:
+                writer, lo, hi, seq = w, w_lo, w_hi, w_seq
+                break
+        if writer is None:
+            if not gathered:
+                return None
+            try:
+                st = t.untyped_storage()
+                lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+            except RuntimeError:
+                return None
+        inputs = [writer] if writer is not None else []
+        inputs += sorted((ent[1] for key, ent in self._producers.items()
+                          if lo <= key[0] < hi and ent[1].seq > seq and ent[1] is not writer
+                          and not _compat.storage_expired(ent[0])), key=lambda r: r.seq)
+        if not inputs:
+            return None
+        rec = self._record(self._name("alias", loc), "alias", "node", source, t, inputs,
+                           {"aliases": writer.node} if writer is not None else None)
+        self._capture(rec, t)
+        self.set_producer(t, rec)
+        events.append(OpEvent(rec.op, source, None, (), [rec], [str(t.device)], inputs))
+        return rec
+
+    def _written_silently(self, outs: Sequence, recs: List[Record]) -> None:
+        """A collective wrote ``outs`` without moving their version counters: remember their storages, so that
+        aliases recorded before are not taken for what the memory holds now (:meth:`_fresh`)."""
+        for t, rec in zip(outs, recs):
+            if not isinstance(t, torch.Tensor):
+                continue
+            try:
+                st = t.untyped_storage()
+                lo = st.data_ptr()
+                hi = lo + st.nbytes()
+            except RuntimeError:
+                continue
+            self._silent = [e for e in self._silent if e[0] != lo][-(_SILENT_LIMIT - 1):] + [(lo, hi, rec.seq, rec)]
 
     @staticmethod
     def _tag_grad_fn(t: torch.Tensor, rec: Record) -> None:
@@ -332,6 +422,8 @@ class OpRecorder:
             if isinstance(t, torch.Tensor):
                 self._unsettled.append((t, rec, is_view))
             recs.append(rec)
+        if info[6]:  # a collective returns the tensors it wrote (its schema declares no writes)
+            self._written_silently(outs, recs)
         if compiled:
             self.compiled_ops += 1
         devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else ()

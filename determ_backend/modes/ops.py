@@ -109,6 +109,24 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
 
 
+def out_args(func) -> Tuple[Tuple[int, str], ...]:
+    """Positions and names of ``func``'s ``out=`` arguments: memory it writes its result into without reading what
+    was there (``mul.out``; DDP's reducer writes gradients into its bucket this way)."""
+    schema = _torch_compat.op_schema(func)
+    if schema is None or not schema.is_mutable:
+        return ()
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments) if getattr(a, "is_out", False))
+
+
+def out_tensor_ids(outs: Tuple[Tuple[int, str], ...], args: Sequence, kwargs: Dict[str, Any]) -> set:
+    """``id()`` of every tensor passed as one of the ``out=`` arguments ``outs`` (:func:`out_args`)."""
+    found: set = set()
+    for i, name in outs:
+        a = args[i] if i < len(args) else kwargs.get(name)
+        found.update(id(t) for t in _leaves(a, []) if isinstance(t, torch.Tensor))
+    return found
+
+
 def uninitialized(func) -> bool:
     """Ops whose outputs are uninitialized memory (``empty``, ``empty_like``, ``new_empty_strided``...)."""
     schema = _torch_compat.op_schema(func)

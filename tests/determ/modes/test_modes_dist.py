@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 
@@ -47,3 +49,52 @@ def test_a_collective_is_fingerprinted_after_its_work_not_before(tmp_path, free_
         if rank:
             assert [r["hash"] for r in reduced] == first
         first = [r["hash"] for r in reduced]
+
+
+def _ddp_worker(rank: int, port: int, root: str, perturb: bool) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from determ_backend import HashMode
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        ddp = DDP(model)
+        if perturb and rank == 1:  # the replicas part: rank 1's weight differs after DDP's initial broadcast
+            with torch.no_grad():
+                model[2].weight[0, 0] += 1e-2
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        torch.manual_seed(rank)
+        xs = [torch.randn(2, 16) for _ in range(2)]
+        with HashMode(trace_path=os.path.join(root, f"rank{rank}.jsonl"), stats=True):
+            for x in xs:
+                opt.zero_grad()
+                ddp(x).pow(2).mean().backward()
+                opt.step()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_gradients_are_recorded_as_all_reduced_and_identical_runs_diff_identical(tmp_path, free_port):
+    """DDP writes gradients into its bucket with ``mul.out`` (whose ``out=`` memory it does not read: uninitialized on
+    the first step) and all-reduces the bucket, which moves no version counter.  The bucket view copied into .grad
+    kept the record of the local gradient, so the SGD update after it looked like a second root cause; and two
+    identical runs never diffed identical (the bucket's garbage was an input)."""
+    from repro_tools.cli import main
+
+    runs = {}
+    for name, perturb in (("a", False), ("b", False), ("p", True)):
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        mp.spawn(_ddp_worker, args=(free_port(), str(runs[name]), perturb), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        assert main(["diff", str(runs["a"] / f"rank{rank}.jsonl"), str(runs["b"] / f"rank{rank}.jsonl")]) == 0
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["diff", str(runs["a"] / "rank0.jsonl"), str(runs["p"] / "rank0.jsonl"), "--json"]) == 1
+    roots = [r["op"] for r in json.loads(buf.getvalue())["root_causes"]]
+    assert roots == ["c10d.allreduce_.default"], roots  # rank 0 first sees rank 1's weight in the all-reduce
