@@ -13,6 +13,7 @@ from typing import Any, Dict
 import torch
 
 from determ_backend import devices
+from determ_backend.args import check_bool
 from determ_backend.errors import ConfigError
 
 __all__ = ["seed_all"]
@@ -28,6 +29,7 @@ def seed_all(seed: int = 1234, deterministic: bool = False) -> Dict[str, Any]:
     """
     if isinstance(seed, bool) or not hasattr(type(seed), "__index__") or not 0 <= operator.index(seed) < 2**32:
         raise ConfigError(f"seed_all: seed must be an int in [0, 2**32), got {seed!r}")
+    check_bool(deterministic=deterministic)  # "no" is a truthy string: it would turn determinism on
     seed = operator.index(seed)  # numpy integers are fine too
     done: Dict[str, Any] = {"seed": seed}
     random.seed(seed)

@@ -31,7 +31,7 @@ from determ_backend import _torch_compat as _compat
 from determ_backend import devices
 from determ_backend.clones import clone_inputs
 from determ_backend._frames import FrameFilter
-from determ_backend.modes._args import check_bool, check_count
+from determ_backend.args import check_bool, check_count
 from determ_backend.modes.ops import mem_key, returns_view, schema_writes, unseen, written_tensors
 from determ_backend.modes._record import FORWARD_KEY
 from determ_backend.compare import tensor_metrics
@@ -87,6 +87,7 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
         self.raise_on_mismatch, self.stack_depth, self.warn = raise_on_mismatch, stack_depth, warn
         self.mismatches: List[Dict[str, Any]] = []
         self.ops_checked = 0
+        self.compiled_ops = 0  # ops of torch.compile'd regions that ran eagerly under this mode
         self._frames = FrameFilter()
         self._sources: Dict[tuple, tuple] = {}  # output memory -> (storage ref, source): lines for backward ops
         self._writes: Dict[Any, tuple] = {}
@@ -104,11 +105,21 @@ class BitwiseEquivalenceMode(_compat.TorchDispatchMode):
         prior = self._set_eval_frame(None)
         try:
             kwargs = kwargs or {}
+            if prior is not None and prior is not False:  # inside a torch.compile'd function: it runs eagerly
+                self._ran_compiled()
             if _skipped(func):
                 return func(*args, **kwargs)
             return self._twice(func, args, kwargs, sys._getframe(1))
         finally:
             self._set_eval_frame(prior)
+
+    def _ran_compiled(self) -> None:
+        self.compiled_ops += 1
+        if self.compiled_ops == 1:
+            logger.warning("BitwiseEquivalenceMode: a torch.compile'd region ran eagerly (dynamo does not compile "
+                           "while a dispatch mode is active); its ops are checked as eager ops. To check compiled "
+                           "graphs use torch.compile(backend='determ_aot_eager' or 'determ_inductor') with "
+                           "DETERM_CHECK=determinism, without this mode.")
 
     def _twice(self, func, args, kwargs, frame):
         writes = self._writes.get(func)

@@ -37,7 +37,7 @@ from determ_backend.modes._bitwise import BitwiseEquivalenceMode
 from determ_backend.modes.log import LogWriter, read_hash_log, read_hash_log_file
 from determ_backend.modes._record import OpEvent, OpRecorder
 from determ_backend.modes.ops import wait_collective
-from determ_backend.modes._args import check_bool as _check_bool, check_count as _check_count, check_path as _check_path
+from determ_backend.args import check_bool as _check_bool, check_count as _check_count, check_path as _check_path
 from determ_backend.errors import ConfigError
 from determ_backend.compare.nonfinite import Creation, NanLedWatch, input_ranges
 from determ_backend.trace.stream import Record, TraceWriter

@@ -38,6 +38,7 @@ import torch
 
 from determ_backend import _torch_compat
 from determ_backend._frames import user_frames
+from determ_backend.args import check_bool
 from determ_backend.modes.ops import returns_view, schema_writes, written_tensors
 from determ_backend.observer._files import load_reference, tensors_path_for, write_run
 from determ_backend.compare import compare_traces
@@ -74,6 +75,12 @@ class Observer:
             raise ConfigError(f"name: expected a non-empty run name without '/', got {name!r}")
         if not isinstance(dump_dir, (str, os.PathLike)):
             raise ConfigError(f"dump_dir: expected a directory path, got {dump_dir!r}")
+        if name in (".", ".."):
+            raise ConfigError(f"name: expected a run name, got {name!r} (it names a directory)")
+        check_bool(raise_on_mismatch=raise_on_mismatch)
+        if reference_hash_file is not None and not isinstance(reference_hash_file, (str, os.PathLike)):
+            raise ConfigError(f"reference_hash_file: expected the path of a reference run's trace or None, got "
+                              f"{reference_hash_file!r}")
         self.name = name
         self.trace_path = Path(dump_dir) / f"{name}.jsonl"
         if reference_hash_file is not None and Path(reference_hash_file).resolve() in (
@@ -257,9 +264,10 @@ class Observer:
         # compare what was written (the JSONL form), exactly as a later run will read it back
         cmp = compare_traces(self.reference, read_trace(self.trace_path))
         self.comparison = cmp
+        # a root cause may be an op only one run ran (a hook adding noise in this run): kept, with ``only_in``
         self.mismatches = [_mismatch(p.a, p.b, p.root_cause, p.metrics) for p in cmp.pairs
-                           if p.equal is False and p.a is not None and p.b is not None
-                           and not (_nondet(p.a) or _nondet(p.b))]
+                           if (p.equal is False and p.a is not None and p.b is not None
+                               and not (_nondet(p.a) or _nondet(p.b))) or (p.root_cause and not p.paired)]
         self.unmatched = {"reference_only": [p.a.node for p in cmp.pairs if p.b is None],
                           "current_only": [p.b.node for p in cmp.pairs if p.a is None]}
 
@@ -284,11 +292,20 @@ def _stack(r: Record) -> List[str]:
     return list((r.extra or {}).get("stack") or ([r.source] if r.source else []))
 
 
-def _mismatch(ref: Record, cur: Record, root: bool, metrics: Optional[dict] = None) -> Dict[str, Any]:
-    return {"name": cur.node, "reference_name": ref.node, "op": cur.op, "kind": cur.kind,
-            "current": cur.hash, "reference": ref.hash, "root_cause": root, "metrics": metrics or {},
-            "current_source": cur.source, "reference_source": ref.source,
-            "current_stack": _stack(cur), "reference_stack": _stack(ref)}
+def _mismatch(ref: Optional[Record], cur: Optional[Record], root: bool,
+              metrics: Optional[dict] = None) -> Dict[str, Any]:
+    """One mismatch; ``ref`` or ``cur`` is None for a record only the other run has (``only_in`` says which)."""
+    one = cur if cur is not None else ref
+    out = {"name": one.node, "reference_name": ref.node if ref is not None else None, "op": one.op, "kind": one.kind,
+           "current": cur.hash if cur is not None else None, "reference": ref.hash if ref is not None else None,
+           "root_cause": root, "metrics": metrics or {},
+           "current_source": cur.source if cur is not None else None,
+           "reference_source": ref.source if ref is not None else None,
+           "current_stack": _stack(cur) if cur is not None else [],
+           "reference_stack": _stack(ref) if ref is not None else []}
+    if cur is None or ref is None:
+        out["only_in"] = "current" if ref is None else "reference"
+    return out
 
 
 class ObserverContext:
@@ -317,10 +334,14 @@ class ObserverContext:
         if obs.reference is not None and exc_type is None:
             obs.report_mismatches()
             if obs.raise_on_mismatch and obs.mismatches:
-                roots = [m for m in obs.mismatches if m["root_cause"]] or obs.mismatches
+                roots = [m for m in obs.mismatches if m["root_cause"]]
+                first = (roots or obs.mismatches)[0]
+                what = "first root cause" if roots else "no root cause found; first differing record"
+                only = {"current": " (only this run ran it)", "reference": " (only the reference ran it)"}.get(
+                    first.get("only_in"), "")
                 raise NondeterminismError(f"observer {obs.name}: {len(obs.mismatches)} records differ from the "
-                                          f"reference; first root cause {roots[0]['name']} at "
-                                          f"{roots[0]['current_source'] or '?'}")
+                                          f"reference; {what} {first['name']}{only} at "
+                                          f"{first['current_source'] or first['reference_source'] or '?'}")
 
 
 def current_observer() -> Optional[Observer]:

@@ -80,6 +80,13 @@ def test_bad_seed_raises_config_error(seed, global_state):
         seed_all(seed)
 
 
+def test_a_deterministic_flag_that_is_no_bool_is_refused(global_state):
+    """``deterministic="no"`` is a truthy string: it turned deterministic algorithms on."""
+    with pytest.raises(ConfigError, match="deterministic='no': expected True or False"):
+        seed_all(1, deterministic="no")
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_numpy_integer_seed_is_accepted(global_state):
     assert seed_all(np.int64(9))["seed"] == 9
     first = _draws()

@@ -343,6 +343,15 @@ def test_compiled_region_runs_eagerly_and_is_reported(caplog):
     assert any("ran eagerly" in rec.message for rec in caplog.records)
 
 
+def test_bitwise_mode_says_a_compiled_region_ran_eagerly(caplog):
+    cf = torch.compile(lambda x: torch.relu(x @ x).sin(), backend="eager")
+    with caplog.at_level(logging.WARNING, logger="determ_backend.modes._bitwise"):
+        with BitwiseEquivalenceMode() as bm:
+            cf(torch.randn(4, 4))
+    assert bm.compiled_ops == 3 and not bm.mismatches
+    assert [r.message for r in caplog.records if "ran eagerly" in r.message][:1]
+
+
 DEVICES = [d if d == "cpu" else pytest.param(d, marks=pytest.mark.gpu) for d in ("cpu", "cuda", "npu", "xpu")]
 
 

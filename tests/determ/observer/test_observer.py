@@ -185,3 +185,35 @@ def test_observing_nothing_observable_is_an_error(tmp_path, value):
 def test_dump_dir_must_be_a_path():
     with pytest.raises(ConfigError, match="dump_dir"):
         db.ObserverContext(None, "r")
+
+
+@pytest.mark.parametrize("kwargs,needle", [({"raise_on_mismatch": "no"}, "raise_on_mismatch='no': expected True or False"),
+                                           ({"reference_hash_file": 5}, "reference_hash_file: expected the path"),
+                                           ({"name": ".."}, "name: expected a run name")])
+def test_bad_observer_arguments_are_one_line(tmp_path, kwargs, needle):
+    args = {"name": "r", **kwargs}
+    with pytest.raises(ConfigError, match=needle):
+        db.ObserverContext(tmp_path, args.pop("name"), **args)
+
+
+def _noisy_run(tmp_path, name, ref=None, noise=False, raise_on_mismatch=False):
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    x = torch.randn(4, 8)
+    with db.ObserverContext(tmp_path, name, reference_hash_file=ref, raise_on_mismatch=raise_on_mismatch) as obs:
+        db.enable_mode()
+        h = lin1(x)
+        if noise:
+            h = h + torch.rand(h.shape)  # only this run draws: the root cause is an op the reference never ran
+        lin2(h.relu()).sum().backward()
+        db.disable_mode()
+    return obs
+
+
+def test_an_op_only_the_checked_run_ran_is_the_root_cause(tmp_path):
+    _noisy_run(tmp_path, "ref")
+    obs = _noisy_run(tmp_path, "chk", ref=tmp_path / "ref.jsonl", noise=True)
+    roots = [m for m in obs.mismatches if m["root_cause"]]
+    assert [m["op"] for m in roots] == ["aten.rand.default"] and roots[0]["only_in"] == "current"
+    with pytest.raises(NondeterminismError, match=r"first root cause aten\.rand\.default@.*\(only this run ran it\)"):
+        _noisy_run(tmp_path, "chk2", ref=tmp_path / "ref.jsonl", noise=True, raise_on_mismatch=True)

@@ -1,4 +1,4 @@
-"""Checks of the eager modes' constructor arguments: one line naming the argument and what was expected."""
+"""Checks of the tools' constructor arguments: one line naming the argument and what was expected."""
 
 from __future__ import annotations
 
