@@ -17,8 +17,9 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from determ_backend.compare import DEFAULT_TOL, metrics_text, pair_row
 from determ_backend.errors import ConfigError, TraceFormatError
@@ -319,11 +320,19 @@ def _dump_rows(csv_rows: List[Dict[str, str]]) -> List[Dict[str, Any]]:
     return rows
 
 
+def _output_row(name: Optional[str]) -> bool:
+    """Whether a compare CSV row (``<api>_forward_output.0``, ``<api>_backward_input.1``) is one of an API's outputs."""
+    return bool(name) and name.rsplit("_", 1)[-1].startswith("output")
+
+
 def _dump_report(kind: str, csv_rows: List[Dict[str, str]], advisor: str, paths: List[str], checked: str,
-                 source: Optional[str] = None) -> Report:
+                 source: Optional[str] = None, divergent: Optional[bool] = None) -> Report:
+    """``divergent``: the compare core's verdict when at hand; else an output that differs (or a root cause) makes
+    the dumps divergent -- an input alone does not (an ``all_gather`` into buffers that held other values)."""
     rows = _dump_rows(csv_rows)
     root_id = next((r["id"] for r in rows if r["v"] == "root"), None)
-    divergent = any(r["v"] in ("root", "differs") for r in rows)
+    if divergent is None:
+        divergent = root_id is not None or any(r["v"] == "differs" and _output_row(r["n"]) for r in rows)
     rep = Report(kind=kind, title=f"determ API dump compare {' vs '.join(paths)}", inputs=paths, checked=checked,
                  divergent=divergent, verdict="", rows=rows,
                  columns=[[f"c{j}", c] for j, c in enumerate(_DUMP_COLUMNS)] + [["v", "verdict"]],
@@ -349,16 +358,14 @@ def _load_dump(paths: List[str]) -> Report:
     csv_rows = [{k: str(v) for k, v in r.items() if not k.startswith("_")} for r in cmp.rows]
     source = (cmp.root_causes[0].a or {}).get("source") if cmp.root_causes else None
     return _dump_report("dump", csv_rows, analysis(cmp), paths,
-                        "two API dumps, " + ("bitwise" if cmp.exact else "within tolerance"), source)
+                        "two API dumps, " + ("bitwise" if cmp.exact else "within tolerance"), source, cmp.divergent)
 
 
-def _load_compare(paths: List[str]) -> Report:
-    p = Path(paths[0])
-    if p.is_dir():
-        found = sorted(p.glob(_CSV_GLOB), key=lambda f: f.stat().st_mtime)
-        csv_path = found[-1]
-    else:
-        csv_path = p
+_RANK_CSV = re.compile(r"_rank(\d+)-rank\d+_")
+
+
+def _read_compare_csv(csv_path: Path) -> Tuple[List[Dict[str, str]], str]:
+    """The rows of one compare_result CSV and the advisor text written with it ("" when none)."""
     try:
         with open(csv_path, newline="", encoding="utf-8") as f:
             csv_rows = list(csv.DictReader(f))
@@ -366,11 +373,39 @@ def _load_compare(paths: List[str]) -> Report:
         raise TraceFormatError(f"{csv_path}: not readable as a compare_result CSV ({e})") from None
     if csv_rows and "NPU Name" not in csv_rows[0]:
         raise TraceFormatError(f"{csv_path}: no 'NPU Name' column; expected a compare_result CSV")
-    advisor = ""
     adv = sorted(csv_path.parent.glob("advisor" + csv_path.stem[len("compare_result"):] + ".txt"))
-    if adv:
-        advisor = adv[-1].read_text(encoding="utf-8", errors="replace")
-    return _dump_report("compare", csv_rows, advisor, [str(csv_path)], f"ptdbg compare result {csv_path.name}")
+    return csv_rows, adv[-1].read_text(encoding="utf-8", errors="replace") if adv else ""
+
+
+def _load_compare(paths: List[str]) -> Report:
+    """A compare_result CSV, or the directory ``compare`` wrote into: its newest result, or, for a
+    ``compare --distributed`` output, the newest result of every rank on one page (names prefixed ``rank<N>/``)."""
+    p = Path(paths[0])
+    if not p.is_dir():
+        csv_rows, advisor = _read_compare_csv(p)
+        return _dump_report("compare", csv_rows, advisor, [str(p)], f"ptdbg compare result {p.name}")
+    found = sorted(p.glob(_CSV_GLOB), key=lambda f: f.stat().st_mtime)
+    by_rank: Dict[Optional[int], Path] = {}
+    for f in found:  # newest last: the newest file of each rank wins
+        m = _RANK_CSV.search(f.name)
+        by_rank[int(m.group(1)) if m else None] = f
+    ranks = sorted(r for r in by_rank if r is not None)
+    if not ranks or found[-1] == by_rank.get(None):  # a one-rank compare wrote the newest result
+        csv_rows, advisor = _read_compare_csv(found[-1])
+        return _dump_report("compare", csv_rows, advisor, [str(found[-1])], f"ptdbg compare result {found[-1].name}")
+    rows: List[Dict[str, str]] = []
+    notes: List[str] = []
+    source: Optional[str] = None  # of the first root cause, in rank order
+    for rank in ranks:
+        csv_rows, advisor = _read_compare_csv(by_rank[rank])
+        if source is None and any(r.get("Root Cause") == "Yes" for r in csv_rows):
+            source = next((ln.strip()[3:] for ln in advisor.splitlines() if ln.strip().startswith("at ")), None)
+        for r in csv_rows:
+            rows.append(dict(r, **{k: f"rank{rank}/{r[k]}" for k in ("NPU Name", "Bench Name")
+                                   if r.get(k) and r[k] != "N/A"}))
+        notes += [f"rank {rank}: {line}" for line in advisor.splitlines() if line.strip()]
+    return _dump_report("compare", rows, "\n".join(notes), [str(by_rank[r]) for r in ranks],
+                        f"ptdbg compare --distributed result, {len(ranks)} ranks", source)
 
 
 # ------------------------------------------------------------------------ minify

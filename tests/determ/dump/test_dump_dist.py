@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from determ_backend import dump
 from determ_backend.errors import TraceFormatError
 from repro_tools.cli import main as cli_main
+from repro_tools.report import build as build_report
 from paths import TESTS
 
 WORLD = 2
@@ -93,6 +94,20 @@ def test_compare_distributed_pairs_ranks(ddp_dumps, tmp_path):
     rank0, rank1 = results
     assert not rank0.divergent  # rank 0's own gradients were not touched, only averaged ones differ later
     assert rank1.root_causes[0].a["name"] == "Parameter_module.fc2.weight_0_backward"
+
+
+@pytest.mark.slow
+def test_the_report_of_a_distributed_compare_shows_every_rank(ddp_dumps, tmp_path, capsys):
+    """The page read only the newest CSV (the last rank's): with rank 1 divergent and rank 0 written last it said
+    "no divergence", exit 0.  Every rank's newest result is on the page now, names prefixed ``rank<N>/``."""
+    out = tmp_path / "cmp"
+    dump.compare_distributed(ddp_dumps / "perturbed", ddp_dumps / "agree", out)
+    newest = max(out.glob("compare_result_*.csv"), key=lambda f: f.stat().st_mtime)
+    os.utime(next(out.glob("compare_result_rank0-rank0_*.csv")), (newest.stat().st_atime, newest.stat().st_mtime + 5))
+    assert cli_main(["report", str(out), "-o", str(tmp_path / "page.html")]) == 1
+    rep = build_report([str(out)])
+    assert rep.divergent and rep.root["node"].startswith("rank1/Parameter_module.fc2.weight_0_backward")
+    assert {r["n"].split("/")[0] for r in rep.rows} == {"rank0", "rank1"}
 
 
 def test_bad_rank_layouts_give_clear_errors(tmp_path, capsys):

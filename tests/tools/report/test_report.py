@@ -246,3 +246,23 @@ def test_two_findings_on_one_call_show_its_nodes_once(tmp_path):
     (run_dir / "report.json").write_text(json.dumps(rj))
     rep = build([str(run_dir)])
     assert len(rep.rows) == len(_pairs(run_dir)) and sum(r["v"] == "root" for r in rep.rows) == 1
+
+
+class _Zeroes(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.relu(torch.zeros_like(x))
+
+
+def test_dumps_that_differ_only_in_an_input_are_not_divergent(tmp_path):
+    """An input that differs while every output agrees (an ``all_gather`` into buffers holding other values, a
+    ``* 0``): compare says no divergence, and so does the page (it called any differing row divergent)."""
+    paths = []
+    for tag, seed in (("a", 0), ("b", 1)):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+        paths.append(dh.dump_run(tmp_path, tag, _Zeroes(), step=lambda net, x=x: net(x)))
+    cmp = dh.compare_two(*paths, tmp_path / "cmp")
+    assert not cmp.divergent and any(r["_match"] is False for r in cmp.rows)
+    for p in (paths, [tmp_path / "cmp"]):
+        rep = build([str(q) for q in p])
+        assert not rep.divergent and rep.verdict == "no divergence"
+    assert main(["report", str(tmp_path / "cmp"), "-o", str(tmp_path / "r.html")]) == 0
