@@ -36,6 +36,7 @@ import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat
@@ -160,6 +161,11 @@ class _Planner:
         self.infos: List[NodeInfo] = []
         self.writer: Dict[str, str] = {}  # variable -> record id of its current value
         self.fresh: set = set()  # variables holding freshly allocated (never written) memory
+        self.base: Dict[str, str] = {}  # variable -> the allocation whose memory it views (``reinterpret_tensor``)
+        # allocation -> records written into its memory through views since it was last written whole (the parts
+        # of a ``cat`` that kernels write in place): a read of the allocation reads them
+        self.parts: Dict[str, List[str]] = {}
+        self.scalars: set = set()  # variables holding sizes and other numbers (SymInt graph inputs): no records
         self.used: Dict[str, int] = {}
         self.pending_comment: List[str] = []
         self.fx_of: Dict[int, fx.Node] = {}  # capture index -> the FX node its buffer holds or was computed for
@@ -195,9 +201,20 @@ class _Planner:
 
     def resolve(self, variables: List[str]) -> tuple:
         """Record ids of the current values of ``variables`` (call before updating any writer).  A fresh
-        allocation passed to an in/out argument holds no value yet, so it is no input."""
-        return tuple(self.writer.get(v, self.display.get(v, v)) for v in variables
-                     if v in self.writer or v not in self.fresh)
+        allocation passed to an in/out argument holds no value yet, so it is no input; memory written through
+        views of it (``reinterpret_tensor``) holds what those writes wrote; sizes are no inputs."""
+        out: List[str] = []
+        for v in variables:
+            if v in self.scalars:
+                continue
+            got = ([self.writer[v]] if v in self.writer else []) + self.parts.get(v, [])
+            if not got and v in self.base:  # a view of memory written whole, or through other views
+                b = self.base[v]
+                got = ([self.writer[b]] if b in self.writer else []) + self.parts.get(b, [])
+            if not got and v not in self.fresh:
+                got = [self.display.get(v, v)]
+            out.extend(x for x in got if x not in out)
+        return tuple(out)
 
     def track(self, stripped: str) -> bool:
         """Follow allocations and aliases (``bufA = bufB; del bufB``, ``reinterpret_tensor``, tuple items)
@@ -207,11 +224,17 @@ class _Planner:
             self.fresh.add(m.group(1))
             self.writer.pop(m.group(1), None)
             self.current.pop(m.group(1), None)
+            self.base.pop(m.group(1), None)
+            self.parts.pop(m.group(1), None)
             return True
         alias = _ALIAS.match(stripped)
         m = alias or _REINTERPRET.match(stripped)
+        if m and m.group(2) in self.scalars:  # ``s77 = arg0_1``: a size
+            self.scalars.add(m.group(1))
+            return True
         if m:
             dst, src = m.group(1), m.group(2)
+            self.base[dst] = self.base.get(src, src)
             held = self.current.pop(src, None)  # the memory now has another name: keep one, the new one
             self.current.pop(dst, None)
             if held is not None and alias:  # a plain rename holds the same value; a reinterpreted view does not
@@ -246,6 +269,9 @@ class _Planner:
                             inputs=inputs, extra={"buffer": var, "kernel": kernel, "holds": "partial"}
                             if kind == "node" else None)
         self.writer[var] = info.node
+        self.parts.pop(var, None)  # written whole: what views wrote before is overwritten
+        if var in self.base:
+            self.parts.setdefault(self.base[var], []).append(info.node)
         self.infos.append(info)
         if node is not None or part_of is not None:
             self.fx_of[len(self.infos) - 1] = node if node is not None else part_of
@@ -349,7 +375,10 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
             names = [n.strip() for n in stripped.split("=")[0].split(",") if n.strip()]
             out.append(text)
             out.append(f"{pad}_determ_begin()")
+            pl.scalars.update(n for n in names if _holds_number(pl.nodes.get(n)))
             for n in names:
+                if n in pl.scalars:
+                    continue
                 i = pl.add(n, "input", (), kind="param" if n in display else "input")
                 out.append(f"{pad}_determ_capture({i}, {n})")
                 pl.current[n] = i
@@ -390,6 +419,14 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
             pl.pending_comment = []
     _name_last_writes(pl.infos)
     return InstrumentedCall("\n".join(out) + "\n", pl.infos, sig, frozenset(reused))
+
+
+def _holds_number(node: Optional[fx.Node]) -> bool:
+    """Whether a graph input is a number (a SymInt size under dynamic shapes), not a tensor: it gets no record."""
+    if node is None or node.op != "placeholder":
+        return False
+    val = node.meta.get("val", node.meta.get("example_value"))
+    return isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _name_last_writes(infos: List[NodeInfo]) -> None:

@@ -98,30 +98,60 @@ class Upstream:
 
 def move_innocent_roots(cmp: Comparison, up: Upstream, node_of: Callable[[Pair], Optional[str]],
                         remeasure: Callable[[str], Dict[str, Any]]) -> None:
-    """Each root of ``cmp`` that :meth:`Upstream.innocent` clears moves to the one input that carries the error in,
-    while each is innocent in turn (at most :data:`MAX_UPSTREAM` steps).  ``node_of(pair)``: the graph node whose
-    value the pair holds (None: none); ``remeasure(node)``: the metrics of an input that passed only on the
-    absolute tolerance, which is then marked divergent (``within_absolute_tol_only``).  A root that computes right
-    from its inputs but where several inputs (or none) carry the error stays, marked
-    ``computes_right_from_its_inputs``."""
+    """Each root of ``cmp`` that :meth:`Upstream.innocent` clears moves to the inputs that carry the error in
+    (:meth:`Upstream.carriers`), and on from each while it is innocent in turn: at most :data:`MAX_UPSTREAM` steps
+    from a root, and as many replays per root.  ``node_of(pair)``: the graph node whose value the pair holds (None:
+    none); ``remeasure(node)``: the metrics of an input that passed only on the absolute tolerance, which is then
+    marked divergent (``within_absolute_tol_only``).
+
+    A node that computes right from its inputs is marked ``computes_right_from_its_inputs``.  It stays a root only
+    where none of its inputs differs relative to its size (its own rounding: a cancellation) and no root that is not
+    cleared lies upstream of it (then its error came in from there: a scan's ``bmm`` after the ``log1p`` that went
+    wrong)."""
     by_node = {name: p for p in cmp.pairs for name in (node_of(p),) if name is not None}
     roots: List[Pair] = []
-    for p in cmp.root_causes:
-        for _ in range(MAX_UPSTREAM):
+    for start in cmp.root_causes:
+        todo, budget = [(start, 0)], MAX_UPSTREAM
+        while todo:
+            p, depth = todo.pop(0)
             name = node_of(p)
-            if name is None or up.innocent(name) is not True:
-                break
-            p.metrics["computes_right_from_its_inputs"] = True
-            upstream = [by_node[n] for n in up.carriers(name) if n in by_node]
-            if len(upstream) != 1:  # several inputs (or none recorded) carry the error in: say so, stay here
-                break
+            upstream: List[Pair] = []
+            if name is not None and depth < MAX_UPSTREAM and budget > 0:
+                budget -= 1
+                if up.innocent(name) is True:
+                    p.metrics["computes_right_from_its_inputs"] = True
+                    upstream = [by_node[n] for n in up.carriers(name) if n in by_node]
+            if not upstream:  # guilty, cannot tell, or its own rounding: a root
+                if p not in roots:
+                    roots.append(p)
+                continue
             p.root_cause = False
-            p = upstream[0]
-            if p.equal is not False:  # it passed only on the absolute tolerance
-                p.equal = False
-                p.metrics = dict(remeasure(node_of(p)), within_absolute_tol_only=True)
-            p.reaches_output = True
-        p.root_cause = True
-        if p not in roots:
-            roots.append(p)
-    cmp.root_causes[:] = roots
+            for q in upstream:
+                if q.equal is not False:  # it passed only on the absolute tolerance
+                    q.equal = False
+                    q.metrics = dict(remeasure(node_of(q)), within_absolute_tol_only=True)
+                q.reaches_output = True
+                if q not in roots and all(q is not t for t, _ in todo):
+                    todo.append((q, depth + 1))
+    guilty = {node_of(p) for p in roots if not p.metrics.get("computes_right_from_its_inputs")} - {None}
+    for p in list(roots):
+        node = up.nodes.get(node_of(p) or "")
+        if p.metrics.get("computes_right_from_its_inputs") and node is not None and guilty & _ancestors(node):
+            p.metrics["explained_by_upstream_root"] = True
+            roots.remove(p)
+    for p in cmp.pairs:
+        p.root_cause = any(p is r for r in roots)
+    order = {id(p): i for i, p in enumerate(cmp.pairs)}
+    cmp.root_causes[:] = sorted(roots, key=lambda p: order.get(id(p), len(order)))
+
+
+def _ancestors(node: fx.Node, limit: int = 4096) -> set:
+    """Names of the nodes ``node`` depends on (at most ``limit``)."""
+    seen: set = set()
+    stack = list(node.all_input_nodes)
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n.name not in seen:
+            seen.add(n.name)
+            stack.extend(n.all_input_nodes)
+    return seen

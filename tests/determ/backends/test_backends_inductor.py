@@ -152,6 +152,30 @@ def test_a_wrong_value_too_small_for_the_absolute_tolerance_is_blamed_not_the_ma
     assert mm and not mm[0]["root_cause"] and mm[0]["metrics"].get("computes_right_from_its_inputs")
 
 
+_TWO_CARRIERS_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import torch._inductor.config as ic
+    ic.cpp.inject_relu_bug_TESTING_ONLY = "accuracy"
+    torch.manual_seed(0)
+    def f(x, w):
+        r = torch.relu(x @ w)
+        a = r * 1e-4
+        b = r.flip(-1) * 1e-4
+        return (a @ b.t()) * 1e8
+    c = torch.compile(f, backend="determ_inductor", options={"dir": sys.argv[1], "run_id": "two", "check": "accuracy"})
+    c(torch.randn(8, 16), torch.randn(16, 16))
+""")
+
+
+def test_an_innocent_root_fed_by_two_small_wrong_values_moves_to_both(tmp_path):
+    """The mm multiplies two small buffers made from one wrong relu; both pass the absolute tolerance, so the mm
+    looked like the root (it computes right from its inputs, but two of them carry the error, and the root stayed
+    there).  The root now follows both to the kernel that made them, and narrowing names the relu."""
+    _, report = _run_script(tmp_path, "two", _TWO_CARRIERS_SCRIPT)
+    roots = report["findings"][0]["root_causes"]
+    assert [(x["node"], x["op"]) for x in roots] == [("relu", "aten.relu.default")], roots
+
+
 def _pairs(run_dir):
     files = sorted(run_dir.glob("pairs-*.jsonl"))
     return [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]

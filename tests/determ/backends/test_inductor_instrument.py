@@ -164,3 +164,57 @@ def test_a_buffer_written_twice_is_its_node_after_the_last_write():
     assert nodes == [("acc#1", "partial", ()), ("acc", None, ("arg0_1", "acc#1"))]
     out = next(i for i in plan.infos if i.kind == "output")
     assert out.inputs == ("acc",)
+
+
+_CAT_SIZES = """
+cpp_fused_cat_0 = async_compile.cpp_pybinding(['const float*', 'float*', 'float*', 'const int64_t'], r'''
+extern "C"  void kernel(const float* in_ptr0,
+                       float* out_ptr0,
+                       float* out_ptr1,
+                       const int64_t ks0)
+{
+}
+''')
+
+
+def call(args):
+    arg0_1, arg1_1, arg2_1 = args
+    args.clear()
+    s77 = arg0_1
+    buf0 = empty_strided_cpu((s77, 8), (8, 1), torch.float32)
+    extern_kernels.mm(arg1_1, arg2_1, out=buf0)
+    buf3 = empty_strided_cpu((s77, 16), (16, 1), torch.float32)
+    buf1 = reinterpret_tensor(buf3, (s77, 8), (16, 1), 0)  # alias
+    buf2 = reinterpret_tensor(buf3, (s77, 8), (16, 1), 8)  # alias
+    # Topologically Sorted Source Nodes: [relu, tanh, cat], Original ATen: [aten.relu, aten.tanh, aten.cat]
+    cpp_fused_cat_0(buf0, buf1, buf2, s77)
+    buf4 = empty_strided_cpu((s77, 4), (4, 1), torch.float32)
+    extern_kernels.mm(buf3, arg2_1, out=buf4)
+    return (buf4, )
+"""
+
+
+def test_what_kernels_write_through_views_of_a_buffer_is_what_it_holds_and_sizes_are_no_inputs():
+    """``cat`` lowered to one allocation whose halves a kernel writes through ``reinterpret_tensor`` views: the mm
+    that reads the whole allocation read nothing recorded (it was 'fresh'), so its inputs agreed and a wrong relu
+    blamed the mm.  Under dynamic shapes the SymInt graph input (``s77 = arg0_1``) passed to the kernel was an input
+    no record holds, so no kernel taking a size could be a root cause."""
+    g = fx.Graph()
+    n, a, w = g.placeholder("arg0_1"), g.placeholder("arg1_1"), g.placeholder("arg2_1")
+    n.meta["val"] = 6  # a size (a SymInt under dynamic shapes)
+    mm = g.call_function(aten.mm.default, (a, w))
+    relu = g.call_function(aten.relu.default, (mm,))
+    tanh = g.call_function(aten.tanh.default, (mm,))
+    cat = g.call_function(aten.cat.default, ([relu, tanh], 1))
+    mm_1 = g.call_function(aten.mm.default, (cat, w))
+    for node, name in ((mm, "mm"), (relu, "relu"), (tanh, "tanh"), (cat, "cat"), (mm_1, "mm_1")):
+        node.name = name
+    g.output((mm_1,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    origins = {"buf0": {"origin": "mm", "origins": ["mm"]}, "buf1": {"origin": "relu", "origins": ["relu"]},
+               "buf2": {"origin": "tanh", "origins": ["tanh"]}, "buf4": {"origin": "mm_1", "origins": ["mm_1"]}}
+    plan = plan_call(_CAT_SIZES, gm, origins, display={})
+    by_node = {i.node: i for i in plan.infos}
+    assert "arg0_1" not in by_node  # a number: no capture
+    assert by_node["relu"].inputs == ("mm",) and by_node["tanh"].inputs == ("mm",)
+    assert by_node["mm_1"].inputs == ("relu", "tanh", "arg2_1")
