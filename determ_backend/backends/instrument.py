@@ -26,7 +26,8 @@ from determ_backend.trace.stream import dtype_name
 
 __all__ = ["node_source", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos"]
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+# the file name is everything up to the last '", line N, in ' of the line: it may hold quotes itself
+_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (\S+)', re.M)
 
 
 def node_source(node: fx.Node) -> Optional[str]:

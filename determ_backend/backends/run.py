@@ -222,8 +222,11 @@ class Run:
                 inside = f" inside {k.get('name')} (its buffer {k.get('record')})"
             # a minifier's culprit names no graph or stage: only the fields the finding has
             named = " ".join(f"{k}={fd[k]}" for k in ("graph", "stage", "node", "op") if fd.get(k) is not None)
-            log.warning("determ %s divergence: %s at %s%s %s%s", check, named, fd.get("source") or "<unknown source>",
-                        inside, metrics, where)
+            # a first divergence whose inputs were not shown to agree is no root cause: the line says so
+            label = "first divergence (no root cause: its inputs were not shown to agree) " \
+                if fd.get("root_cause") is False else ""
+            log.warning("determ %s divergence: %s%s at %s%s %s%s", check, label, named,
+                        fd.get("source") or "<unknown source>", inside, metrics, where)
         else:
             log.warning("determ %s divergence: %s%s", check, summary.get("detail") or "(no details)", where)
         if self.config.raise_on_divergence:

@@ -50,8 +50,10 @@ __all__ = ["register", "run", "analyze_repro"]
 
 log = logging.getLogger(__name__)
 
+# the recorded compiler -> determ's traced backend for it (a repro recorded with a determ backend names that backend)
 _DETERM_BACKENDS = {"inductor": "determ_inductor", "inductor_inner": "determ_inductor", "aot_eager": "determ_aot_eager",
-                    "eager": "determ_eager"}
+                    "eager": "determ_eager", "determ_inductor": "determ_inductor",
+                    "determ_aot_eager": "determ_aot_eager", "determ_eager": "determ_eager"}
 
 
 def register(subparsers) -> None:

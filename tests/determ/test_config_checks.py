@@ -187,6 +187,20 @@ def test_report_names_a_trace_only_once_one_is_written_and_takes_detail_findings
     assert not (tmp_path / "r" / "trace.jsonl").exists()
 
 
+def test_the_warning_says_when_the_node_it_names_is_no_root_cause(tmp_path, caplog):
+    """A first divergence whose inputs were not shown to agree is reported, never marked a root cause; the console
+    line read exactly like a root cause's."""
+    run = Run(load_config({"dir": str(tmp_path), "run_id": "r"}, env={}))
+    fd = {"graph": "g0", "stage": "inductor_forward", "node": "log1p", "op": "aten.log1p.default", "source": "m.py:3"}
+    with caplog.at_level(logging.WARNING, logger="determ_backend.backends.run"):
+        run.add_finding("accuracy", {"divergent": True, "first_divergence": dict(fd, root_cause=False)})
+        run.add_finding("accuracy", {"divergent": True, "first_divergence": dict(fd, node="relu", root_cause=True)})
+    run.close()
+    lines = [r.message for r in caplog.records]
+    assert "first divergence (no root cause" in lines[0] and "node=log1p" in lines[0]
+    assert "first divergence" not in lines[1] and "node=relu" in lines[1]
+
+
 def test_bisect_dir_and_run_id_override_the_scripts_options():
     env = {"DETERM_BISECT_DIR": "/b/out", "DETERM_RUN_ID": "bisect-1-003", "DETERM_DIR": "/b/out"}
     cfg = load_config({"dir": "my_out", "run_id": "mine"}, env=env)

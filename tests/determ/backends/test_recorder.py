@@ -126,3 +126,16 @@ def test_the_memo_needs_statistics_when_the_backward_records_them_and_forgets_de
     assert all(v[0]() is not None for k, v in memo._entries.items() if k != ref_id)
     u = torch.randn(50)
     assert memo.get(u, stats=False) is None  # a new tensor (possibly at the dead one's id) is never taken
+
+
+def test_a_source_file_whose_name_holds_a_quote_keeps_its_line():
+    """``node_source`` read the stack trace up to the first quote: a script named ``q"uote.py`` lost its source."""
+    import torch.fx as fx
+
+    from determ_backend.backends.instrument import node_source
+
+    g = fx.Graph()
+    n = g.placeholder("x")
+    n.meta["stack_trace"] = ('  File "/srv/run.py", line 3, in main\n    f(x)\n'
+                             '  File "/tmp/a b/q"uote.py", line 7, in forward\n    return x.relu()\n')
+    assert node_source(n) == '/tmp/a b/q"uote.py:7 (forward)'

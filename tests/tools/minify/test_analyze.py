@@ -59,6 +59,16 @@ def test_opaque_compiler_is_analysed_at_its_outputs_and_says_so(tmp_path, capsys
     assert [f["check"] for f in r["findings"]] == ["determinism"]
 
 
+@pytest.mark.parametrize("compiler, backend", [("determ_aot_eager", "determ_aot_eager"), ("determ_eager", "determ_eager")])
+def test_a_repro_recorded_with_a_determ_backend_is_traced_per_node(tmp_path, compiler, backend):
+    """A repro written after dynamo by ``torch.compile(backend="determ_inductor")`` records that backend: analyze
+    called it opaque and gave no root-cause node."""
+    path = _write(tmp_path, nd_graph, [torch.randn(16, 64)], compiler=compiler, after="dynamo")
+    r = analyze.analyze_repro(path, ("determinism",))
+    assert r["mode"] == "per-node" and r["backend"] == backend
+    assert "eager_nd_rowsum" in r["findings"][0]["op"]
+
+
 def test_bad_checks_are_a_clear_error(tmp_path):
     path = _write(tmp_path, plain_graph, [torch.randn(2)])
     with pytest.raises(ConfigError, match="expected a comma-separated subset of"):
