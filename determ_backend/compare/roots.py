@@ -330,9 +330,19 @@ class _Graph:
         return found
 
 
+def _derived(r: Record) -> bool:
+    """Whether a record's fingerprint is derived from its input's rather than read: a view (``kind`` view, or the
+    eager modes' ``derived_hash``), or a copy that took its source's fingerprint (no statistics of its own)."""
+    if r.kind == "view" or (r.extra or {}).get("derived_hash"):
+        return True
+    return r.stats is None and r.hash is not None and r.hash in (r.in_hashes or ())
+
+
 def _inherit_views(pairs: List[Pair], by_id: Dict[tuple, Pair]) -> None:
+    """A pair not judged (fingerprints alone under a tolerance) whose values are its inputs' (:func:`_derived`) takes
+    their verdict: agreeing when they all agree, differing when one differs."""
     for p in pairs:
-        if p.paired and p.a.kind == "view" and p.equal is None:
+        if p.paired and p.equal is None and _derived(p.a) and _derived(p.b):
             verdicts = [by_id[(p.a.graph, p.a.stage, p.a.call, n)].equal for n in p.a.inputs
                         if (p.a.graph, p.a.stage, p.a.call, n) in by_id]
             if verdicts and all(v is True for v in verdicts):

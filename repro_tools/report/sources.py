@@ -276,7 +276,8 @@ def _comparison_report(kind: str, a: str, b: str, tol: Optional[float], title: s
         where = f": root cause {rep.root['node']} ({rep.root.get('op')})" if rep.root else ""
         rep.verdict = f"divergent ({cmp.mode}){where}"
     else:
-        rep.verdict = "identical" if cmp.identical else f"no output differs ({cmp.mode})"
+        rep.verdict = (("identical" if tol is None else f"agree within tol={tol:g}") if cmp.identical
+                       else f"no output differs ({cmp.mode})")
     unpaired = sum(1 for p in cmp.pairs if not p.paired)
     if unpaired:
         rep.notes.append(f"{unpaired} records pair with nothing in the other trace")

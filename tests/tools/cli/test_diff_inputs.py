@@ -234,3 +234,21 @@ def test_a_tolerance_without_statistics_judges_nothing_and_shows_nothing_identic
     assert "differ in their fingerprints with no statistics or stored values to judge --tol by" in out
     rc, out, _ = diff(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl")
     assert rc == 1 and "root cause: graph=eager stage=eager node=weight" in out
+
+
+def test_views_and_copies_under_a_tolerance_take_their_inputs_verdict(tmp_path, capsys):
+    """HashMode with statistics, inputs 1e-7 apart, --tol 1e-3: a view or a copy carries its source's fingerprint and
+    no statistics of its own, so it was 'not judged' and diff could never say the runs agree (exit 1), while the
+    page said they did."""
+    from repro_tools.report import build
+
+    for name, delta in (("a", 0.0), ("b", 1e-7)):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 4)
+        x = torch.randn(2, 8) + delta
+        with HashMode(trace_path=tmp_path / f"{name}.jsonl", stats=True):
+            lin(x).sum().backward()
+    rc, out, _ = diff(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--tol", "1e-3")
+    assert rc == 0 and "agree within tol=0.001" in out and "not judged" not in out
+    rep = build([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], tol=1e-3)
+    assert not rep.divergent and rep.verdict == "agree within tol=0.001"
