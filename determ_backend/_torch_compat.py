@@ -173,6 +173,11 @@ def is_op_overload(fn) -> bool:
     return isinstance(fn, torch._ops.OpOverload)
 
 
+def is_higher_order_op(fn) -> bool:
+    """A higher-order operator such as ``torch.ops.higher_order.autograd_function_apply`` (it takes subgraphs)."""
+    return isinstance(fn, torch._ops.HigherOrderOperator)
+
+
 def is_op_overload_packet(fn) -> bool:
     """An operator overload packet such as ``torch.ops.aten.relu``."""
     return isinstance(fn, torch._ops.OpOverloadPacket)

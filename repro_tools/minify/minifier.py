@@ -309,8 +309,10 @@ def _start(s: _Session, start: Candidate, gm0: fx.GraphModule, in0: List[Any], b
     else:
         v = s.runner.check(s.spec, gm0, in0)
     if not v.fails:
+        hint = ("; the accuracy oracle compares forward outputs: a divergence only in gradients is minified on the "
+                "backward graph after AOT (REPRO_AFTER=aot)") if s.spec.kind == "accuracy" else ""
         raise OracleError(f"input graph does not fail the {s.spec.kind} oracle ({v.detail or 'no failure'}); "
-                          "nothing to minify")
+                          f"nothing to minify{hint}")
     if s.spec.kind in _ERROR_KINDS and v.signature is not None:
         s.spec = s.spec.replace(expected=v.signature)
     r = Reducer(s.view, s.spec, s.runner, start, budget=budget, queries=1, on_improve=s.on_improve,

@@ -65,14 +65,25 @@ class _EveryOpTraced(torch.overrides.TorchFunctionMode):
         self.tracer = tracer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if isinstance(func, torch._ops.OpOverload):
+        # a higher-order op (an autograd.Function, a checkpoint) is a node too: it takes its subgraphs as modules
+        if isinstance(func, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
             return self.tracer.create_proxy("call_function", func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+def _subgraphs_traced(mod):
+    """``mod`` with each subgraph module written as a ``Repro_<name>`` class (the bodies a higher-order op takes)
+    traced back into a GraphModule: the op reads its ``graph``."""
+    for name, child in list(mod.named_children()):
+        if type(child).__name__.startswith("Repro_") and not isinstance(child, torch.fx.GraphModule):
+            setattr(mod, name, trace_repro(child))
+    return mod
 
 
 def trace_repro(mod):
     """``Repro`` as a GraphModule."""
     tracer = ReproTracer()
+    _subgraphs_traced(mod)
     with _EveryOpTraced(tracer):
         graph = tracer.trace(mod)
     return torch.fx.GraphModule(tracer.root, graph)

@@ -304,14 +304,28 @@ class _RecordConstantOps(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if tc.is_op_overload(func):
+        # a higher-order op (an autograd.Function, a checkpoint) is a node too: it takes its subgraphs as modules
+        if tc.is_op_overload(func) or tc.is_higher_order_op(func):
             return self.tracer.create_proxy("call_function", func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _subgraphs_retraced(mod: torch.nn.Module) -> None:
+    """Each subgraph module of ``mod`` written as a ``Repro_<name>`` class (the bodies a higher-order op takes) traced
+    back into a GraphModule, in place: the op reads its ``graph``."""
+    for name, child in list(mod.named_children()):
+        if type(child).__name__.startswith("Repro_") and not isinstance(child, fx.GraphModule):
+            _subgraphs_retraced(child)
+            tracer = ReproTracer()
+            with _RecordConstantOps(tracer):
+                graph = tracer.trace(child)
+            setattr(mod, name, fx.GraphModule(tracer.root, graph, class_name=type(child).__name__))
 
 
 def _retrace(root: torch.nn.Module, nodes: Sequence[Sequence[Any]]) -> fx.GraphModule:
     tracer = _NamingTracer(nodes)
     try:
+        _subgraphs_retraced(root)
         graph = tracer.trace(root)
     except Exception as e:  # fx raises many kinds on untraceable code
         raise ReproError(f"the Repro module cannot be traced back into a graph ({type(e).__name__}: {e})") from e

@@ -411,3 +411,31 @@ def test_a_script_traced_back_names_each_node_after_the_call_it_was(tmp_path):
 def _line_of(text: str) -> int:
     with open(__file__, encoding="utf-8") as f:
         return next(i for i, ln in enumerate(f, 1) if text in ln and "_line_of" not in ln)
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.relu(g) * 2
+
+
+def _with_subgraphs(x):
+    h = _Twice.apply(torch.tanh(x))
+    return torch.utils.checkpoint.checkpoint(lambda t: torch.sin(t) * 3, h, use_reentrant=False).sum()
+
+
+def test_a_graph_with_subgraphs_loads_and_runs(tmp_path, capsys):
+    """A dynamo graph holding a custom autograd.Function and a checkpoint passes its bodies to higher-order ops as
+    modules; written as plain classes, neither the script ('Repro_fwd_body_0' object has no attribute 'graph',
+    reported as a reproduced compile_error) nor determ's loader (so the minifier stopped) could run them."""
+    gm, inputs = capture_graph(_with_subgraphs, torch.randn(4, 8, requires_grad=True))
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)  # the subgraph bodies
+    path = write_repro(gm, inputs, tmp_path / "repro.py", meta={"kind": "compile_error", "compiler": "eager"})
+    loaded, args, _ = load_repro(path)
+    torch.testing.assert_close(loaded(*args)[0], gm(*inputs)[0])
+    assert run_main(path, "run") == 0
+    assert "not reproduced" in capsys.readouterr().out
