@@ -254,6 +254,23 @@ class _Planner:
             return True
         return False
 
+    def root(self, var: str) -> str:
+        return self.base.get(var, var)
+
+    def unwritten_reads(self, writes: List[Tuple[str, str, List[str]]]) -> List[str]:
+        """The variables one statement's kernels read (``writes``: :func:`_kernel_writes`) that hold memory allocated
+        and never written, whole or through a view: not those whose memory the same statement writes (the parts of
+        a ``cat`` that the launch which reads the whole also writes)."""
+        written = {self.root(w) for w, _, _ in writes}
+        found: List[str] = []
+        for _, _, ins in writes:
+            for v in ins:
+                r = self.root(v)
+                if (v in self.fresh and v not in self.writer and r not in self.writer and not self.parts.get(r)
+                        and r not in written and v not in found):
+                    found.append(v)
+        return found
+
     def add(self, var: str, kernel: str, inputs: tuple, kind: str = "node") -> int:
         node, part_of = self._claim(var) if kind == "node" else (None, None)
         if node is not None:
@@ -404,6 +421,12 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
         if pl.track(stripped):
             continue
         writes = _kernel_writes(stripped, pl.kernels)
+        # memory allocated and never written that a kernel reads holds whatever was there: recorded as it is read
+        # (the determinism check then names the uninitialized read, not the kernel that consumes it)
+        for v in pl.unwritten_reads(writes):
+            i = pl.add(v, "uninitialized", ())
+            out.insert(len(out) - 1, f"{pad}_determ_capture({i}, {v})")
+            pl.fresh.discard(v)
         resolved = [pl.resolve(inputs) for _, _, inputs in writes]
         # a generated or extern kernel writes exactly its output arguments; anything else may write what it names
         pure = bool(writes) and (writes[0][1] in pl.kernels or writes[0][1].startswith("extern_kernels."))

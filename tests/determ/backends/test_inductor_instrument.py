@@ -218,3 +218,42 @@ def test_what_kernels_write_through_views_of_a_buffer_is_what_it_holds_and_sizes
     assert "arg0_1" not in by_node  # a number: no capture
     assert by_node["relu"].inputs == ("mm",) and by_node["tanh"].inputs == ("mm",)
     assert by_node["mm_1"].inputs == ("relu", "tanh", "arg2_1")
+
+
+_UNINITIALIZED = """
+cpp_fused_add_0 = async_compile.cpp_pybinding(['const float*', 'const float*', 'float*'], r'''
+extern "C"  void kernel(const float* in_ptr0,
+                       const float* in_ptr1,
+                       float* out_ptr0)
+{
+}
+''')
+
+
+def call(args):
+    arg0_1, = args
+    args.clear()
+    buf0 = empty_strided_cpu((4, 1000), (1000, 1), torch.float32)
+    buf1 = empty_strided_cpu((4, 1), (1, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [add], Original ATen: [aten.add]
+    cpp_fused_add_0(arg0_1, buf0, buf1)
+    return (buf1, )
+"""
+
+
+def test_memory_read_before_anything_wrote_it_is_recorded_as_read():
+    """``torch.empty`` read by a kernel (uninitialized memory): nothing wrote the buffer, so it was no input of the
+    kernel at all, and the determinism check blamed the kernel's node instead of the empty."""
+    g = fx.Graph()
+    x = g.placeholder("arg0_1")
+    empty = g.call_function(aten.empty.memory_format, ([4, 1000],))
+    add = g.call_function(aten.add.Tensor, (x, empty))
+    empty.name, add.name = "empty", "add"
+    g.output((add,))
+    origins = {"buf0": {"origin": "empty", "origins": ["empty"]}, "buf1": {"origin": "add", "origins": ["add"]}}
+    plan = plan_call(_UNINITIALIZED, fx.GraphModule(torch.nn.Module(), g), origins, display={})
+    by_node = {i.node: i for i in plan.infos}
+    assert by_node["empty"].inputs == () and by_node["add"].inputs == ("arg0_1", "empty")
+    lines = [ln.strip() for ln in plan.source.splitlines()]
+    at = {i.node: k for k, i in enumerate(plan.infos)}
+    assert lines.index(f"_determ_capture({at['empty']}, buf0)") < lines.index("cpp_fused_add_0(arg0_1, buf0, buf1)")
