@@ -286,10 +286,25 @@ class TraceWriter:
         self.close()
 
 
+def rank_subdirs(root: Union[str, Path]) -> Dict[int, Path]:
+    """``{rank: path}`` of the ``rank<N>`` directories directly under ``root`` (a multi-rank run or dump), in rank
+    order; empty when ``root`` is no directory."""
+    p = Path(root)
+    if not p.is_dir():
+        return {}
+    found = {int(d.name[4:]): d for d in p.iterdir() if d.is_dir() and d.name.startswith("rank") and d.name[4:].isdigit()}
+    return dict(sorted(found.items()))
+
+
 def resolve_trace_path(path: Union[str, Path]) -> Path:
     """A trace file, or a run directory holding ``trace.jsonl``."""
     p = Path(path)
     if p.is_dir():
+        ranks = rank_subdirs(p)
+        if ranks and not (p / TRACE_NAME).is_file():
+            names = ", ".join(d.name for d in ranks.values())
+            raise TraceFormatError(f"{path}: holds rank directories ({names}), one trace per rank; pass one rank's "
+                                   f"directory ({Path(path) / next(iter(ranks.values())).name}) and compare rank by rank")
         p = p / TRACE_NAME
     if not p.is_file():
         raise TraceFormatError(f"{path}: no such trace file (expected a {TRACE_NAME} file or a run directory holding one)")

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from determ_backend.compare import DEFAULT_TOL, metrics_text, pair_row
 from determ_backend.errors import ConfigError, TraceFormatError
-from determ_backend.trace.stream import TRACE_NAME, read_trace_file
+from determ_backend.trace.stream import TRACE_NAME, rank_subdirs, read_trace_file
 
 from repro_tools.minify.minifier import STATE_FILE, SUMMARY_FILE
 from repro_tools.repro.script import repro_class_span
@@ -86,6 +86,12 @@ def detect(paths: Sequence[str]) -> str:
     if _is_dump(p):
         raise ConfigError(f"{paths[0]}: one API dump; expected two (the dump under test and the benchmark) or a "
                           "compare output directory")
+    ranks = rank_subdirs(p)
+    if ranks:
+        names = ", ".join(d.name for d in ranks.values())
+        raise ConfigError(f"{paths[0]}: holds rank directories ({names}); pass one rank's directory (a run or a "
+                          f"trace: {p / next(iter(ranks.values())).name}), two of them, or the directory "
+                          "`compare --distributed` wrote")
     raise ConfigError(f"{paths[0]}: not a determ result; expected a run directory (report.json), a trace, an "
                       "xdevice, compare or minify output directory, or two traces or dumps")
 

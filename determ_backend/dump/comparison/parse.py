@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import torch
 
 from determ_backend.errors import ConfigError, TraceFormatError
+from determ_backend.trace.stream import rank_subdirs
 from determ_backend.dump.capture.session import INDEX_SUFFIX
 from determ_backend.dump.capture.writer import DUMP_STREAM, PAYLOAD_FILE
 from determ_backend.trace import jsonl
@@ -180,11 +181,7 @@ def rank_dirs(root: Union[str, Path]) -> Dict[int, Path]:
         raise TraceFormatError(f"{root}: not a directory (expected the dump directory holding rank0, rank1, ...)")
     if not p.is_dir():
         raise TraceFormatError(f"{root}: no such dump directory")
-    out: Dict[int, Path] = {}
-    for d in p.iterdir():
-        if d.is_dir() and d.name.startswith("rank") and d.name[4:].isdigit():
-            out[int(d.name[4:])] = d
-    return dict(sorted(out.items()))
+    return rank_subdirs(p)
 
 
 def check_rank(path: Path, header: Dict[str, Any], rank: int) -> None:

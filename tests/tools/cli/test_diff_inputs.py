@@ -252,3 +252,18 @@ def test_views_and_copies_under_a_tolerance_take_their_inputs_verdict(tmp_path, 
     assert rc == 0 and "agree within tol=0.001" in out and "not judged" not in out
     rep = build([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], tol=1e-3)
     assert not rep.divergent and rep.verdict == "agree within tol=0.001"
+
+
+def test_a_multi_rank_run_directory_names_its_ranks(tmp_path, capsys):
+    """A run of several ranks writes ``run/rank<N>/trace.jsonl``: diff and report said 'no such trace file' / 'not a
+    determ result' of the run directory."""
+    for rank in (0, 1):
+        (tmp_path / "run" / f"rank{rank}").mkdir(parents=True)
+        with HashMode(trace_path=tmp_path / "run" / f"rank{rank}" / "trace.jsonl"):
+            torch.ones(2).relu()
+    run = str(tmp_path / "run")
+    rc, _, err = diff(capsys, run, run)
+    one_error(err, "holds rank directories (rank0, rank1), one trace per rank")
+    assert rc == 2
+    assert cli(["report", run, "-o", str(tmp_path / "r.html")]) == 2
+    assert "holds rank directories (rank0, rank1)" in capsys.readouterr().err
