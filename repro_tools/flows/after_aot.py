@@ -46,7 +46,7 @@ from determ_backend.backends.extract import lift_random_draws
 from repro_tools.minify.accuracy import call_maybe_boxed, same_two_models
 from repro_tools.minify.compilers import compile_graph
 from repro_tools.flows.failure import GraphDump, act_on_accuracy, graph_snapshot, report_flow_error
-from repro_tools.repro.script import compiler_ref
+from repro_tools.repro.script import compiler_ref, unimportable_label
 
 __all__ = ["wrap_compiler", "inductor_backend", "aot_backend"]
 
@@ -62,8 +62,8 @@ def _label(inner_compile: Callable, compiler_name: Optional[str]) -> tuple:
     try:
         return compiler_ref(inner_compile)
     except Exception as e:  # a closure: name it anyway, the script will say it cannot resolve it
-        log.warning("compiler %r has no importable name (%s); repro scripts will need it edited in", inner_compile, e)
-        return compiler_name or getattr(inner_compile, "__name__", repr(inner_compile)), []
+        label = unimportable_label(inner_compile, e)
+        return compiler_name or label, []
 
 
 def wrap_compiler(inner_compile: Callable, config: Optional[DetermConfig] = None,

@@ -41,7 +41,7 @@ from determ_backend.clones import AttributeState
 
 from repro_tools.minify.accuracy import same_two_models
 from repro_tools.flows.failure import GraphDump, act_on_accuracy, report_flow_error
-from repro_tools.repro.script import compiler_ref
+from repro_tools.repro.script import compiler_ref, unimportable_label
 
 __all__ = ["wrap_backend"]
 
@@ -54,8 +54,7 @@ def _compiler_label(backend: Union[str, Callable], name: Optional[str]) -> tuple
     try:
         return compiler_ref(backend)
     except Exception as e:  # an unimportable callable: the repro names it, and says it cannot be resolved
-        log.warning("backend %r has no importable name (%s); repro scripts will need it edited in", backend, e)
-        return getattr(backend, "__name__", repr(backend)), []
+        return unimportable_label(backend, e), []
 
 
 def wrap_backend(backend: Union[str, Callable], config: Optional[DetermConfig] = None, *,

@@ -92,9 +92,28 @@ def compiler_ref(compiler: Any) -> Tuple[str, List[str]]:
         mod = compiler.partition(":")[0] if ":" in compiler else None
         return compiler, _import_root(mod) if mod else []
     mod, qual = getattr(compiler, "__module__", None), getattr(compiler, "__qualname__", None)
-    if not (mod and qual) or "<" in qual or mod == "__main__":
-        raise ReproError(f"compiler {compiler!r} has no importable name; pass a backend name or a module-level function")
+    name = getattr(compiler, "__name__", None) or repr(compiler)
+    if mod == "__main__":
+        raise ReproError(f"compiler {name!r} is defined in the script being run (__main__): another process cannot "
+                         f"import it without running the script again; move it into a module and import it from there")
+    if not (mod and qual) or "<" in qual:
+        raise ReproError(f"compiler {name!r} has no importable name (a closure or a lambda); pass a backend name or "
+                         f"a module-level function")
     return f"{mod}:{qual}", _import_root(mod)
+
+
+_UNIMPORTABLE_SAID: set = set()
+
+
+def unimportable_label(compiler: Any, err: Exception) -> str:
+    """The label a repro records for a compiler :func:`compiler_ref` cannot name (a script repeats it for every
+    graph it compiles); why is logged once per compiler."""
+    label = getattr(compiler, "__name__", None) or repr(compiler)
+    key = (getattr(compiler, "__module__", None), getattr(compiler, "__qualname__", label))
+    if key not in _UNIMPORTABLE_SAID:
+        _UNIMPORTABLE_SAID.add(key)
+        log.warning("%s; repro scripts will need it edited in", err)
+    return label
 
 
 def _import_root(mod: str) -> List[str]:

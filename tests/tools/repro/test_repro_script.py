@@ -439,3 +439,19 @@ def test_a_graph_with_subgraphs_loads_and_runs(tmp_path, capsys):
     torch.testing.assert_close(loaded(*args)[0], gm(*inputs)[0])
     assert run_main(path, "run") == 0
     assert "not reproduced" in capsys.readouterr().out
+
+
+def test_a_compiler_defined_in_the_running_script_is_named_as_such(caplog):
+    """A user's compiler defined in the script (``__main__``) is module-level, yet another process cannot import it;
+    the warning said 'has no importable name (... has no importable name; ...)', once per graph."""
+    from repro_tools.repro.script import compiler_ref, unimportable_label
+
+    def my_fw_compiler(gm, example_inputs):
+        return gm
+
+    my_fw_compiler.__module__, my_fw_compiler.__qualname__ = "__main__", "my_fw_compiler"
+    with pytest.raises(ReproError, match=r"'my_fw_compiler' is defined in the script being run \(__main__\)") as e:
+        compiler_ref(my_fw_compiler)
+    with caplog.at_level(logging.WARNING, logger="repro_tools.repro.script"):
+        assert unimportable_label(my_fw_compiler, e.value) == unimportable_label(my_fw_compiler, e.value) == "my_fw_compiler"
+    assert len([r for r in caplog.records if "defined in the script" in r.message]) == 1
