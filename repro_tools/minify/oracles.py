@@ -53,7 +53,7 @@ from determ_backend.clones import clone_inputs
 from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, batch_rows, judge, rows_agree, sub_batches
 from determ_backend.compare.nonfinite import creates, nonfinite
 from determ_backend.devices import parse_device_spec
-from determ_backend.errors import ConfigError, ReproError
+from determ_backend.errors import ConfigError, ReproError, first_line
 from determ_backend.fingerprint.core import hash_tensors
 from determ_backend.backends.retarget import converter, moved_graph
 
@@ -290,12 +290,17 @@ def _observe(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> Lis
     raise ConfigError(f"oracle kind {spec.kind!r} has nothing to observe")
 
 
+def _raised(e: BaseException) -> str:
+    """A verdict's detail for a candidate that raised: what it raised (the input graph's refusal shows it)."""
+    return f"candidate raised instead of running: {type(e).__name__}: {first_line(e)[:300]}"
+
+
 def _oracle_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
                     compile_fn: Callable = compile_graph) -> Verdict:
     try:
         res = _compile_run(spec, gm, inputs, compile_fn=compile_fn)[0]
     except Exception as e:  # a candidate that errors is a different failure, not this one
-        return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
+        return Verdict(False, _error_signature("compile/run", e), _raised(e))
     eager, ref64 = reference_outputs(gm, inputs)
     if len(eager) != len(res):
         return Verdict(True, Signature("accuracy", "", f"{len(res)} outputs vs eager {len(eager)}"))
@@ -318,7 +323,7 @@ def _judge_outputs(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) 
     try:
         sides = observe(spec, gm, inputs)
     except Exception as e:  # a different failure
-        return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
+        return Verdict(False, _error_signature("compile/run", e), _raised(e))
     if spec.kind == "nondeterminism":
         first = hash_tensors([x for x in sides[0] if isinstance(x, torch.Tensor)])
         for r, other in enumerate(sides[1:], 1):
@@ -442,7 +447,7 @@ def _judge_batch(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) ->
     try:
         full = _compile_run(spec, gm, inputs)[0]
     except Exception as e:  # a different failure
-        return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
+        return Verdict(False, _error_signature("compile/run", e), _raised(e))
     for b in sub_batches(spec.batch):
         try:
             cuts = input_cuts(spec, [n.name for n in gm.graph.nodes if n.op == "placeholder"], b)
@@ -460,7 +465,7 @@ def _judge_nan(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]) -> V
     try:
         outs = _compile_run(spec, gm, inputs)[0]
     except Exception as e:  # a different failure
-        return Verdict(False, _error_signature("compile/run", e), "candidate raised instead of running")
+        return Verdict(False, _error_signature("compile/run", e), _raised(e))
     bad = [i for i, o in enumerate(outs) if nonfinite([o])]
     if creates(bool(bad), [nonfinite([x]) for x in inputs if isinstance(x, torch.Tensor)]):
         return Verdict(True, Signature("nan", "", f"output {bad[0]} holds NaN/Inf from finite inputs"))

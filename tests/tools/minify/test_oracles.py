@@ -157,3 +157,15 @@ def test_a_compiler_that_does_not_resolve_is_a_config_error_not_a_verdict(kind, 
                                        (Signature("compile", "E", "boom\nmore"), "compile: E: boom")])
 def test_signature_short_has_no_dangling_separator(sig, text):
     assert sig.short() == text
+
+
+def test_a_candidate_that_raises_says_what_it_raised():
+    """The minifier refused an input graph with 'candidate raised instead of running' and nothing more (a graph whose
+    `.item()` needs a shape environment raised DataDependentOutputException)."""
+    def raising(gm, example_inputs):
+        raise RuntimeError("the compiler cannot take this graph\nsecond line")
+
+    gm, inputs = _erf_graph()
+    v = check(OracleSpec(kind="accuracy", compiler=raising), gm, inputs)
+    assert not v.fails and v.detail == ("candidate raised instead of running: RuntimeError: the compiler cannot take "
+                                        "this graph")
