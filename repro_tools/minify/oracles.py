@@ -207,10 +207,31 @@ def similar(a: Signature, b: Signature, threshold: float) -> bool:
     return difflib.SequenceMatcher(None, ta, tb, autojunk=False).ratio() >= threshold
 
 
+_MESSAGE_LIMIT = 4000  # characters of a failure message kept whole
+
+
+def condensed(message: str) -> str:
+    """A failure message as a signature keeps it: whole up to :data:`_MESSAGE_LIMIT` characters; past that (a C++
+    compile error carries the compiler's whole output, thousands of lines of warnings) its first 20 lines, the lines
+    that say ``error``, and its last 10, with a line saying how many were left out."""
+    if len(message) <= _MESSAGE_LIMIT:
+        return message
+    lines = message.splitlines()
+    keep = set(range(min(20, len(lines)))) | set(range(max(0, len(lines) - 10), len(lines)))
+    keep |= set([i for i, ln in enumerate(lines) if "error" in ln.lower()][:40])
+    out, last = [], -1
+    for i in sorted(keep):
+        if i != last + 1:
+            out.append(f"... ({i - last - 1} lines left out)")
+        out.append(lines[i][:500])
+        last = i
+    return "\n".join(out)
+
+
 def _error_signature(stage: str, e: BaseException) -> Signature:
     cause = e.__cause__ or getattr(e, "inner_exception", None)
     typ = type(e).__name__ + (f"/{type(cause).__name__}" if isinstance(cause, BaseException) else "")
-    return Signature(stage, typ, str(e))
+    return Signature(stage, typ, condensed(str(e)))
 
 
 # ---------------------------------------------------------------- running

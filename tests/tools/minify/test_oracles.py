@@ -169,3 +169,16 @@ def test_a_candidate_that_raises_says_what_it_raised():
     v = check(OracleSpec(kind="accuracy", compiler=raising), gm, inputs)
     assert not v.fails and v.detail == ("candidate raised instead of running: RuntimeError: the compiler cannot take "
                                         "this graph")
+
+
+def test_a_long_failure_message_keeps_its_head_its_errors_and_its_tail():
+    """A C++ compile error carries the compiler's whole output: 1,900 lines of warnings went into every repro's META
+    (a one-op repro.py of 2,666 lines) and onto the terminal."""
+    from repro_tools.minify.oracles import condensed
+
+    lines = [f"warning: unused variable 'x{i}'" for i in range(1900)]
+    lines[950] = "kernel.cpp:12:5: error: 'tmp3' was not declared in this scope"
+    short = condensed("\n".join(lines))
+    assert "error: 'tmp3' was not declared" in short and short.count("\n") < 40
+    assert "lines left out" in short and short.splitlines()[0] == lines[0] and short.splitlines()[-1] == lines[-1]
+    assert condensed("one line") == "one line"
