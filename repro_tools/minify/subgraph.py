@@ -83,6 +83,8 @@ def target_name(n: fx.Node) -> str:
         return str(t)
     mod = getattr(t, "__module__", None) or ""
     qual = getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or repr(t)
+    if mod.startswith("torch") and getattr(t, "__name__", None):  # torch.relu, not torch._VariableFunctionsClass.relu
+        qual = t.__name__
     return f"{mod}.{qual}" if mod and mod not in ("builtins", "_operator", "operator") else qual
 
 

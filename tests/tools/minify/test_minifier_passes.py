@@ -148,3 +148,14 @@ def test_localize_from_buffers_without_a_bad_region_leaves_it_to_the_all_outputs
     r, localized, asked, _ = from_buffers(gm, inputs, lambda view, name: False)
     assert not localized and asked == 0 and r.culprit is None
     assert passes.localize_culprit(r) and result_ops(r) == ["aten.erf.default"]
+
+
+def test_a_torch_function_is_named_as_the_user_wrote_it():
+    """After dynamo the culprit ``torch.relu`` was shown as ``torch._VariableFunctionsClass.relu``."""
+    import torch.fx as fx
+
+    from repro_tools.minify.subgraph import target_name
+
+    g = fx.Graph()
+    node = g.call_function(torch.relu, (g.placeholder("x"),))
+    assert target_name(node) == "torch.relu"
