@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import torch
 
 from determ_backend.errors import ConfigError, TraceFormatError
-from determ_backend.trace.stream import rank_subdirs
+from determ_backend.trace.stream import TRACE_NAME, rank_subdirs
 from determ_backend.dump.capture.session import INDEX_SUFFIX
 from determ_backend.dump.capture.writer import DUMP_STREAM, PAYLOAD_FILE
 from determ_backend.trace import jsonl
@@ -103,6 +103,9 @@ def find_index(path: Union[str, Path]) -> Path:
         raise TraceFormatError(f"{path}: no such dump index or directory")
     if p.is_dir():
         found = sorted(f for f in p.glob(f"*{INDEX_SUFFIX}") if f.is_file())
+        if not found and ((p / TRACE_NAME).is_file() or (p / "report.json").is_file()):
+            raise TraceFormatError(f"{path}: a determ run directory (a trace), not an API dump; compare two traces "
+                                   f"with `repro-tools diff`")
         if len(found) != 1:
             what = (f"no *{INDEX_SUFFIX} index" if not found
                     else f"several indexes ({', '.join(f.name for f in found)})")

@@ -102,9 +102,13 @@ def test_json_summary(dumps, tmp_path, capsys):
     (["compare", "BADENTRY", "SAME"], "'outputs' must be a list of objects"),
     (["compare", "MIDDLE", "SAME"], "never past a corrupt line"),
     (["compare", "SAME", "SAME", "-o", "OUT", "--suffix", "/../../escaped"], "must not hold a path separator"),
+    (["compare", "RUNDIR", "SAME"], "a determ run directory (a trace), not an API dump; compare two traces with "
+                                    "`repro-tools diff`"),
 ])
 def test_bad_input_exits_2_with_one_line(dumps, tmp_path, capsys, argv, needle):
     (tmp_path / "afile").write_text("")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trace.jsonl").write_text("")
     lines = dumps["same"].read_text().splitlines()
     entry = json.loads(lines[1])
     entry["outputs"] = "zzz"  # a hand-edited index, or another tool's
@@ -122,7 +126,8 @@ def test_bad_input_exits_2_with_one_line(dumps, tmp_path, capsys, argv, needle):
     half.write_text(dumps["same"].read_text()[:20])
     subst = {"MISSING": str(tmp_path / "missing"), "SAME": str(dumps["same"]), "AFILE": str(tmp_path / "afile"),
              "TAG": str(dumps["same"].parent.parent), "PICKLE": str(pickle), "HALFHEADER": str(half),
-             "BADENTRY": str(bad_entry), "MIDDLE": str(middle), "OUT": str(tmp_path / "out" / "o")}
+             "BADENTRY": str(bad_entry), "MIDDLE": str(middle), "OUT": str(tmp_path / "out" / "o"),
+             "RUNDIR": str(tmp_path / "run")}
     assert main([subst.get(a, a) for a in argv]) == 2
     assert not (tmp_path / "escaped").exists() and not (tmp_path / "out").exists()
     err = capsys.readouterr().err
