@@ -17,6 +17,7 @@ import contextlib
 import importlib
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Union
 
+import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
@@ -74,10 +75,28 @@ def compile_graph(compiler: Compiler, gm: fx.GraphModule, inputs: Sequence[Any])
     Dynamo backends are called with positional arguments (as dynamo does); inductor's
     after-aot entry (``inductor_inner``) returns a boxed callable taking a list.
     """
+    if compiler != "inductor_inner" and reads_scalars(gm):
+        # a value read back from a tensor (``.item()`` under capture_scalar_outputs) is a symbol only dynamo's shape
+        # environment holds: the graph goes through dynamo again, as it did in the user's program
+        return torch.compile(_calling(gm), backend=resolve_compiler(compiler), fullgraph=True)
     fn = resolve_compiler(compiler)(gm, list(inputs))
     if compiler == "inductor_inner":
         return lambda *args: fn(list(args))
     return fn
+
+
+def _calling(gm: fx.GraphModule) -> Callable:
+    """A plain function calling ``gm``: dynamo starts from it (the frames of a GraphModule's own call are ones it
+    skips) and inlines the graph."""
+    def run(*args: Any) -> Any:
+        return gm(*args)
+
+    return run
+
+
+def reads_scalars(gm: fx.GraphModule) -> bool:
+    """Whether a Dynamo-level graph reads a value back from a tensor into a symbol (``item()``, ``tolist()``)."""
+    return any(n.op == "call_method" and n.target in ("item", "tolist") for n in gm.graph.nodes)
 
 
 def call_compiled(fn: Callable, inputs: Sequence[Any]) -> Any:

@@ -92,7 +92,17 @@ def trace_repro(mod):
 def compile_repro(mod, args, compiler=None):
     """Compile ``Repro`` the way the original graph was compiled; returns ``f(list_of_args)``."""
     gm = trace_repro(mod)
-    fn = (compiler or resolve_compiler(META.get("compiler", "eager")))(gm, _clone(args))
+    comp = compiler or resolve_compiler(META.get("compiler", "eager"))
+    if META.get("after") == "dynamo" and any(n.op == "call_method" and n.target in ("item", "tolist")
+                                             for n in gm.graph.nodes):
+        # a value read back from a tensor (``.item()`` under capture_scalar_outputs) is a symbol only dynamo's shape
+        # environment holds: the graph goes through dynamo again, as it did in the user's program
+        def run(*a):  # dynamo starts from a plain function (it skips a GraphModule's own call frames)
+            return gm(*a)
+
+        fn = torch.compile(run, backend=comp, fullgraph=True)
+        return lambda a: fn(*a)
+    fn = comp(gm, _clone(args))
     # only AOT-level compilers use the boxed convention; dynamo calls a backend's result with positional
     # args (inductor's compile_fx result carries a misleading _boxed_call)
     if getattr(fn, "_boxed_call", False) and META.get("after") == "aot":

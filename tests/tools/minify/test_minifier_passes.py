@@ -159,3 +159,21 @@ def test_a_torch_function_is_named_as_the_user_wrote_it():
     g = fx.Graph()
     node = g.call_function(torch.relu, (g.placeholder("x"),))
     assert target_name(node) == "torch.relu"
+
+
+def test_a_graph_reading_a_scalar_back_compiles_through_dynamo():
+    """``h.sum().item()`` under ``capture_scalar_outputs``: a backend given the graph outside dynamo has no shape
+    environment for the read-back value (DataDependentOutputException), so the minifier refused the input graph and
+    the repro script reported that error as a reproduced compile_error."""
+    import torch._dynamo
+
+    from repro_helpers import capture_graph
+    from repro_tools.minify.compilers import compile_graph, reads_scalars
+
+    def f(x):
+        return torch.relu(x) * (1.0 + 0.0 * x.sum().item())
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        gm, inputs = capture_graph(f, torch.randn(4, 8))
+        assert reads_scalars(gm)
+        torch.testing.assert_close(compile_graph("aot_eager", gm, inputs)(*inputs)[0], f(*inputs))
