@@ -164,7 +164,7 @@ class _Planner:
         self.base: Dict[str, str] = {}  # variable -> the allocation whose memory it views (``reinterpret_tensor``)
         # allocation -> records written into its memory through views since it was last written whole (the parts
         # of a ``cat`` that kernels write in place): a read of the allocation reads them
-        self.parts: Dict[str, List[str]] = {}
+        self.parts: Dict[str, Dict[str, str]] = {}  # allocation -> {view variable: the record that last wrote it}
         self.scalars: set = set()  # variables holding sizes and other numbers (SymInt graph inputs): no records
         self.used: Dict[str, int] = {}
         self.pending_comment: List[str] = []
@@ -207,10 +207,10 @@ class _Planner:
         for v in variables:
             if v in self.scalars:
                 continue
-            got = ([self.writer[v]] if v in self.writer else []) + self.parts.get(v, [])
+            got = ([self.writer[v]] if v in self.writer else []) + list(self.parts.get(v, {}).values())
             if not got and v in self.base:  # a view of memory written whole, or through other views
                 b = self.base[v]
-                got = ([self.writer[b]] if b in self.writer else []) + self.parts.get(b, [])
+                got = ([self.writer[b]] if b in self.writer else []) + list(self.parts.get(b, {}).values())
             if not got and v not in self.fresh:
                 got = [self.display.get(v, v)]
             out.extend(x for x in got if x not in out)
@@ -287,8 +287,8 @@ class _Planner:
                             if kind == "node" else None)
         self.writer[var] = info.node
         self.parts.pop(var, None)  # written whole: what views wrote before is overwritten
-        if var in self.base:
-            self.parts.setdefault(self.base[var], []).append(info.node)
+        if var in self.base:  # a view written again holds its last write only
+            self.parts.setdefault(self.base[var], {})[var] = info.node
         self.infos.append(info)
         if node is not None or part_of is not None:
             self.fx_of[len(self.infos) - 1] = node if node is not None else part_of
@@ -296,8 +296,14 @@ class _Planner:
 
     def forget(self, stripped: str, keep: Sequence[str] = ()) -> None:
         """``stripped`` may write any variable it names (other than ``keep``, read-only there): those no longer
-        certainly hold their captured values.  Size and alignment assertions and ``del`` write nothing."""
-        if not self.current or stripped.startswith(_WRITES_NOTHING):
+        certainly hold their captured values, and an allocation it names is no longer known to hold nothing (an
+        in-place fallback, ``aten.randint.low_out(..., out=buf1)``).  Size and alignment assertions and ``del``
+        write nothing."""
+        if stripped.startswith(_WRITES_NOTHING):
+            return
+        if self.fresh:
+            self.fresh.difference_update(set(_IDENT.findall(stripped)).difference(keep))
+        if not self.current:
             return
         for name in set(_IDENT.findall(stripped)).intersection(self.current):
             if name not in keep:

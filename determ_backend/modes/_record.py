@@ -81,6 +81,12 @@ def _release_storages(producers: Dict[tuple, tuple]) -> None:
     producers.clear()
 
 
+def _release_silent(silent: List[tuple]) -> None:
+    for e in silent:
+        _compat.storage_release(e[4])
+    silent.clear()
+
+
 class OpEvent:
     """One op (or one first-seen input) as the log prints it."""
 
@@ -118,7 +124,8 @@ class OpRecorder:
         self._by_object: Dict[int, tuple] = {}  # id(tensor) -> (weakref to it, Record, version): the fast path
         # storages a write changed without moving their version counter (torch.distributed ops): (first byte, end,
         # seq of the write's record, that record); an entry of an alias of such memory made before is stale
-        self._silent: List[tuple] = []
+        self._silent: List[tuple] = []  # (first byte, end, seq, record, storage reference): changed in place
+        weakref.finalize(self, _release_silent, self._silent).atexit = False
         self._counts: Dict[tuple, int] = {}
         self._hashes = PendingHashes(stats)
         self._events: List[OpEvent] = []
@@ -336,8 +343,8 @@ class OpRecorder:
             ptr = t.data_ptr()
         except RuntimeError:  # no storage
             return rec
-        for lo, hi, seq, _ in self._silent:
-            if lo <= ptr < hi and rec.seq < seq:
+        for lo, hi, seq, _, ref in self._silent:
+            if lo <= ptr < hi and rec.seq < seq and not _compat.storage_expired(ref):
                 return self._silent_alias(t, source, loc, events) or rec
         return rec
 
@@ -353,8 +360,8 @@ class OpRecorder:
         except RuntimeError:
             return None
         writer, lo, hi, seq = None, 0, 0, -1
-        for w_lo, w_hi, w_seq, w in self._silent:
-            if w_lo <= ptr < w_hi:
+        for w_lo, w_hi, w_seq, w, ref in self._silent:
+            if w_lo <= ptr < w_hi and not _compat.storage_expired(ref):  # memory freed since is another's now
                 writer, lo, hi, seq = w, w_lo, w_hi, w_seq
                 break
         if writer is None:
@@ -390,7 +397,11 @@ class OpRecorder:
                 hi = lo + st.nbytes()
             except RuntimeError:
                 continue
-            self._silent = [e for e in self._silent if e[0] != lo][-(_SILENT_LIMIT - 1):] + [(lo, hi, rec.seq, rec)]
+            keep = [e for e in self._silent if e[0] != lo and not _compat.storage_expired(e[4])][-(_SILENT_LIMIT - 1):]
+            gone = [e for e in self._silent if not any(e is k for k in keep)]
+            self._silent[:] = keep + [(lo, hi, rec.seq, rec, _storage_weak_ref(t))]
+            for e in gone:  # given back once out of the list
+                _storage_release(e[4])
 
     @staticmethod
     def _tag_grad_fn(t: torch.Tensor, rec: Record) -> None:

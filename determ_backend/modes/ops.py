@@ -119,12 +119,16 @@ def out_args(func) -> Tuple[Tuple[int, str], ...]:
 
 
 def out_tensor_ids(outs: Tuple[Tuple[int, str], ...], args: Sequence, kwargs: Dict[str, Any]) -> set:
-    """``id()`` of every tensor passed as one of the ``out=`` arguments ``outs`` (:func:`out_args`)."""
+    """``id()`` of every tensor passed as one of the ``out=`` arguments ``outs`` (:func:`out_args`) and as no other
+    argument: ``torch.add(x, y, out=x)`` reads ``x``."""
     found: set = set()
+    positions = {i for i, _ in outs}
+    names = {n for _, n in outs}
     for i, name in outs:
         a = args[i] if i < len(args) else kwargs.get(name)
         found.update(id(t) for t in _leaves(a, []) if isinstance(t, torch.Tensor))
-    return found
+    read = [a for i, a in enumerate(args) if i not in positions] + [v for k, v in kwargs.items() if k not in names]
+    return found - {id(t) for t in _leaves(read, []) if isinstance(t, torch.Tensor)}
 
 
 def uninitialized(func) -> bool:

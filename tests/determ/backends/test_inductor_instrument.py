@@ -257,3 +257,38 @@ def test_memory_read_before_anything_wrote_it_is_recorded_as_read():
     lines = [ln.strip() for ln in plan.source.splitlines()]
     at = {i.node: k for k, i in enumerate(plan.infos)}
     assert lines.index(f"_determ_capture({at['empty']}, buf0)") < lines.index("cpp_fused_add_0(arg0_1, buf0, buf1)")
+
+
+_SIG = "async_compile.cpp_pybinding(['const float*', 'float*'], r'''\nextern \"C\" void kernel(const float* in_ptr0, float* out_ptr0)\n{}\n''')"
+_REWRITTEN_AND_UNPARSED = f"""
+cpp_fused_a = {_SIG}
+cpp_fused_b = {_SIG}
+cpp_fused_c = {_SIG}
+def call(args):
+    arg0_1, arg1_1 = args
+    args.clear()
+    buf0 = empty_strided_cpu((8,), (1,), torch.float32)
+    buf1 = reinterpret_tensor(buf0, (4,), (1,), 0)
+    cpp_fused_a(arg0_1, buf1)
+    cpp_fused_b(arg1_1, buf1)
+    buf2 = empty_strided_cpu((8,), (1,), torch.float32)
+    cpp_fused_c(buf0, buf2)
+    buf3 = empty_strided_cpu((8,), (1,), torch.float32)
+    aten.index_put_(buf3, [arg1_1], arg0_1, False)
+    buf4 = empty_strided_cpu((8,), (1,), torch.float32)
+    cpp_fused_c(buf3, buf4)
+    return (buf2, buf4)
+"""
+
+
+def test_a_view_written_twice_holds_its_last_write_and_an_unparsed_write_is_no_empty_read():
+    """A reader of an allocation took both writes of one view as inputs, the overwritten one too; an allocation
+    written by a statement the plan does not parse (an in-place fallback) was captured as memory nothing wrote."""
+    g = fx.Graph()
+    g.output(())
+    plan = plan_call(_REWRITTEN_AND_UNPARSED, fx.GraphModule(torch.nn.Module(), g), {}, display={})
+    by_buffer = {(i.extra or {}).get("buffer"): i for i in plan.infos if i.extra}
+    writes = [i.node for i in plan.infos if (i.extra or {}).get("buffer") == "buf1"]
+    assert len(writes) == 2 and by_buffer["buf2"].inputs == (writes[-1],)
+    assert not [i for i in plan.infos if (i.extra or {}).get("kernel") == "uninitialized"]
+    assert by_buffer["buf4"].inputs == ("buf3",)  # written by what the plan cannot read: not shown to agree

@@ -730,3 +730,15 @@ def test_a_call_draws_random_numbers_only_when_its_arguments_let_it():
     assert call_draws_random(torch.ops.aten.native_dropout.default, (q, 0.5, True), {})
     assert call_draws_random(torch.ops.aten.rand.default, ([3],), {})
     assert not call_draws_random(torch.ops.aten.relu.default, (q,), {})
+
+
+def test_an_out_tensor_the_op_also_reads_keeps_its_values_fingerprint(tmp_path):
+    """``torch.add(x, y, out=x)`` reads ``x``: only a tensor passed as ``out=`` and nothing else is left unread
+    (fingerprinted by dtype and shape); here two runs with another ``x`` blamed the add."""
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        x, y = torch.full((4,), value), torch.ones(4)
+        with HashMode(trace_path=tmp_path / f"{name}.jsonl"):
+            torch.add(x, y, out=x)
+            x * 2
+    cmp = compare_traces(read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl"))
+    assert [p.rec.op for p in cmp.root_causes] == ["input"]
