@@ -105,9 +105,10 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"{head}{c.analysis}")
         print(f"{'  ' if head else ''}csv: {c.csv_path}")
     if args.distributed:
-        bad = [str(c.rank) for c in results if c.divergent]
-        unshown = [str(c.rank) for c in results if not c.divergent and not c.shown_to_agree]
-        print(f"ranks divergent: {', '.join(bad)}" if bad else "no rank diverges")
+        bad = [f"rank {c.rank}" for c in results if c.divergent]
+        unshown = [f"rank {c.rank}" for c in results if not c.divergent and not c.shown_to_agree]
+        # "ranks divergent: 0" read as "no rank diverges"
+        print(f"divergent: {', '.join(bad)}" if bad else "no rank diverges")
         if unshown:
-            print(f"ranks not shown to agree: {', '.join(unshown)}")
+            print(f"not shown to agree: {', '.join(unshown)}")
     return status

@@ -133,7 +133,9 @@ class DumpComparison:
 def _to_record(e: Dict[str, Any], side: str, i: int) -> Record:
     # the signature the calls align by holds the argument shapes too (None for a scalar): an extra ``x + 1e-3``
     # must not pair with the residual ``x + y`` next to it
-    shapes = [[t.get("shape") for t in e.get("inputs", [])], [t.get("shape") for t in e.get("outputs", []) if "shape" in t]]
+    # by tensor name: autograd hands a Linear's gradients over in another order under autocast
+    ins, outs = (sorted(e.get(io, []), key=lambda t: str(t.get("name"))) for io in ("inputs", "outputs"))
+    shapes = [[t.get("shape") for t in ins], [t.get("shape") for t in outs if "shape" in t]]
     return Record(graph=side, stage="api", node=e["name"], op=f"{e.get('op')}.{e.get('dir')}", kind=e.get("dir", "node"),
                   shape=shapes, extra={"i": i})
 

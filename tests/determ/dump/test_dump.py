@@ -615,3 +615,24 @@ def test_what_a_call_is_given_and_what_it_computes():
     assert is_given({"name": "input.2", "type": "None"})
     assert not is_given({"name": "input.0", "dtype": "torch.float32", "shape": [4]})
     assert not is_given({"name": "input.0", "node": "buf3", "unresolved": True})
+
+
+def test_a_linear_backward_under_autocast_pairs_with_the_float32_one(tmp_path):
+    """Under CPU autocast autograd hands a Linear's gradients over in another order: the backward records aligned by
+    their shapes in record order, so every linear backward was 'no counterpart' and never judged, and the runs were
+    said to agree."""
+    idx = []
+    for tag, autocast in (("bf16", True), ("fp32", False)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        x = torch.randn(2, 8, 32)
+
+        def step(net, x=x, autocast=autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = net(x)
+            y.float().sum().backward()
+
+        idx.append(dump_run(tmp_path, tag, model, step=step))
+    cmp = compare_two(*idx, tmp_path / "cmp")
+    paired = {p.name for p in cmp.pairs if p.a is not None and p.b is not None}
+    assert {"Functional_linear_0_backward", "Functional_linear_1_backward"} <= paired
