@@ -116,7 +116,15 @@ def _is_async_collective(node: fx.Node) -> bool:
 
 def _is_sequence_valued(node: fx.Node) -> bool:
     val = node.meta.get("val", node.meta.get("example_value"))
-    return isinstance(val, (tuple, list))
+    if val is not None:
+        return isinstance(val, (tuple, list))
+    # a graph without values (loaded from a repro script): the operator's schema says (native_layer_norm returns
+    # three tensors, which its getitem users read)
+    schema = _torch_compat.op_schema(node.target) if node.op == "call_function" else None
+    if schema is None:
+        return False
+    rets = schema.returns
+    return len(rets) > 1 or (len(rets) == 1 and str(rets[0].type).endswith("[]"))
 
 
 def _tensor_args(node: fx.Node) -> List[str]:

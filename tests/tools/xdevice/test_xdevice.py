@@ -126,6 +126,22 @@ def test_a_node_that_only_amplifies_an_error_below_the_tolerance_is_not_the_root
     assert not ln.startswith("*") and "computes_right_from_its_inputs=True" in ln  # innocent: not marked
 
 
+def test_a_root_with_several_outputs_is_named_in_a_loaded_repro(tmp_path, capsys):
+    """A repro script's graph carries no values: ``native_layer_norm`` (three outputs, read by ``getitem``) was
+    recorded as one node its readers did not name, the chain to the output broke, and the layer norm that differs
+    was marked masked with 'no root cause found'."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, off, w, b):
+        return torch.ops.aten.native_layer_norm.default(x + off, [32], w, b, 1e-5)[0]
+
+    torch.manual_seed(0)
+    args = [torch.randn(2, 8, 32) * 0.02, torch.full((32,), 1000.0), torch.ones(32), torch.zeros(32)]
+    path = write_repro(make_fx(f)(*args), args, tmp_path / "repro.py", meta={"kind": "cross_device"})
+    code, s = xdevice(capsys, str(path), "--devices", DEVICES)
+    assert code == 1 and [r["op"] for r in s["root_causes"]] == ["aten.native_layer_norm.default[0]"]
+
+
 def test_repro_agrees_within_a_loose_tolerance(repro, capsys):
     code, s = xdevice(capsys, str(repro), "--devices", DEVICES, "--tol", "100")
     assert code == 0 and not s["divergent"] and s["first_divergence"] is None
