@@ -724,6 +724,7 @@ class GraphExec:
         if group is None:
             self._report_unmatched(r0)
             return
+        self.run.reference_compared.add((r0.graph, r0.stage, r0.call))
         pairs = align(group, result.records)
         other_dtype = any(p.a.dtype != p.b.dtype for p in pairs if p.a is not None and p.b is not None
                           and p.a.dtype and p.b.dtype)

@@ -130,6 +130,7 @@ class Run:
         rank_part = f"/rank{self.rank}" if self.rank != 0 or distributed else ""
         # the reference is checked before anything is written: a bad one fails the compile
         self.reference = ReferenceTrace(config.reference) if config.reference else None
+        self.reference_compared: set = set()  # (graph, stage, call) of the reference this run was compared with
         self.dir = _claim_dir(Path(config.dir), self.id, rank_part, config.dir)
         self.device: Optional[str] = None  # where the graphs compute (set by the first graph call)
         self.tensors = TensorStore(self.dir / "tensors")  # DETERM_SAVE_TENSORS payloads
@@ -322,6 +323,7 @@ class Run:
         atomic_write_text(self.dir / "report.json", json.dumps(self.report(), indent=2, default=str))
 
     def close(self) -> None:
+        self._note_reference_left()
         with self._lock:
             if self._writer is not None:
                 self._writer.close()
@@ -329,6 +331,27 @@ class Run:
             self._write_html()
         else:
             self._write_report()
+
+
+    def _note_reference_left(self) -> None:
+        """Graph calls the reference recorded that this run never made were never compared: a run that stopped
+        early, or took another path (no backward at all), must not read as matching its reference."""
+        if self.reference is None:
+            return
+        left = sorted(set(self.reference.groups) - self.reference_compared, key=lambda k: (k[0], k[1], k[2]))
+        if not left:
+            return
+        by: Dict[tuple, List[int]] = {}
+        for g, st, c in left:
+            by.setdefault((g, st), []).append(c)
+        parts = [f"{g}/{st} call{'s' if len(cs) > 1 else ''} {', '.join(map(str, cs[:5]))}{', ...' if len(cs) > 5 else ''}"
+                 for (g, st), cs in sorted(by.items())]
+        notice = (f"{self.reference.name}: {len(left)} graph call(s) of the reference were never made by this run, so "
+                  f"not compared: {'; '.join(parts)} (a run that stopped early, or took another path)")
+        with self._lock:
+            self.notes.append({"check": "reference", "notice": notice,
+                               "not_compared": [[g, st, c] for g, st, c in left[:100]]})
+        log.warning("determ reference: %s", notice)
 
 
 class RecordListeners:

@@ -82,7 +82,8 @@ def test_reference_of_another_backend_is_a_checker_error_not_a_silent_pass(tmp_p
     assert len(errors) == 2 and all(str(ref) in e for e in errors)
     assert "stage aot_forward" in errors[0] and "stage aot_backward" in errors[1] and "g0/dynamo" in errors[0]
     logged = [r.getMessage() for r in caplog.records if "reference" in r.getMessage()]
-    assert len(logged) == 2 and all(len(msg.splitlines()) == 1 for msg in logged)
+    assert len(logged) == 3 and all(len(msg.splitlines()) == 1 for msg in logged)
+    assert "g0/dynamo call 0" in logged[2] and "never made by this run" in logged[2]  # nothing of it was compared
 
 
 def test_calls_beyond_the_reference_are_reported_once(tmp_path):

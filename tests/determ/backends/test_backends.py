@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -131,6 +132,24 @@ def test_online_reference_reports_divergence(tmp_path):
     report = load(run_dir)[1]
     assert report["divergent"] and report["first_divergence"]["check"] == "reference"
     assert report["first_divergence"]["node"] == "l_x_"
+
+
+def test_reference_calls_the_run_never_made_are_said_not_compared(tmp_path, caplog):
+    """The reference recorded a training step (forward and backward); a run of the forward alone compared clean and
+    said nothing of the backward it never made (a run that stopped early read as matching its reference)."""
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 8)
+    compile_run(m, (x,), "determ_aot_eager", tmp_path, "ref", backward=True)
+    with caplog.at_level(logging.WARNING, logger="determ_backend.backends.run"):
+        _, run_dir = compile_run(m, (x,), "determ_aot_eager", tmp_path, "fwd", reference=str(tmp_path / "ref"))
+    report = load(run_dir)[1]
+    notes = [n for n in report["notes"] if n.get("check") == "reference" and "not_compared" in n]
+    assert not report["divergent"] and len(notes) == 1
+    assert {tuple(k[:2]) for k in notes[0]["not_compared"]} == {("g0", "aot_backward")}
+    assert "never made by this run" in caplog.text
+    _, same = compile_run(m, (x,), "determ_aot_eager", tmp_path, "same", backward=True,
+                          reference=str(tmp_path / "ref"))
+    assert not [n for n in load(same)[1]["notes"] if "not_compared" in n]
 
 
 @pytest.mark.parametrize("content,needle", [
