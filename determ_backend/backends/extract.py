@@ -74,6 +74,18 @@ def walk_back(root: fx.Node, step: Callable[[fx.Node], Step], limit: Optional[in
     return sorted(keep.values(), key=lambda n: order[n.name])
 
 
+def ancestors(node: fx.Node, limit: Optional[int] = None) -> set:
+    """Names of the nodes ``node`` depends on (with ``limit``: the walk stops once it has that many)."""
+    seen: set = set()
+    stack = list(node.all_input_nodes)
+    while stack and (limit is None or len(seen) < limit):
+        a = stack.pop()
+        if a.name not in seen:
+            seen.add(a.name)
+            stack.extend(a.all_input_nodes)
+    return seen
+
+
 class MissingValue(LookupError):
     """:func:`extract` has no value for a node the cut reads (``.node``: its name)."""
 

@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat
+from determ_backend.backends.extract import ancestors
 from determ_backend.backends.instrument import node_source, op_name
 from determ_backend.backends.recorder import NodeInfo, Recorder
 from determ_backend.trace.stream import atomic_write_text
@@ -312,14 +313,7 @@ class _Planner:
     def ancestors(self, n: fx.Node) -> set:
         """Names of the FX nodes ``n`` depends on."""
         if n.name not in self._ancestors:
-            seen: set = set()
-            stack = list(n.all_input_nodes)
-            while stack:
-                a = stack.pop()
-                if a.name not in seen:
-                    seen.add(a.name)
-                    stack.extend(a.all_input_nodes)
-            self._ancestors[n.name] = seen
+            self._ancestors[n.name] = ancestors(n)
         return self._ancestors[n.name]
 
     def producers_first(self, indices: List[int]) -> List[int]:

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend.backends.eager import replay
+from determ_backend.backends.extract import ancestors
 from determ_backend.compare import Comparison, Pair, close_to_scale
 
 __all__ = ["Upstream", "move_innocent_roots", "MAX_UPSTREAM"]
@@ -148,7 +149,7 @@ def move_innocent_roots(cmp: Comparison, up: Upstream, node_of: Callable[[Pair],
               if not p.metrics.get("computes_right_from_its_inputs") and id(p) not in untested} - {None}
     for p in list(roots):
         node = up.nodes.get(node_of(p) or "")
-        if p.metrics.get("computes_right_from_its_inputs") and node is not None and guilty & _ancestors(node):
+        if p.metrics.get("computes_right_from_its_inputs") and node is not None and guilty & ancestors(node, 4096):
             p.metrics["explained_by_upstream_root"] = True
             roots.remove(p)
     for p in cmp.pairs:
@@ -157,13 +158,3 @@ def move_innocent_roots(cmp: Comparison, up: Upstream, node_of: Callable[[Pair],
     cmp.root_causes[:] = sorted(roots, key=lambda p: order.get(id(p), len(order)))
 
 
-def _ancestors(node: fx.Node, limit: int = 4096) -> set:
-    """Names of the nodes ``node`` depends on (at most ``limit``)."""
-    seen: set = set()
-    stack = list(node.all_input_nodes)
-    while stack and len(seen) < limit:
-        n = stack.pop()
-        if n.name not in seen:
-            seen.add(n.name)
-            stack.extend(n.all_input_nodes)
-    return seen
