@@ -343,27 +343,31 @@ class OpRecorder:
             ptr = t.data_ptr()
         except RuntimeError:  # no storage
             return rec
-        for lo, hi, seq, _, ref in self._silent:
-            if lo <= ptr < hi and rec.seq < seq and not _compat.storage_expired(ref):
-                return self._silent_alias(t, source, loc, events) or rec
+        for e in self._silent:
+            if e[0] <= ptr < e[1] and not _compat.storage_expired(e[4]):  # the first live write holding ptr
+                return (self._silent_alias(t, source, loc, events, written=e) or rec) if rec.seq < e[2] else rec
         return rec
 
     def _silent_alias(self, t: torch.Tensor, source: Optional[str], loc: str, events: list,
-                      gathered: bool = False) -> Optional[Record]:
+                      gathered: bool = False, written: Optional[tuple] = None) -> Optional[Record]:
         """A new ``alias`` record of ``t``'s values as they are now, made of the writes into its memory: when ``t``
         lies in memory a collective wrote (:meth:`_written_silently`), that write and the records written into the
         same memory since; with ``gathered`` (a collective's input seen for the first time), the records written
         into ``t``'s storage.  DDP writes each gradient into its bucket through a view (``mul.out``), then
-        all-reduces the whole bucket, an object first seen there.  None when neither applies."""
-        try:
-            ptr = t.data_ptr()
-        except RuntimeError:
-            return None
+        all-reduces the whole bucket, an object first seen there.  ``written``: the entry of :attr:`_silent` that
+        holds ``t``'s memory, when the caller found it already.  None when neither applies."""
         writer, lo, hi, seq = None, 0, 0, -1
-        for w_lo, w_hi, w_seq, w, ref in self._silent:
-            if w_lo <= ptr < w_hi and not _compat.storage_expired(ref):  # memory freed since is another's now
-                writer, lo, hi, seq = w, w_lo, w_hi, w_seq
-                break
+        if written is None:
+            try:
+                ptr = t.data_ptr()
+            except RuntimeError:
+                return None
+            for e in self._silent:
+                if e[0] <= ptr < e[1] and not _compat.storage_expired(e[4]):  # memory freed since is another's now
+                    written = e
+                    break
+        if written is not None:
+            lo, hi, seq, writer = written[:4]
         if writer is None:
             if not gathered:
                 return None
