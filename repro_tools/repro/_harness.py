@@ -73,7 +73,8 @@ class _EveryOpTraced(torch.overrides.TorchFunctionMode):
 
 def _subgraphs_traced(mod):
     """``mod`` with each subgraph module written as a ``Repro_<name>`` class (the bodies a higher-order op takes)
-    traced back into a GraphModule: the op reads its ``graph``."""
+    traced back into a GraphModule: the op reads its ``graph``.  (The script may import only torch: determ's loader
+    does the same in ``repro_tools.repro.script._subgraphs_retraced``; a change to one belongs in both.)"""
     for name, child in list(mod.named_children()):
         if type(child).__name__.startswith("Repro_") and not isinstance(child, torch.fx.GraphModule):
             setattr(mod, name, trace_repro(child))
@@ -96,7 +97,8 @@ def compile_repro(mod, args, compiler=None):
     if META.get("after") == "dynamo" and any(n.op == "call_method" and n.target in ("item", "tolist")
                                              for n in gm.graph.nodes):
         # a value read back from a tensor (``.item()`` under capture_scalar_outputs) is a symbol only dynamo's shape
-        # environment holds: the graph goes through dynamo again, as it did in the user's program
+        # environment holds: the graph goes through dynamo again, as it did in the user's program (the minifier's
+        # test of the same is ``repro_tools.minify.compilers.reads_scalars``)
         def run(*a):  # dynamo starts from a plain function (it skips a GraphModule's own call frames)
             return gm(*a)
 
