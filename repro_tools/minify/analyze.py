@@ -44,6 +44,7 @@ from determ_backend.errors import DetermError
 
 from repro_tools.cli.args import tol_arg
 from repro_tools.minify.accuracy import call_maybe_boxed, flatten, same_two_models
+from repro_tools.minify.repro_files import regenerated_note
 from repro_tools.repro.script import add_sys_path, load_repro, repro_class_span
 
 __all__ = ["register", "run", "analyze_repro"]
@@ -187,6 +188,9 @@ def analyze_repro(path, checks=("accuracy", "determinism"), tol: Optional[float]
     result = _traced(path, gm, inputs, meta, backend, list(checks), tol, out) if backend else \
         _opaque(gm, inputs, meta, list(checks), tol)
     result.update(repro=str(path), checks=list(checks))
+    inputs_note = regenerated_note(meta)
+    if inputs_note:
+        result["inputs_note"] = inputs_note
     return result
 
 
@@ -211,6 +215,8 @@ def _print(r: Dict[str, Any], full_traceback: bool = False) -> None:
         return
     if r.get("note"):
         print(f"  note: {r['note']}")
+    if r.get("inputs_note"):
+        print(f"  note: {r['inputs_note']}")
     for c in r["checks"]:
         mine = [f for f in r["findings"] if f["check"] == c]
         if not mine:

@@ -41,7 +41,8 @@ from repro_tools.minify.compilers import resolve_compiler
 from repro_tools.minify.oracles import ISOLATED_ONLY, InProcessRunner, OracleSpec, Signature, Verdict
 from repro_tools.minify.oracles import batch_cuts as batch_cuts_of, given_cuts, script_cuts
 from repro_tools.minify.reducer import BudgetExhausted, Reducer
-from repro_tools.minify.repro_files import inherited_meta, load_repro_any, spec_from_meta, write_repro_any
+from repro_tools.minify.repro_files import (inherited_meta, load_repro_any, regenerated_note, spec_from_meta,
+                                          write_repro_any)
 from repro_tools.minify.subgraph import Candidate, GraphView, source_line
 from repro_tools.repro.script import add_sys_path
 
@@ -281,9 +282,15 @@ def minify_repro(src: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
     except ConfigError as e:
         raise ConfigError(f"--compiler: {e}" if overrides.get("compiler") else f"{src}: the recorded {e}") from e
     with flows_suspended():  # candidates are compiled to check the compiler, never to dump and minify again
-        return minify(gm, inputs, spec, out_dir=out_dir,
-                      meta={**inherited_meta(meta), "source": str(src.resolve())},
-                      batch_cuts=meta.get("batch_cuts"), **options)
+        try:
+            return minify(gm, inputs, spec, out_dir=out_dir,
+                          meta={**inherited_meta(meta), "source": str(src.resolve())},
+                          batch_cuts=meta.get("batch_cuts"), **options)
+        except OracleError as e:
+            note = regenerated_note(meta) if spec.kind not in _ERROR_KINDS else None
+            if note is None or not str(e).startswith("input graph does not fail"):
+                raise
+            raise OracleError(f"{e} ({note})") from e
 
 
 def _resume(s: _Session, state: Dict[str, Any], spec: OracleSpec, budget: int) -> Reducer:

@@ -23,7 +23,7 @@ from repro_tools.repro.graph_code import read_graph_dir
 from repro_tools.repro.script import load_repro, write_repro
 from repro_tools.minify.oracles import KINDS, OracleSpec
 
-__all__ = ["write_repro_any", "load_repro_any", "spec_from_meta", "inherited_meta"]
+__all__ = ["write_repro_any", "load_repro_any", "spec_from_meta", "inherited_meta", "regenerated_note"]
 
 _KIND_ALIASES = {"any": "error"}
 _NOT_INHERITED = frozenset({
@@ -66,6 +66,18 @@ def load_repro_any(path: Union[str, Path]) -> Tuple[fx.GraphModule, List[Any], D
         return read_graph_dir(graph_dir)
     gm, inputs, meta = load_repro(p)
     return gm, list(inputs), dict(meta or {})
+
+
+def regenerated_note(meta: Dict[str, Any]) -> Optional[str]:
+    """Why a clean answer about a repro may not be the program's: some of its tensors (inputs, weights) were
+    regenerated from a fixed seed (their values were not saved: the fake inputs of an after-AOT launcher,
+    ``save_data=False``).  None when every tensor holds the program's values.  (The script's runtime says the same
+    in ``_harness._regenerated``.)"""
+    n = meta.get("regenerated_inputs")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        return None
+    return (f"{n} tensor{'s were' if n > 1 else ' was'} regenerated from a fixed seed, not the values the program "
+            "ran with: a failure that depends on the values may not show")
 
 
 def inherited_meta(meta: Dict[str, Any]) -> Dict[str, Any]:

@@ -374,8 +374,18 @@ def _run_checks(ns):
     if msg:
         print(f"reproduced {kind}: {msg}")
         return 1
-    print(f"not reproduced: the compiled graph ran and passed the {kind} check")
+    print(f"not reproduced: the compiled graph ran and passed the {kind} check{_regenerated()}")
     return 0
+
+
+def _regenerated():
+    """``" (N tensors were regenerated ...)"`` when some inputs or weights do not hold the program's values, else
+    "".  (determ's twin, for minify, analyze and xdevice: ``repro_tools.minify.repro_files.regenerated_note``.)"""
+    n = META.get("regenerated_inputs")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        return ""
+    return (f" ({n} tensor{'s were' if n > 1 else ' was'} regenerated from a fixed seed, not the values the program "
+            "ran with: a failure that depends on the values may not show)")
 
 
 def _run_isolated(ns, kind):

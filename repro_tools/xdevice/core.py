@@ -91,14 +91,16 @@ def _devices(text: Optional[str], needed: bool) -> Tuple[str, ...]:
 
 # ---------------------------------------------------------------------- modes
 
-def compare_repro(path: str, specs: Tuple[str, ...], tol: float) -> Tuple[Comparison, Any, List[Any]]:
-    """``(comparison, gm, inputs)`` for a repro script or graph directory run on both devices."""
-    from repro_tools.minify.repro_files import load_repro_any
+def compare_repro(path: str, specs: Tuple[str, ...], tol: float
+                  ) -> Tuple[Comparison, Any, List[Any], Optional[str]]:
+    """``(comparison, gm, inputs, note)`` for a repro script or graph directory run on both devices; ``note``: why
+    the inputs may not be the program's (:func:`~repro_tools.minify.repro_files.regenerated_note`), or None."""
+    from repro_tools.minify.repro_files import load_repro_any, regenerated_note
     from repro_tools.repro.script import load_repro
     from repro_tools.xdevice.trace import compare_devices, move_roots_upstream, reference_spec, trace_on_device
 
     # a repro recorded on an accelerator loads on the CPU here; each side moves it where it runs
-    gm, inputs, _ = load_repro(path, device="cpu") if Path(path).is_file() else load_repro_any(path)
+    gm, inputs, meta = load_repro(path, device="cpu") if Path(path).is_file() else load_repro_any(path)
     ref = reference_spec(specs)
     sides = []
     for s in tqdm(list(specs) + ([ref] if ref else []), desc="xdevice", unit="device", file=sys.stderr,
@@ -106,7 +108,7 @@ def compare_repro(path: str, specs: Tuple[str, ...], tol: float) -> Tuple[Compar
         sides.append(trace_on_device(gm, inputs, s))
     cmp = compare_devices(sides[0], sides[1], tol, sides[2] if ref else None)
     move_roots_upstream(cmp, gm, inputs, specs[1], sides[0], sides[1], tol, sides[2] if ref else None)
-    return cmp, gm, inputs
+    return cmp, gm, inputs, regenerated_note(meta or {})
 
 
 def compare_trace_pair(a: str, b: str, tol: float) -> Comparison:
@@ -242,7 +244,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.targets[0]}: expected two traces separated by one comma")
         cmp = compare_trace_pair(pair[0], pair[1], args.tol)
     elif kind == "repro":
-        cmp, gm, inputs = compare_repro(args.targets[0], specs, args.tol)
+        cmp, gm, inputs, note = compare_repro(args.targets[0], specs, args.tol)
+        if note:
+            summary["inputs_note"] = note
     else:
         out = Path(args.out or "determ_xdevice")
         cmp = compare_script(args.targets[0], script_args, specs, args.tol, out, args.backend)
@@ -258,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2, default=str))
     else:
         _print(cmp, specs, args.limit, summary)
+        if summary.get("inputs_note"):
+            print(f"note: {summary['inputs_note']}")
         if "minify" in summary:
             s = summary["minify"]
             print(f"minified: {s['nodes_before']} -> {s['nodes_after']} nodes, {s['queries']} queries, "

@@ -455,3 +455,34 @@ def test_a_compiler_defined_in_the_running_script_is_named_as_such(caplog):
     with caplog.at_level(logging.WARNING, logger="repro_tools.repro.script"):
         assert unimportable_label(my_fw_compiler, e.value) == unimportable_label(my_fw_compiler, e.value) == "my_fw_compiler"
     assert len([r for r in caplog.records if "defined in the script" in r.message]) == 1
+
+
+def test_a_clean_answer_on_regenerated_inputs_says_they_are_not_the_programs(tmp_path, capsys):
+    """A launcher written before compiling holds fake inputs, so its script regenerates them: a value-dependent
+    failure then does not show, and run / analyze / minify / xdevice must not let "it passes" pass for the program's
+    answer."""
+    from determ_backend.errors import OracleError
+    from repro_tools.cli import main
+    from repro_tools.minify.analyze import analyze_repro
+    from repro_tools.minify.minifier import minify_repro
+
+    gm = fx.symbolic_trace(WithParams())
+    x = torch.randn(3, 4)
+    meta = {"kind": "accuracy", "compiler": "eager"}
+    saved = write_repro(gm, [x], tmp_path / "saved" / "repro.py", meta=meta)
+    regen = write_repro(gm, [x], tmp_path / "regen" / "repro.py", meta=meta, save_data=False)
+    note = "4 tensors were regenerated from a fixed seed, not the values the program ran with"  # the input and weights
+    assert run_main(saved, "run") == 0
+    out = capsys.readouterr().out
+    assert "not reproduced" in out and "regenerated" not in out
+    assert run_main(regen, "run") == 0
+    assert note in capsys.readouterr().out
+    assert "inputs_note" not in analyze_repro(saved, ("accuracy",))
+    assert note in analyze_repro(regen, ("accuracy",))["inputs_note"]
+    with pytest.raises(OracleError, match="input graph does not fail.*" + note):
+        minify_repro(regen, tmp_path / "min")
+    capsys.readouterr()
+    assert main(["xdevice", str(regen), "--devices", "cpu,cpu:float64"]) == 0
+    assert f"note: {note}" in capsys.readouterr().out
+    assert main(["xdevice", str(saved), "--devices", "cpu,cpu:float64"]) == 0
+    assert "regenerated" not in capsys.readouterr().out
