@@ -141,6 +141,7 @@ class Run:
         self.findings: List[Dict[str, Any]] = []
         self.checker_errors: List[str] = []
         self.notes: List[Dict[str, Any]] = []
+        self.flow_checks: List[str] = []  # checks the repro flows ran (REPRO_LEVEL=4's accuracy check), in order
         self.batch_symbols: Dict[str, Any] = {}  # graph id -> the batch size symbol its forward graph was checked with
         self._write_report()
 
@@ -297,6 +298,15 @@ class Run:
         log.info("determ %s: skipped %s", check, detail)
         self._write_report()
 
+    def add_flow_check(self, check: str) -> None:
+        """A repro flow ran ``check`` (on some graph): ``report.json`` lists it with the configured checks, so that a
+        clean run says what was checked rather than "tracing only"."""
+        with self._lock:
+            if check in self.flow_checks:
+                return
+            self.flow_checks.append(check)
+        self._write_report()
+
     def add_checker_error(self, check: str, message: str) -> None:
         with self._lock:
             self.checker_errors.append(f"{check}: {message}")
@@ -314,7 +324,8 @@ class Run:
             if fd.get("kernel"):
                 first["kernel"] = fd["kernel"]
             first["check"] = self.findings[0]["check"]
-        return {"run": self.id, "rank": self.rank, "checks": list(self.config.check) + (["reference"] if self.config.reference else []),
+        checks = list(self.config.check) + (["reference"] if self.config.reference else []) + self.flow_checks
+        return {"run": self.id, "rank": self.rank, "checks": checks,
                 "divergent": bool(self.findings), "first_divergence": first, "findings": self.findings,
                 "checker_errors": self.checker_errors, "notes": self.notes, "graphs": self._graphs,
                 "trace": str(self.trace_path) if self._writer is not None else None}

@@ -146,7 +146,7 @@ def _check_accuracy(compiled: Callable, gm: fx.GraphModule, inputs: list, cfg: D
                              strict=cfg.strict, compiled_attributes=attrs)
     if result.status == "not_judged":  # a dynamo graph's draws cannot be cut out; AOT's aten graphs' can
         result.detail += "; REPRO_AFTER=aot checks such graphs, with their draws taken as inputs"
-    act_on_accuracy(result, cfg, dump, inputs, "repro accuracy", f"compiled graph ({dump.compiler})")
+    act_on_accuracy(result, cfg, dump, inputs, "repro accuracy (after dynamo)", f"compiled graph ({dump.compiler})")
 
 
 def _guard_runtime(compiled: Callable, dump: GraphDump, launcher) -> Callable:
