@@ -119,6 +119,16 @@ class ReferenceTrace:
         return sorted({f"{g}/{s}" for g, s, _ in self.groups})
 
 
+def _divergence_key(check: str, summary: Dict[str, Any]) -> Optional[tuple]:
+    """What makes two findings of ``check`` the same divergence: the graph, stage and node of the first divergence
+    and the root causes' nodes (not the call).  None for a finding without one (a repro flow's one-line detail)."""
+    fd = summary.get("first_divergence")
+    if not isinstance(fd, dict) or fd.get("graph") is None or fd.get("node") is None:
+        return None
+    roots = tuple(sorted(str(r.get("node")) for r in summary.get("root_causes") or [] if isinstance(r, dict)))
+    return check, fd.get("graph"), fd.get("stage"), fd.get("node"), roots
+
+
 class Run:
     """One output directory: ``trace.jsonl``, ``report.json`` and any dumps."""
 
@@ -141,6 +151,7 @@ class Run:
         self.findings: List[Dict[str, Any]] = []
         self.checker_errors: List[str] = []
         self.notes: List[Dict[str, Any]] = []
+        self._found: Dict[tuple, Dict[str, Any]] = {}  # a finding's divergence (_divergence_key) -> that finding
         self.flow_checks: List[str] = []  # checks the repro flows ran (REPRO_LEVEL=4's accuracy check), in order
         self.batch_symbols: Dict[str, Any] = {}  # graph id -> the batch size symbol its forward graph was checked with
         self._write_report()
@@ -194,12 +205,22 @@ class Run:
         the comparison's judged pairs, kept in ``pairs-<k>.jsonl`` (the first findings only) for the
         HTML report, which is written (``report.html``, unless ``DETERM_REPORT=0``) before the line."""
         fd = summary.get("first_divergence") or {}
+        key = _divergence_key(check, summary)
+        with self._lock:
+            earlier = self._found.get(key) if key is not None else None
+            if earlier is not None:
+                earlier["repeats"] = earlier.get("repeats", 0) + 1
+                earlier["last_call"] = fd.get("call")
+        if earlier is not None:
+            return self._found_again(check, earlier, fd)
         finding = {"check": check, **summary}
         if not isinstance(finding.get("pairs"), str):  # a comparison's count of paired records: ``pairs`` names
             finding["paired"] = finding.pop("pairs", None)  # the file of its verdicts, kept for the first findings
         with self._lock:
             k = len(self.findings)
             self.findings.append(finding)
+            if key is not None:
+                self._found[key] = finding
         if pairs is not None and k < _MAX_PAIR_FILES:
             finding["pairs"] = self._write_pairs(k, pairs)
         html = self._write_html() if k < _MAX_PAIR_FILES else self._write_report()
@@ -235,6 +256,20 @@ class Run:
             where = (f"first divergence at node {fd.get('node')} ({fd.get('op')}) {fd.get('source') or ''}" if fd
                      else str(summary.get("detail") or "divergence"))
             raise AccuracyError(f"determ {check}: {where}; report: {self.dir / 'report.json'}")
+        return finding
+
+    def _found_again(self, check: str, finding: Dict[str, Any], fd: Dict[str, Any]) -> Dict[str, Any]:
+        """The divergence of ``finding`` found again on a later call: counted in it (``repeats``, ``last_call``), not
+        a new finding and not a new warning line (a training loop would repeat it every step, and rewrite an
+        ever longer report each time); still raised when configured to."""
+        n = finding["repeats"]
+        if n & (n - 1) == 0:  # the file follows at 1, 2, 4, 8... repeats, and at the end of the run
+            self._write_report()
+        log.info("determ %s divergence again at node %s (graph=%s stage=%s call %s): %d repeat(s), counted in its "
+                 "finding", check, fd.get("node"), fd.get("graph"), fd.get("stage"), fd.get("call"), n)
+        if self.config.raise_on_divergence:
+            raise AccuracyError(f"determ {check}: first divergence at node {fd.get('node')} ({fd.get('op')}) "
+                                f"{fd.get('source') or ''} (again); report: {self.dir / 'report.json'}")
         return finding
 
     def amend_finding(self, finding: Dict[str, Any], fields: Dict[str, Any]) -> None:

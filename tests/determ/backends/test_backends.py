@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from backend_helpers import MLP, BreakModel, NondetModel, compile_run, load
+from determ_backend.backends import run as run_mod
 from determ_backend.config import load_config
 from determ_backend.errors import ConfigError
 from repro_tools.cli import main as cli
@@ -99,6 +100,27 @@ def test_determinism_check_names_the_nondeterministic_op_only(tmp_path):
     assert [r["op"] for r in roots] == ["determ_test.nd_rowsum.default"]
     assert report["first_divergence"]["op"] == "determ_test.nd_rowsum.default"
     assert finding["divergent_pairs"] > 1  # consumers diverge too, but are not root causes
+
+
+def test_a_divergence_found_again_on_later_calls_is_counted_not_repeated(tmp_path, caplog):
+    """A training loop met the same divergence every step: one warning line and one more finding per call, with
+    report.json rewritten, ever longer, each time."""
+    import logging
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    f = torch.compile(NondetModel(), backend="determ_aot_eager",
+                      options={"dir": str(tmp_path), "run_id": "loop", "check": "determinism"})
+    with caplog.at_level(logging.WARNING, logger="determ_backend"):
+        for _ in range(4):
+            f(torch.randn(16, 64))
+        run_mod.finish_all()
+    _, report = load(tmp_path / "loop")
+    assert len(report["findings"]) == 1, [f["first_divergence"] for f in report["findings"]]
+    finding = report["findings"][0]
+    assert finding["repeats"] == 3 and finding["last_call"] == 3
+    assert [r["op"] for r in finding["root_causes"]] == ["determ_test.nd_rowsum.default"]
+    assert sum("determinism divergence" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_determinism_check_is_clean_on_deterministic_model(tmp_path):
