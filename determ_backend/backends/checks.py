@@ -180,6 +180,15 @@ def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.
     return m
 
 
+def _static_batch(graph: str, size: int, dim: int, name: str) -> str:
+    """Why the batch check skips a graph whose batch size is a constant: what the user can change."""
+    head = f"graph {graph}: its batch size {size} (dimension {dim} of input {name}) is static"
+    if size in (0, 1):  # torch.compile specializes sizes 0 and 1 even under dynamic=True
+        return f"{head} -- torch.compile makes a size of {size} a constant even with dynamic=True: use a batch of 2 or more"
+    return (f"{head} -- compile with dynamic=True or torch._dynamo.mark_dynamic(x, {dim}); if you did, the model made "
+            "it a constant (code that branches on, or asserts, the batch size)")
+
+
 class _Confirmation:
     """Causal confirmation of accuracy root-cause candidates: the eager graph is replayed with one
     candidate's compiled value substituted; if every output stays within tolerance, the candidate's
@@ -515,8 +524,7 @@ class GraphExec:
                 if kind == "input" and a.dim() > dim and isinstance(val, torch.Tensor):
                     batch_sym = _torch_compat.sym_expr(val.shape[dim])
                     if batch_sym is None:
-                        return (f"graph {r0.graph}: its batch size {a.shape[dim]} (dimension {dim} of input {n.name}) "
-                                f"is static -- compile with dynamic=True or torch._dynamo.mark_dynamic(x, {dim})")
+                        return _static_batch(r0.graph, a.shape[dim], dim, n.name)
                     break
             if batch_sym is None:
                 return f"graph {r0.graph}: no input with a dimension {dim} (DETERM_BATCH_DIM)"

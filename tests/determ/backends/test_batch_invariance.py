@@ -61,6 +61,10 @@ def test_static_graphs_are_skipped_with_a_note_and_training_is_checked_forward_a
     report = _run(RowWise(), "determ_aot_eager", tmp_path, "static", dynamic=False)
     (note,) = [n for n in report["notes"] if n["check"] == "batch_invariance"]
     assert "static" in note["skipped"] and "dynamic=True" in note["skipped"]
+    # a batch of one is a constant even under dynamic=True: the note said to compile with dynamic=True
+    report = _run(RowWise(), "determ_aot_eager", tmp_path, "one", x=torch.randn(1, 256))
+    (note,) = [n for n in report["notes"] if n["check"] == "batch_invariance"]
+    assert "use a batch of 2 or more" in note["skipped"], note
     report = _run(RowWise(), "determ_aot_eager", tmp_path, "train", train=True)
     assert report["findings"] == [] and report["notes"] == [] and report["checker_errors"] == []
 
