@@ -31,15 +31,34 @@ _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (\S+)', re.M)
 
 
 def node_source(node: fx.Node) -> Optional[str]:
-    """``file:line (function)`` of the user code that produced ``node`` (innermost frame)."""
+    """``file:line (function)`` of the user code that produced ``node`` (innermost frame).  A node of torch's own
+    modules alone (an ``nn.Sequential`` of ``nn.Linear`` and ``nn.ReLU``: dynamo keeps no frame of torch's code) is
+    placed by its module instead, ``<module 1: ReLU>``; None when neither is known."""
     st = node.meta.get("stack_trace")
-    if not st:
-        return None
-    frames = _FRAME.findall(st)
+    frames = _FRAME.findall(st) if st else None
     if not frames:
-        return None
+        return _module_place(node)
     f, line, fn = frames[-1]
     return f"{f}:{line} ({fn})"
+
+
+_ROOT_LOCAL = re.compile(r"^[LG]\[['\"][^'\"]*['\"]\]")  # dynamo's name of the compiled module (L['self'], L['fn'])
+_INDEX = re.compile(r"\[['\"]?([^'\"\]]*)['\"]?\]")
+
+
+def _module_place(node: fx.Node) -> Optional[str]:
+    """``<module PATH: Class>`` of the innermost module ``node`` ran in (its ``nn_module_stack``), PATH as
+    ``named_modules()`` spells it; None without one."""
+    stack = node.meta.get("nn_module_stack")
+    if not isinstance(stack, dict) or not stack:
+        return None
+    entry = list(stack.values())[-1]
+    if not isinstance(entry, tuple) or len(entry) != 2:
+        return None
+    path, cls = entry
+    path = _INDEX.sub(lambda m: "." + m.group(1), _ROOT_LOCAL.sub("", str(path))).replace("._modules.", ".")
+    name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].strip("'>")
+    return f"<module {path.strip('.') or '(top)'}: {name}>"
 
 
 def op_name(node: fx.Node) -> str:

@@ -123,6 +123,16 @@ def test_a_divergence_found_again_on_later_calls_is_counted_not_repeated(tmp_pat
     assert sum("determinism divergence" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_node_of_torchs_own_modules_is_placed_by_its_module(tmp_path):
+    """Dynamo keeps no frame of torch's code, so every node of an nn.Sequential of torch modules had no source and
+    a finding read 'at <unknown source>'."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    _, run_dir = compile_run(model, (torch.randn(4, 8),), "determ_aot_eager", tmp_path, "seq")
+    recs, _ = load(run_dir)
+    fwd = {r.node: r.source for r in recs if r.stage == "aot_forward" and r.kind == "node"}
+    assert fwd["relu"] == "<module 1: ReLU>" and fwd["addmm_1"] == "<module 2: Linear>", fwd
+
+
 def test_determinism_check_is_clean_on_deterministic_model(tmp_path):
     torch.manual_seed(0)
     _, run_dir = compile_run(MLP(), (torch.randn(4, 8),), "determ_eager", tmp_path, "clean", check="determinism")
