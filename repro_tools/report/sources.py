@@ -226,6 +226,8 @@ def _load_run(paths: List[str]) -> Report:
     rep.errors = list(rep_json.get("checker_errors") or [])
     for f in findings:
         where = _where(f.get("first_divergence") or {})
+        if f.get("repeats"):  # the same divergence on later calls, counted in this finding
+            where += f" (again on {f['repeats']} later call{'s' if f['repeats'] > 1 else ''})"
         rep.findings.append({"check": f.get("check"), "where": where,
                              "detail": f.get("detail") or metrics_text((f.get("first_divergence") or {}).get("metrics")),
                              "repro": f.get("repro")})

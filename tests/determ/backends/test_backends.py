@@ -121,6 +121,7 @@ def test_a_divergence_found_again_on_later_calls_is_counted_not_repeated(tmp_pat
     assert finding["repeats"] == 3 and finding["last_call"] == 3
     assert [r["op"] for r in finding["root_causes"]] == ["determ_test.nd_rowsum.default"]
     assert sum("determinism divergence" in r.getMessage() for r in caplog.records) == 1
+    assert "again on 3 later calls" in (tmp_path / "loop" / "report.html").read_text()
 
 
 def test_a_node_of_torchs_own_modules_is_placed_by_its_module(tmp_path):
