@@ -151,6 +151,17 @@ def load_args(device=None):
     return [_value(s, gen, device, cache) for s in INPUTS]
 
 
+def install_module(root, name, module):
+    """``module`` as ``root``'s submodule at dotted ``name`` (``layers.0``: not an attribute Python can assign), with
+    plain containers for the missing levels."""
+    *path, leaf = name.split(".")
+    for p in path:
+        if not hasattr(root, p):
+            root.add_module(p, torch.nn.Module())
+        root = getattr(root, p)
+    root.add_module(leaf, module)
+
+
 def install_attrs(root, device=None):
     """Parameters, buffers and constants of ``Repro`` (``ATTRS``), installed by dotted name."""
     gen = torch.Generator().manual_seed(int(META.get("seed", 1234)) + 1)

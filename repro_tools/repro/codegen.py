@@ -16,6 +16,7 @@ to load from the content store.  Its two products:
 from __future__ import annotations
 
 import builtins
+import keyword
 import logging
 import math
 import pprint
@@ -92,6 +93,14 @@ def _last_frame(stack_trace: str) -> str:
     return "\n".join(lines[starts[-1]:starts[-1] + 2]) if starts else stack_trace[-300:]
 
 
+def _set_module(target: str, expr: str) -> str:
+    """The ``__init__`` line that makes ``expr`` the submodule at ``target``: an assignment where the name is an
+    identifier, else the script's ``install_module`` (``0``, ``layers.0``: an ``nn.Sequential`` traced by fx)."""
+    if target.isidentifier() and not keyword.iskeyword(target):
+        return f"self.{target} = {expr}"
+    return f"install_module(self, {target!r}, {expr})"
+
+
 class CodeWriter:
     """Emits one class per (sub)graph; collects imports, custom-op modules and tensor attributes.
 
@@ -136,9 +145,9 @@ class CodeWriter:
             full = prefix + n.target
             if isinstance(value, fx.GraphModule):
                 sub = self.module_class(value, "Repro_" + full.replace(".", "_"), prefix=full + ".")
-                lines.append(f"self.{n.target} = {sub}()")
+                lines.append(_set_module(n.target, f"{sub}()"))
             elif isinstance(value, torch.nn.Module):
-                lines.append(f"self.{n.target} = {_leaf_module_expr(value, n.target)}")
+                lines.append(_set_module(n.target, _leaf_module_expr(value, n.target)))
                 for pname, p in list(value.named_parameters()) + list(value.named_buffers()):
                     self._attr(f"{full}.{pname}", p)
             elif isinstance(value, torch.Tensor):

@@ -486,3 +486,24 @@ def test_a_clean_answer_on_regenerated_inputs_says_they_are_not_the_programs(tmp
     assert f"note: {note}" in capsys.readouterr().out
     assert main(["xdevice", str(saved), "--devices", "cpu,cpu:float64"]) == 0
     assert "regenerated" not in capsys.readouterr().out
+
+
+def test_submodules_whose_names_are_no_identifiers_are_written_as_modules(tmp_path):
+    """An fx-traced ``nn.Sequential`` calls submodules named ``0``, ``layers.1``: the script read ``self.0 = ...``
+    and did not even parse."""
+    class Nested(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.layers(x))
+
+    x = torch.randn(2, 4)
+    for k, m in enumerate([torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), Nested()]):
+        path = write_repro(fx.symbolic_trace(m), [x], tmp_path / f"r{k}" / "repro.py",
+                           meta={"kind": "accuracy", "compiler": "eager"})
+        gm, inputs, _ = load_repro(path)
+        assert torch.equal(gm(*inputs), m(x))
+        assert run_main(path, "run") == 0
