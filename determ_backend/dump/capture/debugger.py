@@ -104,6 +104,12 @@ def _load_config(path: Optional[str]) -> Dict[str, Any]:
             cfg = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"PrecisionDebugger: config_path {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"PrecisionDebugger: config_path {path}: is a directory; expected a config.json file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"PrecisionDebugger: config_path {path}: not a UTF-8 text file; expected a config.json") from None
+    except OSError as e:
+        raise ConfigError(f"PrecisionDebugger: config_path {path}: cannot be read ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"PrecisionDebugger: config_path {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(cfg, dict):
@@ -159,6 +165,10 @@ class DebuggerConfig:
             raise ConfigError(f"PrecisionDebugger: {t}.diff_nums={self.diff_nums!r}; expected an int >= 0 (records "
                               f"whose tensors are kept) or -1 (all)")
         self.overflow_nums = section.get("overflow_nums", 1)
+        if isinstance(self.overflow_nums, bool) or not isinstance(self.overflow_nums, int) or \
+                (self.overflow_nums < 1 and self.overflow_nums != -1):
+            raise ConfigError(f"PrecisionDebugger: {t}.overflow_nums={self.overflow_nums!r}; expected an int >= 1 "
+                              f"(overflowing APIs before the run stops) or -1 (never stop)")
         self.ignored = self._ignored(cfg, section)
 
     def _ignored(self, cfg: Dict[str, Any], section: Dict[str, Any]) -> List[str]:
@@ -249,9 +259,10 @@ class PrecisionDebugger:
             return
         self._warned = True
         log.warning("PrecisionDebugger: %s.%s=%s selected no %s call in step %d (names look like "
-                    "Functional.linear.0.forward or Functional_linear_0_forward; fragments like 'linear')",
+                    "Functional.linear.0.forward or Functional_linear_0_forward%s)",
                     self.task, "scope" if self.scope else "list", chosen, "API" if self.level == "L1" else "module",
-                    self.current_step)
+                    self.current_step, "; scope takes whole names, list also fragments like 'linear'" if self.scope
+                    else "; fragments like 'linear'")
 
     def step(self) -> None:
         """End of a training step: the next ``start()`` dumps into ``step<N+1>``."""

@@ -480,6 +480,15 @@ def test_precision_debugger_warns_once_when_its_list_selects_nothing(tmp_path, c
     assert len(warnings) == 1 and "statistics.list=['Functional.linear.9.forward'] selected no API call" in warnings[0]
 
 
+def test_a_scope_of_fragments_selects_nothing_and_the_warning_says_scope_takes_whole_names(tmp_path, caplog):
+    """As in msprobe, scope takes whole call names (list also takes fragments); the warning offered fragments."""
+    config = '{"task": "statistics", "dump_path": "OUT", "statistics": {"scope": ["relu"]}}'
+    with caplog.at_level("WARNING", logger="determ_backend.dump.capture.debugger"):
+        _precision_debugger_names(tmp_path, config)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "determ_backend.dump.capture.debugger"]
+    assert len(warnings) == 1 and "scope takes whole names, list also fragments" in warnings[0], warnings
+
+
 @pytest.mark.parametrize("config, match", [
     ('{"dump_path": "OUT", "step": "1"}', "step must be an int or a list of ints and 'a-b' ranges, got '1'"),
     ('{"dump_path": "OUT", "statistics": {"list": [3]}}', r"statistics.list must be a string or a list of strings"),

@@ -97,12 +97,20 @@ def test_keys_determ_does_not_act_on_are_named_in_one_warning(tmp_path, caplog):
     ({"rank": "0"}, r"rank must be an int or a list of ints and 'a-b' ranges, got '0'"),
     ({"step": ["3-1"]}, r"step must be an int or a list of ints and 'a-b' ranges"),
     ({"statistics": {"data_mode": ["all", "forward"]}}, r"statistics.data_mode=\['all', 'forward'\]"),
+    # caught when the debugger is made, under the config's own key (not at start(), as register_hook's argument)
+    ({"task": "overflow_check", "overflow_check": {"overflow_nums": "x"}}, r"overflow_check.overflow_nums='x'"),
+    ({"task": "overflow_check", "overflow_check": {"overflow_nums": -5}}, r"overflow_check.overflow_nums=-5"),
 ])
 def test_bad_values_of_known_keys_are_one_line_errors(tmp_path, config, match):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict({"dump_path": str(tmp_path / "out")}, **config)))
     with pytest.raises(ConfigError, match=match):
         dump.PrecisionDebugger(config_path=str(cfg))
+
+
+def test_a_config_path_that_is_a_directory_is_a_one_line_error(tmp_path):
+    with pytest.raises(ConfigError, match="config_path .*: is a directory; expected a config.json file"):
+        dump.PrecisionDebugger(config_path=str(tmp_path))
 
 
 def test_level_L0_without_a_model_is_a_clear_error(tmp_path):
