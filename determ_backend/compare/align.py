@@ -219,7 +219,9 @@ def _by_inputs(pairs: List[Pair]) -> List[Pair]:
         if a is None or not a.inputs or consistent(a, p.b):
             continue
         want = wanted(a)
-        if want is None:
+        if want is None or (p.b is not None and one_op_between(want, p.b)):
+            # the partner consumes them through one op of its own run (a forward hook's add): as good a partner as any
+            # candidate, and a multi-output op's outputs of one shape (a layer norm's mean and rstd) must not trade
             continue
         mended = False
         for cand in candidates(a, want, p.b):

@@ -84,6 +84,37 @@ def test_a_hook_only_one_run_has_is_named_not_the_op_after_it(tmp_path, capsys):
     assert len(root) == 1 and "only B ran" in root[0] and "op=aten.add.Tensor" in root[0]
 
 
+def test_a_hook_feeding_a_layer_norm_leaves_its_outputs_of_one_shape_paired(tmp_path, capsys):
+    """The layer norm after a hooked block has two outputs of one shape (mean and rstd): the alignment's mending
+    traded them, left rstd unpaired, and blamed it as an op only A ran next to the hook's add."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.ln, self.head = Block(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.head(self.ln(self.block(x)))
+
+    for name in ("a", "b"):
+        torch.manual_seed(0)
+        model = Net()
+        if name == "b":
+            model.block.register_forward_hook(lambda mod, args, out: out + 1e-3)
+        with HashDebugTrace(log_path=tmp_path / f"{name}.log", module=model):
+            model(torch.randn(2, 8, 32)).sum().backward()
+    cmp = diff_logs(tmp_path / "a.log", tmp_path / "b.log")
+    assert [(p.rec.op, p.metrics.get("only_in")) for p in cmp.root_causes] == [("aten.add.Tensor", "b")]
+    assert [p.rec.op for p in cmp.pairs if not p.paired] == ["aten.add.Tensor"]  # the hook's add, nothing else
+
+
 def _lineno_of(text: str) -> int:
     with open(__file__, encoding="utf-8") as f:
         return next(i for i, ln in enumerate(f, 1) if text in ln and "_lineno_of" not in ln)
