@@ -431,6 +431,11 @@ def is_fake_tensor(t) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor ``t`` is a view of (``weight.T``'s is ``weight``), or None when ``t`` is no view."""
+    return getattr(t, "_base", None)
+
+
 @contextlib.contextmanager
 def real_tensors() -> Iterator[None]:
     """Leave the active fake tensor mode (AOTAutograd's, while its compiler runs) for the block:

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat
 from determ_backend.backends.recorder import NodeInfo, Recorder
-from determ_backend.trace.stream import dtype_name
+from determ_backend.trace.stream import dtype_name, module_place
 
 __all__ = ["node_source", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos"]
 
@@ -58,7 +58,7 @@ def _module_place(node: fx.Node) -> Optional[str]:
     path, cls = entry
     path = _INDEX.sub(lambda m: "." + m.group(1), _ROOT_LOCAL.sub("", str(path))).replace("._modules.", ".")
     name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].strip("'>")
-    return f"<module {path.strip('.') or '(top)'}: {name}>"
+    return module_place(path.strip(".") or "(top)", name)
 
 
 def op_name(node: fx.Node) -> str:

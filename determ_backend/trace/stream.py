@@ -41,7 +41,8 @@ from determ_backend.fingerprint import _native
 from determ_backend.trace.jsonl import StreamFormat, StreamWriter, encode, encode_exact, fast_dumps, read_stream
 
 __all__ = ["Record", "RecordTemplate", "TraceWriter", "TraceFile", "read_trace", "read_trace_file", "resolve_trace_path",
-           "atomic_write_text", "atomic_path", "dir_problem", "format_hash", "dtype_name", "shape_of", "TRACE_NAME", "TRACE_FORMAT"]
+           "atomic_write_text", "atomic_path", "dir_problem", "format_hash", "dtype_name", "shape_of", "module_place", "is_module_place",
+           "TRACE_NAME", "TRACE_FORMAT"]
 
 TRACE_NAME = "trace.jsonl"
 TRACE_FORMAT = StreamFormat("determ-trace", 1, "trace", "records", "the producing process may have died")
@@ -61,6 +62,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 def shape_of(t: torch.Tensor) -> List[int]:
     """A record's ``shape`` field: the tensor's sizes, or [] for a nested tensor (its rows differ in length)."""
     return [] if t.is_nested else list(t.shape)
+
+
+def module_place(path: str, cls_name: str) -> str:
+    """A record's ``source`` when no user line is known, only the module the value was computed in (a compiled
+    graph's node of torch's own modules: ``<module 1: ReLU>``)."""
+    return f"<module {path}: {cls_name}>"
+
+
+def is_module_place(source: Optional[str]) -> bool:
+    """Whether a ``source`` names a module (:func:`module_place`) rather than a file and line."""
+    return bool(source) and source.startswith("<module ")
 
 
 def format_hash(h: int) -> str:

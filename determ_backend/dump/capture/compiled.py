@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from determ_backend.compare.verdict import is_float
 from determ_backend.trace.store import TensorStore
-from determ_backend.trace.stream import Record
+from determ_backend.trace.stream import Record, is_module_place
 from determ_backend.dump.capture.apis import ApiInfo
 from determ_backend.dump.capture.hooks import ApiRecorder, busy, guard
 from determ_backend.dump.capture.regions import RegionCall, Regions
@@ -185,8 +185,8 @@ class CompiledGraphs:
                 if d is not None:
                     ins.append(d)
         entry: Dict[str, Any] = {"name": f"{name}_{direction}", "op": r.op, "dir": direction}
-        if r.source:
-            entry["source"] = r.source
+        if r.source and not is_module_place(r.source):  # a module's place: the user's line that called the model
+            entry["source"] = r.source                    # is filled in below, and the place goes in the stack
         entry["inputs"], entry["outputs"] = ins, outs
         if self.rec.settings.with_stack:
             entry["stack"] = [r.source] if r.source else []

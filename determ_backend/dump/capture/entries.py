@@ -132,8 +132,8 @@ def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data:
                                     "_fp": pipeline.tensor(v, store=False)})
                 continue
             e: Dict[str, Any] = {"name": name, "dtype": str(v.dtype), "shape": shape_of(v)}
-            if isinstance(v, torch.nn.Parameter):
-                e["param"] = True
+            if isinstance(v, torch.nn.Parameter) or isinstance(_torch_compat.view_base(v), torch.nn.Parameter):
+                e["param"] = True  # a weight, or a view of one (``input @ self.weight.T``): its values are the weight's
             if v.device.type != "cpu":
                 e["device"] = str(v.device)
             if data and pipeline is not None and is_data_tensor(v):

@@ -645,3 +645,34 @@ def test_a_linear_backward_under_autocast_pairs_with_the_float32_one(tmp_path):
     cmp = compare_two(*idx, tmp_path / "cmp")
     paired = {p.name for p in cmp.pairs if p.a is not None and p.b is not None}
     assert {"Functional_linear_0_backward", "Functional_linear_1_backward"} <= paired
+
+
+def test_a_weight_used_through_a_view_is_a_weight_the_compare_can_blame(tmp_path):
+    """Falcon's linear computes ``input @ self.weight.T``: the view was not seen as a weight, and with that weight
+    perturbed the compare found 'no root cause among the paired APIs' though nothing else differed."""
+    class TLinear(torch.nn.Linear):
+        def forward(self, x):
+            return x @ self.weight.T + self.bias
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = TLinear(16, 16), TLinear(16, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.tanh(self.fc1(x)))
+
+    paths = {}
+    for run in ("a", "b"):
+        torch.manual_seed(0)
+        net = Net()
+        if run == "a":
+            with torch.no_grad():
+                net.fc2.weight[0, 0] += 1e-3
+        dbg = dump.PrecisionDebugger(dump_path=str(tmp_path / run), level="L1", model=net)
+        dbg.start(net)
+        net(torch.randn(2, 16)).sum().backward()
+        dbg.stop()
+        paths[run] = str(tmp_path / run / "step0" / "rank0" / "dump.pkl")
+    r = dump.compare({"npu_pkl_path": paths["a"], "bench_pkl_path": paths["b"]}, str(tmp_path / "cmp"))
+    assert [p.name for p in r.root_causes][:1] == ["Tensor_matmul_1_forward"], [p.name for p in r.root_causes]
