@@ -63,4 +63,4 @@ def run_report(args: argparse.Namespace) -> int:
     print(out)
     if args.screenshot:
         print(screenshot(out, args.screenshot, *size))
-    return 1 if rep.divergent else 0
+    return 1 if rep.divergent or rep.shown_alike is False else 0

@@ -66,6 +66,9 @@ class Report:
     """Minify results: before/after, queries, seconds, culprit, the minimal graph's code."""
     table_note: Optional[str] = None
     """Why the table holds fewer rows than the result (aggregated beyond :data:`MAX_ROWS`)."""
+    shown_alike: Optional[bool] = None
+    """Two traces: whether ``repro-tools diff`` would call them identical (or in agreement within tol); None for
+    other results.  The command's exit code follows it, as diff's does."""
 
     def data(self) -> Dict[str, Any]:
         """Everything the page's script needs, JSON-ready (non-finite floats as strings)."""

@@ -286,6 +286,14 @@ def _comparison_report(kind: str, a: str, b: str, tol: Optional[float], title: s
     else:
         rep.verdict = (("identical" if tol is None else f"agree within tol={tol:g}") if cmp.identical
                        else f"no output differs ({cmp.mode})")
+    if cmp.files is not None:  # two trace files, as diff reads them: not shown alike, as diff says, when it is not
+        from repro_tools.cli.diff import diff_summary
+
+        summary = diff_summary(cmp, cmp.files)
+        rep.shown_alike = bool(summary["identical"])
+        if not cmp.divergent and not rep.shown_alike:
+            rep.verdict += "; not shown identical: " + ("; ".join(summary.get("notes") or []) or
+                                                        "divergences that reach no output (masked)")
     unpaired = sum(1 for p in cmp.pairs if not p.paired)
     if unpaired:
         rep.notes.append(f"{unpaired} records pair with nothing in the other trace")

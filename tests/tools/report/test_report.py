@@ -266,3 +266,24 @@ def test_dumps_that_differ_only_in_an_input_are_not_divergent(tmp_path):
         rep = build([str(q) for q in p])
         assert not rep.divergent and rep.verdict == "no divergence"
     assert main(["report", str(tmp_path / "cmp"), "-o", str(tmp_path / "r.html")]) == 0
+
+
+def test_the_report_of_two_traces_exits_as_diff_does(tmp_path, capsys):
+    """A divergence in a side branch whose effect on the output is below --tol (masked): diff says the runs are not
+    shown to agree (exit 1) and the page said 'no output differs' with exit 0."""
+    from determ_backend import HashDebugTrace
+
+    for run in ("a", "b"):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(8, 4)
+        x, side = torch.randn(2, 8), torch.randn(8, 8)
+        if run == "b":
+            side[0, 0] += 0.5
+        with HashDebugTrace(log_path=tmp_path / f"{run}.log", module=net):
+            (net(x).sum() + (x @ side).sum() * 1e-9).backward()
+    a, b = str(tmp_path / "a.log"), str(tmp_path / "b.log")
+    assert main(["diff", a, b, "--tol", "1e-3"]) == 1
+    assert "masked" in capsys.readouterr().out
+    assert main(["report", a, b, "--tol", "1e-3", "-o", str(tmp_path / "r.html")]) == 1
+    assert "not shown identical" in (tmp_path / "r.html").read_text()
+    assert main(["report", a, a, "--tol", "1e-3", "-o", str(tmp_path / "same.html")]) == 0
