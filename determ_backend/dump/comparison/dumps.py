@@ -563,6 +563,9 @@ def compare(input_param: Dict[str, Any], output_path: Union[str, Path], stack_mo
     da = open_dump(input_param["npu_pkl_path"], data_dirs[0])
     db = open_dump(input_param["bench_pkl_path"], data_dirs[1])
     cmp = compare_dumps(da, db, exact, tol)
+    if stack_mode and not any(e.get("stack") for e in da.entries):
+        log.warning("compare: stack_mode: %s holds no call stacks, so NPU_Stack_Info stays empty (dump it with "
+                    "set_dump_switch('ON', mode='api_stack'), or mode='stack')", da.path)
     out.mkdir(parents=True, exist_ok=True)
     ts = _timestamp()
     write_csv(cmp, _unique(out / f"compare_result{suffix}_{ts}.csv"), stack_mode)

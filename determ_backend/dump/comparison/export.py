@@ -81,6 +81,18 @@ def _save(path: Path, arr: np.ndarray) -> None:
         np.save(f, arr, allow_pickle=False)
 
 
+def _take_back(files: List[Path], made: List[Path]) -> None:
+    """A failed export leaves nothing of its own: the files it wrote, then the folders it created (deepest first),
+    when they hold nothing else."""
+    for f in files:
+        f.unlink(missing_ok=True)
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:  # not empty (someone else's files) or already gone
+            pass
+
+
 def export_npy(path: Union[str, Path], out: Union[str, Path]) -> ExportResult:
     """Write every stored tensor of the dump at ``path`` as ``<out>/[rank<N>/]<entry>_<tensor>.npy``.
 
@@ -102,23 +114,29 @@ def export_npy(path: Union[str, Path], out: Union[str, Path]) -> ExportResult:
         dumps.append((rank, d, stored))
     result = ExportResult(dst)
     widened: Dict[Tuple[torch.dtype, torch.dtype], int] = collections.Counter()
-    for rank, d, stored in dumps:
-        folder = dst / f"rank{rank}" if rank is not None else dst
-        folder.mkdir(parents=True, exist_ok=True)
-        for stem, t in stored:
-            try:
-                value = d.tensor(t)
-            except TraceFormatError:
-                if d.cut or d.partial:  # bytes past the end of a dump that stopped early: nothing to export
-                    result.skipped += 1
-                    continue
-                raise
-            arr, wider = _to_numpy(value)
-            if wider is not None:
-                widened[(value.dtype, wider)] += 1
-            target = folder / f"{stem}.npy"
-            _save(target, arr)
-            result.files.append(target)
+    made: List[Path] = []  # the folders this export created, taken back with its files when it fails
+    try:
+        for rank, d, stored in dumps:
+            folder = dst / f"rank{rank}" if rank is not None else dst
+            made += [p for p in (folder, *folder.parents) if not p.exists()][::-1]
+            folder.mkdir(parents=True, exist_ok=True)
+            for stem, t in stored:
+                try:
+                    value = d.tensor(t)
+                except TraceFormatError:
+                    if d.cut or d.partial:  # bytes past the end of a dump that stopped early: nothing to export
+                        result.skipped += 1
+                        continue
+                    raise
+                arr, wider = _to_numpy(value)
+                if wider is not None:
+                    widened[(value.dtype, wider)] += 1
+                target = folder / f"{stem}.npy"
+                _save(target, arr)
+                result.files.append(target)
+    except BaseException:
+        _take_back(result.files, made)
+        raise
     for (own, wide), n in widened.items():
         name, wide_name = str(own).replace("torch.", ""), str(wide).replace("torch.", "")
         log.warning("export: numpy has no %s: wrote %d %s tensor%s as %s", name, n, name, "" if n == 1 else "s",

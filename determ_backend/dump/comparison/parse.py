@@ -107,9 +107,13 @@ def find_index(path: Union[str, Path]) -> Path:
             raise TraceFormatError(f"{path}: a determ run directory (a trace), not an API dump; compare two traces "
                                    f"with `repro-tools diff`")
         if len(found) != 1:
-            what = (f"no *{INDEX_SUFFIX} index" if not found
-                    else f"several indexes ({', '.join(f.name for f in found)})")
-            raise TraceFormatError(f"{path}: {what}; pass the index file itself")
+            if not found:
+                inner = sorted(str(q.relative_to(p)) for q in p.glob(f"**/*{INDEX_SUFFIX}"))[:3]
+                hint = (f"; the indexes below it are in its step/rank folders ({', '.join(inner)}): pass one of "
+                        f"those, or the folder holding it" if inner else "; pass the index file itself")
+                raise TraceFormatError(f"{path}: no *{INDEX_SUFFIX} index{hint}")
+            raise TraceFormatError(f"{path}: several indexes ({', '.join(f.name for f in found)}); pass the index "
+                                   f"file itself")
         p = found[0]
     return p
 

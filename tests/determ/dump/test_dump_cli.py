@@ -70,9 +70,12 @@ def test_identical_dumps_exit_0_and_write_csv_and_advisor(dumps, tmp_path, capsy
     assert len(list((tmp_path / "o").glob("advisor_*.txt"))) == 1
 
 
-def test_perturbed_weight_exits_1_and_names_the_root_cause(dumps, tmp_path, capsys):
-    rc = main(["compare", str(dumps["bad"]), str(dumps["same"]), "-o", str(tmp_path), "--stack", "--suffix", "_x"])
+def test_perturbed_weight_exits_1_and_names_the_root_cause(dumps, tmp_path, capsys, caplog):
+    with caplog.at_level(logging.WARNING, logger="determ_backend.dump.comparison.dumps"):
+        rc = main(["compare", str(dumps["bad"]), str(dumps["same"]), "-o", str(tmp_path), "--stack", "--suffix", "_x"])
     assert rc == 1
+    # a dump made without stacks: the stack column stays empty, and a line says why
+    assert any("holds no call stacks" in r.getMessage() for r in caplog.records)
     out = capsys.readouterr().out
     assert out.startswith("root cause: Functional_linear_0_forward (bench: Functional_linear_0_forward)")
     (path,) = tmp_path.glob("compare_result_x_*.csv")
@@ -450,3 +453,23 @@ def test_export_refuses_statistics_only_dumps_and_bad_input(dumps, tmp_path, cap
     shutil.rmtree(nodata.with_suffix(""))
     assert main(["dump", "export", str(nodata), "--npy", "-o", str(tmp_path / "o")]) == 2
     assert "tensor payload file missing" in capsys.readouterr().err
+    # a payload file cut short (not a dump that stopped early): one line, and the export leaves nothing behind
+    cut = _copy_as(dumps["same"], tmp_path / "cut", "dump")
+    payload = cut.with_suffix("") / "tensors.bin"
+    payload.write_bytes(payload.read_bytes()[: payload.stat().st_size // 2])
+    assert main(["dump", "export", str(cut), "--npy", "-o", str(tmp_path / "o" / "npy")]) == 2
+    assert len(_err_lines(capsys.readouterr().err)) == 1 and not (tmp_path / "o").exists()
+
+
+def test_compare_of_a_dump_path_root_names_the_indexes_below_it(dumps, tmp_path, capsys):
+    """msprobe users pass their dump_path; its indexes are in step<N>/rank<R>: the error said only 'pass the index
+    file itself'."""
+    net = torch.nn.Linear(4, 2)
+    dbg = dump.PrecisionDebugger(dump_path=str(tmp_path / "dp"), task="statistics", level="L1", model=net)
+    dbg.start(net)
+    net(torch.randn(2, 4)).sum().backward()
+    dbg.stop()
+    root = tmp_path / "dp"  # the dump_path: step0/rank0/dump.pkl below it
+    assert main(["compare", str(root), str(root), "-o", str(tmp_path / "o")]) == 2
+    line = _err_lines(capsys.readouterr().err)[0]
+    assert "the indexes below it are in its step/rank folders" in line and "dump.pkl" in line, line
