@@ -76,6 +76,8 @@ class ApiPair:
     root_cause: bool = False
     nodes: List["ApiPair"] = field(default_factory=list)
     """For a compiled region: the pairs of its FX-node entries (they precede it in ``DumpComparison.pairs``)."""
+    errors: Dict[str, List[float]] = field(default_factory=dict)
+    """Relative errors (:func:`_relative_error`) of its computed ``inputs`` and of its diverging ``outputs``."""
 
     @property
     def name(self) -> str:
@@ -291,13 +293,44 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> D
     api_exact = exact and all(ta is None or tb is None or ta.get("dtype") == tb.get("dtype")
                               for _, _, ta, tb, _ in found)
     verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "given": [], "outputs": []}
+    pa.errors = {"inputs": [], "outputs": []}
     for io_, n, ta, tb, given in found:
-        row, _, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
+        row, m, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
                                 f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, api_exact, tol)
         row["_io"], row["_match"] = io_, v
         pa.rows.append(row)
-        verdicts["given" if io_ == "inputs" and given else io_].append(v)
+        kind = "given" if io_ == "inputs" and given else io_
+        verdicts[kind].append(v)
+        err = _relative_error(m, ta, tb)
+        if err is not None and (kind == "inputs" or (kind == "outputs" and v is False)):
+            pa.errors[kind].append(err)
     return verdicts
+
+
+# A call whose output error is less than this many times its computed inputs' (relative to their sizes) carries the
+# error it was given, it does not make it: judged within a tolerance, a small gradient passes an absolute tolerance
+# at 10% error, and the call that scales it up was blamed (a bf16 run against an fp32 one blamed innocent backwards)
+_GROWTH = 4.0
+
+
+def _relative_error(m: Optional[Dict[str, Any]], ta, tb) -> Optional[float]:
+    """A tensor pair's error relative to the benchmark's size: the L2 norm of the difference over the benchmark's
+    (stored tensors), else the difference of the two L2 norms over the benchmark's (statistics, a lower bound)."""
+    if not m:
+        return None
+    if isinstance(m.get("rel_l2"), float):
+        return m["rel_l2"]
+    la, lb = ((ta or {}).get("stats") or {}).get("l2"), ((tb or {}).get("stats") or {}).get("l2")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (la, lb)):
+        return None
+    return abs(la - lb) / lb if lb else (0.0 if la == lb else math.inf)
+
+
+def _error_carried(pa: ApiPair) -> bool:
+    """Within a tolerance: whether the call's computed inputs already carry an error comparable to its diverging
+    output's (:data:`_GROWTH`), so the call is no root cause even where each input passes the tolerance."""
+    ins, outs = pa.errors.get("inputs") or [], pa.errors.get("outputs") or []
+    return bool(ins and outs) and max(ins) * _GROWTH >= max(outs)
 
 
 def check_tol(tol: Any, what: str = "tol") -> float:
@@ -343,9 +376,15 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         pa.output_diverges = any(x is False for x in v["outputs"])
         judged_any = judged_any or any(x is not None for x in v["outputs"])
         rule.output_judged(pa.a, pa.output_diverges)
+        carried = not exact and ins and pa.output_diverges and _error_carried(pa)
+        if carried:
+            for r in pa.rows:
+                if r["_io"] == "outputs" and r["_match"] is False:
+                    note = "its inputs already carry an error of this size (precision carried along, not made here)"
+                    r["Err_message"] = f"{r['Err_message']}; {note}" if r["Err_message"] else note
         # a compiled region whose own FX nodes diverge is explained by them: its inputs do not agree
         p = Pair(_to_record(pa.a, "a", 0), _to_record(pa.b, "b", 0), equal=not pa.output_diverges,
-                 inputs_equal=ins and not cc.explained_by_nodes(pa.nodes))
+                 inputs_equal=ins and not carried and not cc.explained_by_nodes(pa.nodes))
         judged.append(p)
         api[id(p)] = pa
     for p in find_roots(judged, "bitwise" if exact else "tolerance", strict=True).root_causes:

@@ -676,3 +676,36 @@ def test_a_weight_used_through_a_view_is_a_weight_the_compare_can_blame(tmp_path
         paths[run] = str(tmp_path / run / "step0" / "rank0" / "dump.pkl")
     r = dump.compare({"npu_pkl_path": paths["a"], "bench_pkl_path": paths["b"]}, str(tmp_path / "cmp"))
     assert [p.name for p in r.root_causes][:1] == ["Tensor_matmul_1_forward"], [p.name for p in r.root_causes]
+
+
+def test_a_call_fed_the_error_it_outputs_is_not_blamed_in_a_bf16_against_fp32_compare(tmp_path):
+    """Judged within bf16's tolerance, a small gradient 10% off passes an absolute tolerance, and the backward that
+    scales it up was named a second root cause beside the perturbed weight's linear."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+
+        @staticmethod
+        def norm(x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+        def forward(self, x):
+            return self.fc3(self.norm(self.fc2(self.norm(self.fc1(x)))))
+
+    paths = {}
+    for run, bf16, delta in (("a", True, 0.5), ("b", False, 0.0)):
+        torch.manual_seed(0)
+        net = Net()
+        with torch.no_grad():
+            net.fc2.weight[0, 0] += delta
+        x = torch.randn(2, 8, 32) * 0.05
+        dbg = dump.PrecisionDebugger(dump_path=str(tmp_path / run), task="tensor", level="L1", model=net)
+        dbg.start(net)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = net(x).pow(2).mean()
+        loss.backward()
+        dbg.stop()
+        paths[run] = str(tmp_path / run / "step0" / "rank0" / "dump.pkl")
+    r = dump.compare({"npu_pkl_path": paths["a"], "bench_pkl_path": paths["b"]}, str(tmp_path / "cmp"))
+    assert [p.name for p in r.root_causes] == ["Functional_linear_1_forward"]
