@@ -275,23 +275,30 @@ def set_compiled_callable(compiled, fn) -> None:
 
 def _buffer_origins(scheduler) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, Dict[str, Any]] = {}
-    for snode in scheduler.nodes:
+    for group, snode in enumerate(scheduler.nodes):
         subs = snode.get_nodes() if hasattr(snode, "get_nodes") else [snode]
         for sub in subs:
             for buf in sub.get_outputs():
                 node = buf.node
                 origin = getattr(node, "origin_node", None)
                 origins = getattr(node, "origins", None) or getattr(getattr(sub, "node", None), "origins", ()) or ()
+                try:  # a buffer that writes into another one (a copy_ into a view of a zero fill, lowered in place)
+                    mutates = [str(n) for n in node.get_mutation_names()]
+                except (AttributeError, NotImplementedError):
+                    mutates = []
                 out[buf.get_name()] = {
                     "origin": origin.name if origin is not None else None,
                     "origins": [o.name for o in origins if getattr(o, "op", None) != "output"],
+                    "mutates": mutates,
+                    "group": group,  # the scheduler node (one kernel, once fused) that computes it
                 }
     return out
 
 
 @contextlib.contextmanager
 def capture_buffer_origins(sink: list) -> Iterator[None]:
-    """While active, each inductor codegen appends ``{buffer name: {origin, origins}}`` to ``sink``.
+    """While active, each inductor codegen appends ``{buffer name: {origin, origins, mutates, group}}`` to ``sink``
+    (``mutates``: the buffers it writes into in place; ``group``: which scheduler node, one kernel once fused).
 
     Also installs a no-op post-grad pass whose uuid enters inductor's FX cache key, so
     instrumented compiles have cache entries of their own (produced with this hook active).
@@ -309,7 +316,7 @@ def capture_buffer_origins(sink: list) -> Iterator[None]:
 
         def uuid(self):
             inner = user_pass.uuid() if hasattr(user_pass, "uuid") else None
-            return ("determ-buffer-origins-v1", inner)
+            return ("determ-buffer-origins-v2", inner)
 
     original = Scheduler.codegen
 

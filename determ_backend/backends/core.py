@@ -20,6 +20,7 @@ import torch.fx as fx
 from determ_backend import _torch_compat
 from determ_backend.backends import retarget
 from determ_backend.backends.checks import GraphExec, has_random_ops
+from determ_backend.backends.extract import graph_snapshot
 from determ_backend.backends.flows import load_flow
 from determ_backend.config import DetermConfig, load_config
 from determ_backend.errors import ConfigError, first_line
@@ -126,7 +127,12 @@ def _inductor_impl(gm: fx.GraphModule, example_inputs, cfg: DetermConfig, wrap_c
         backward = bool(kwargs.get("is_backward"))
         stage = "inductor_backward" if backward else "inductor_forward"
         disp = names.for_graph(fx_g, forward=not backward)
+        # the graph as AOT hands it over: inductor's post-grad passes rewrite fx_g in place when it compiles, and
+        # not when its cache holds the graph, so names and the eager reference taken from fx_g afterwards depended
+        # on the cache (a cold run and a warm one of one program did not even pair)
+        handed = graph_snapshot(fx_g)
         compiled, origins = compile_with_origins(fx_g, inputs, **kwargs)
+        fx_g = handed
         try:
             rec = instrument_compiled(compiled, fx_g, lambda infos: _recorder(run, cfg, graph, stage, infos), origins,
                                       disp)

@@ -174,6 +174,8 @@ class _Planner:
         # variable -> the capture point whose value it still holds, for as long as that is certain: any
         # statement that might write the variable (or its memory through another name) forgets it
         self.current: Dict[str, int] = {}
+        self.write_count: Dict[str, int] = {}  # variable -> kernel launches of the call that write it
+        self.writes_seen: Dict[str, int] = {}  # variable -> those met so far
 
     def _unique(self, name: str) -> str:
         k = self.used.get(name, 0)
@@ -186,6 +188,9 @@ class _Planner:
         result such as the undivided sum of a ``mean`` whose division is fused into the consumer, or an
         input an extern kernel needed materialized.  The guess prefers origins no other buffer holds."""
         o = self.origins.get(buf) or {}
+        mutation = self._mutated_in_kernel(buf)
+        if mutation is not None:
+            return None, mutation
         if o.get("origin") in self.nodes:
             return self.nodes[o["origin"]], None
         cands = [n for n in (o.get("origins") or []) if n in self.nodes]
@@ -199,6 +204,20 @@ class _Planner:
         if not cands:
             return None, None
         return None, self.nodes[max(cands, key=lambda n: self.order[n])]
+
+    def _mutated_in_kernel(self, buf: str) -> Optional[fx.Node]:
+        """The node of an in-place write into ``buf`` that the launch writing ``buf`` now does (a ``copy_`` into a view
+        of a zero fill, lowered in place and fused with the fill: after the kernel the buffer holds neither the fill
+        nor any one node's value): the latest node of that write, when this is the last launch that writes ``buf``
+        (an earlier one wrote the fill alone); None when no such write exists."""
+        if self.writes_seen.get(buf, 0) != self.write_count.get(buf, 0):
+            return None
+        for other, m in self.origins.items():
+            if other != buf and buf in (m.get("mutates") or ()):
+                cands = [n for n in (m.get("origins") or ()) if n in self.nodes]
+                if cands:
+                    return self.nodes[max(cands, key=lambda n: self.order[n])]
+        return None
 
     def resolve(self, variables: List[str]) -> tuple:
         """Record ids of the current values of ``variables`` (call before updating any writer).  A fresh
@@ -273,6 +292,8 @@ class _Planner:
         return found
 
     def add(self, var: str, kernel: str, inputs: tuple, kind: str = "node") -> int:
+        if kind == "node":
+            self.writes_seen[var] = self.writes_seen.get(var, 0) + 1
         node, part_of = self._claim(var) if kind == "node" else (None, None)
         if node is not None:
             info = NodeInfo(node=self._unique(node.name), op=op_name(node), kind=kind, source=node_source(node),
@@ -377,6 +398,8 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
     for line in body[1:]:
         for var, op in _extern_reads(line.strip(), pl.kernels):
             pl.extern_readers.setdefault(var, set()).add(op)
+        for var, _, _ in _kernel_writes(line.strip(), pl.kernels):
+            pl.write_count[var] = pl.write_count.get(var, 0) + 1
     out: List[str] = [body[0][indent:]]
     reused: set = set()
     unpacked = False

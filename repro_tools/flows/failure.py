@@ -15,7 +15,7 @@ The flows must never break the user's program: a failure of their own machinery
 (copying or dumping the graph, writing the launcher, minifying) is
 :func:`report_flow_error`: a checker error in ``report.json`` and one line on
 stderr, after which the model goes on as the wrapped compiler would.
-:func:`graph_snapshot` is the flows' copy of a graph: its structure copied, its
+:func:`graph_snapshot` (:mod:`determ_backend.backends.extract`) is the flows' copy of a graph: its structure copied, its
 tensors shared, so taking it creates no tensor (safe under AOT's fake mode).
 
 :func:`minify_script` is what a launcher's ``minify`` subcommand runs: it checks
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import json
 import logging
 import os
@@ -50,6 +49,7 @@ import torch.fx as fx
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, DetermError, ReproError, first_line
+from determ_backend.backends.extract import graph_snapshot
 from determ_backend.backends.run import get_run
 
 from repro_tools.cli import configure_logging
@@ -86,24 +86,6 @@ def print_summary(title: str, lines: Sequence[str], final: Optional[Path]) -> No
     if final is not None:
         out.append(str(final))
     print("\n".join(out), file=sys.stderr, flush=True)
-
-
-def graph_snapshot(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule running a copy of ``gm``'s graph (subgraphs of higher-order ops copied likewise) on
-    ``gm``'s own tensor constants and modules, which are shared, not copied.
-
-    Compilers rewrite the graph they are given in place; the snapshot keeps the graph as it was handed
-    over.  No tensor is created, so it can be taken under a fake tensor mode, where copying a real
-    constant fails."""
-    snap = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
-    snap.meta.update(getattr(gm, "meta", {}))
-    for target in {n.target for n in snap.graph.nodes if n.op in ("get_attr", "call_module")}:
-        *path, leaf = target.split(".")
-        owner = functools.reduce(getattr, path, snap)
-        own = not path or owner is not functools.reduce(getattr, path, gm)  # never set an attribute of gm's
-        if own and isinstance(getattr(owner, leaf), fx.GraphModule):
-            setattr(owner, leaf, graph_snapshot(getattr(owner, leaf)))
-    return snap
 
 
 def report_flow_error(config: DetermConfig, after: str, what: str, error: BaseException) -> None:

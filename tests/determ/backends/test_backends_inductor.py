@@ -176,6 +176,33 @@ def test_an_innocent_root_fed_by_two_small_wrong_values_moves_to_both(tmp_path):
     assert [(x["node"], x["op"]) for x in roots] == [("relu", "aten.relu.default")], roots
 
 
+_IN_PLACE_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import torch._inductor.config as ic
+    ic.cpp.inject_relu_bug_TESTING_ONLY = "accuracy"
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16),
+                            torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 10))
+    m = m.to(memory_format=torch.channels_last).train()
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    f = torch.compile(m, backend="determ_inductor", options={"dir": sys.argv[1], "run_id": "inplace", "check": "accuracy"})
+    f(x).pow(2).mean().backward()
+""")
+
+
+def test_a_buffer_a_kernel_fills_and_then_writes_in_place_is_not_named_after_the_fill(tmp_path):
+    """A channels_last batch norm's backward zero-fills a buffer and copies into a strided view of it in the same
+    kernel: the buffer, named after the fill, was blamed (its values are no fill's), and narrowing, cutting the
+    region without the in-place copy, blamed the view.  The recomputed relu is the root in both graphs."""
+    _, report = _run_script(tmp_path, "inplace", _IN_PLACE_SCRIPT)
+    found = {f["first_divergence"]["stage"]: f for f in report["findings"]}
+    assert set(found) == {"inductor_forward", "inductor_backward"}, report["findings"]
+    for stage, f in found.items():
+        named = [(r.get("kernel") or {}).get("node") or r["node"] for r in f["root_causes"]]
+        assert named == ["relu"], (stage, f["root_causes"])
+    assert report["checker_errors"] == []
+
+
 _SECOND_BUG_SCRIPT = textwrap.dedent("""
     import sys, torch
     import torch._inductor.config as ic
