@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import re
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -436,6 +437,28 @@ def is_fake_tensor(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+_ROOT_LOCAL = re.compile(r"^[LG]\[['\"][^'\"]*['\"]\]")  # dynamo's name of the compiled object (L['self'], L['fn'])
+_INDEX = re.compile(r"\[['\"]?([^'\"\]]*)['\"]?\]")
+
+
+def innermost_module(node: Any) -> Optional[Tuple[str, str]]:
+    """``(path, class name)`` of the innermost module an FX node of a dynamo graph ran in (its ``nn_module_stack``),
+    the path as ``named_modules()`` spells it ("" for the compiled module itself); None when none is recorded."""
+    stack = node.meta.get("nn_module_stack")
+    if not isinstance(stack, dict) or not stack:
+        return None
+    entry = list(stack.values())[-1]
+    if not isinstance(entry, tuple) or len(entry) != 2:
+        return None
+    path, cls = entry
+    path = _INDEX.sub(lambda m: "." + m.group(1), _ROOT_LOCAL.sub("", str(path))).replace("._modules.", ".")
+    parts = [p for p in path.split(".") if p]
+    if parts[:1] == ["__self__"]:  # torch.compile(model.forward): the bound method's module
+        parts = parts[1:]
+    name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].strip("'>")
+    return ".".join(parts), name
 
 
 def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:

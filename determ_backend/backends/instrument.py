@@ -42,23 +42,10 @@ def node_source(node: fx.Node) -> Optional[str]:
     return f"{f}:{line} ({fn})"
 
 
-_ROOT_LOCAL = re.compile(r"^[LG]\[['\"][^'\"]*['\"]\]")  # dynamo's name of the compiled module (L['self'], L['fn'])
-_INDEX = re.compile(r"\[['\"]?([^'\"\]]*)['\"]?\]")
-
-
 def _module_place(node: fx.Node) -> Optional[str]:
-    """``<module PATH: Class>`` of the innermost module ``node`` ran in (its ``nn_module_stack``), PATH as
-    ``named_modules()`` spells it; None without one."""
-    stack = node.meta.get("nn_module_stack")
-    if not isinstance(stack, dict) or not stack:
-        return None
-    entry = list(stack.values())[-1]
-    if not isinstance(entry, tuple) or len(entry) != 2:
-        return None
-    path, cls = entry
-    path = _INDEX.sub(lambda m: "." + m.group(1), _ROOT_LOCAL.sub("", str(path))).replace("._modules.", ".")
-    name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].strip("'>")
-    return module_place(path.strip(".") or "(top)", name)
+    """``<module PATH: Class>`` of the innermost module ``node`` ran in; None when dynamo recorded none."""
+    found = _torch_compat.innermost_module(node)
+    return module_place(found[0] or "(top)", found[1]) if found is not None else None
 
 
 def op_name(node: fx.Node) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import logging
 import os
 import threading
@@ -129,6 +130,28 @@ def _divergence_key(check: str, summary: Dict[str, Any]) -> Optional[tuple]:
     return check, fd.get("graph"), fd.get("stage"), fd.get("node"), roots
 
 
+def _size_of(metrics: Optional[Dict[str, Any]]) -> Optional[float]:
+    """How large a divergence is, from its metrics (the largest error measure present); None when none is."""
+    vals = [v for k, v in (metrics or {}).items() if k in _SIZE_KEYS and isinstance(v, (int, float))
+            and not isinstance(v, bool)]
+    return max(vals) if vals else None
+
+
+_SIZE_KEYS = ("max_abs", "l2_rel", "rmse", "err_compiled_vs_fp64", "max_diff", "l2_diff")
+
+
+def _grew(finding: Dict[str, Any], fd: Dict[str, Any]) -> bool:
+    """Whether this call's divergence is more than ten times the worst one ``finding`` holds, or non-finite where
+    that was finite (a repeat that grew is said again)."""
+    worst = (finding.get("worst_call") or {}).get("metrics") or (finding.get("first_divergence") or {}).get("metrics")
+    before, now = _size_of(worst), _size_of(fd.get("metrics"))
+    if now is None or before is None:
+        return False
+    if not math.isfinite(now):
+        return math.isfinite(before)
+    return now > 10 * before
+
+
 class Run:
     """One output directory: ``trace.jsonl``, ``report.json`` and any dumps."""
 
@@ -211,16 +234,20 @@ class Run:
             if earlier is not None:
                 earlier["repeats"] = earlier.get("repeats", 0) + 1
                 earlier["last_call"] = fd.get("call")
+                grown = _grew(earlier, fd)
+                if grown:
+                    earlier["worst_call"] = {"call": fd.get("call"), "metrics": fd.get("metrics")}
+            else:
+                finding = {"check": check, **summary}
+                if key is not None:
+                    self._found[key] = finding
         if earlier is not None:
-            return self._found_again(check, earlier, fd)
-        finding = {"check": check, **summary}
+            return self._found_again(check, earlier, fd, grown)
         if not isinstance(finding.get("pairs"), str):  # a comparison's count of paired records: ``pairs`` names
             finding["paired"] = finding.pop("pairs", None)  # the file of its verdicts, kept for the first findings
         with self._lock:
             k = len(self.findings)
             self.findings.append(finding)
-            if key is not None:
-                self._found[key] = finding
         if pairs is not None and k < _MAX_PAIR_FILES:
             finding["pairs"] = self._write_pairs(k, pairs)
         html = self._write_html() if k < _MAX_PAIR_FILES else self._write_report()
@@ -258,15 +285,20 @@ class Run:
             raise AccuracyError(f"determ {check}: {where}; report: {self.dir / 'report.json'}")
         return finding
 
-    def _found_again(self, check: str, finding: Dict[str, Any], fd: Dict[str, Any]) -> Dict[str, Any]:
+    def _found_again(self, check: str, finding: Dict[str, Any], fd: Dict[str, Any], grown: bool) -> Dict[str, Any]:
         """The divergence of ``finding`` found again on a later call: counted in it (``repeats``, ``last_call``), not
         a new finding and not a new warning line (a training loop would repeat it every step, and rewrite an
-        ever longer report each time); still raised when configured to."""
+        ever longer report each time); still raised when configured to.  A call where it grew past ten times the
+        worst seen before (or became non-finite) is ``worst_call``, written at once and said again."""
         n = finding["repeats"]
-        if n & (n - 1) == 0:  # the file follows at 1, 2, 4, 8... repeats, and at the end of the run
+        if grown or n & (n - 1) == 0:  # the file follows at 1, 2, 4, 8... repeats, and at the end of the run
             self._write_report()
-        log.info("determ %s divergence again at node %s (graph=%s stage=%s call %s): %d repeat(s), counted in its "
-                 "finding", check, fd.get("node"), fd.get("graph"), fd.get("stage"), fd.get("call"), n)
+        if grown:
+            log.warning("determ %s divergence at node %s (graph=%s stage=%s) grew at call %s: %s", check,
+                        fd.get("node"), fd.get("graph"), fd.get("stage"), fd.get("call"), metrics_text(fd.get("metrics")))
+        else:
+            log.info("determ %s divergence again at node %s (graph=%s stage=%s call %s): %d repeat(s), counted in its "
+                     "finding", check, fd.get("node"), fd.get("graph"), fd.get("stage"), fd.get("call"), n)
         if self.config.raise_on_divergence:
             raise AccuracyError(f"determ {check}: first divergence at node {fd.get('node')} ({fd.get('op')}) "
                                 f"{fd.get('source') or ''} (again); report: {self.dir / 'report.json'}")

@@ -188,6 +188,14 @@ def _by_inputs(pairs: List[Pair]) -> List[Pair]:
                 return False
         return True
 
+    def only_b_between(want: tuple, cand: Record) -> bool:
+        """Whether every record ``cand`` reads in place of a wanted one is a record of B alone (no partner in A)."""
+        for w, x in zip(want, b_side.sources(cand)):
+            q = pair_of_b.get(x)
+            if w != x and q is not None and q.a is not None:
+                return False
+        return True
+
     def candidates(a: Record, want: tuple, near: Optional[Record]):
         yield from index.get((a.op, str(a.shape), want), ())
         same = alike.get((a.op, str(a.shape)), ())
@@ -219,9 +227,10 @@ def _by_inputs(pairs: List[Pair]) -> List[Pair]:
         if a is None or not a.inputs or consistent(a, p.b):
             continue
         want = wanted(a)
-        if want is None or (p.b is not None and one_op_between(want, p.b)):
-            # the partner consumes them through one op of its own run (a forward hook's add): as good a partner as any
-            # candidate, and a multi-output op's outputs of one shape (a layer norm's mean and rstd) must not trade
+        if want is None or (p.b is not None and one_op_between(want, p.b) and only_b_between(want, p.b)):
+            # the partner consumes them through one op only its own run has (a forward hook's add): as good a partner
+            # as any candidate, and a multi-output op's outputs of one shape (a layer norm's mean and rstd) must not
+            # trade
             continue
         mended = False
         for cand in candidates(a, want, p.b):

@@ -286,7 +286,8 @@ def _comparison_report(kind: str, a: str, b: str, tol: Optional[float], title: s
     else:
         rep.verdict = (("identical" if tol is None else f"agree within tol={tol:g}") if cmp.identical
                        else f"no output differs ({cmp.mode})")
-    if cmp.files is not None:  # two trace files, as diff reads them: not shown alike, as diff says, when it is not
+    if kind == "diff" and cmp.files is not None:  # two trace files, as diff reads them: diff's exit rule (xdevice
+        # outputs keep xdevice's: a divergence or a partial side, not records that pair with nothing)
         from repro_tools.cli.diff import diff_summary
 
         summary = diff_summary(cmp, cmp.files)

@@ -188,6 +188,25 @@ def test_report_names_a_trace_only_once_one_is_written_and_takes_detail_findings
     assert not (tmp_path / "r" / "trace.jsonl").exists()
 
 
+def test_a_repeated_divergence_that_grows_is_said_again_and_kept_as_the_worst_call(tmp_path, caplog):
+    """Repeats of one divergence are counted in its finding; one that grew by orders of magnitude (or turned
+    non-finite) was folded in silently, with the first call's small metrics."""
+    run = Run(load_config({"dir": str(tmp_path), "run_id": "r", "report": False}, env={}))
+
+    def summary(call, err):
+        fd = {"graph": "g0", "stage": "aot_forward", "call": call, "node": "nd", "op": "x", "metrics": {"max_abs": err}}
+        return {"divergent": True, "first_divergence": fd, "root_causes": [dict(fd)]}
+
+    with caplog.at_level(logging.WARNING, logger="determ_backend.backends.run"):
+        for call, err in enumerate((1e-6, 2e-6, 1e3, 5e3, float("inf"))):
+            run.add_finding("determinism", summary(call, err))
+    run.close()
+    (finding,) = json.loads((tmp_path / "r" / "report.json").read_text())["findings"]
+    assert finding["repeats"] == 4 and finding["last_call"] == 4 and finding["worst_call"]["call"] == 4
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and "grew at call 2" in lines[1] and "grew at call 4" in lines[2], lines
+
+
 def test_the_warning_says_when_the_node_it_names_is_no_root_cause(tmp_path, caplog):
     """A first divergence whose inputs were not shown to agree is reported, never marked a root cause; the console
     line read exactly like a root cause's."""

@@ -35,6 +35,7 @@ import torch
 
 from determ_backend.errors import ConfigError
 from determ_backend.dump.capture import control
+from determ_backend.dump.capture.overflow import check_overflow_nums
 from determ_backend.dump.capture.switch import DUMP_MODES, LEVELS
 
 __all__ = ["PrecisionDebugger", "call_name", "DebuggerConfig"]
@@ -165,10 +166,8 @@ class DebuggerConfig:
             raise ConfigError(f"PrecisionDebugger: {t}.diff_nums={self.diff_nums!r}; expected an int >= 0 (records "
                               f"whose tensors are kept) or -1 (all)")
         self.overflow_nums = section.get("overflow_nums", 1)
-        if isinstance(self.overflow_nums, bool) or not isinstance(self.overflow_nums, int) or \
-                (self.overflow_nums < 1 and self.overflow_nums != -1):
-            raise ConfigError(f"PrecisionDebugger: {t}.overflow_nums={self.overflow_nums!r}; expected an int >= 1 "
-                              f"(overflowing APIs before the run stops) or -1 (never stop)")
+        if t == "overflow_check":  # another task's section does not act on it
+            check_overflow_nums(self.overflow_nums, f"PrecisionDebugger: {t}.overflow_nums")
         self.ignored = self._ignored(cfg, section)
 
     def _ignored(self, cfg: Dict[str, Any], section: Dict[str, Any]) -> List[str]:

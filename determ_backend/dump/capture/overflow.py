@@ -22,13 +22,20 @@ class DumpOverflowError(DetermError, ValueError):
     """The overflow check found ``overflow_nums`` overflowing APIs and stops the run."""
 
 
+def check_overflow_nums(value, what: str = "register_hook: overflow_nums") -> int:
+    """``value`` when it is a valid ``overflow_nums`` (an int >= 1, or -1: never stop), else a one-line ConfigError
+    naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        raise ConfigError(f"{what}={value!r}; expected an int >= 1 (overflowing APIs before the run stops) or -1 "
+                          f"(never stop)")
+    return value
+
+
 class OverflowCounter:
     """Counts overflows and tells when to stop."""
 
     def __init__(self, overflow_nums: int):
-        if isinstance(overflow_nums, bool) or not isinstance(overflow_nums, int) or (overflow_nums < 1 and overflow_nums != -1):
-            raise ConfigError(f"register_hook: overflow_nums must be a positive int or -1 (never stop), got {overflow_nums!r}")
-        self.limit = overflow_nums
+        self.limit = check_overflow_nums(overflow_nums)
         self.count = 0
         self.enabled = True
         self.first: Optional[Tuple[str, str]] = None

@@ -82,8 +82,8 @@ def _save(path: Path, arr: np.ndarray) -> None:
 
 
 def _take_back(files: List[Path], made: List[Path]) -> None:
-    """A failed export leaves nothing of its own: the files it wrote, then the folders it created (deepest first),
-    when they hold nothing else."""
+    """A failed export leaves nothing of its own: the files it created, then the folders it created (deepest first),
+    when they hold nothing else.  Files it replaced keep their new contents: the old ones are gone either way."""
     for f in files:
         f.unlink(missing_ok=True)
     for d in reversed(made):
@@ -114,7 +114,8 @@ def export_npy(path: Union[str, Path], out: Union[str, Path]) -> ExportResult:
         dumps.append((rank, d, stored))
     result = ExportResult(dst)
     widened: Dict[Tuple[torch.dtype, torch.dtype], int] = collections.Counter()
-    made: List[Path] = []  # the folders this export created, taken back with its files when it fails
+    made: List[Path] = []  # the folders this export created, taken back with its new files when it fails
+    new_files: List[Path] = []  # the files it created (not those it replaced)
     try:
         for rank, d, stored in dumps:
             folder = dst / f"rank{rank}" if rank is not None else dst
@@ -132,10 +133,12 @@ def export_npy(path: Union[str, Path], out: Union[str, Path]) -> ExportResult:
                 if wider is not None:
                     widened[(value.dtype, wider)] += 1
                 target = folder / f"{stem}.npy"
+                if not target.exists():
+                    new_files.append(target)  # a file of an earlier export it replaces is not its own to take back
                 _save(target, arr)
                 result.files.append(target)
     except BaseException:
-        _take_back(result.files, made)
+        _take_back(new_files, made)
         raise
     for (own, wide), n in widened.items():
         name, wide_name = str(own).replace("torch.", ""), str(wide).replace("torch.", "")

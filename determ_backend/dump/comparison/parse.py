@@ -108,7 +108,10 @@ def find_index(path: Union[str, Path]) -> Path:
                                    f"with `repro-tools diff`")
         if len(found) != 1:
             if not found:
-                inner = sorted(str(q.relative_to(p)) for q in p.glob(f"**/*{INDEX_SUFFIX}"))[:3]
+                # an msprobe dump_path: step<N>/rank<R>/dump.pkl (or rank<R>/ directly) below it
+                inner = sorted(str(q.relative_to(p)) for pattern in (f"step*/rank*/*{INDEX_SUFFIX}",
+                                                                       f"rank*/*{INDEX_SUFFIX}") for q in p.glob(pattern)
+                               if q.is_file())[:3]
                 hint = (f"; the indexes below it are in its step/rank folders ({', '.join(inner)}): pass one of "
                         f"those, or the folder holding it" if inner else "; pass the index file itself")
                 raise TraceFormatError(f"{path}: no *{INDEX_SUFFIX} index{hint}")

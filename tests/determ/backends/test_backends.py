@@ -132,6 +132,9 @@ def test_a_node_of_torchs_own_modules_is_placed_by_its_module(tmp_path):
     recs, _ = load(run_dir)
     fwd = {r.node: r.source for r in recs if r.stage == "aot_forward" and r.kind == "node"}
     assert fwd["relu"] == "<module 1: ReLU>" and fwd["addmm_1"] == "<module 2: Linear>", fwd
+    _, run_dir = compile_run(model.forward, (torch.randn(4, 8),), "determ_aot_eager", tmp_path, "bound")
+    fwd = {r.node: r.source for r in load(run_dir)[0] if r.stage == "aot_forward" and r.kind == "node"}
+    assert fwd["relu"] == "<module 1: ReLU>", fwd  # a bound method's module: no __self__ in the path
 
 
 def test_determinism_check_is_clean_on_deterministic_model(tmp_path):

@@ -459,6 +459,11 @@ def test_export_refuses_statistics_only_dumps_and_bad_input(dumps, tmp_path, cap
     payload.write_bytes(payload.read_bytes()[: payload.stat().st_size // 2])
     assert main(["dump", "export", str(cut), "--npy", "-o", str(tmp_path / "o" / "npy")]) == 2
     assert len(_err_lines(capsys.readouterr().err)) == 1 and not (tmp_path / "o").exists()
+    # ... and never the files an earlier export left there
+    assert main(["dump", "export", str(dumps["same"]), "--npy", "-o", str(tmp_path / "o2")]) == 0
+    before = sorted(p.name for p in (tmp_path / "o2").iterdir())
+    assert main(["dump", "export", str(cut), "--npy", "-o", str(tmp_path / "o2")]) == 2
+    assert sorted(p.name for p in (tmp_path / "o2").iterdir()) == before
 
 
 def test_compare_of_a_dump_path_root_names_the_indexes_below_it(dumps, tmp_path, capsys):
@@ -473,3 +478,7 @@ def test_compare_of_a_dump_path_root_names_the_indexes_below_it(dumps, tmp_path,
     assert main(["compare", str(root), str(root), "-o", str(tmp_path / "o")]) == 2
     line = _err_lines(capsys.readouterr().err)[0]
     assert "the indexes below it are in its step/rank folders" in line and "dump.pkl" in line, line
+    (tmp_path / "proj" / "checkpoints").mkdir(parents=True)  # any other pickle below is none of its indexes
+    (tmp_path / "proj" / "checkpoints" / "optimizer.pkl").write_bytes(b"x")
+    assert main(["compare", str(tmp_path / "proj"), str(root), "-o", str(tmp_path / "o")]) == 2
+    assert "optimizer.pkl" not in capsys.readouterr().err

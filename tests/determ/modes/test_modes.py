@@ -115,6 +115,34 @@ def test_a_hook_feeding_a_layer_norm_leaves_its_outputs_of_one_shape_paired(tmp_
     assert [p.rec.op for p in cmp.pairs if not p.paired] == ["aten.add.Tensor"]  # the hook's add, nothing else
 
 
+def test_a_partner_reached_through_an_op_both_runs_have_is_not_kept(tmp_path):
+    """B computes two independent adds in the other order and runs one extra op: A's ``y + a`` kept B's ``u + a``
+    as partner (it reads ``u = exp(y)``, an op both runs have), both ``z`` records went unpaired, and the mul that
+    differs was no longer named."""
+    def run_a(a, b):
+        y = a * b
+        u, z = y.exp(), y + a
+        v = u + a
+        return (z * 2.0).sum() + v.sum()
+
+    def run_b(a, b):
+        y = a * b
+        u = y.exp()
+        v = u + a
+        z = y + a
+        _ = a.neg()
+        return (z * 2.001).sum() + v.sum()
+
+    for name, fn in (("a", run_a), ("b", run_b)):
+        torch.manual_seed(0)
+        a, b = torch.randn(4, 8), torch.randn(4, 8)
+        with HashDebugTrace(log_path=tmp_path / f"{name}.log"):
+            fn(a, b)
+    cmp = diff_logs(tmp_path / "a.log", tmp_path / "b.log")
+    assert [p.rec.op for p in cmp.root_causes] == ["aten.mul.Tensor"], [(p.rec.node, p.rec.op) for p in cmp.root_causes]
+    assert [p.rec.op for p in cmp.pairs if not p.paired] == ["aten.neg.default"]
+
+
 def _lineno_of(text: str) -> int:
     with open(__file__, encoding="utf-8") as f:
         return next(i for i, ln in enumerate(f, 1) if text in ln and "_lineno_of" not in ln)

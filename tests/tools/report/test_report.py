@@ -287,3 +287,19 @@ def test_the_report_of_two_traces_exits_as_diff_does(tmp_path, capsys):
     assert main(["report", a, b, "--tol", "1e-3", "-o", str(tmp_path / "r.html")]) == 1
     assert "not shown identical" in (tmp_path / "r.html").read_text()
     assert main(["report", a, a, "--tol", "1e-3", "-o", str(tmp_path / "same.html")]) == 0
+
+
+def test_the_report_of_an_xdevice_output_exits_as_xdevice_does(tmp_path):
+    """Only two traces read as diff reads them take diff's exit rule: an xdevice output whose sides agree with a
+    record one side alone has exits 0, as xdevice does."""
+    from determ_backend import HashDebugTrace
+
+    for side, extra in (("side0_cpu", False), ("side1_cpu_float64", True)):
+        torch.manual_seed(0)
+        x = torch.randn(4, 4)
+        with HashDebugTrace(log_path=tmp_path / "x" / side / "trace.jsonl"):
+            y = x * 2.0
+            if extra:
+                y = y * 1.0
+            y.sum()
+    assert main(["report", str(tmp_path / "x"), "-o", str(tmp_path / "x.html")]) == 0
