@@ -29,6 +29,7 @@ Pairing lives in :mod:`.align`, the verdict on one pair in :mod:`.verdict`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -391,6 +392,12 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
         if bad and not here:
             unexplained.append(next((p for p in group if id(p) in live and p.equal is False), bad[0]))
         candidates.extend(here)
+    # memory allocated and never written holds whatever was there: two runs' differ, and while nothing failing reads
+    # it that is no divergence at all (a masked note of garbage made every MoE model's index map look divergent)
+    for p in [p for p in masked if _allocation(p.rec)]:
+        masked.remove(p)
+        p.equal = True
+        p.metrics["uninitialized"] = True
     roots = _confirmed(candidates, confirm, masked) if candidates else []
     for p in roots:
         p.root_cause = True
@@ -401,6 +408,14 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
     masked.sort(key=lambda p: order[id(p)])
     roots.sort(key=lambda p: order[id(p)])
     return Comparison(pairs, roots, mode, masked=masked, symptoms=symptoms, unexplained=unexplained)
+
+
+_ALLOCATION = re.compile(r"^aten\.(new_)?empty(_like|_strided|_permuted)?\.|^uninitialized$")
+
+
+def _allocation(rec: Record) -> bool:
+    """Whether ``rec`` is memory as allocated, never written (``empty_like``; inductor's read of such memory)."""
+    return bool(rec.op and _ALLOCATION.match(rec.op))
 
 
 def _confirmed(candidates: List[Pair], confirm: Optional[Confirm], masked: List[Pair]) -> List[Pair]:

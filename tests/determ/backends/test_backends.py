@@ -137,6 +137,21 @@ def test_a_node_of_torchs_own_modules_is_placed_by_its_module(tmp_path):
     assert fwd["relu"] == "<module 1: ReLU>", fwd  # a bound method's module: no __self__ in the path
 
 
+def test_memory_allocated_and_overwritten_before_any_read_is_no_divergence(tmp_path):
+    """transformers' grouped MoE builds an index map with ``empty_like`` then fills it: the garbage the allocation
+    held differed from run to run and was a masked divergence of every healthy MoE model."""
+    def f(x, perm):
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return x[inv] * 2
+
+    x, perm = torch.randn(64, 8), torch.randperm(64)
+    for check in ("determinism", "accuracy"):
+        _, run_dir = compile_run(f, (x, perm), "determ_aot_eager", tmp_path, check, check=check)
+        report = load(run_dir)[1]
+        assert not report["divergent"] and report["notes"] == [] and report["checker_errors"] == [], report
+
+
 def test_determinism_check_is_clean_on_deterministic_model(tmp_path):
     torch.manual_seed(0)
     _, run_dir = compile_run(MLP(), (torch.randn(4, 8),), "determ_eager", tmp_path, "clean", check="determinism")
