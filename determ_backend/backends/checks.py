@@ -167,8 +167,9 @@ def _kernel_of(node: str, records) -> Optional[str]:
     return None
 
 
-_MAX_NARROW = 2
-"""Roots narrowed inside their fused kernel per graph call (one compile each)."""
+_MAX_NARROW = 4
+"""Fused kernels narrowed into per graph call (one compile per root in them).  A backward graph recomputes a
+forward op in each kernel that needs it (a relu per expert of a mixture): every such kernel's root is one."""
 
 
 def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.Tensor]) -> Dict[str, Any]:
@@ -617,7 +618,8 @@ class GraphExec:
         the kernel's region is compiled alone (:mod:`determ_backend.backends.narrow`)."""
         judged = {n for n in (_ref_name(q.rec) for q in cmp.pairs if q.equal is not None) if n}
         by_node = {q.rec.node: q.rec for q in cmp.pairs}
-        for p in cmp.root_causes[:_MAX_NARROW]:
+        kernels: set = set()  # the kernels narrowed into so far (at most _MAX_NARROW of them)
+        for p in cmp.root_causes:
             rec = p.rec
             kernel = (rec.extra or {}).get("kernel")
             name = _ref_name(rec)
@@ -625,6 +627,9 @@ class GraphExec:
                 kernel, name = self._output_kernel(rec, by_node)
             if not kernel or name is None or rec.kind not in ("node", "output"):
                 continue
+            if kernel not in kernels and len(kernels) >= _MAX_NARROW:
+                continue
+            kernels.add(kernel)
             try:
                 found = narrow.narrow_root(self.reference_gm, name, judged, ref, ref64, self.compile_region,
                                            self._judge)

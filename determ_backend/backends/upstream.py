@@ -116,7 +116,8 @@ def move_innocent_roots(cmp: Comparison, up: Upstream, node_of: Callable[[Pair],
     tolerance that it amplifies.  It stays a root where no input carries the error it can follow -- unless a root
     not cleared lies upstream of it: then the differences came from there (``explained_by_upstream_root``: a scan's
     ``bmm`` after the ``log1p`` that went wrong); with none upstream they are rounding, and the node is where it
-    grew (a cancellation)."""
+    grew (a cancellation).  A root the replay budget never reached is dropped the same way: nothing showed it
+    guilty, and a guilty root upstream explains it (the gradients of a wrong relu in a mixture of experts)."""
     by_node = {name: p for p in cmp.pairs for name in (node_of(p),) if name is not None}
     roots: List[Pair] = []
     untested: set = set()  # roots left when the replay budget ran out: neither cleared nor shown guilty
@@ -149,7 +150,8 @@ def move_innocent_roots(cmp: Comparison, up: Upstream, node_of: Callable[[Pair],
               if not p.metrics.get("computes_right_from_its_inputs") and id(p) not in untested} - {None}
     for p in list(roots):
         node = up.nodes.get(node_of(p) or "")
-        if p.metrics.get("computes_right_from_its_inputs") and node is not None and guilty & ancestors(node, 4096):
+        cleared_or_untested = p.metrics.get("computes_right_from_its_inputs") or id(p) in untested
+        if cleared_or_untested and node is not None and guilty & ancestors(node, 4096):
             p.metrics["explained_by_upstream_root"] = True
             roots.remove(p)
     for p in cmp.pairs:
