@@ -364,6 +364,13 @@ def _run_checks(ns):
     kind = ns.kind or META.get("kind", "any")
     mod, args, compiler = _setup(ns)
     try:
+        trace_repro(mod)
+    except Exception as err:  # the script's own loader, not the compiler: never "reproduced"
+        print(f"{os.path.basename(__file__)}: error: the Repro module cannot be traced back into a graph "
+              f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
+              "this is a fault of the script, not the failure it records", file=sys.stderr)
+        return 2
+    try:
         fn = compile_repro(mod, args, compiler)
     except Exception as err:
         return _report("compile_error", err)

@@ -196,6 +196,14 @@ for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "
     setattr(_InPlaceProxy, f"__{_name}__", _in_place(getattr(operator, _name)))
 
 
+def _set_item(self, key, value):
+    """``x[idx] = v`` (a dynamo graph's ``operator.setitem``, as BART's ``shift_tokens_right`` writes): a node."""
+    self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
+_InPlaceProxy.__setitem__ = _set_item
+
+
 class ReproTracer(torch.fx.Tracer):
     """Traces ``Repro`` back into a graph (the runtime's ``trace_repro`` and determ's loader): buffers are read as
     the attributes they are, not folded in as constants, and augmented assignments stay in place (a graph may

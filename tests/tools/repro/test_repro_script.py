@@ -507,3 +507,31 @@ def test_submodules_whose_names_are_no_identifiers_are_written_as_modules(tmp_pa
         gm, inputs, _ = load_repro(path)
         assert torch.equal(gm(*inputs), m(x))
         assert run_main(path, "run") == 0
+
+
+def test_a_dynamo_graph_that_assigns_into_a_tensor_loads_and_runs(tmp_path, capsys):
+    """``y[:, 1:] = x[:, :-1]`` (BART's and T5's shift_tokens_right) is an ``operator.setitem`` node: the script's
+    tracer had no item assignment, so the repro could not be loaded, minified or analyzed, and ``run`` called its
+    own tracing error the compile_error it reproduced."""
+    def shift(x, w):
+        y = x.new_zeros(x.shape)
+        y[:, 1:] = x[:, :-1]
+        y[:, 0] = 2.0
+        return torch.relu(y @ w)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    gm, inputs = capture_graph(shift, x, w)
+    assert any(n.target is operator.setitem for n in gm.graph.nodes)
+    path = write_repro(gm, inputs, tmp_path / "repro.py", meta={"kind": "accuracy", "compiler": "eager"})
+    gm2, ins, _ = load_repro(path)
+    got = gm2(*ins)
+    assert torch.equal(got[0] if isinstance(got, (tuple, list)) else got, shift(x, w))
+    assert run_main(path, "run") == 0 and "not reproduced" in capsys.readouterr().out
+    # a script whose graph cannot be traced back is the script's fault: exit 2, never "reproduced compile_error"
+    broken = tmp_path / "broken.py"
+    text = path.read_text()
+    broken.write_text(text.replace("    def forward(self", "    def forward(self, *_a, **_k):\n        raise "
+                                   "torch.fx.proxy.TraceError('untraceable')\n\n    def _unused(self", 1))
+    assert run_main(broken, "run") == 2
+    captured = capsys.readouterr()
+    assert "reproduced" not in captured.out and "cannot be traced back" in captured.err
