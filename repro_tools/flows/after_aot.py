@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig, load_config
-
+from determ_backend.errors import AccuracyError
 from determ_backend.backends.extract import lift_random_draws
 from repro_tools.minify.accuracy import call_maybe_boxed, same_two_models
 from repro_tools.minify.compilers import compile_graph
@@ -98,13 +98,21 @@ def wrap_compiler(inner_compile: Callable, config: Optional[DetermConfig] = None
 
 
 def _runtime(compiled: Callable, cfg: DetermConfig, dump: GraphDump, launcher) -> Callable:
-    checked: List[bool] = []
+    """The compiled graph's call, checked against eager on its first call at level 4.  A failure (dumped once) is
+    raised by that call and every later one, as after dynamo: a program that catches it and goes on must not get
+    the wrong values silently from the next step on."""
+    state: Dict[str, Any] = {}
 
     def run(args: List[Any]) -> Any:
         saved = list(args)
-        if cfg.repro_level == 4 and not checked:
-            checked.append(True)
-            _check_accuracy(compiled, saved, cfg, dump)
+        if cfg.repro_level == 4 and not state.get("checked"):
+            state["checked"] = True
+            try:
+                _check_accuracy(compiled, saved, cfg, dump)
+            except AccuracyError as e:
+                state["error"] = e
+        if "error" in state:
+            raise state["error"]
         try:
             return call_maybe_boxed(compiled, args)
         except Exception as e:

@@ -88,6 +88,17 @@ def test_level4_accuracy_with_an_aot_eager_style_compiler_is_localized_to_the_re
     assert "aten.mm" not in forward_source(tmp_path / "repro.py")
 
 
+def test_level4_raises_on_every_call_of_a_graph_that_failed_the_check(tmp_path):
+    """After dynamo a failed graph keeps raising; after AOT only its first call raised, and a program that caught it
+    and went on trained on the wrong values silently from then on."""
+    torch._dynamo.reset()
+    f = torch.compile(rh.model, backend=aot_backend(rh.aot_relu_accuracy_error,
+                                                   config=repro_config(tmp_path, 4, minify=False)))
+    for _ in range(3):
+        with pytest.raises(AccuracyError):
+            f(*rh.model_inputs())
+
+
 def _dropout_run(backend, model=rh.dropout_model):
     """One training step of ``model`` (:func:`repro_helpers.dropout_model`) compiled with ``backend``, from seed 0:
     (output, gradient, what the random stream draws next)."""
