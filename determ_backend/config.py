@@ -185,18 +185,24 @@ FLOW_VARIABLES = ("REPRO_AFTER", "REPRO_LEVEL")
 """The environment variables that wrap the determ backends in a repro flow."""
 
 _FLOWS_OFF = [0]  # > 0 while determ's own tooling compiles graphs: a repro script, the minifier's candidates
+_UNTRACED = [0]  # > 0 while the minifier compiles its candidates: no tracing and no checks either
 
 
 @contextlib.contextmanager
-def flows_suspended() -> Iterator[None]:
+def flows_suspended(untraced: bool = False) -> Iterator[None]:
     """Inside, configs have no repro flow (``REPRO_AFTER``/``REPRO_LEVEL`` are ignored): a repro script or the
     minifier compiling a candidate with a determ backend checks that backend, and a flow wrapped around it again
-    would dump and minify each candidate in turn (the level-4 flow recursed until Python's limit)."""
+    would dump and minify each candidate in turn (the level-4 flow recursed until Python's limit).  ``untraced``
+    (the minifier): no tracing, checks or reference either, so a determ backend compiles each candidate as the
+    backend it wraps does (bit for bit), and the candidates' graphs do not enter the program's run as graphs and
+    findings of its own."""
     _FLOWS_OFF[0] += 1
+    _UNTRACED[0] += int(untraced)
     try:
         yield
     finally:
         _FLOWS_OFF[0] -= 1
+        _UNTRACED[0] -= int(untraced)
 
 
 def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[str, str]] = None,
@@ -222,4 +228,8 @@ def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mappi
         values.pop("repro_after", None)
         values.pop("repro_level", None)
         base = base.replace(repro_after=None)
+    if _UNTRACED[0]:
+        for name in ("trace", "check", "reference"):
+            values.pop(name, None)
+        base = base.replace(trace=False, check=(), reference=None)
     return base.replace(**values, given=base.given | frozenset(values))

@@ -281,7 +281,8 @@ def minify_repro(src: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
         resolve_compiler(spec.compiler)  # a name that does not resolve is bad input, never the failure under study
     except ConfigError as e:
         raise ConfigError(f"--compiler: {e}" if overrides.get("compiler") else f"{src}: the recorded {e}") from e
-    with flows_suspended():  # candidates are compiled to check the compiler, never to dump and minify again
+    with flows_suspended(untraced=True):  # candidates are compiled to check the compiler, never to dump and
+        # minify again, nor traced and checked as graphs of the program that may be running this
         try:
             return minify(gm, inputs, spec, out_dir=out_dir,
                           meta={**inherited_meta(meta), "source": str(src.resolve())},

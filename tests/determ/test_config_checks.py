@@ -254,3 +254,18 @@ def test_a_bad_setting_in_the_environment_stops_torch_compile_itself_with_our_li
     assert r.returncode != 0 and "torch.compile returned" not in r.stdout
     last = r.stderr.strip().splitlines()[-1]
     assert message in last and "BackendCompilerFailed" not in r.stderr, r.stderr[-2000:]
+
+
+def test_the_minifiers_compiles_are_neither_traced_nor_checked():
+    """The level-4 flow minifies in the program's process: with DETERM_CHECK set, every candidate a determ backend
+    compiled was traced and checked as a graph of the program (a one-graph model reported four graphs and findings
+    about candidates)."""
+    from determ_backend.config import flows_suspended
+
+    env = {"DETERM_CHECK": "accuracy", "REPRO_AFTER": "dynamo", "REPRO_LEVEL": "4", "DETERM_REFERENCE": "/x"}
+    with flows_suspended(untraced=True):
+        cfg = load_config({"check": "determinism"}, env=env)
+        assert (cfg.trace, cfg.check, cfg.reference, cfg.repro_after) == (False, (), None, None)
+    with flows_suspended():  # a repro script checks the backend it runs: its checks stay
+        assert load_config(env=env).check == ("accuracy",)
+    assert load_config(env=env).check == ("accuracy",) and load_config(env=env).trace
