@@ -386,7 +386,8 @@ def act_on_accuracy(result, cfg: DetermConfig, dump: "GraphDump", inputs: List[A
     """What the level-4 flows do with a ``same_two_models`` result: nothing when the same; a checker
     error is reported (never taken for a divergence); an error of the compiled graph and a divergence
     are dumped and raised."""
-    get_run(cfg).add_flow_check(check)
+    if result.status not in ("not_judged", "checker_error"):  # it judged this graph: a check that ran
+        get_run(cfg).add_flow_check(check)
     if result.status == "same":
         return
     if result.status == "checker_error":

@@ -8,6 +8,7 @@ import json
 import torch
 
 import determ_backend
+from repro_tools.report import build as build_report
 from determ_backend.errors import AccuracyError
 from repro_tools.flows.failure import GraphDump
 from repro_tools.repro.script import read_meta
@@ -143,6 +144,10 @@ def test_level4_does_not_judge_a_graph_that_draws_random_numbers(tmp_path, caplo
     assert "draws random numbers" in report["notes"][0]["skipped"]
     assert "starting at " + repro_helpers.__file__ in report["notes"][0]["skipped"]  # which graph
     assert not (tmp_path / "out" / "r" / "repro").exists()
+    # nothing was checked, so neither report.json nor its page may say the run is clean
+    assert report["checks"] == []
+    rep = build_report([str(tmp_path / "out" / "r")])
+    assert rep.verdict.startswith("nothing checked"), rep.verdict
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
