@@ -255,9 +255,30 @@ def _command(args: argparse.Namespace) -> List[str]:
     return cmd
 
 
-def _print_text(v: Verdict) -> None:
+def _aot_repro_in(cmd: Sequence[str]) -> Optional[str]:
+    """A repro script written after AOT among the command's arguments: it compiles its graph with inductor's inner
+    compiler itself, not through ``torch.compile``, so disabling torch.compile (or a stage) changes nothing."""
+    from repro_tools.repro.script import read_meta
+
+    for a in cmd:
+        if a.endswith(".py") and Path(a).is_file():
+            try:
+                if (read_meta(a) or {}).get("after") == "aot":
+                    return a
+            except Exception:  # not a repro script
+                continue
+    return None
+
+
+def _print_text(v: Verdict, cmd: Sequence[str] = ()) -> None:
     print(f"bisect: {v.runs} runs, {v.seconds:.1f} s")
     if v.fails_uncompiled:
+        repro = _aot_repro_in(cmd)
+        if repro is not None:
+            print(f"nothing to bisect: {repro} was written after AOT and compiles its graph with inductor itself, not "
+                  "through torch.compile, so it fails whatever torch.compile does; bisect the program it came from, "
+                  "or a repro written after dynamo (REPRO_AFTER=dynamo)")
+            return
         print(f"not a compiler failure: the command fails with torch.compile disabled too ({v.reason}); "
               "nothing to bisect")
         return
@@ -290,5 +311,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(v.to_json(), indent=1))
     else:
-        _print_text(v)
+        _print_text(v, cmd)
     return 2 if v.fails_uncompiled or (v.stage is None and not v.compiled) else 0 if v.healthy else 1

@@ -233,3 +233,21 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_an_after_aot_repro_failing_uncompiled_is_explained_not_called_no_compiler_failure(tmp_path, capsys):
+    """A repro written after AOT compiles its graph with inductor itself: disabling torch.compile changes nothing,
+    and bisect called an inductor bug 'not a compiler failure'."""
+    import torch.fx as fx
+
+    from repro_tools.bisect.core import Verdict, _print_text
+    from repro_tools.repro.script import write_repro
+
+    gm = fx.symbolic_trace(torch.nn.ReLU())
+    path = write_repro(gm, [torch.randn(3)], tmp_path / "repro.py", meta={"kind": "accuracy", "after": "aot",
+                                                                          "compiler": "inductor_inner"})
+    _print_text(Verdict(fails_uncompiled=True, reason="exit status 1"), ["python", str(path)])
+    out = capsys.readouterr().out
+    assert "written after AOT" in out and "not a compiler failure" not in out
+    _print_text(Verdict(fails_uncompiled=True, reason="exit status 1"), ["python", "train.py"])
+    assert "not a compiler failure" in capsys.readouterr().out
