@@ -92,7 +92,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue a killed run from the state in --out")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, _parser=p)
 
 
 def _print_text(s: Dict[str, Any]) -> None:
@@ -159,9 +159,31 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(signum)
 
 
+def _given_options(args: argparse.Namespace) -> List[str]:
+    """The options of ``args`` that differ from their defaults, as a command line gives them (what a resume must
+    repeat: the saved progress was judged with them)."""
+    parser = getattr(args, "_parser", None)
+    out: List[str] = []
+    for action in (parser._actions if parser is not None else ()):
+        if not action.option_strings or action.dest in ("out", "resume", "help"):
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # a flag
+            out.append(flag)
+        elif isinstance(value, list):
+            for v in value:
+                out += [flag, str(v)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def _interrupted(e: KeyboardInterrupt, args: argparse.Namespace, out: Path) -> int:
     signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
-    argv = ["repro-tools", "minify", args.repro, "--out", str(out), "--resume"]
+    argv = ["repro-tools", "minify", args.repro, "--out", str(out), "--resume", *_given_options(args)]
     print(f"repro-tools minify: interrupted; resume with: {' '.join(shlex.quote(a) for a in argv)}", file=sys.stderr)
     return 128 + int(signum)
 

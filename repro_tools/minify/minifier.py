@@ -294,8 +294,18 @@ def minify_repro(src: Union[str, Path], out_dir: Optional[Union[str, Path]] = No
             raise OracleError(f"{e} ({note})") from e
 
 
+_ORACLE_OPTIONS = ("kind", "tol", "multiplier", "strict", "devices", "runs", "similarity", "batch", "batch_dim",
+                   "config")
+
+
 def _resume(s: _Session, state: Dict[str, Any], spec: OracleSpec, budget: int) -> Reducer:
-    exp = state["spec"].get("expected")
+    saved, now = state["spec"], spec.to_json(portable=False)
+    changed = [k for k in _ORACLE_OPTIONS if k in saved and saved[k] != now.get(k)]
+    if changed:  # the saved progress was judged by another oracle: resuming would mix two answers
+        raise ConfigError("--resume: the run was started with " + ", ".join(f"{k}={saved[k]!r}" for k in changed) +
+                          " and is resumed with " + ", ".join(f"{k}={now.get(k)!r}" for k in changed) +
+                          "; resume with the same options, or start afresh without --resume")
+    exp = saved.get("expected")
     s.spec = spec.replace(expected=Signature(**exp) if exp else None)
     c = state["current"]
     cur = Candidate(frozenset(c["keep"]), tuple(c["outputs"]) if c["outputs"] is not None else None,

@@ -354,6 +354,7 @@ def test_interrupted_cli_stops_its_worker_and_says_how_to_resume(tmp_path, sig, 
     assert proc.returncode == code, err
     assert err.strip().splitlines()[-1].startswith("repro-tools minify: interrupted; resume with: ")
     assert "Traceback" not in err and "--resume" in err
+    assert "--timeout 120.0 --no-progress" in err.strip().splitlines()[-1]  # the options the progress was judged with
     assert all(_gone(w) for w in workers)
     assert not list(Path(tempfile.gettempdir()).glob(f"determ_worker_{proc.pid}_*"))
 
@@ -391,3 +392,16 @@ def test_boolean_output_counts_only_when_strict():
     res = minify(make_fx(_bool_graph)(x), [x],
                  OracleSpec(kind="accuracy", compiler="inductor", config=_BOTH_BUGS, strict=True), progress=False)
     assert res.summary["culprit"]["node"] == "log1p"
+
+
+def test_resume_with_another_oracle_is_refused_in_one_line(tmp_path, capsys):
+    """The saved progress was judged by one oracle; resuming with another --tol mixed two answers and then called
+    the oracle flaky."""
+    repro = _write(tmp_path, "accuracy", "minifier_helpers:wrong_erf", layers=1)
+    out = tmp_path / "out"
+    assert main(["minify", str(repro), "--out", str(out), "--in-process", "--no-progress"]) == 1
+    assert (out / "minify_state.json").is_file()
+    capsys.readouterr()
+    assert main(["minify", str(repro), "--out", str(out), "--resume", "--in-process", "--no-progress",
+                 "--tol", "10"]) == 2
+    _one_line_error(capsys, "--resume: the run was started with tol=")
