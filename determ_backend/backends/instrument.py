@@ -24,7 +24,7 @@ from determ_backend import _torch_compat
 from determ_backend.backends.recorder import NodeInfo, Recorder
 from determ_backend.trace.stream import dtype_name, module_place
 
-__all__ = ["node_source", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos"]
+__all__ = ["node_source", "module_place_of", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos"]
 
 # the file name is everything up to the last '", line N, in ' of the line: it may hold quotes itself
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (\S+)', re.M)
@@ -37,12 +37,12 @@ def node_source(node: fx.Node) -> Optional[str]:
     st = node.meta.get("stack_trace")
     frames = _FRAME.findall(st) if st else None
     if not frames:
-        return _module_place(node)
+        return module_place_of(node)
     f, line, fn = frames[-1]
     return f"{f}:{line} ({fn})"
 
 
-def _module_place(node: fx.Node) -> Optional[str]:
+def module_place_of(node: fx.Node) -> Optional[str]:
     """``<module PATH: Class>`` of the innermost module ``node`` ran in; None when dynamo recorded none."""
     found = _torch_compat.innermost_module(node)
     return module_place(found[0] or "(top)", found[1]) if found is not None else None

@@ -51,6 +51,7 @@ from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, DetermError, ReproError, first_line
 from determ_backend.backends.extract import graph_snapshot
 from determ_backend.backends.run import get_run
+from determ_backend.trace.stream import is_module_place
 
 from repro_tools.cli import configure_logging
 from repro_tools.cli import minify as minify_command
@@ -249,8 +250,10 @@ def _minified(dump_dir: Path) -> Dict[str, Any]:
     out: Dict[str, Any] = {"minified": {k: s.get(k) for k in ("nodes_before", "nodes_after", "localized", "repro_path")}}
     culprit = s.get("culprit") or {}
     if (s.get("localized") or s.get("ops_after") == 1) and culprit.get("node"):  # one op left: it fails alone
-        m = _SOURCE_LINE.match(culprit.get("source") or "")
-        out["first_divergence"] = {"node": culprit["node"], "op": culprit.get("op"), "source": m.group(1) if m else None,
+        src = culprit.get("source") or ""
+        m = _SOURCE_LINE.match(src)
+        out["first_divergence"] = {"node": culprit["node"], "op": culprit.get("op"),
+                                   "source": m.group(1) if m else (src if is_module_place(src) else None),
                                    "metrics": {}}
     return out
 

@@ -327,10 +327,11 @@ def _start(s: _Session, start: Candidate, gm0: fx.GraphModule, in0: List[Any], b
     else:
         v = s.runner.check(s.spec, gm0, in0)
     if not v.fails:
+        accuracy = s.spec.kind == "accuracy" and not (v.detail or "").startswith("candidate raised")
         hint = ("; the accuracy oracle compares forward outputs: a divergence only in gradients is minified on the "
-                "backward graph after AOT (REPRO_AFTER=aot)") \
-            if s.spec.kind == "accuracy" and not (v.detail or "").startswith("candidate raised") else ""
-        raise OracleError(f"input graph does not fail the {s.spec.kind} oracle ({v.detail or 'no failure'}); "
+                "backward graph after AOT (REPRO_AFTER=aot)") if accuracy and s.meta.get("after") != "aot" else ""
+        within = f", tol={s.spec.tol:g}" if accuracy else ""  # the tolerance the outputs were found to match within
+        raise OracleError(f"input graph does not fail the {s.spec.kind} oracle ({v.detail or 'no failure'}{within}); "
                           f"nothing to minify{hint}")
     if s.spec.kind in _ERROR_KINDS and v.signature is not None:
         s.spec = s.spec.replace(expected=v.signature)

@@ -32,6 +32,7 @@ import torch.fx as fx
 from determ_backend import _torch_compat as tc
 from determ_backend.backends.eager import EagerInterpreter
 from determ_backend.backends.extract import MissingValue, extract
+from determ_backend.backends.instrument import module_place_of
 from determ_backend.clones import clone_inputs
 from determ_backend.errors import ReproError
 from determ_backend.fingerprint.core import hash_tensors
@@ -89,7 +90,8 @@ def target_name(n: fx.Node) -> str:
 
 
 def source_line(node: Optional[fx.Node]) -> Optional[str]:
-    """``file:line: code`` of the user source a node came from (its ``stack_trace`` meta), if known."""
+    """``file:line: code`` of the user source a node came from (its ``stack_trace`` meta), if known; for a node of
+    torch's own modules alone (no user frame), the module it ran in, ``<module 1: ReLU>``, as the backends say."""
     st = (node.meta.get("stack_trace") or "") if node is not None else ""
     lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip()]
     for i in range(len(lines) - 1, -1, -1):
@@ -98,7 +100,7 @@ def source_line(node: Optional[fx.Node]) -> Optional[str]:
             loc = parts[0][5:].strip('"') + ":" + parts[1].replace("line", "").strip() if len(parts) > 1 else lines[i]
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
             return f"{loc}: {code}" if code else loc
-    return None
+    return module_place_of(node) if node is not None else None
 
 
 class GraphView:

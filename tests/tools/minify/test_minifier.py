@@ -63,8 +63,14 @@ def test_fusion_dependent_accuracy_bug_falls_back():
 
 def test_input_that_does_not_fail_is_rejected_clearly():
     gm, inputs = H.mlp_graph(layers=1)
-    with pytest.raises(OracleError, match="input graph does not fail the accuracy oracle"):
+    with pytest.raises(OracleError, match=r"input graph does not fail the accuracy oracle \(.*tol=0.001\).*"
+                                          r"REPRO_AFTER=aot"):
         minify(gm, inputs, OracleSpec(kind="accuracy", compiler="aot_eager"), progress=False)
+    # a graph already after AOT is not told to go after AOT
+    with pytest.raises(OracleError, match="tol=10") as e:
+        minify(gm, inputs, OracleSpec(kind="accuracy", compiler="aot_eager", tol=10.0), progress=False,
+               meta={"after": "aot"})
+    assert "REPRO_AFTER" not in str(e.value)
 
 
 def test_a_graph_that_returns_nothing_is_refused_clearly():

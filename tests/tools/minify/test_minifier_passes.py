@@ -177,3 +177,15 @@ def test_a_graph_reading_a_scalar_back_compiles_through_dynamo():
         gm, inputs = capture_graph(f, torch.randn(4, 8))
         assert reads_scalars(gm)
         torch.testing.assert_close(compile_graph("aot_eager", gm, inputs)(*inputs)[0], f(*inputs))
+
+
+def test_a_culprit_of_torchs_own_modules_is_placed_by_its_module():
+    """An nn.Sequential's relu has no user frame: the minifier's culprit read '<unknown source>' where the checks
+    say '<module 1: ReLU>'."""
+    from repro_helpers import capture_graph
+    from repro_tools.minify.subgraph import source_line
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    gm, _ = capture_graph(model, torch.randn(2, 4))
+    relu = next(n for n in gm.graph.nodes if "relu" in str(n.target))
+    assert source_line(relu) == "<module 1: ReLU>"
