@@ -326,8 +326,12 @@ class GraphExec:
         try:
             if twin is not None:
                 self._guard("determinism", self._check_determinism, twin, result)
+                self.run.judged.add("determinism")
             if eager_args is not None:
                 self._guard("accuracy", self._check_accuracy, eager_args, result, rng_before)
+                self.run.judged.add("accuracy")
+            if nan_args is not None:
+                self.run.judged.add("nan")  # the call's records were looked at for a creation
             if nan_args is not None and result.nonfinite():
                 self._guard("nan", self._check_nan, result, nan_args, rng_before)
             if batch_args is not None:
@@ -572,6 +576,7 @@ class GraphExec:
                 self.run.add_skip("batch_invariance", plan)
                 return
             self._batch_plan = plan
+        self.run.judged.add("batch_invariance")
         batch, rows, sizes = self._batch_plan
         dim = self.config.batch_dim
         for b in sub_batches(batch):
@@ -738,6 +743,7 @@ class GraphExec:
             self._report_unmatched(r0)
             return
         self.run.reference_compared.add((r0.graph, r0.stage, r0.call))
+        self.run.judged.add("reference")
         pairs = align(group, result.records)
         other_dtype = any(p.a.dtype != p.b.dtype for p in pairs if p.a is not None and p.b is not None
                           and p.a.dtype and p.b.dtype)

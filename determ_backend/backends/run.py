@@ -175,6 +175,7 @@ class Run:
         self.checker_errors: List[str] = []
         self.notes: List[Dict[str, Any]] = []
         self._found: Dict[tuple, Dict[str, Any]] = {}  # a finding's divergence (_divergence_key) -> that finding
+        self.judged: set = set()  # the configured checks that judged at least one graph call
         self.flow_checks: List[str] = []  # checks the repro flows ran (REPRO_LEVEL=4's accuracy check), in order
         self.batch_symbols: Dict[str, Any] = {}  # graph id -> the batch size symbol its forward graph was checked with
         self._write_report()
@@ -391,8 +392,11 @@ class Run:
             if fd.get("kernel"):
                 first["kernel"] = fd["kernel"]
             first["check"] = self.findings[0]["check"]
-        checks = list(self.config.check) + (["reference"] if self.config.reference else []) + self.flow_checks
+        configured = list(self.config.check) + (["reference"] if self.config.reference else [])
+        checks = configured + self.flow_checks
         return {"run": self.id, "rank": self.rank, "checks": checks,
+                # checks asked for that judged no graph call (every graph skipped, or none ran): not shown clean
+                "unchecked": [c for c in configured if c not in self.judged and self._graphs],
                 "divergent": bool(self.findings), "first_divergence": first, "findings": self.findings,
                 "checker_errors": self.checker_errors, "notes": self.notes, "graphs": self._graphs,
                 "trace": str(self.trace_path) if self._writer is not None else None}

@@ -250,8 +250,9 @@ def _load_run(paths: List[str]) -> Report:
     if rep.divergent:
         where = f": root cause {rep.root['node']} ({rep.root.get('op')})" if rep.root else ""
         rep.verdict = f"divergent ({first.get('check')}){where}"
-    elif not checks and any(n.get("skipped") for n in rep_json.get("notes") or []):
-        # a check was asked for and skipped every graph: nothing was shown clean
+    elif any(n.get("skipped") for n in rep_json.get("notes") or []) and (
+            not checks or set(checks) <= set(rep_json.get("unchecked") or [])):
+        # the checks asked for skipped every graph: nothing was shown clean
         rep.verdict = "nothing checked: every graph was skipped (see the notes)"
     else:
         rep.verdict = "no divergence found"

@@ -61,12 +61,17 @@ def test_static_graphs_are_skipped_with_a_note_and_training_is_checked_forward_a
     report = _run(RowWise(), "determ_aot_eager", tmp_path, "static", dynamic=False)
     (note,) = [n for n in report["notes"] if n["check"] == "batch_invariance"]
     assert "static" in note["skipped"] and "dynamic=True" in note["skipped"]
+    # every graph skipped: not shown clean, neither in report.json nor on its page
+    assert report["unchecked"] == ["batch_invariance"]
+    from repro_tools.report import build as build_report
+    assert build_report([str(tmp_path / "static")]).verdict.startswith("nothing checked")
     # a batch of one is a constant even under dynamic=True: the note said to compile with dynamic=True
     report = _run(RowWise(), "determ_aot_eager", tmp_path, "one", x=torch.randn(1, 256))
     (note,) = [n for n in report["notes"] if n["check"] == "batch_invariance"]
     assert "use a batch of 2 or more" in note["skipped"], note
     report = _run(RowWise(), "determ_aot_eager", tmp_path, "train", train=True)
     assert report["findings"] == [] and report["notes"] == [] and report["checker_errors"] == []
+    assert report["unchecked"] == []
 
 
 def test_a_backward_only_culprit_is_named_in_the_backward_graph(tmp_path):
