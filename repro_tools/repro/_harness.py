@@ -90,9 +90,10 @@ def trace_repro(mod):
     return torch.fx.GraphModule(tracer.root, graph)
 
 
-def compile_repro(mod, args, compiler=None):
-    """Compile ``Repro`` the way the original graph was compiled; returns ``f(list_of_args)``."""
-    gm = trace_repro(mod)
+def compile_repro(mod, args, compiler=None, gm=None):
+    """Compile ``Repro`` the way the original graph was compiled; returns ``f(list_of_args)``.  ``gm``: ``mod``
+    traced already (:func:`trace_repro`)."""
+    gm = trace_repro(mod) if gm is None else gm
     comp = compiler or resolve_compiler(META.get("compiler", "eager"))
     if META.get("after") == "dynamo" and any(n.op == "call_method" and n.target in ("item", "tolist")
                                              for n in gm.graph.nodes):
@@ -364,14 +365,14 @@ def _run_checks(ns):
     kind = ns.kind or META.get("kind", "any")
     mod, args, compiler = _setup(ns)
     try:
-        trace_repro(mod)
+        gm = trace_repro(mod)
     except Exception as err:  # the script's own loader, not the compiler: never "reproduced"
         print(f"{os.path.basename(__file__)}: error: the Repro module cannot be traced back into a graph "
               f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
               "this is a fault of the script, not the failure it records", file=sys.stderr)
         return 2
     try:
-        fn = compile_repro(mod, args, compiler)
+        fn = compile_repro(mod, args, compiler, gm)
     except Exception as err:
         return _report("compile_error", err)
     try:

@@ -151,15 +151,21 @@ def load_args(device=None):
     return [_value(s, gen, device, cache) for s in INPUTS]
 
 
-def install_module(root, name, module):
-    """``module`` as ``root``'s submodule at dotted ``name`` (``layers.0``: not an attribute Python can assign), with
-    plain containers for the missing levels."""
+def _owner(root, name):
+    """``(module, leaf)``: the module of ``root`` that holds dotted ``name`` (plain containers made for the missing
+    levels) and the last part of the name."""
     *path, leaf = name.split(".")
     for p in path:
         if not hasattr(root, p):
             root.add_module(p, torch.nn.Module())
         root = getattr(root, p)
-    root.add_module(leaf, module)
+    return root, leaf
+
+
+def install_module(root, name, module):
+    """``module`` as ``root``'s submodule at dotted ``name`` (``layers.0``: not an attribute Python can assign)."""
+    owner, leaf = _owner(root, name)
+    owner.add_module(leaf, module)
 
 
 def install_attrs(root, device=None):
@@ -168,12 +174,7 @@ def install_attrs(root, device=None):
     cache = {}
     for spec in ATTRS:
         t = make_tensor(spec, gen, device, cache)
-        *path, leaf = spec["name"].split(".")
-        mod = root
-        for p in path:
-            if not hasattr(mod, p):
-                mod.add_module(p, torch.nn.Module())
-            mod = getattr(mod, p)
+        mod, leaf = _owner(root, spec["name"])
         if spec.get("attr_kind") == "parameter":
             mod.register_parameter(leaf, torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad))
         else:
