@@ -276,7 +276,7 @@ def set_compiled_callable(compiled, fn) -> None:
 
 def _buffer_origins(scheduler) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, Dict[str, Any]] = {}
-    for group, snode in enumerate(scheduler.nodes):
+    for snode in scheduler.nodes:
         subs = snode.get_nodes() if hasattr(snode, "get_nodes") else [snode]
         for sub in subs:
             for buf in sub.get_outputs():
@@ -291,15 +291,14 @@ def _buffer_origins(scheduler) -> Dict[str, Dict[str, Any]]:
                     "origin": origin.name if origin is not None else None,
                     "origins": [o.name for o in origins if getattr(o, "op", None) != "output"],
                     "mutates": mutates,
-                    "group": group,  # the scheduler node (one kernel, once fused) that computes it
                 }
     return out
 
 
 @contextlib.contextmanager
 def capture_buffer_origins(sink: list) -> Iterator[None]:
-    """While active, each inductor codegen appends ``{buffer name: {origin, origins, mutates, group}}`` to ``sink``
-    (``mutates``: the buffers it writes into in place; ``group``: which scheduler node, one kernel once fused).
+    """While active, each inductor codegen appends ``{buffer name: {origin, origins, mutates}}`` to ``sink``
+    (``mutates``: the buffers it writes into in place).
 
     Also installs a no-op post-grad pass whose uuid enters inductor's FX cache key, so
     instrumented compiles have cache entries of their own (produced with this hook active).

@@ -332,8 +332,8 @@ class GraphExec:
                 self.run.judged.add("accuracy")
             if nan_args is not None:
                 self.run.judged.add("nan")  # the call's records were looked at for a creation
-            if nan_args is not None and result.nonfinite():
-                self._guard("nan", self._check_nan, result, nan_args, rng_before)
+                if result.nonfinite():
+                    self._guard("nan", self._check_nan, result, nan_args, rng_before)
             if batch_args is not None:
                 self._guard("batch_invariance", self._check_batch, result, batch_args, rng_before)
             if self.config.reference:

@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
 from determ_backend.backends.eager import replay
-from determ_backend.modes.ops import call_draws_random, draws_random, returns_view, schema_writes
+from determ_backend.modes.ops import call_draws_random, draws_random
 
 __all__ = ["Step", "walk_back", "extract", "MissingValue", "KEEP_META", "Lifted", "lift_random_draws", "node_draws"]
 
@@ -91,32 +91,6 @@ def graph_snapshot(gm: fx.GraphModule) -> fx.GraphModule:
         if own and isinstance(getattr(owner, leaf), fx.GraphModule):
             setattr(owner, leaf, graph_snapshot(getattr(owner, leaf)))
     return snap
-
-
-def with_writes_in_place(nodes: List[fx.Node], before: fx.Node) -> List[fx.Node]:
-    """``nodes`` plus the in-place writes into their values (through views of them, which join too) made before
-    ``before``, in graph order.  An FX graph after inductor's reinplacing writes a ``copy_`` into an ``as_strided``
-    view of a zero fill; a later read of the fill sees the write, but no data edge says so, and a region cut
-    without it computed the fill alone."""
-    order = {n.name: i for i, n in enumerate(before.graph.nodes)}
-    limit = order[before.name]
-    keep = {n.name: n for n in nodes}
-    todo = list(nodes)
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u.name in keep or u.op != "call_function" or order[u.name] >= limit \
-                    or not _torch_compat.is_op_overload(u.target):
-                continue
-            first = u.args[0] if u.args else None
-            if first is n and returns_view(u.target) and any(
-                    v.op == "call_function" and _torch_compat.is_op_overload(v.target) and order[v.name] < limit
-                    and schema_writes(v.target) and v.args and v.args[0] is u for v in u.users):
-                keep[u.name] = u  # a view some later op writes through
-                todo.append(u)
-            elif first is n and any(i == 0 for i, _ in schema_writes(u.target)):
-                keep[u.name] = u
-    return sorted(keep.values(), key=lambda n: order[n.name])
 
 
 def ancestors(node: fx.Node, limit: Optional[int] = None) -> set:

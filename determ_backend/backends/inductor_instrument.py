@@ -174,6 +174,11 @@ class _Planner:
         # variable -> the capture point whose value it still holds, for as long as that is certain: any
         # statement that might write the variable (or its memory through another name) forgets it
         self.current: Dict[str, int] = {}
+        # buffer -> the origins of the buffers that write into it in place (a copy_ into a view of a zero fill)
+        self.writes_into: Dict[str, List[str]] = {}
+        for m in origins.values():
+            for target in m.get("mutates") or ():
+                self.writes_into.setdefault(target, []).extend(m.get("origins") or ())
         self.write_count: Dict[str, int] = {}  # variable -> kernel launches of the call that write it
         self.writes_seen: Dict[str, int] = {}  # variable -> those met so far
 
@@ -206,18 +211,15 @@ class _Planner:
         return None, self.nodes[max(cands, key=lambda n: self.order[n])]
 
     def _mutated_in_kernel(self, buf: str) -> Optional[fx.Node]:
-        """The node of an in-place write into ``buf`` that the launch writing ``buf`` now does (a ``copy_`` into a view
-        of a zero fill, lowered in place and fused with the fill: after the kernel the buffer holds neither the fill
-        nor any one node's value): the latest node of that write, when this is the last launch that writes ``buf``
-        (an earlier one wrote the fill alone); None when no such write exists."""
+        """The node an in-place write into ``buf`` was computed for, when the launch writing ``buf`` now also does that
+        write (a ``copy_`` into a view of a zero fill, lowered in place and fused with the fill: after the kernel the
+        buffer holds neither the fill nor any one node's value, so it is recorded as partial): the latest of the
+        write's origins the graph holds, when this is the last launch that writes ``buf`` (an earlier one wrote the
+        fill alone); None when no such write exists."""
         if self.writes_seen.get(buf, 0) != self.write_count.get(buf, 0):
             return None
-        for other, m in self.origins.items():
-            if other != buf and buf in (m.get("mutates") or ()):
-                cands = [n for n in (m.get("origins") or ()) if n in self.nodes]
-                if cands:
-                    return self.nodes[max(cands, key=lambda n: self.order[n])]
-        return None
+        cands = [n for n in self.writes_into.get(buf, ()) if n in self.nodes]
+        return self.nodes[max(cands, key=lambda n: self.order[n])] if cands else None
 
     def resolve(self, variables: List[str]) -> tuple:
         """Record ids of the current values of ``variables`` (call before updating any writer).  A fresh

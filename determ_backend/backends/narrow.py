@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat
-from determ_backend.backends.extract import MissingValue, Step, extract, walk_back, with_writes_in_place
+from determ_backend.backends.extract import MissingValue, Step, extract, walk_back
 from determ_backend.backends.instrument import node_source, op_name
 from determ_backend.trace.stream import dtype_name
 from determ_backend.clones import clone_inputs
@@ -82,8 +82,7 @@ def region_of(gm: fx.GraphModule, node: str, judged: Set[str], limit: int = MAX_
     root = next((n for n in gm.graph.nodes if n.name == node), None)
     if root is None or root.op != "call_function" or not _standalone(root):
         return []
-    region = walk_back(root, _step(judged), limit=limit) or []
-    return with_writes_in_place(region, root) if region else []
+    return walk_back(root, _step(judged), limit=limit) or []
 
 
 def region_module(nodes: Sequence[fx.Node], values: Dict[str, Any]) -> Tuple[fx.GraphModule, List[Any], List[str]]:

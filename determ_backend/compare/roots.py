@@ -414,7 +414,8 @@ _ALLOCATION = re.compile(r"^aten\.(new_)?empty(_like|_strided|_permuted)?\.|^uni
 
 
 def _allocation(rec: Record) -> bool:
-    """Whether ``rec`` is memory as allocated, never written (``empty_like``; inductor's read of such memory)."""
+    """Whether ``rec`` is memory as allocated, never written (``empty_like``; inductor's read of such memory): the
+    records' side of :func:`determ_backend.modes.ops.uninitialized`, which knows the operator itself."""
     return bool(rec.op and _ALLOCATION.match(rec.op))
 
 

@@ -37,12 +37,13 @@ def payload_metrics(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Any]:
         return out
     x = (a.detach().abs() if a.is_complex() else a.detach()).to(torch.float64).reshape(-1)
     y = (b.detach().abs() if b.is_complex() else b.detach()).to(torch.float64).reshape(-1)
+    both_nan = torch.isnan(x) & torch.isnan(y)
     ny = float(torch.linalg.vector_norm(y))
-    nd = float(torch.linalg.vector_norm(torch.where(torch.isnan(x) & torch.isnan(y), torch.zeros_like(x), x - y)))
+    nd = float(torch.linalg.vector_norm(torch.where(both_nan, torch.zeros_like(x), x - y)))
     # the error relative to the benchmark's size: what carries from a call's inputs to its outputs
     out["rel_l2"] = nd / ny if ny > 0 else (0.0 if nd == 0 else math.inf)
     rel = (x - y).abs() / (y.abs() + EPS)
-    rel = torch.where(torch.isnan(x) & torch.isnan(y), torch.zeros_like(rel), rel)
+    rel = torch.where(both_nan, torch.zeros_like(rel), rel)
     out["one"] = float((rel <= 1e-3).double().mean())
     out["five"] = float((rel <= 5e-3).double().mean())
     return out
