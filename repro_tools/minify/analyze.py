@@ -73,17 +73,52 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _repro_line(path: Path, node: Optional[str], op: Optional[str]) -> Optional[str]:
-    """``repro.py:N: code`` of the statement in ``Repro.forward`` computing ``node``: by name, else the
-    only statement calling ``op`` (names may differ once the graph is traced again)."""
+_FILE_COMMENT = re.compile(r"^\s*# File: (.+?):(\d+) in ")  # the graph code's note of a statement's user line
+_SOURCE = re.compile(r"^(.+?):(\d+)(?: \(.*\))?$")  # a finding's source: ``file:line`` or ``file:line (function)``
+
+
+def _op_base(op: str) -> str:
+    """``relu`` of ``aten.relu.default``, ``torch.relu``, ``torch._C._nn.relu``: the name a call of it ends with
+    (an operator ``namespace.name.overload`` by its name, a Python callable by its last part)."""
+    parts = op.split(".")
+    python = parts[0] in ("torch", "builtins", "math") or parts[0].startswith("_") or len(parts) < 2
+    return parts[-1] if python else parts[1]
+
+
+def _repro_line(path: Path, node: Optional[str], op: Optional[str], source: Optional[str] = None) -> Optional[str]:
+    """``repro.py:N: code`` of the statement in ``Repro.forward`` computing ``node``.
+
+    The graph determ traced is the repro's graph traced again, so its names need not be the repro's: after
+    dynamo the repro's statements are torch-level calls named after the user's variables (``hidden_states =
+    torch.relu(...)``) while the finding names the aten node (``relu``).  A statement is taken by name only where
+    it agrees with the finding (same user line when both are known, a call of the op when it calls anything);
+    else the one statement under the finding's user line calling the op (``torch.relu(`` for ``aten.relu``);
+    else the only statement of the graph calling the op as written.  None when nothing is that certain."""
     lines = path.read_text().splitlines()
     start, end = repro_class_span(lines) or (0, len(lines))
-    body = [(i, lines[i]) for i in range(start, end) if not lines[i].strip().startswith("#")]
+    body, where = [], None  # (index, text, user line of the statement or None)
+    for i in range(start, end):
+        m = _FILE_COMMENT.match(lines[i])
+        if m:
+            where = (m.group(1), int(m.group(2)))
+        elif lines[i].strip() and not lines[i].strip().startswith("#"):
+            body.append((i, lines[i], where))
+    m = _SOURCE.match(source or "")
+    want = (m.group(1), int(m.group(2))) if m else None
+    base = _op_base(op) if op else None
+    exact = (f"torch.ops.{op}(" if op.count(".") >= 2 else f"torch.ops.{op}.default(") if op else None
+
+    def calls_op(text: str) -> bool:
+        return bool(base) and (exact in text or re.search(rf"[.\s=(]{re.escape(base)}\(", text) is not None)
+
     by_name = re.compile(rf"^\s+{re.escape(node or '')}(\s*:[^=]*)?\s*=\s")
-    hits = [i for i, ln in body if node and by_name.match(ln)]
+    hits = [i for i, ln, w in body if node and by_name.match(ln) and (want is None or w is None or w == want)
+            and (not base or "(" not in ln.split("=", 1)[1] or calls_op(ln))]
+    if not hits and want is not None and base:
+        hits = [i for i, ln, w in body if w == want and calls_op(ln)]
+        hits = hits if len(hits) == 1 else []
     if not hits and op:
-        call = f"torch.ops.{op}(" if op.count(".") >= 2 else f"torch.ops.{op}.default("
-        hits = [i for i, ln in body if call in ln]
+        hits = [i for i, ln, _ in body if exact in ln]
         hits = hits if len(hits) == 1 else []
     return f"{path.name}:{hits[0] + 1}: {lines[hits[0]].strip()}" if hits else None
 
@@ -110,7 +145,7 @@ def _traced(path: Path, gm, inputs, meta, backend: str, checks: List[str], tol: 
         fd = f.get("first_divergence") or {}
         findings.append({"check": f.get("check"), "node": fd.get("node"), "op": fd.get("op"), "stage": fd.get("stage"),
                          "metrics": fd.get("metrics"), "source": fd.get("source"),
-                         "repro_line": _repro_line(path, fd.get("node"), fd.get("op"))})
+                         "repro_line": _repro_line(path, fd.get("node"), fd.get("op"), fd.get("source"))})
     return {"mode": "per-node", "backend": backend, "findings": findings, "checker_errors": report.get("checker_errors", []),
             "report": str(out / run_id / "report.json")}
 

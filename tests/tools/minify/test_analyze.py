@@ -104,3 +104,34 @@ def test_a_failing_graph_is_one_summary_exit_1(tmp_path, capsys, compiler, stage
     assert "Traceback" not in cap.out + cap.err
     assert _run(path, traceback=True) == 1
     assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def _dynamo_graph(fn, inputs):
+    """The graph dynamo hands a backend for ``fn``: torch-level calls named after the user's variables."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compiler.reset()
+    torch.compile(fn, backend=keep)(*inputs)
+    return graphs[0]
+
+
+def user_program(x):
+    hidden_states = torch.ops.determ_test.eager_nd_rowsum(x * 2)
+    eager_nd_rowsum = hidden_states + 1  # a variable named like the op's aten node, on another line
+    return eager_nd_rowsum.relu()
+
+
+def test_an_after_dynamo_repro_line_is_the_statement_calling_the_op_at_the_findings_user_line(tmp_path):
+    """After dynamo the repro's statements are named after the user's variables, the finding after the aten node:
+    the line was missing, or (a variable named like the node) pointed at another statement."""
+    inputs = [torch.randn(16, 64)]
+    path = write_repro(_dynamo_graph(user_program, inputs), inputs, tmp_path / "repro.py",
+                       meta={"compiler": "determ_aot_eager", "after": "dynamo"})
+    (f,) = analyze.analyze_repro(path, ("determinism",))["findings"]
+    assert f["node"] == "eager_nd_rowsum" and f["source"].startswith(f"{__file__}:")
+    assert f["repro_line"] is not None and "hidden_states" in f["repro_line"].split("=")[0], f["repro_line"]
+    assert "eager_nd_rowsum(" in f["repro_line"]
