@@ -115,6 +115,7 @@ class CodeWriter:
         self.attrs: List[Dict[str, Any]] = []
         self.classes: List[str] = []
         self.nodes: List[List[Any]] = []
+        self.subgraph_nodes: Dict[str, List[List[Any]]] = {}  # the same of each subgraph, by its dotted path
 
     def module_class(self, gm: fx.GraphModule, cls_name: str, prefix: str = "") -> str:
         code = gm.graph.python_code(root_module="self", verbose=self.verbose)
@@ -123,9 +124,12 @@ class CodeWriter:
             if line:
                 self.imports.setdefault(k, line)
         self._scan_custom_ops(gm)
+        nodes = [[n.name, _last_frame(n.meta["stack_trace"]) if n.meta.get("stack_trace") else None,
+                  call_key(n.op, n.target)] for n in gm.graph.nodes if n.op in _CALL_OPS]
         if not prefix:
-            self.nodes = [[n.name, _last_frame(n.meta["stack_trace"]) if n.meta.get("stack_trace") else None,
-                           call_key(n.op, n.target)] for n in gm.graph.nodes if n.op in _CALL_OPS]
+            self.nodes = nodes
+        elif any(src for _, src, _ in nodes):  # a checkpoint's body: its nodes keep their names and user lines
+            self.subgraph_nodes[prefix.rstrip(".")] = nodes
         init = self._init_lines(gm, prefix)
         body = "\n".join("    " + ln if ln.strip() else "" for ln in code.src.strip("\n").splitlines())
         src = f"class {cls_name}(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
@@ -252,6 +256,8 @@ def script_text(m: Dict[str, Any], specs: List[Dict[str, Any]], writer: CodeWrit
              "INPUTS = " + pprint.pformat(specs, width=110) + "\n",
              "ATTRS = " + pprint.pformat(writer.attrs, width=110) + "\n",
              "NODES = " + pprint.pformat(writer.nodes, width=110) + "  # [node name, user source line, call], in order\n",
+             *(["SUBGRAPH_NODES = " + pprint.pformat(writer.subgraph_nodes, width=110) + "  # NODES of each subgraph\n"]
+               if writer.subgraph_nodes else []),
              _config_function({"inductor": m.get("config", {}), **m.get("config_other", {})}),
              *writer.classes,
              "\n# ---- runtime (written by determ's repro_tools; needs only torch) ----\n" + _runtime_source(),

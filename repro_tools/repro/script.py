@@ -272,7 +272,7 @@ def load_repro(path: Union[str, Path], device: Optional[str] = None) -> Tuple[fx
     if device:
         root.to(device)
     inputs = module.load_args(device)
-    gm = _retrace(root, getattr(module, "NODES", []))
+    gm = _retrace(root, getattr(module, "NODES", []), getattr(module, "SUBGRAPH_NODES", {}))
     return gm, inputs, dict(module.META)
 
 
@@ -329,22 +329,23 @@ class _RecordConstantOps(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _subgraphs_retraced(mod: torch.nn.Module) -> None:
+def _subgraphs_retraced(mod: torch.nn.Module, nodes: Dict[str, Sequence[Sequence[Any]]], prefix: str = "") -> None:
     """Each subgraph module of ``mod`` written as a ``Repro_<name>`` class (the bodies a higher-order op takes) traced
-    back into a GraphModule, in place: the op reads its ``graph``."""
+    back into a GraphModule, in place: the op reads its ``graph``.  ``nodes``: the script's ``SUBGRAPH_NODES``
+    (each subgraph's node names and user lines, by dotted path; older scripts have none)."""
     for name, child in list(mod.named_children()):
         if type(child).__name__.startswith("Repro_") and not isinstance(child, fx.GraphModule):
-            _subgraphs_retraced(child)
-            tracer = ReproTracer()
-            with _RecordConstantOps(tracer):
-                graph = tracer.trace(child)
+            _subgraphs_retraced(child, nodes, f"{prefix}{name}.")
+            tracer = _NamingTracer(nodes.get(prefix + name, []))  # records every op call itself
+            graph = tracer.trace(child)
             setattr(mod, name, fx.GraphModule(tracer.root, graph, class_name=type(child).__name__))
 
 
-def _retrace(root: torch.nn.Module, nodes: Sequence[Sequence[Any]]) -> fx.GraphModule:
+def _retrace(root: torch.nn.Module, nodes: Sequence[Sequence[Any]],
+             subgraph_nodes: Dict[str, Sequence[Sequence[Any]]]) -> fx.GraphModule:
     tracer = _NamingTracer(nodes)
     try:
-        _subgraphs_retraced(root)
+        _subgraphs_retraced(root, subgraph_nodes if isinstance(subgraph_nodes, dict) else {})
         graph = tracer.trace(root)
     except Exception as e:  # fx raises many kinds on untraceable code
         raise ReproError(f"the Repro module cannot be traced back into a graph ({type(e).__name__}: {e})") from e

@@ -535,3 +535,22 @@ def test_a_dynamo_graph_that_assigns_into_a_tensor_loads_and_runs(tmp_path, caps
     assert run_main(broken, "run") == 2
     captured = capsys.readouterr()
     assert "reproduced" not in captured.out and "cannot be traced back" in captured.err
+
+
+def checkpointed_model(x, w):
+    block = lambda h: torch.relu(h @ w)  # noqa: E731
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum(0)
+
+
+def test_the_nodes_of_a_checkpoints_body_keep_their_names_and_user_lines(tmp_path):
+    """After dynamo a checkpoint's body is a subgraph the script writes as a class: loaded back, its nodes had no
+    source, so a culprit found there (the minifier inlines the body) was reported at ``<unknown source>``."""
+    gm, inputs = capture_graph(checkpointed_model, *model_inputs(requires_grad=True))
+    path = write_repro(gm, inputs, tmp_path / "repro.py", meta={"compiler": "eager", "after": "dynamo"})
+    gm2, _, _ = load_repro(path)  # traced back, the body is inlined where the checkpoint was
+    (relu,) = [n for n in gm2.graph.nodes if n.target is torch.relu]
+    line = checkpointed_model.__code__.co_firstlineno + 1
+    assert relu.name == "relu" and f'"{__file__}", line {line}' in relu.meta.get("stack_trace", ""), relu.meta
+    assert "SUBGRAPH_NODES" in path.read_text()
+    load_repro(write_repro(fx.symbolic_trace(WithParams()), [torch.randn(3, 4)], tmp_path / "plain.py"))
+    assert "SUBGRAPH_NODES" not in (tmp_path / "plain.py").read_text()  # scripts without subgraphs are as before
