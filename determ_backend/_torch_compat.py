@@ -31,7 +31,7 @@ __all__ = [
     "lookup_backend", "aot_autograd", "compile_fx", "compile_fx_inner",
     # operators, tensors, calling conventions
     "op_schema", "op_schema_name", "is_op_overload", "is_op_overload_packet", "op_overload_name",
-    "op_packet_name", "tensor_version", "is_boxed", "set_boxed",
+    "op_packet_name", "tensor_version", "is_boxed", "set_boxed", "is_zero_tensor",
     # dispatch modes and pytrees
     "TorchDispatchMode", "current_dispatch_mode", "dispatch_mode_depth", "dispatch_modes_disabled",
     "tree_map", "tree_flatten", "tree_unflatten",
@@ -458,6 +458,13 @@ def innermost_module(node: Any) -> Optional[Tuple[str, str]]:
         parts = parts[1:]
     name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].strip("'>")
     return ".".join(parts), name
+
+
+def is_zero_tensor(t: torch.Tensor) -> bool:
+    """A ZeroTensor: the zeros forward-mode AD stands in for a missing tangent, with no memory behind it (its data
+    pointer is null), read as zeros of its dtype and shape."""
+    f = getattr(t, "_is_zerotensor", None)
+    return f is not None and f()
 
 
 def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:

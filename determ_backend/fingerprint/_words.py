@@ -20,6 +20,7 @@ from typing import List
 
 import torch
 
+from determ_backend import _torch_compat as _compat
 from determ_backend.errors import UnsupportedDtypeError
 
 __all__ = ["ROW_WORDS", "MASK64", "GOLDEN", "signed", "py_fmix", "fmix", "row_weights", "key", "check_tensor",
@@ -108,11 +109,17 @@ def same_size_int(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a ZeroTensor (forward-mode AD's stand-in for a missing tangent, no memory behind it: its kernels
+    and a read of its null data pointer crash) the zeros it stands for."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if _compat.is_zero_tensor(t) else t
+
+
 def _logical_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's logical elements as a flat contiguous uint8 tensor."""
     if t.layout != torch.strided:
         raise UnsupportedDtypeError(f"cannot fingerprint a tensor with layout {t.layout}; expected torch.strided")
-    t = t.detach()
+    t = materialized(t.detach())
     if t.is_quantized:
         t = t.int_repr()
     if t.is_conj():
@@ -134,7 +141,7 @@ def _logical_bytes(t: torch.Tensor) -> torch.Tensor:
 def words(t: torch.Tensor) -> torch.Tensor:
     """The logical bytes as a flat int32 tensor; a partial last word is zero-padded."""
     if (t.layout == torch.strided and t.element_size() in (4, 8, 16) and t.is_contiguous()
-            and not (t.is_quantized or t.is_conj() or t.is_neg())):
+            and not (t.is_quantized or t.is_conj() or t.is_neg() or _compat.is_zero_tensor(t))):
         return t.detach().reshape(-1).view(torch.int32)  # common case: already whole aligned words
     b = _logical_bytes(t)
     n = b.numel()

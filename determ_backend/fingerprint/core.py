@@ -42,14 +42,17 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from determ_backend import _torch_compat as _compat
 from determ_backend.fingerprint import _native
-from determ_backend.fingerprint._words import (GOLDEN, MASK64, ROW_WORDS, check_tensor, finish, key, py_fmix,
+from determ_backend.fingerprint._words import (GOLDEN, MASK64, ROW_WORDS, check_tensor, finish, key, materialized,
+                                               py_fmix,
                                                row_weights, same_size_int, signed, words)
 
 __all__ = ["hash_tensor", "hash_tensors", "tensor_stats", "fingerprint_tensors", "fingerprint_now", "HashBatch",
            "FingerprintBatch", "STATS_KINDS", "row_weights", "ROW_WORDS"]
 
 _STRIDED = torch.strided
+_is_zero = _compat.is_zero_tensor
 _BLOCK_ROWS = 64  # rows reduced per kernel call on the torch path (cache-sized)
 
 
@@ -116,7 +119,7 @@ def fingerprint_now(t: torch.Tensor, stats: bool = False, kernel: Optional[_nati
     :func:`~determ_backend.fingerprint._native.kernel` gave it, when the caller looked it up already.
     ``copy=False``: None for a non-contiguous tensor instead of reading a contiguous copy (then no torch op
     runs here at all).  Called once per traced tensor: every check here is one cheap attribute."""
-    if not t.is_cpu or t.layout is not _STRIDED or t.is_quantized or t.is_conj() or t.is_neg():
+    if not t.is_cpu or t.layout is not _STRIDED or t.is_quantized or t.is_conj() or t.is_neg() or _is_zero(t):
         return None
     dtype = t.dtype
     kind = _native.SUPPORTED.get(dtype, 0)
@@ -305,7 +308,7 @@ STATS_KINDS = ("exact", "fast", "trace")
 def _stats_vector(t: torch.Tensor) -> torch.Tensor:
     """Float64 device vector [min, max, mean, l2, nan, inf, numel] ("exact" statistics)."""
     check_tensor(t, "tensor_stats")
-    t = t.detach()
+    t = materialized(t.detach())
     if t.is_quantized:
         t = t.dequantize()
     n = t.numel()
