@@ -32,6 +32,7 @@ __all__ = [
     # operators, tensors, calling conventions
     "op_schema", "op_schema_name", "is_op_overload", "is_op_overload_packet", "op_overload_name",
     "op_packet_name", "tensor_version", "is_boxed", "set_boxed", "is_zero_tensor",
+    "functorch_active", "functorch_disabled",
     # dispatch modes and pytrees
     "TorchDispatchMode", "current_dispatch_mode", "dispatch_mode_depth", "dispatch_modes_disabled",
     "tree_map", "tree_flatten", "tree_unflatten",
@@ -465,6 +466,23 @@ def is_zero_tensor(t: torch.Tensor) -> bool:
     pointer is null), read as zeros of its dtype and shape."""
     f = getattr(t, "_is_zerotensor", None)
     return f is not None and f()
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``...) is running: the tensors user code sees are
+    then wrappers (batched, gradient-tracking) with no memory of their own, and tensors made are wrapped too."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+@contextlib.contextmanager
+def functorch_disabled() -> Iterator[None]:
+    """Run the block outside every ``torch.func`` transform: tensors made there are plain tensors (a cached
+    constant made inside ``grad`` would be a wrapper, dead once the transform returns)."""
+    guard = torch._C._DisableFuncTorch()
+    try:
+        yield
+    finally:
+        del guard
 
 
 def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:

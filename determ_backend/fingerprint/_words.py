@@ -74,13 +74,16 @@ def _host_weights() -> torch.Tensor:
         high = py_fmix(c + GOLDEN) & ~low_mask
         low = ((2 * c + 1) * (_M1 | 1)) & low_mask  # odd, distinct mod 2**33
         vals.append(signed(high | low))
-    return torch.tensor(vals, dtype=torch.int64)
+    with _compat.functorch_disabled():  # cached: never a torch.func wrapper
+        return torch.tensor(vals, dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=16)
 def row_weights(device: str) -> torch.Tensor:
-    """The ``K`` vector of step 2 on ``device`` (cached per device)."""
-    return _host_weights().to(device)
+    """The ``K`` vector of step 2 on ``device`` (cached per device; made outside any ``torch.func`` transform, which
+    would wrap it)."""
+    with _compat.functorch_disabled():
+        return _host_weights().to(device)
 
 
 @functools.lru_cache(maxsize=4096)

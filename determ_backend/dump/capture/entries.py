@@ -120,7 +120,20 @@ def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data:
     the pipeline resolves before writing; tensors already seen (same object, same version) reuse theirs.
     ``keep_non_float=False`` (the dump's filter): non-tensor values are left out, and integer and bool tensors
     get a ``filtered`` entry with their fingerprint and statistics but no payload.
-    ``refs``: filled with ``{id(entry): tensor}`` for the tensors described (the online baseline keeps some)."""
+    ``refs``: filled with ``{id(entry): tensor}`` for the tensors described (the online baseline keeps some).
+
+    Inside a ``torch.func`` transform the tensors are wrappers with no memory of their own: each is described by
+    the tensor it wraps (under ``vmap`` the whole batch, batch dimension included), read outside the transform."""
+    if _torch_compat.functorch_active():
+        with _torch_compat.functorch_disabled():
+            items = [(name, torch.func.debug_unwrap(v, recurse=True) if isinstance(v, torch.Tensor) else v)
+                     for name, v in items]
+            return _describe(items, cache, data, keep_non_float, pipeline, refs)
+    return _describe(items, cache, data, keep_non_float, pipeline, refs)
+
+
+def _describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, data: bool, keep_non_float: bool, pipeline,
+              refs: Optional[Dict[int, torch.Tensor]]) -> List[Dict[str, Any]]:
     entries: List[Dict[str, Any]] = []
     for name, v in items:
         if isinstance(v, torch.Tensor):

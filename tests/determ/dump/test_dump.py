@@ -709,3 +709,46 @@ def test_a_call_fed_the_error_it_outputs_is_not_blamed_in_a_bf16_against_fp32_co
         paths[run] = str(tmp_path / run / "step0" / "rank0" / "dump.pkl")
     r = dump.compare({"npu_pkl_path": paths["a"], "bench_pkl_path": paths["b"]}, str(tmp_path / "cmp"))
     assert [p.name for p in r.root_causes] == ["Functional_linear_1_forward"]
+
+
+_PER_SAMPLE_GRADS = """
+import json, sys, torch
+from torch.func import functional_call, grad, vmap
+from determ_backend.dump import PrecisionDebugger
+from determ_backend.fingerprint.core import hash_tensor
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 3)
+params = {k: v.detach() for k, v in model.named_parameters()}
+x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+def loss(p, xi, yi):
+    return torch.nn.functional.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+per_sample = lambda: vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)["weight"]
+plain = per_sample()
+dbg = PrecisionDebugger(task=sys.argv[2], dump_path=sys.argv[1], level="L1")
+dbg.start()
+got = per_sample()  # the first use of the fingerprint kernel in this process is inside the transforms
+dbg.stop()
+assert torch.equal(got, plain)
+assert hash_tensor(torch.ones(3)) == hash_tensor(torch.ones(3).clone())  # nothing cached from inside them
+"""
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_a_dump_inside_vmap_and_grad_describes_the_batch_and_leaves_the_program_alone(tmp_path, task):
+    """Per-sample gradients (``vmap(grad(...))``) under a dump: its tensors are functorch wrappers with no memory,
+    and the fingerprint kernel's constants, first made inside ``grad``, were wrappers too; the program died with
+    "Cannot access data pointer of Tensor that doesn't have storage"."""
+    import json
+    import subprocess
+    import sys
+
+    from paths import ROOT
+
+    out = tmp_path / "dump"
+    r = subprocess.run([sys.executable, "-c", _PER_SAMPLE_GRADS, str(out), task], capture_output=True, text=True,
+                       cwd=str(ROOT), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (index,) = out.glob("step0/rank0/dump.pkl")
+    entries = [json.loads(ln) for ln in index.read_text().splitlines()[1:]]
+    unsqueeze = next(e for e in entries if e.get("op") == "Tensor.unsqueeze")
+    assert unsqueeze["inputs"][0]["shape"] == [5, 8] and unsqueeze["inputs"][0]["stats"]["l2"] > 0  # the batch
