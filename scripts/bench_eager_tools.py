@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import os
 import statistics
 import sys
 import tempfile
@@ -297,13 +298,13 @@ def run(args) -> int:
 
         if args.memory_steps:
             step = make_step(sizes["small"], "train", args)
-            mode = HashMode(keep_records=False)
+            mode = HashMode(trace_path=os.path.join(d, "memory.jsonl"), keep_records=False)  # written as it goes
             modes.callback(mode.close)
             mode.enable()  # once, for the whole run
             try:
                 step()
                 verdicts.append(memory_check(step, args.memory_steps,
-                                             f"small/train with one HashMode(keep_records=False) left on "
+                                             f"small/train with one HashMode(trace_path=..., keep_records=False) left on "
                                              f"({describe(sizes['small'], args.seq)})", MEMORY_LIMIT_MIB))
             finally:
                 mode.disable()

@@ -279,9 +279,10 @@ class HashMode(_compat.TorchDispatchMode):
             self.records.extend(recs)
         if self._writer is not None:
             # a batch handed on early is encoded now (bytes: nothing for the collector to walk) and written with
-            # the next full batch, so the file sees the same writes as before
+            # the next full batch, or once a batch's worth of lines is held (on the CPU every batch is early: held
+            # until the mode closed, the lines grew without bound and a process that died left an empty trace)
             self._held.extend(r.to_line() for r in recs)
-            if not early:
+            if not early or len(self._held) >= self._recorder.batch:
                 self._write_held()
         self._warn_compiled()
 
