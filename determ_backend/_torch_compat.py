@@ -32,7 +32,7 @@ __all__ = [
     # operators, tensors, calling conventions
     "op_schema", "op_schema_name", "is_op_overload", "is_op_overload_packet", "op_overload_name",
     "op_packet_name", "tensor_version", "is_boxed", "set_boxed", "is_zero_tensor",
-    "functorch_active", "functorch_disabled",
+    "functorch_active", "functorch_disabled", "unobserved",
     # dispatch modes and pytrees
     "TorchDispatchMode", "current_dispatch_mode", "dispatch_mode_depth", "dispatch_modes_disabled",
     "tree_map", "tree_flatten", "tree_unflatten",
@@ -483,6 +483,15 @@ def functorch_disabled() -> Iterator[None]:
         yield
     finally:
         del guard
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """Run the block as if no user code were watching: no ``torch.func`` transform, no dispatch mode and no
+    ``__torch_function__`` mode sees its ops (determ's own cached constants: an outer ``DebugMode`` logged them as
+    the user's ops, and one made inside ``grad`` was a wrapper)."""
+    with functorch_disabled(), _dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
 
 
 def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:

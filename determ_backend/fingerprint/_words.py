@@ -74,15 +74,15 @@ def _host_weights() -> torch.Tensor:
         high = py_fmix(c + GOLDEN) & ~low_mask
         low = ((2 * c + 1) * (_M1 | 1)) & low_mask  # odd, distinct mod 2**33
         vals.append(signed(high | low))
-    with _compat.functorch_disabled():  # cached: never a torch.func wrapper
+    with _compat.unobserved():  # cached: never a torch.func wrapper, never an op of the user's
         return torch.tensor(vals, dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=16)
 def row_weights(device: str) -> torch.Tensor:
-    """The ``K`` vector of step 2 on ``device`` (cached per device; made outside any ``torch.func`` transform, which
-    would wrap it)."""
-    with _compat.functorch_disabled():
+    """The ``K`` vector of step 2 on ``device`` (cached per device; made where no user mode sees it and no
+    ``torch.func`` transform wraps it)."""
+    with _compat.unobserved():
         return _host_weights().to(device)
 
 
