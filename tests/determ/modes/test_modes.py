@@ -833,3 +833,43 @@ def test_forward_mode_ad_runs_under_every_eager_tool(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     zeros, mismatches = r.stdout.split(" ", 1)
     assert int(zeros) >= 1 and mismatches.strip() == "[]"  # the zero tangent is fingerprinted as the zeros it is
+
+
+def test_a_trace_is_written_as_the_run_goes_not_held_until_the_mode_closes(tmp_path):
+    """On the CPU every fingerprint batch is handed on early: its trace lines were held until the mode closed, so a
+    long run's memory grew with its trace and a process that died left a trace of one header line."""
+    path = tmp_path / "run.jsonl"
+    x = torch.randn(8, 8)
+    with HashMode(trace_path=str(path), keep_records=False) as m:
+        for _ in range(600):
+            x = (x * 0.5).tanh()
+        written = len(path.read_text().splitlines())
+    assert written >= 512, written  # 1,201 records made (x and 1,200 ops): at most a batch of lines held, and unflushed
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[-1]) == {"end": True, "count": 1201} and len(lines) == 1 + 1201 + 1
+
+
+_OUTER_MODE = """
+import torch
+from determ_backend import HashMode
+from determ_backend._torch_compat import TorchDispatchMode
+class Log(TorchDispatchMode):
+    def __init__(self):
+        super().__init__(); self.ops = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+m, x = torch.nn.Linear(4, 2), torch.randn(3, 4)
+with Log() as log:
+    with HashMode():  # the first fingerprint of the process: the kernel's constants are made here
+        m(x)
+print(",".join(log.ops))
+"""
+
+
+def test_the_fingerprint_kernels_constants_are_no_ops_of_the_users(tmp_path):
+    """The native kernel's row weights, made at the first fingerprint of a process, were seen by an outer mode
+    (PyTorch's DebugMode, an outer HashDebugTrace) as the user's ops: lift_fresh, detach_, to of an int64[4096]."""
+    r = subprocess.run([sys.executable, "-c", _OUTER_MODE], capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "aten.t.default,aten.addmm.default", r.stdout
