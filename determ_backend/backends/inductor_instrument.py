@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat
 from determ_backend.backends.extract import ancestors
-from determ_backend.backends.instrument import node_source, op_name
+from determ_backend.backends.instrument import node_source, op_name, written_inputs
 from determ_backend.backends.recorder import NodeInfo, Recorder
 from determ_backend.trace.stream import atomic_write_text
 
@@ -122,14 +122,43 @@ def _base_name(arg: str) -> Optional[str]:
 _CPP_SIG = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\[[^\]]*\], r\'\'\'.*?kernel\(([^)]*)\)", re.M | re.S)
 
 
-def _kernel_outputs(src: str) -> Dict[str, Tuple[List[int], List[int]]]:
-    """Kernel name -> (positions it writes, positions it only writes) from the kernel signatures."""
-    out: Dict[str, Tuple[List[int], List[int]]] = {}
-    for name, params in _CPP_SIG.findall(src) + _TRITON_DEF.findall(src):
+def _only_read(body: str, param: str) -> bool:
+    """Whether the kernel ``body`` reads ``param`` and never writes through it: every occurrence is a load,
+    ``loadu(p + i)``, ``tl.load(p + i)`` or ``= p[i];`` (an ``in_out_ptr`` that a fused kernel ends up only reading,
+    its store fused away: inductor's relu bug injection leaves the relu's own buffer unwritten).  Any other use (a
+    store, an alias ``auto out_ptr0 = in_out_ptr0;``, a call) counts as a write."""
+    name = re.escape(param)
+    uses = [m.start() for m in re.finditer(rf"\b{name}\b", body)]
+    return bool(uses) and all(
+        body[max(0, k - 8):k].endswith(("loadu(", "load(")) or
+        (body[max(0, k - 2):k] == "= " and re.match(rf"{name}\[[^\]]*\]\s*;", body[k:]) is not None)
+        for k in uses)
+
+
+def _written_through_alias(body: str, param: str) -> bool:
+    """Whether the kernel ``body`` writes ``param`` only through an alias, ``auto out_ptr0 = in_out_ptr0;``: the
+    memory was lent to an intermediate buffer of the kernel (a ``mean``'s undivided sum) whose value it then holds,
+    not its own node's, when nothing stores into it directly afterwards."""
+    name = re.escape(param)
+    if not re.search(rf"=\s*{name}\s*;", body):
+        return False
+    return re.search(rf"store\(\s*{name}\b|\b{name}\[[^\]]*\]\s*=[^=]", body) is None
+
+
+def _kernel_outputs(src: str) -> Dict[str, Tuple[List[int], List[int], List[int]]]:
+    """Kernel name -> (positions it writes, positions it only writes, positions it writes only through an alias)
+    from the kernel signatures and bodies (an ``in_out_ptr`` the body only reads is no output)."""
+    out: Dict[str, Tuple[List[int], List[int], List[int]]] = {}
+    for m in list(_CPP_SIG.finditer(src)) + list(_TRITON_DEF.finditer(src)):
+        name, params = m.group(1), m.group(2)
+        end = src.find("\'\'\')", m.end())
+        body = src[m.end():end if end >= 0 else len(src)]
         ps = [p.replace("*", " ").split()[-1].split(":")[0] if p.strip() else "" for p in params.split(",")]
         ps = [p.split(":")[0].strip() for p in ps]
-        out[name] = ([i for i, p in enumerate(ps) if p.startswith(("out_ptr", "in_out_ptr"))],
-                     [i for i, p in enumerate(ps) if p.startswith("out_ptr")])
+        out[name] = ([i for i, p in enumerate(ps) if p.startswith("out_ptr")
+                      or (p.startswith("in_out_ptr") and not _only_read(body, p))],
+                     [i for i, p in enumerate(ps) if p.startswith("out_ptr")],
+                     [i for i, p in enumerate(ps) if p.startswith("in_out_ptr") and _written_through_alias(body, p)])
     return out
 
 
@@ -181,6 +210,7 @@ class _Planner:
                 self.writes_into.setdefault(target, []).extend(m.get("origins") or ())
         self.write_count: Dict[str, int] = {}  # variable -> kernel launches of the call that write it
         self.writes_seen: Dict[str, int] = {}  # variable -> those met so far
+        self.input_writers = written_inputs(gm)  # graph input -> the node whose value is written back into it
 
     def _unique(self, name: str) -> str:
         k = self.used.get(name, 0)
@@ -194,6 +224,8 @@ class _Planner:
         input an extern kernel needed materialized.  The guess prefers origins no other buffer holds."""
         o = self.origins.get(buf) or {}
         mutation = self._mutated_in_kernel(buf)
+        if mutation is not None and mutation is self.input_writers.get(buf):
+            return mutation, None  # the graph's last write back into its input ``buf``: after it, buf holds its value
         if mutation is not None:
             return None, mutation
         if o.get("origin") in self.nodes:
@@ -293,10 +325,14 @@ class _Planner:
                     found.append(v)
         return found
 
-    def add(self, var: str, kernel: str, inputs: tuple, kind: str = "node") -> int:
+    def add(self, var: str, kernel: str, inputs: tuple, kind: str = "node", lent: bool = False) -> int:
+        """A record of what ``kernel`` wrote into ``var``.  ``lent``: the kernel wrote ``var``'s memory only as
+        another buffer's (:func:`_written_through_alias`), so it holds no value of the node it is named after."""
         if kind == "node":
             self.writes_seen[var] = self.writes_seen.get(var, 0) + 1
         node, part_of = self._claim(var) if kind == "node" else (None, None)
+        if lent and node is not None:
+            node, part_of = None, node
         if node is not None:
             info = NodeInfo(node=self._unique(node.name), op=op_name(node), kind=kind, source=node_source(node),
                             inputs=inputs, extra={"buffer": var, "kernel": kernel})
@@ -405,6 +441,8 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
     out: List[str] = [body[0][indent:]]
     reused: set = set()
     unpacked = False
+    mutated = pl.input_writers  # graph inputs the graph writes in place: their last write is a symptom
+    last_write: Dict[str, int] = {}
     for line in body[1:]:
         text = line[indent:] if line.strip() else line
         stripped = line.strip()
@@ -456,7 +494,11 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
         # a generated or extern kernel writes exactly its output arguments; anything else may write what it names
         pure = bool(writes) and (writes[0][1] in pl.kernels or writes[0][1].startswith("extern_kernels."))
         pl.forget(stripped, keep=[n for _, _, ins in writes for n in ins] if pure else ())
-        added = [pl.add(var, kernel, ins) for (var, kernel, _), ins in zip(writes, resolved)]
+        lent = _lent_writes(stripped, pl.kernels)
+        added = [pl.add(var, kernel, ins, lent=var in lent) for (var, kernel, _), ins in zip(writes, resolved)]
+        for (var, _, _), i in zip(writes, added):
+            if pl.root(var) in mutated:
+                last_write[pl.root(var)] = i
         if len(added) > 1:
             pl.link_siblings(added)
         for k in pl.producers_first(added):
@@ -466,6 +508,9 @@ def plan_call(src: str, gm: fx.GraphModule, origins: Dict[str, Any], display: Di
         if writes:
             pl.pending_comment = []
     _name_last_writes(pl.infos)
+    for var, i in last_write.items():
+        pl.infos[i] = dataclasses.replace(pl.infos[i], extra=dict(pl.infos[i].extra or {},
+                                                                  writes_input=display.get(var, var)))
     return InstrumentedCall("\n".join(out) + "\n", pl.infos, sig, frozenset(reused))
 
 
@@ -509,7 +554,7 @@ def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]
     m = re.match(r"^(\w+)(?:\.run)?\((.*)\)$", stripped)
     if m and m.group(1) in kernels:
         args = [a for a in _split_args(m.group(2)) if not re.match(r"^\w+\s*=", a)]
-        writes, pure = kernels[m.group(1)]
+        writes, pure = kernels[m.group(1)][:2]
         names = [_base_name(a) for a in args]
         ins = [n for k, n in enumerate(names) if n and k not in pure and not n.isdigit()]
         return [(names[k], m.group(1), ins) for k in writes if k < len(names) and names[k]]
@@ -525,6 +570,15 @@ def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]
         ins = [n for n in (_base_name(a) for a in _split_args(m.group(3)) if not _is_out(a)) if n]
         return [(m.group(1), m.group(2), ins)]
     return []
+
+
+def _lent_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int], List[int]]]) -> set:
+    """The variables one statement's generated kernel writes only through an alias (:func:`_written_through_alias`)."""
+    m = re.match(r"^(\w+)(?:\.run)?\((.*)\)$", stripped)
+    if not m or m.group(1) not in kernels or not kernels[m.group(1)][2]:
+        return set()
+    names = [_base_name(a) for a in _split_args(m.group(2)) if not re.match(r"^\w+\s*=", a)]
+    return {names[k] for k in kernels[m.group(1)][2] if k < len(names) and names[k]}
 
 
 def _extern_reads(stripped: str, kernels) -> List[Tuple[str, str]]:

@@ -171,7 +171,48 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
         index[n.name] = len(infos)
         infos.append(info)
     _mark_outputs(gm, infos, index)
+    for ph, n in written_inputs(gm).items():
+        if n.name in index:
+            info = infos[index[n.name]]
+            infos[index[n.name]] = dataclasses.replace(info, extra=dict(info.extra or {}, writes_input=display.get(ph, ph)))
     return infos, index
+
+
+def _input_written(n: fx.Node) -> Optional[fx.Node]:
+    """The graph input (placeholder) ``n`` writes in place, through views of it too: a functionalized graph's
+    ``copy_`` back into a mutated input, an in-place op on an input in a dynamo graph (``acc.add_(x)``); else None."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    t = n.target
+    if n.op == "call_function" and _torch_compat.is_op_overload(t):
+        schema = _torch_compat.op_schema(t)
+        args = schema.arguments if schema is not None else ()
+        if not args or args[0].alias_info is None or not args[0].alias_info.is_write:
+            return None
+    elif n.op == "call_method" or (n.op == "call_function" and getattr(t, "__module__", "") == "torch"):
+        name = t if isinstance(t, str) else getattr(t, "__name__", "")
+        if not name.endswith("_") or name.startswith("_"):  # the in-place convention (``add_``, ``copy_``)
+            return None
+    else:
+        return None
+    base = n.args[0]
+    while base.op != "placeholder" and is_view(base) and base.args and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    return base if base.op == "placeholder" else None
+
+
+def written_inputs(gm: fx.GraphModule) -> Dict[str, fx.Node]:
+    """Graph input name -> the last node writing it in place (:func:`_input_written`).  What it holds then is what
+    the program sees after the call, as much as a returned value: the causal rule takes it for a symptom
+    (``extra.writes_input``), so a wrong value reaching only a mutated input or buffer (a compiled optimizer step,
+    running statistics, ``acc.add_``) is a finding, not a masked note."""
+    last: Dict[str, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            ph = _input_written(n)
+            if ph is not None:
+                last[ph.name] = n
+    return last
 
 
 def _mark_outputs(gm: fx.GraphModule, infos: List[NodeInfo], index: Dict[str, int]) -> None:

@@ -50,8 +50,12 @@ MAX_CONFIRM = 8
 
 
 def is_output(rec: Record) -> bool:
-    """Whether ``rec`` is (or is returned as) an output of its graph."""
-    return rec.kind == "output" or bool((rec.extra or {}).get("outputs") is not None)
+    """Whether ``rec`` is (or is returned as) an output of its graph, or the last write into one of its inputs
+    (``extra.writes_input``: the program sees that value after the call as it sees an output)."""
+    if rec.kind == "output":
+        return True
+    extra = rec.extra or {}
+    return extra.get("outputs") is not None or bool(extra.get("writes_input"))
 
 
 @dataclass

@@ -152,6 +152,23 @@ def test_memory_allocated_and_overwritten_before_any_read_is_no_divergence(tmp_p
         assert not report["divergent"] and report["notes"] == [] and report["checker_errors"] == [], report
 
 
+@pytest.mark.parametrize("backend", ["determ_aot_eager", "determ_eager"])
+def test_a_nondeterministic_value_reaching_only_a_written_back_input_is_a_finding(tmp_path, backend):
+    """A value written into the graph's input (``acc.add_``: running statistics, an optimizer step) is seen by the
+    program as an output is: a nondeterministic op reaching only that write was a masked note."""
+    import eager_helpers  # noqa: F401  (determ_test::eager_nd_rowsum, a genuinely nondeterministic op)
+
+    def f(x, acc):
+        acc.add_(torch.ops.determ_test.eager_nd_rowsum(x * 2))
+        return x * 3
+
+    _, run_dir = compile_run(f, (torch.randn(16, 64), torch.zeros(16, 64)), backend, tmp_path, "acc",
+                             check="determinism")
+    report = load(run_dir)[1]
+    assert report["divergent"], report
+    assert "eager_nd_rowsum" in report["first_divergence"]["op"], report["first_divergence"]
+
+
 def test_determinism_check_is_clean_on_deterministic_model(tmp_path):
     torch.manual_seed(0)
     _, run_dir = compile_run(MLP(), (torch.randn(4, 8),), "determ_eager", tmp_path, "clean", check="determinism")

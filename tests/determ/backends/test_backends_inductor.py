@@ -300,3 +300,39 @@ def test_without_a_float64_reference_bfloat16_rounding_is_no_divergence_and_a_bu
     fd = report["first_divergence"]
     assert report["divergent"] and fd["node"] == "relu", fd
     assert "no fp64 reference" in report["findings"][0]["mode"], report["findings"][0].get("mode")
+
+
+_WRITES_BACK_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import torch._inductor.config as ic
+    ic.cpp.inject_relu_bug_TESTING_ONLY = "accuracy"
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 8)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    def step():  # a hand-written optimizer step: parameters written in place, nothing returned
+        for p in m.parameters():
+            p.sub_(0.1 * torch.relu(p.grad))
+    def accumulate(x, acc):  # clean: the mean's undivided sum lives in memory inductor planned for acc + mean
+        h = torch.sigmoid(x)
+        acc.add_(h.mean())
+        return h[:, :2] * 2
+    opts = {"dir": sys.argv[1], "check": "accuracy"}
+    with torch.no_grad():
+        torch.compile(step, backend="determ_inductor", options=dict(opts, run_id="step"))()
+        torch.compile(accumulate, backend="determ_inductor", options=dict(opts, run_id="acc"))(
+            torch.randn(2, 8, 6, 6), torch.zeros(()))
+""")
+
+
+def test_a_wrong_value_reaching_only_what_the_graph_writes_back_into_its_inputs_is_found(tmp_path):
+    """A compiled update step returns nothing: the wrong relu reached only the parameters it writes in place (as a
+    compiled optimizer step, running statistics, ``acc.add_``), and was at most a masked note.  And a clean graph
+    whose kernel lends acc + mean's buffer to the mean's undivided sum had that sum judged as ``add``: a masked
+    divergence of 575x on a correct run."""
+    _, step = _run_script(tmp_path, "step", _WRITES_BACK_SCRIPT)
+    assert step["divergent"], step
+    named = [(r.get("kernel") or {}).get("node") or r["node"] for r in step["findings"][0]["root_causes"]]
+    assert set(named) == {"relu", "relu_1"}, step["findings"][0]["root_causes"]  # the weight's and the bias's
+    acc = load(tmp_path / "acc")[1]
+    assert not acc["divergent"] and acc.get("notes", []) == [] and acc["checker_errors"] == [], acc
