@@ -93,20 +93,24 @@ def _align_group(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
 
 
 def _same_name_other_shape(pairs: List[Pair]) -> List[Pair]:
-    """Pair the records of one name left alone because their shapes differ, when they consume the same values (the
-    partners of A's record's inputs are B's record's inputs): one value computed to another shape (a slice one row
-    longer), a divergence to report, not two ops each run ran alone.  A name that moved to a value made from other
-    inputs (an extra call renumbered the names after it) stays unpaired."""
+    """Pair the records of one name left alone because their shapes differ, or because they came in another order,
+    when they consume the same values (the partners of A's record's inputs are B's record's inputs; a record of no
+    inputs: the same dtype, shape and fingerprint): one value computed to another shape (a slice one row longer), a
+    divergence to report, not two ops each run ran alone; the same allocation made at another moment (the tensors a
+    ``DataLoader`` rebuilds from its workers' batches, in the order they arrive).  A name that moved to a value made
+    from other inputs (an extra call renumbered the names after it) stays unpaired."""
     lone_b = {p.b.node: p for p in pairs if p.a is None and p.b is not None}
     if not lone_b:
         return pairs
     partner = {p.a.node: p.b.node for p in pairs if p.paired}
     for p in pairs:
         a = p.a
-        if a is None or p.b is not None or not a.inputs:
+        if a is None or p.b is not None:
             continue
         q = lone_b.get(a.node)
         if q is None or q.b.op != a.op or tuple(partner.get(n) for n in a.inputs) != tuple(q.b.inputs):
+            continue
+        if not a.inputs and (a.hash is None or (a.hash, a.dtype, a.shape) != (q.b.hash, q.b.dtype, q.b.shape)):
             continue
         p.b, q.b = q.b, None
         del lone_b[a.node]

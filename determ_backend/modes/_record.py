@@ -35,7 +35,7 @@ import torch
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._hashing import PendingHashes, hashable
 from determ_backend._frames import FrameFilter
-from determ_backend.modes.ops import (COPIES, iter_args, mem_key, out_args, out_tensor_ids, tensor_args, returns_view,
+from determ_backend.modes.ops import (COPIES, adopts_storage, iter_args, mem_key, out_args, out_tensor_ids, tensor_args, returns_view,
                                       same_layout, schema_writes, uninitialized, uninitialized_hash, version,
                                       written_tensors)
 from determ_backend.trace.stream import Record, dtype_name, shape_of
@@ -49,7 +49,8 @@ _storage_weak_ref, _storage_release = _compat.storage_weak_ref, _compat.storage_
 # made per step starts warm): which frames are user code, each user line's names, each op's schema facts.
 _FRAMES = FrameFilter()
 _LINES: Dict[tuple, tuple] = {}  # (id(code), line) -> (source, name location, code); the code keeps its id
-_OP_INFO: Dict[int, tuple] = {}  # id(op) -> (writes, is view, uninitialized, copied arg, name, op, collective, out args)
+_OP_INFO: Dict[int, tuple] = {}  # id(op) -> (writes, is view, uninitialized, copied arg, name, op, collective, out args,
+#                                           adopts storage)
 _LINES_LIMIT = 1 << 16  # user lines remembered (generated code makes new ones)
 
 FORWARD_KEY = "determ_forward_source"  # autograd Node metadata key: (source, name location) of its forward op
@@ -65,13 +66,15 @@ _SILENT_LIMIT = 64  # storages written by collectives that are remembered (DDP: 
 
 def op_info(func) -> tuple:
     """What the recorder needs to know of an op, once per op of the process: ``(writes, is view, uninitialized,
-    copied arg, name, op, collective, out args)`` (``collective``: a ``torch.distributed`` op, whose outputs are
-    final only once its work is done; ``out args``: its ``out=`` arguments, :func:`~.ops.out_args`)."""
+    copied arg, name, op, collective, out args, adopts storage)`` (``collective``: a ``torch.distributed`` op, whose
+    outputs are final only once its work is done; ``out args``: its ``out=`` arguments, :func:`~.ops.out_args`;
+    ``adopts storage``: :func:`~.ops.adopts_storage`, recorded as nothing: the tensor is an input where it is used)."""
     info = _OP_INFO.get(id(func))  # by id: OpOverload's __hash__ is Python code
     if info is None or info[5] is not func:
         info = _OP_INFO[id(func)] = (schema_writes(func), returns_view(func), uninitialized(func),
                                      COPIES.get(_compat.op_schema_name(func)), str(func), func,
-                                     str(getattr(func, "namespace", "")) == "c10d", out_args(func))
+                                     str(getattr(func, "namespace", "")) == "c10d", out_args(func),
+                                     adopts_storage(func))
     return info
 
 
@@ -419,6 +422,9 @@ class OpRecorder:
     def end(self, ctx: tuple, result, args, kwargs, nondeterministic: bool = False) -> List[Record]:
         """After the op ran: one record per tensor (or Python scalar) it produced."""
         info, source, loc, stack, backward, compiled, in_recs, arg_desc, events = ctx
+        if info[8]:  # memory taken from elsewhere (set_ of a storage): no record; the version it bumped makes the
+            self._events.extend(events)  # tensor a first-seen input where an op uses it, in the program's order
+            return []
         writes, is_view, uninit, copy_arg, op = info[:5]
         outs = (result,) if not writes and isinstance(result, torch.Tensor) else written_tensors(result, writes, args,
                                                                                                  kwargs)

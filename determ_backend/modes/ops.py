@@ -29,7 +29,7 @@ from determ_backend.trace.stream import Record, format_hash
 
 __all__ = ["iter_args", "tensor_args", "written_tensors", "schema_writes", "returns_view",
            "uninitialized", "uninitialized_hash", "COPIES", "same_layout", "version", "mem_key", "unseen",
-           "wait_collective", "draws_random", "call_draws_random"]
+           "wait_collective", "draws_random", "call_draws_random", "adopts_storage"]
 
 
 def iter_args(args: Sequence, kwargs: Dict[str, Any], out: list, with_values: bool = False) -> list:
@@ -135,6 +135,14 @@ def uninitialized(func) -> bool:
     """Ops whose outputs are uninitialized memory (``empty``, ``empty_like``, ``new_empty_strided``...)."""
     schema = _torch_compat.op_schema(func)
     return schema is not None and "empty" in schema.name and not schema.is_mutable
+
+
+def adopts_storage(func) -> bool:
+    """``set_(storage, ...)``: the tensor takes memory it did not compute, a batch a ``DataLoader`` worker wrote into
+    shared memory (rebuilt in the order the workers' batches arrive, which varies from run to run).  Its values
+    enter the process as an input's do."""
+    return _torch_compat.op_schema_name(func) == "aten::set_" and \
+        _torch_compat.op_overload_name(func)[2].startswith("source_Storage")
 
 
 def uninitialized_hash(rec: Record) -> str:

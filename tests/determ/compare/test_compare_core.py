@@ -359,3 +359,17 @@ def test_the_cosine_of_a_tensor_with_itself_is_one_never_more():
                for x in (torch.randn(37, 13, generator=torch.Generator().manual_seed(s)) for s in range(50))]
     assert all(-1.0 <= c <= 1.0 for c in cosines) and max(cosines) == 1.0
     assert tensor_metrics(torch.ones(4), -torch.ones(4))["cosine"] == -1.0
+
+
+def test_the_same_allocation_made_at_another_moment_pairs_by_name():
+    """A DataLoader rebuilds its workers' batches as they arrive: the same ``empty(0)`` and its ``detach``, named
+    alike in both runs, sit between other ops at other places, and the runs were never shown identical."""
+    alloc = [_t("empty@l:f+1#0", h="e", op="aten.empty.memory_format"),
+             _t("detach@l:f+1#0", ["empty@l:f+1#0"], h="e", op="aten.detach.default")]
+    work = [_t("x@l:f+2#0", kind="input", h="x"), _t("relu@l:f+2#0", ["x@l:f+2#0"], h="r", output=True),
+            _t("tanh@l:f+2#0", ["relu@l:f+2#0"], h="t", output=True)]
+    cmp = compare_traces(alloc + work, work[:2] + alloc + work[2:])
+    assert cmp.identical and all(p.paired for p in cmp.pairs), [(p.a and p.a.node, p.b and p.b.node) for p in cmp.pairs]
+    other = [dict(vars(r)) for r in alloc]  # another allocation's fingerprint (another shape or dtype): not the same
+    moved = [Record(**dict(other[0], hash="E")), Record(**dict(other[1], hash="E"))]
+    assert not compare_traces(alloc + work, work[:2] + moved + work[2:]).identical
