@@ -55,7 +55,9 @@ def _value(r: Record, device: str) -> str:
 
 
 def _short(v) -> str:
-    s = repr(v)
+    """``repr(v)`` on one line (a storage's repr is one line per element: the log's readers read a line per field),
+    cut at 120 characters."""
+    s = repr(v).replace("\r", "\\r").replace("\n", "\\n")
     return s if len(s) <= 120 else s[:117] + "..."
 
 

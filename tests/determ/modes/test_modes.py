@@ -898,3 +898,16 @@ def test_batches_rebuilt_from_workers_in_another_order_diff_identical(tmp_path, 
     recs = read_trace_file(tmp_path / "a.jsonl").records
     assert not [r for r in recs if r.op.startswith("aten.set_")]  # its values enter as an input where they are used
     assert sum(r.kind == "input" and r.shape == [16] for r in recs) >= 3
+
+
+def test_a_storage_argument_leaves_the_text_log_readable(tmp_path, capsys):
+    """``set_`` of a storage (a DataLoader worker's batch) wrote the storage's repr, one line per element, into the
+    HashDebugTrace log, and ``repro-tools diff`` of the log stopped at "unknown field"."""
+    from determ_backend.modes.log import _short
+
+    src = torch.arange(100, dtype=torch.float32)
+    with HashDebugTrace(log_path=tmp_path / "run.log"):
+        t = torch.empty(0).set_(src.untyped_storage(), 0, (10, 10), (10, 1))
+        (t * 2).sum()
+    assert cli_main(["diff", str(tmp_path / "run.log"), str(tmp_path / "run.log")]) == 0
+    assert "\n" not in _short(src.untyped_storage())
