@@ -506,6 +506,9 @@ class OpRecorder:
 
     def _capture(self, rec: Record, t) -> None:
         why = hashable(t) if isinstance(t, torch.Tensor) else None
+        if why is not None and t.is_meta and not t.is_nested:  # no values: its dtype and shape are all it holds
+            rec.hash = uninitialized_hash(rec)
+            return
         if why is not None:
             rec.extra = dict(rec.extra or {}, unhashable=why)
             return

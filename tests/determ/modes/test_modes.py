@@ -911,3 +911,18 @@ def test_a_storage_argument_leaves_the_text_log_readable(tmp_path, capsys):
         (t * 2).sum()
     assert cli_main(["diff", str(tmp_path / "run.log"), str(tmp_path / "run.log")]) == 0
     assert "\n" not in _short(src.untyped_storage())
+
+
+def test_a_model_built_on_the_meta_device_diffs_identical_with_itself(tmp_path, capsys):
+    """Meta tensors (``init_empty_weights``, ``low_cpu_mem_usage``) hold no values: their records carried no
+    fingerprint, and a trace diffed against itself was "not shown identical"."""
+    with HashMode(trace_path=str(tmp_path / "run.jsonl")):
+        with torch.device("meta"):
+            m = torch.nn.Linear(8, 4)
+        m = m.to_empty(device="cpu")
+        torch.nn.init.ones_(m.weight)
+        torch.nn.init.zeros_(m.bias)
+        m(torch.ones(2, 8)).sum().backward()
+    assert cli_main(["diff", str(tmp_path / "run.jsonl"), str(tmp_path / "run.jsonl")]) == 0
+    recs = read_trace_file(tmp_path / "run.jsonl").records
+    assert all(r.hash for r in recs)
