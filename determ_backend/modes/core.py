@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import weakref
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
@@ -142,6 +143,7 @@ class HashMode(_compat.TorchDispatchMode):
         self._held: List[bytes] = []  # trace lines of batches handed on early, not written yet
         self._active = True
         self._on_stack = False
+        self._thread: Optional[int] = None  # the thread that entered the mode (it records that thread alone)
         self._via_enable = False
         self._closed = False
         self._warned_compiled = False
@@ -175,12 +177,23 @@ class HashMode(_compat.TorchDispatchMode):
             self._set_eval_frame(prior)
 
     # -- lifecycle ---------------------------------------------------------------------------------
+    def _check_thread(self) -> None:
+        """A mode records the thread that entered it; entered in another thread while it is on, the two threads'
+        records interleaved in one trace under one set of names, lost some, and two identical runs diffed as
+        divergent.  One line instead: one mode per thread."""
+        if self._on_stack and self._thread != threading.get_ident():
+            raise ConfigError(f"{type(self).__name__} is already recording another thread; a mode records the thread "
+                              "that entered it: make one per thread, each with its own trace path")
+
     def __enter__(self):
         if self._closed:
             raise ConfigError(f"{type(self).__name__} was closed; create a new one for another run")
+        with self._recorder.lock:
+            self._check_thread()
+            self._thread = threading.get_ident()
+            self._on_stack = True
         self._recorder.rank = _rank()
         self._open()
-        self._on_stack = True
         self._active = True
         return super().__enter__()
 
@@ -198,6 +211,7 @@ class HashMode(_compat.TorchDispatchMode):
     def enable(self) -> "HashMode":
         """Start (or resume) recording."""
         if self._on_stack:
+            self._check_thread()
             self._active = True
             return self
         self._via_enable = True

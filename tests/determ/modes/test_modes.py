@@ -926,3 +926,39 @@ def test_a_model_built_on_the_meta_device_diffs_identical_with_itself(tmp_path, 
     assert cli_main(["diff", str(tmp_path / "run.jsonl"), str(tmp_path / "run.jsonl")]) == 0
     recs = read_trace_file(tmp_path / "run.jsonl").records
     assert all(r.hash for r in recs)
+
+
+def test_one_mode_entered_by_a_second_thread_is_refused_in_one_line(tmp_path):
+    """Two threads in one HashMode interleaved their records in one trace under one set of names, lost some, and
+    two identical runs diffed as divergent: the second thread now gets a ConfigError, the first records alone."""
+    import threading
+
+    m = HashMode(trace_path=str(tmp_path / "run.jsonl"))
+    inside, done, errors = threading.Event(), threading.Event(), []
+
+    def first():
+        with m:
+            torch.ones(4).relu()
+            inside.set()
+            done.wait(30)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert inside.wait(30)
+
+    def second():
+        try:
+            with m:
+                torch.ones(4).relu()
+        except ConfigError as e:
+            errors.append(str(e))
+        finally:
+            done.set()
+
+    u = threading.Thread(target=second)
+    u.start()
+    u.join(30)
+    t.join(30)
+    assert len(errors) == 1 and "make one per thread" in errors[0], errors
+    ops = [r.op for r in read_trace_file(tmp_path / "run.jsonl").records]
+    assert ops.count("aten.relu.default") == 1, ops  # the first thread's ops alone
