@@ -255,10 +255,21 @@ def dir_problem(target: Union[str, Path]) -> Optional[str]:
     if not anc.is_dir():
         return f"{anc} is a file, not a directory"
     if anc == target:
-        return None if os.access(anc, os.W_OK | os.X_OK) else f"{anc} is read-only or not ours to write"
-    if not os.access(anc, os.W_OK | os.X_OK):
+        return None if os.access(anc, os.W_OK | os.X_OK) and _can_create_in(anc) else \
+            f"{anc} is read-only or not ours to write"
+    if not os.access(anc, os.W_OK | os.X_OK) or not _can_create_in(anc):
         return f"cannot create it in {anc} (read-only or no permission)"
     return None
+
+
+def _can_create_in(parent: Path) -> bool:
+    """Whether a directory can be made in ``parent``, tried (and removed at once): permission bits do not say so
+    for root, nor on a file system that refuses new entries (``/proc``)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".determ_probe_", dir=parent))
+        return True
+    except OSError:
+        return False
 
 
 class TraceWriter:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -241,6 +242,9 @@ f(torch.randn(2, 4))
     ("DETERM_CHECK", "bogus", "ConfigError: DETERM_CHECK='bogus': unknown check(s) bogus"),
     ("DETERM_RUN_ID", "../../x", "ConfigError: DETERM_RUN_ID='../../x'; expected a plain directory name"),
     ("DETERM_DIR", "{tmp}/afile/out", "afile is a file, not a directory; expected a directory that can be created"),
+    # a file system that refuses new directories whatever the permission bits say (root's access() says yes)
+    pytest.param("DETERM_DIR", "/proc/determ_out", "cannot create it in /proc",
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")),
 ])
 def test_a_bad_setting_in_the_environment_stops_torch_compile_itself_with_our_line_last(tmp_path, var, value, message):
     import os
