@@ -249,7 +249,24 @@ def _report(stage, err):
     return 1
 
 
+def missing_custom_op():
+    """Why the graph cannot run here when a custom op it calls is not registered (one defined in the program's main
+    script, which no repro can import), else None."""
+    for qual, where in META.get("main_ops", {}).items():
+        ns, _, name = qual.partition("::")
+        try:
+            getattr(getattr(torch.ops, ns), name)
+        except (AttributeError, RuntimeError):
+            return (f"{__file__}: the graph calls custom op {qual}, defined in {where}, which no script can import "
+                    "(it ran as the main program): define the op in a module the program imports, and record the "
+                    "failure again")
+    return None
+
+
 def _setup(ns):
+    missing = missing_custom_op()
+    if missing:
+        raise ReproInputError(missing)
     try:
         mod, args = Repro(), load_args(ns.device)
         if ns.device:
@@ -412,8 +429,14 @@ def _run_isolated(ns, kind):
     return proc.returncode
 
 
+_KINDS = ("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash", "hang", "cross_device",
+          "batch_invariance", "nan", "any")  # twin of repro_tools.repro.script.FAILURE_KINDS (this runtime imports torch only)
+
+
 def _run(ns):
     kind = ns.kind or META.get("kind", "any")
+    if kind not in _KINDS:  # a hand-edited META: checking nothing would pass for "not reproduced"
+        raise ReproInputError(f"{__file__}: META kind {kind!r}: expected one of {', '.join(_KINDS)}")
     if kind in ("crash", "hang", "any") and not ns.in_process:
         return _run_isolated(ns, kind)
     with config_applied():
@@ -521,8 +544,7 @@ def main(argv=None):
         p.add_argument("--out", help="also save the inputs to this file (torch.save)")
         p.add_argument("--force", action="store_true", help="replace --out when it exists")
     else:
-        p.add_argument("--kind", choices=("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash",
-                                          "hang", "cross_device", "batch_invariance", "nan", "any"),
+        p.add_argument("--kind", choices=_KINDS,
                        help=f"failure to check for (default: the recorded one, {META.get('kind', 'any')})")
         p.add_argument("--tol", type=float, default=float(META.get("tol", 1e-3)), help="accuracy tolerance")
         p.add_argument("--strict", action="store_true", default=bool(META.get("strict")),

@@ -19,7 +19,10 @@ import builtins
 import keyword
 import logging
 import math
+import os
 import pprint
+import sys
+import sysconfig
 import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -116,6 +119,7 @@ class CodeWriter:
         self.classes: List[str] = []
         self.nodes: List[List[Any]] = []
         self.subgraph_nodes: Dict[str, List[List[Any]]] = {}  # the same of each subgraph, by its dotted path
+        self.main_ops: Dict[str, str] = {}  # custom ops no module can give the script -> the file that defined them
 
     def module_class(self, gm: fx.GraphModule, cls_name: str, prefix: str = "") -> str:
         code = gm.graph.python_code(root_module="self", verbose=self.verbose)
@@ -170,23 +174,61 @@ class CodeWriter:
         self.attrs.append(spec)
 
     def import_lines(self, modules: Sequence[str] = ()) -> str:
-        """The imports the classes need: torch, ``modules`` (custom ops' homes), then each global."""
-        return (_HEADER + "".join(f"import {mod}\n" for mod in dict.fromkeys([*modules, *self.op_modules]))
+        """The imports the classes need: torch, ``modules`` (custom ops' homes), then each global.  A module that is
+        not torch's is imported under a guard: run as a script where it cannot be imported, the script says so in
+        one line and exits 2 (bad input), not with a traceback and exit 1 (which means "reproduced")."""
+        return (_HEADER + "".join(_module_import(mod) for mod in dict.fromkeys([*modules, *self.op_modules]))
                 + "\n".join(sorted(self.imports.values())) + "\n")
 
     def _scan_custom_ops(self, gm: fx.GraphModule) -> None:
         for n in gm.graph.nodes:
-            ns = getattr(n.target, "namespace", None)
-            lazy = tc.op_registering_module(tc.op_schema_name(n.target) or "") if n.op == "call_function" and ns else None
+            if n.op != "call_function":
+                continue
+            # an overload (``torch.ops.ns.op.default``) or a packet (``torch.ops.ns.op``, as user code calls it)
+            qual = tc.op_packet_name(n.target) if tc.is_op_overload_packet(n.target) else tc.op_schema_name(n.target)
+            ns = qual.split("::", 1)[0] if qual and "::" in qual else None
+            lazy = tc.op_registering_module(qual) if ns else None
             if lazy and lazy not in self.op_modules:  # a torch op that exists once that module ran (inductor's prims)
                 self.op_modules.append(lazy)
-            if n.op == "call_function" and ns and ns not in _BUILTIN_NAMESPACES:
-                qual = tc.op_schema_name(n.target)
+            if ns and ns not in _BUILTIN_NAMESPACES:
                 mod = tc.custom_op_module(qual)
                 if mod and mod != "__main__" and mod not in self.op_modules:
                     self.op_modules.append(mod)
                 elif not mod or mod == "__main__":
-                    log.warning("custom op %s: its defining module is not importable; pass meta={'imports': [...]}", qual)
+                    where = getattr(sys.modules.get("__main__"), "__file__", None) if mod == "__main__" else None
+                    self.main_ops[qual] = where or "an unknown module"
+                    log.warning("custom op %s is defined in %s%s: a repro script cannot import it; define it in a "
+                                "module the program imports (or pass meta={'imports': [...]})", qual,
+                                where or "an unknown module", " (the main script)" if where else "")
+
+
+def _module_import(mod: str) -> str:
+    if mod == "torch" or mod.startswith("torch."):
+        return f"import {mod}\n"
+    return (f"try:\n    import {mod}\n"
+            f"except ImportError as _e:  # where the graph's custom ops are defined\n"
+            f"    if __name__ != '__main__':\n        raise\n"
+            f"    print(os.path.basename(__file__) + ': cannot import {mod}, which defines custom ops this graph calls (' "
+            f"+ str(_e) + '); run it where {mod} can be imported (its directory on PYTHONPATH)', file=sys.stderr)\n"
+            f"    sys.exit(2)\n")
+
+
+def module_roots(modules: Sequence[str]) -> List[str]:
+    """The directories ``modules`` (loaded now) are imported from, those outside the installed packages: a script
+    that imports them extends ``sys.path`` with these first, so it runs from any working directory."""
+    installed = {os.path.realpath(p) for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib"))
+                 if p}
+    roots: List[str] = []
+    for name in modules:
+        f = getattr(sys.modules.get(name), "__file__", None)
+        if not f or name == "__main__":
+            continue
+        p = Path(f).resolve()
+        depth = name.count(".") + (1 if p.name == "__init__.py" else 0)
+        root = str(p.parents[depth]) if depth < len(p.parents) else None
+        if root and root not in installed and root not in roots:
+            roots.append(root)
+    return roots
 
 
 def graph_source(gm: fx.GraphModule) -> str:
@@ -251,6 +293,8 @@ def script_text(m: Dict[str, Any], specs: List[Dict[str, Any]], writer: CodeWrit
              "import os\nimport sys\n",
              f"if __name__ == '__main__':  # env vars set when the graph was compiled (before torch is imported)\n"
              f"    for _k, _v in {env!r}.items():\n        os.environ.setdefault(_k, _v)\n",
+             *([f"sys.path.extend(_p for _p in {list(m['sys_path'])!r} if _p not in sys.path)  # where the modules "
+                f"below were imported from\n"] if m.get("sys_path") else []),
              writer.import_lines(m.get("imports", [])),
              "META = " + pprint.pformat(m, width=110, sort_dicts=True) + "\n",
              "INPUTS = " + pprint.pformat(specs, width=110) + "\n",

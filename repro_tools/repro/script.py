@@ -38,7 +38,7 @@ from determ_backend.errors import ReproError
 from determ_backend.trace.stream import atomic_write_text
 
 from repro_tools.repro._inputs import ReproTracer
-from repro_tools.repro.codegen import CodeWriter, call_key, script_text
+from repro_tools.repro.codegen import CodeWriter, call_key, module_roots, script_text
 from repro_tools.repro.store import STORE_NAME, StoreWriter, copy_store_files, describe_value, json_safe
 
 __all__ = ["write_repro", "load_repro", "read_meta", "repro_class_span", "add_sys_path", "import_script", "copy_repro", "capture_compile_config", "capture_env",
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 FAILURE_KINDS = ("compile_error", "runtime_error", "accuracy", "nondeterminism", "crash", "hang", "cross_device",
                  "batch_invariance", "nan", "any")
-"""What ``run`` checks for; ``any`` = an error at compile or run time, or a crash (isolated)."""
+"""What ``run`` checks for; ``any`` = an error at compile or run time, or a crash (isolated).  Twin: ``_harness._KINDS``."""
 _ORACLE_KINDS = {"error": "any"}  # the minifier's oracle names that differ from ours
 _CONFIG_MODULES = ("inductor", "dynamo", "functorch")
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE", "TORCH_LOGS", "PYTORCH_", "CUBLAS_",
@@ -191,8 +191,19 @@ def write_repro(gm: fx.GraphModule, inputs: Sequence[Any], path: Union[str, Path
     m["store"] = os.path.relpath(store_path, path.parent)
     m["store_abs"] = str(store_path)
     m["regenerated_inputs"] = store.regenerated
+    # the modules of this graph's custom ops join the imports given (the ops a graph it was cut from called, which
+    # the meta it inherits lists, do not), and their directories the script's sys_path
+    given = [x for x in m.pop("imports", []) if x not in m.pop("op_imports", [])]
+    if given or writer.op_modules:
+        m["imports"] = list(dict.fromkeys(given + writer.op_modules))
     if writer.op_modules:
-        m["imports"] = list(dict.fromkeys(list(m.get("imports", [])) + writer.op_modules))
+        m["op_imports"] = list(writer.op_modules)
+    m.pop("main_ops", None)
+    if writer.main_ops:
+        m["main_ops"] = dict(writer.main_ops)
+    roots = module_roots(m.get("imports", []))
+    if roots:
+        m["sys_path"] = list(dict.fromkeys(list(m.get("sys_path") or []) + roots))
     text = script_text(m, specs, writer)
     atomic_write_text(path, text)
     os.chmod(path, 0o755)
@@ -268,6 +279,9 @@ def load_repro(path: Union[str, Path], device: Optional[str] = None) -> Tuple[fx
         log.warning("%s was written with torch %s, this is torch %s; the failure may not reproduce",
                     path, meta["torch_version"], torch.__version__)
     module = import_script(path)
+    missing = getattr(module, "missing_custom_op", lambda: None)()  # scripts written before it have none
+    if missing:
+        raise ReproError(missing)
     root = module.Repro()
     if device:
         root.to(device)

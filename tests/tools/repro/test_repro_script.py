@@ -13,7 +13,7 @@ import torch.fx as fx
 from determ_backend.errors import ReproError
 from repro_tools.repro.script import copy_repro, load_repro, read_meta, write_repro
 
-from repro_helpers import (TESTS, assert_reproduces, capture_graph, forward_source, last_stderr_line, model,
+from repro_helpers import (TESTS, assert_reproduces, capture_graph, forward_source, last_stderr_line, model, run_script,
                            model_inputs, run_code, run_main, run_without_determ)
 
 
@@ -554,3 +554,85 @@ def test_the_nodes_of_a_checkpoints_body_keep_their_names_and_user_lines(tmp_pat
     assert "SUBGRAPH_NODES" in path.read_text()
     load_repro(write_repro(fx.symbolic_trace(WithParams()), [torch.randn(3, 4)], tmp_path / "plain.py"))
     assert "SUBGRAPH_NODES" not in (tmp_path / "plain.py").read_text()  # scripts without subgraphs are as before
+
+
+_USER_OPS = '''
+import torch
+@torch.library.custom_op("determ_user_ops::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+'''
+
+
+def test_a_repro_calling_a_users_custom_op_imports_it_from_anywhere_and_says_so_when_it_cannot(tmp_path, monkeypatch):
+    """The module defining a custom op was imported at the script's top before its recorded sys_path was applied:
+    run from another directory, the script died with ModuleNotFoundError and exit 1 ("reproduced"); and a repro cut
+    from it, calling no custom op any more, still imported the module."""
+    import importlib
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "determ_user_ops_mod.py").write_text(_USER_OPS)
+    monkeypatch.syspath_prepend(str(home))
+    importlib.import_module("determ_user_ops_mod")
+    gm, inputs = capture_graph(lambda x: torch.ops.determ_user_ops.twice(torch.relu(x)) + 1, torch.randn(4))
+    path = write_repro(gm, inputs, tmp_path / "repro.py", meta={"compiler": "eager", "after": "dynamo"})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ok = run_script(path, "run", cwd=elsewhere)
+    assert ok.returncode == 0 and "not reproduced" in ok.stdout, ok.stderr[-1500:]
+    (home / "determ_user_ops_mod.py").rename(home / "moved.py")
+    gone = run_script(path, "run", cwd=elsewhere)
+    assert gone.returncode == 2 and "cannot import determ_user_ops_mod" in gone.stderr
+    assert len(gone.stderr.strip().splitlines()) == 1, gone.stderr
+    cut = write_repro(fx.symbolic_trace(lambda x: torch.relu(x)), inputs, tmp_path / "cut.py", meta=read_meta(path))
+    assert "determ_user_ops_mod" not in cut.read_text().split("META =")[0]  # no import of it above the graph
+    assert run_script(cut, "run", cwd=elsewhere).returncode == 0
+
+
+_MAIN_OP_PROGRAM = '''
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from repro_helpers import capture_graph
+from repro_tools.repro.script import write_repro
+@torch.library.custom_op("determ_main_ops::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+gm, inputs = capture_graph(lambda x: torch.relu(twice(x)), torch.randn(4))
+write_repro(gm, inputs, sys.argv[1], meta={"compiler": "eager", "after": "dynamo"})
+'''
+
+
+def test_a_repro_calling_a_custom_op_of_the_main_script_says_so_in_one_line(tmp_path):
+    """An op defined in the program's main script cannot be imported by any script: ``run``, ``minify`` and
+    ``analyze`` said "the Repro module cannot be traced back into a graph ... a fault of the script"."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "repro.py"
+    made = subprocess.run([sys.executable, "-c", _MAIN_OP_PROGRAM, str(path), str(TESTS)], capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-1500:]
+    r = run_script(path, "run")
+    assert r.returncode == 2 and "custom op determ_main_ops::twice" in r.stderr and "main program" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    with pytest.raises(ReproError, match="custom op determ_main_ops::twice"):
+        load_repro(path)
+
+
+def test_a_misspelled_kind_in_a_hand_edited_repro_is_bad_input_not_a_clean_result(tmp_path):
+    """META ``'kind': 'acuracy'`` checked nothing and printed "not reproduced: ... passed the acuracy check", exit 0."""
+    path = write_repro(fx.symbolic_trace(WithParams()), [torch.randn(3, 4)], tmp_path / "repro.py",
+                       meta={"kind": "accuracy"})
+    path.write_text(path.read_text().replace("'kind': 'accuracy'", "'kind': 'acuracy'"))
+    r = run_script(path, "run")
+    assert r.returncode == 2 and "META kind 'acuracy': expected one of" in r.stderr, (r.stdout, r.stderr)
+    from repro_tools.repro import _harness
+    from repro_tools.repro.script import FAILURE_KINDS
+    assert _harness._KINDS == FAILURE_KINDS  # the twins agree
