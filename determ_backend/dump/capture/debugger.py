@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from determ_backend.errors import ConfigError
+from determ_backend.errors import ConfigError, DetermError
 from determ_backend.dump.capture import control
 from determ_backend.dump.capture.overflow import check_overflow_nums
 from determ_backend.dump.capture.switch import DUMP_MODES, LEVELS
@@ -236,8 +236,11 @@ class PrecisionDebugger:
             if self.config.bench_path is not None:
                 from determ_backend.dump.capture.online import OnlineBaseline
 
-                online = OnlineBaseline.for_step(self.config.bench_path, self.current_step, control.current_rank(),
-                                                 keep=self.config.diff_nums)
+                try:
+                    online = OnlineBaseline.for_step(self.config.bench_path, self.current_step,
+                                                     control.current_rank(), keep=self.config.diff_nums)
+                except DetermError as e:  # a reference of fewer steps (or ranks): this step is dumped, not compared
+                    log.warning("%s; step %d is dumped without the online comparison", e, self.current_step)
             self.online = online
             control.set_dump_switch("ON", mode=mode, summary_only=self.task == "statistics",
                                     dump_mode=self.data_mode, level=self.level, online=online, **kw)

@@ -155,8 +155,15 @@ class OnlineBaseline:
                 self.first.append(finding)
             if verdict == "root_cause" and self.root is None:
                 self.root = finding
-                log.warning("online baseline: root cause %s at %s: its inputs match %s, its output does not",
-                            entry["name"], entry.get("source") or "?", self.reference_path)
+                given = [f"{entry['name']}_{t.get('name')}" for t in entry.get("inputs", [])
+                         if is_given(t) and False in self._agree("inputs", {"inputs": [t]}, ref, given=True)]
+                if given:  # compare's words: a call fed a changed weight is where the divergence starts
+                    log.warning("online baseline: root cause %s at %s: its output differs from %s, and so does what "
+                                "it was given (%s), while nothing before it diverged", entry["name"],
+                                entry.get("source") or "?", self.reference_path, ", ".join(given))
+                else:
+                    log.warning("online baseline: root cause %s at %s: its inputs match %s, its output does not",
+                                entry["name"], entry.get("source") or "?", self.reference_path)
             return verdict
 
     def wants_tensors(self) -> bool:

@@ -220,3 +220,24 @@ def test_online_baseline_takes_a_module_around_the_root_cause_as_compare_does(tm
     assert online_roots == [p.name for p in cmp.root_causes] == ["Functional_linear_0_forward"]
     verdicts = {f["name"]: f["verdict"] for f in report["first_divergences"]}
     assert verdicts["Module_fc1.Linear_0_forward"] == "diverged"
+
+
+def test_a_reference_of_fewer_steps_leaves_the_later_steps_dumped_and_the_training_going(tmp_path, caplog):
+    """The reference dump held step 0 alone: ``start()`` of step 1 raised ConfigError and killed the training loop."""
+    ref = _run(tmp_path, "ref", {"task": "statistics", "step": [0]})
+    with caplog.at_level("WARNING", logger=_LOGGER):
+        new = _run(tmp_path, "new", {"task": "statistics", "statistics": {"bench_path": str(ref)}}, steps=3)
+    said = [r.getMessage() for r in caplog.records if "without the online comparison" in r.getMessage()]
+    assert len(said) == 2 and "no reference dump for step 1" in said[0], said
+    assert (new / "step0" / "rank0" / "online_compare.json").exists()
+    assert _names(new, 2) == _names(new, 0)  # the later steps are dumped whole
+
+
+def test_the_online_root_cause_fed_a_changed_weight_says_so_as_compare_does(tmp_path, caplog):
+    """A perturbed weight: online named the right call but said "its inputs match", where compare says "and so does
+    what it was given (..._input.1)"."""
+    ref = _run(tmp_path, "ref", {"task": "statistics"})
+    with caplog.at_level("WARNING", logger=_LOGGER):
+        _run(tmp_path, "new", {"task": "statistics", "statistics": {"bench_path": str(ref)}}, perturb="fc2.weight")
+    (said,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("online baseline: root cause")]
+    assert "and so does what it was given (" in said and "_input.1" in said and "inputs match" not in said, said
