@@ -78,6 +78,7 @@ class OnlineBaseline:
         self._rule = InputsRule(remembered=_REMEMBERED)  # compare's rule for whether a call's inputs agree
         self.off = False
         """Set when the check itself failed (reported once): the dump goes on without it."""
+        self._dtypes: set = set()  # the dtypes of tensors met in another dtype on each side (mixed precision)
 
     @classmethod
     def for_step(cls, bench_path: Union[str, Path], step: int, rank: int, keep: int = 5) -> "OnlineBaseline":
@@ -90,9 +91,15 @@ class OnlineBaseline:
         self._device = device
 
     def _tol(self, ta: Dict[str, Any], tb: Dict[str, Any]) -> Optional[float]:
-        if self._device == self.device and ta.get("dtype") == tb.get("dtype"):
+        """Bitwise on the same device and dtypes; once the runs are seen to compute in other dtypes (bfloat16
+        against float32), every tensor within the tolerance of the narrowest dtype met, as compare judges: a
+        ``.float()`` of bfloat16 values carries bfloat16's rounding, and was blamed when judged bitwise."""
+        da, db = ta.get("dtype"), tb.get("dtype")
+        if da != db:
+            self._dtypes.update(d for d in (da, db) if d)
+        if self._device == self.device and da == db and not self._dtypes:
             return None
-        return dtype_tol(DEFAULT_TOL, ta.get("dtype"), tb.get("dtype"))
+        return dtype_tol(DEFAULT_TOL, da, db, *self._dtypes)
 
     def _agree(self, io: str, entry: Dict[str, Any], ref: Dict[str, Any],
                given: Optional[bool] = None) -> List[Optional[bool]]:

@@ -241,3 +241,30 @@ def test_the_online_root_cause_fed_a_changed_weight_says_so_as_compare_does(tmp_
         _run(tmp_path, "new", {"task": "statistics", "statistics": {"bench_path": str(ref)}}, perturb="fc2.weight")
     (said,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("online baseline: root cause")]
     assert "and so does what it was given (" in said and "_input.1" in said and "inputs match" not in said, said
+
+
+def test_an_online_baseline_of_a_bfloat16_run_against_float32_judges_as_compare_does(tmp_path, caplog):
+    """A bf16-autocast run against its fp32 reference: each tensor was judged by its own dtypes, so the ``.float()``
+    of the bf16 logits (float32 on both sides, bitwise) was the root cause, where compare finds no divergence."""
+    def run(out, bench=None, bf16=False):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        cfg = {"task": "statistics", "dump_path": str(tmp_path / out), "level": "L1"}
+        if bench:
+            cfg["statistics"] = {"bench_path": str(bench)}
+        (tmp_path / f"{out}.json").write_text(json.dumps(cfg))
+        dbg = dump.PrecisionDebugger(config_path=str(tmp_path / f"{out}.json"), model=m)
+        dbg.start(m)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = m(x)
+        F.cross_entropy(logits.float(), y).backward()
+        dbg.stop()
+        return tmp_path / out
+
+    ref = run("ref")
+    with caplog.at_level("WARNING", logger=_LOGGER):
+        new = run("bf16", bench=ref, bf16=True)
+    assert not [r for r in caplog.records if r.getMessage().startswith("online baseline: root cause")]
+    report = json.loads((new / "step0" / "rank0" / "online_compare.json").read_text())
+    assert report["root_cause"] is None, report
