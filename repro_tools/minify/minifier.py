@@ -359,6 +359,9 @@ def _final_check(s: _Session, r: Reducer, gm: fx.GraphModule, inputs: List[Any])
 
 def _minify(view, spec, runner, out, budget, localize, resume, progress, meta) -> MinifyResult:
     start = view.normalize(view.full())
+    if start is None and view.eager_error:  # no value is known: the graph fails without the compiler
+        raise ReproError(f"the input graph cannot run eagerly ({view.eager_error}): its inputs or the script are "
+                         "wrong, not the compiler")
     if start is None:  # candidates are cut by the values they return: a graph that returns none has no cut
         raise ReproError("the graph returns no tensor computed in it (it only updates tensors in place, as a "
                          "compiled optimizer step does), so it cannot be shrunk by its outputs; the repro itself "

@@ -34,7 +34,7 @@ from determ_backend.backends.eager import EagerInterpreter
 from determ_backend.backends.extract import MissingValue, extract
 from determ_backend.backends.instrument import module_place_of
 from determ_backend.clones import clone_inputs
-from determ_backend.errors import ReproError
+from determ_backend.errors import ReproError, first_line
 from determ_backend.fingerprint.core import hash_tensors
 
 __all__ = ["Candidate", "GraphView", "COMPUTE_OPS", "source_line", "target_name", "record_values"]
@@ -65,7 +65,7 @@ def record_values(gm: fx.GraphModule, inputs: Sequence[Any]) -> Tuple[Dict[str, 
             interp.run(*clone_inputs(inputs))
     except Exception as e:  # an eager failure limits which nodes can become placeholders; it is reported
         log.warning("eager run of the graph stops at node %d: %s: %s", len(interp.values), type(e).__name__, e)
-        return interp.values, f"{type(e).__name__}: {e}"
+        return interp.values, f"{type(e).__name__}: {first_line(e)}"
     return interp.values, None
 
 

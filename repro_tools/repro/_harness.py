@@ -241,6 +241,20 @@ def _bitwise_equal(a, b):
                                     for x, y in zip(a, b))
 
 
+def _eager_fails(mod, args):
+    """2, said in one line, when the graph fails without any compiler too (an input that does not fit it, a script
+    edited by hand): the compiler's failure cannot be told from that, and is not reproduced.  None when eager runs."""
+    try:
+        with torch.set_grad_enabled(not META.get("only_fwd", True)):
+            mod(*_clone(args))
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"{os.path.basename(__file__)}: error: the graph fails without the compiler too ({type(err).__name__}: "
+              f"{first[:300]}): its inputs or the script are wrong, not the compiler (see get-args)", file=sys.stderr)
+        return 2
+    return None
+
+
 def _report(stage, err):
     traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
     kind = META.get("kind", "any")
@@ -391,11 +405,11 @@ def _run_checks(ns):
     try:
         fn = compile_repro(mod, args, compiler, gm)
     except Exception as err:
-        return _report("compile_error", err)
+        return _eager_fails(mod, args) or _report("compile_error", err)
     try:
         msg = _check(kind, mod, fn, compiler, args, ns)
     except Exception as err:
-        return _report("runtime_error", err)
+        return _eager_fails(mod, args) or _report("runtime_error", err)
     if msg:
         print(f"reproduced {kind}: {msg}")
         return 1

@@ -636,3 +636,20 @@ def test_a_misspelled_kind_in_a_hand_edited_repro_is_bad_input_not_a_clean_resul
     from repro_tools.repro import _harness
     from repro_tools.repro.script import FAILURE_KINDS
     assert _harness._KINDS == FAILURE_KINDS  # the twins agree
+
+
+def test_a_graph_that_fails_without_the_compiler_is_bad_input_for_run_and_minify(tmp_path):
+    """A hand-edited size that no longer fits the inputs: ``run`` said "reproduced compile_error" for the graph's own
+    shape error, and ``minify`` that the graph "returns no tensor computed in it"."""
+    from repro_tools.cli import main as cli_main
+
+    gm = fx.symbolic_trace(lambda x: (torch.relu(x).view(12, 16),))
+    path = write_repro(gm, [torch.randn(10, 16)], tmp_path / "repro.py",
+                       meta={"kind": "runtime_error", "compiler": "eager", "after": "aot"})
+    r = run_script(path, "run", "--in-process")
+    assert r.returncode == 2 and "fails without the compiler too" in r.stderr and "reproduced" not in r.stdout
+    with pytest.raises(ReproError, match=r"cannot run eagerly \(RuntimeError: shape '\[12, 16\]' is invalid"):
+        from repro_tools.minify import minify
+        from repro_tools.minify.oracles import OracleSpec
+        minify(*load_repro(path)[:2], OracleSpec(kind="runtime_error", compiler="eager"), progress=False)
+    assert cli_main(["minify", str(path)]) == 2
