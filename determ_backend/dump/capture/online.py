@@ -148,6 +148,7 @@ class OnlineBaseline:
             self.checked += 1
             if ref is None:
                 self.unmatched += 1
+                self._rule.unpaired(entry.get("seq"))
                 return None
             ins = self._rule.inputs_agree(entry, self._agree("inputs", entry, ref, given=False),
                                           self._agree("inputs", entry, ref, given=True))

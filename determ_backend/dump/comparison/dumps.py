@@ -265,6 +265,13 @@ class InputsRule:
                 del self._forward[k]
         return ins
 
+    def unpaired(self, seq: Optional[int]) -> None:
+        """A call ran in one dump only (a hook's extra op) at ``seq`` of the judged dump's numbering (for a call of
+        the other dump, that of the last call before it): a module around it is explained by it, as by a call that
+        diverged, instead of being a root cause itself."""
+        if isinstance(seq, int):
+            self._last_diverged = max(self._last_diverged if self._last_diverged is not None else seq, seq)
+
     def output_judged(self, entry: Dict[str, Any], diverges: bool) -> None:
         """``entry``'s output verdict: later calls are judged knowing whether anything diverged before."""
         if diverges:
@@ -361,6 +368,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
     if mixed:  # values computed in float32 from bfloat16 inputs carry bfloat16's rounding: judge all at its precision
         tol = dtype_tol(tol, *_float_dtypes(pairs))
     rule = InputsRule()
+    last_seq: Optional[int] = None  # ``seq`` of the last call of dump a met (where a call of b alone falls)
     judged_any = False
     judged: List[Pair] = []
     api: Dict[int, ApiPair] = {}
@@ -369,7 +377,12 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
             for side, e, d in (("NPU", pa.a, da), ("Bench", pa.b, db)):
                 if e is not None:
                     _unmatched_rows(pa, e, side)
+            if pa.a is not None and isinstance(pa.a.get("seq"), int):
+                last_seq = pa.a["seq"]
+            rule.unpaired(last_seq)
             continue
+        if isinstance(pa.a.get("seq"), int):
+            last_seq = pa.a["seq"]
         v = _pair_tensors(pa, da, db, exact, tol)
         ins = rule.inputs_agree(pa.a, v["inputs"], v["given"])
         pa.inputs_match = ins

@@ -752,3 +752,22 @@ def test_a_dump_inside_vmap_and_grad_describes_the_batch_and_leaves_the_program_
     entries = [json.loads(ln) for ln in index.read_text().splitlines()[1:]]
     unsqueeze = next(e for e in entries if e.get("op") == "Tensor.unsqueeze")
     assert unsqueeze["inputs"][0]["shape"] == [5, 8] and unsqueeze["inputs"][0]["stats"]["l2"] > 0  # the batch
+
+
+def test_a_module_around_a_call_only_one_run_made_is_not_a_root_cause(tmp_path):
+    """A forward hook adds to fc1's output in one run: at L1 the hook's add is the likely culprit; at ``mix`` the
+    module around it was "root cause: its inputs match but its output does not", and the add went unmentioned."""
+    def run(out, hook):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        if hook:
+            m[0].register_forward_hook(lambda mod, args, y: y + 1e-3)
+        dbg = dump.PrecisionDebugger(task="statistics", dump_path=str(tmp_path / out), level="mix", model=m)
+        dbg.start(m)
+        m(torch.randn(4, 16)).sum().backward()
+        dbg.stop()
+        return tmp_path / out / "step0" / "rank0"
+
+    cmp = compare_two(run("a", False), run("b", True), tmp_path / "cmp")
+    assert _root_causes(cmp) == [], _root_causes(cmp)
+    assert cmp.first_divergence is not None and cmp.first_divergence.name == "Module_0.Linear_0_forward"
