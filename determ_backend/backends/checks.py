@@ -62,7 +62,7 @@ from determ_backend.backends.eager import replay
 from determ_backend.backends.instrument import node_source
 from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
-from determ_backend.backends.retarget import widen_casts
+from determ_backend.backends.retarget import widen_casts, widened
 from determ_backend.backends.upstream import Upstream, move_innocent_roots
 from determ_backend.clones import AttributeState, Saved, clone_inputs, read_attributes_in
 from determ_backend.fingerprint.core import hash_tensors
@@ -88,7 +88,9 @@ def graph_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
 
 
 def _to64(args: Sequence[Any]) -> List[Any]:
-    return [a.detach().to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    """The float64 reference's inputs: floating tensors in float64, complex ones in complex128."""
+    return [a.detach().to(widened(a.dtype, torch.float64)) if isinstance(a, torch.Tensor) and
+            (a.is_floating_point() or a.is_complex()) else a for a in args]
 
 
 def _device_of(args: Sequence[Any]) -> Optional[str]:

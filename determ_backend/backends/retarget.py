@@ -28,7 +28,22 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
 
-__all__ = ["on_device", "Converter", "converter", "moved_graph", "widen_casts", "stage_scope", "scoped_wrap"]
+__all__ = ["on_device", "Converter", "converter", "moved_graph", "widen_casts", "widened", "stage_scope", "scoped_wrap"]
+
+
+_COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64, torch.float16: torch.complex32}
+
+
+def widened(d: Any, dtype: torch.dtype) -> Any:
+    """``d`` widened to floating ``dtype``: a narrower floating dtype becomes ``dtype``, a narrower complex one the
+    complex dtype of ``dtype``'s precision (``complex64`` -> ``complex128`` for float64); anything else as is."""
+    if not isinstance(d, torch.dtype):
+        return d
+    if d.is_floating_point:
+        return dtype if torch.finfo(d).bits < torch.finfo(dtype).bits else d
+    if d.is_complex and dtype in _COMPLEX_OF and d.itemsize < _COMPLEX_OF[dtype].itemsize:
+        return _COMPLEX_OF[dtype]
+    return d
 
 
 class Converter(NamedTuple):
@@ -41,7 +56,11 @@ class Converter(NamedTuple):
     def __call__(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        want = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+        want = t.dtype
+        if self.dtype is not None and t.is_floating_point():
+            want = self.dtype
+        elif self.dtype is not None and t.is_complex():  # widened to the spec's precision (cpu:float64), never narrowed
+            want = widened(t.dtype, self.dtype)
         return t.to(device=self.device, dtype=want)
 
 
@@ -62,13 +81,17 @@ def widen_casts(graph: fx.Graph, dtype: torch.dtype) -> None:
     ``_to_copy``) and the dtypes of the tensors it creates (``full(..., dtype=float32)``).  On a ``cpu:float64``
     side, or in a float64 reference, a value cast back to float32 met float64 ones in a matmul, which does not
     promote (every Hugging Face eager attention), and a float32 buffer refused float64 values (``index_put``).
-    Casts to a wider dtype stay (a bfloat16 run's float32 softmax); so do bit views (``.view(dtype)``)."""
-    size = torch.finfo(dtype).bits
-
+    Casts to a wider dtype stay (a bfloat16 run's float32 softmax); so do bit views (``.view(dtype)``), but for
+    the views between a complex tensor and its real pairs (``view_as_real``, ``view_as_complex`` as AOT writes them:
+    ``view.dtype(complex64, float32)``), whose both sides are widened: complex values read as float32 pairs met
+    float64 ones (every rotary embedding's backward)."""
     def widen(v: Any) -> Any:
-        return dtype if isinstance(v, torch.dtype) and v.is_floating_point and torch.finfo(v).bits < size else v
+        return widened(v, dtype) if isinstance(v, torch.dtype) and v.is_floating_point else v
 
     for n in graph.nodes:
+        if _is_complex_pair_view(n):
+            n.args = (n.args[0], widened(n.args[1], dtype), *n.args[2:])
+            continue
         if n.op == "call_method" and n.target in _TO_METHODS and len(n.args) == 1 and not n.kwargs:
             if widen(_TO_METHODS[n.target]) is dtype:
                 n.target, n.args = "to", (n.args[0], dtype)
@@ -81,6 +104,17 @@ def widen_casts(graph: fx.Graph, dtype: torch.dtype) -> None:
             n.args = tuple(widen(a) for a in n.args)
         elif n.op == "call_function" and "convert_element_type" in str(n.target) and len(n.args) > 1:
             n.args = (n.args[0], widen(n.args[1]), *n.args[2:])
+
+
+def _is_complex_pair_view(n: fx.Node) -> bool:
+    """``view.dtype`` between a complex dtype and a real floating one (either way)."""
+    if n.op != "call_function" or "view.dtype" not in str(n.target) or len(n.args) < 2:
+        return False
+    src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+    to = n.args[1]
+    if not isinstance(src, torch.Tensor) or not isinstance(to, torch.dtype):
+        return False
+    return (src.dtype.is_complex and to.is_floating_point) or (src.dtype.is_floating_point and to.is_complex)
 
 
 def moved_graph(gm: fx.GraphModule, conv: Converter) -> fx.GraphModule:

@@ -458,3 +458,24 @@ def test_the_accuracy_check_says_it_gives_an_inductor_graph_eagers_draws(tmp_pat
     with caplog.at_level("WARNING"):
         f(torch.randn(8, 16)).sum().backward()
     assert "graph g0 draws random numbers" in caplog.text and "fallback_random" in caplog.text
+
+
+
+def test_the_float64_reference_widens_the_float_pairs_of_complex_values(tmp_path):
+    """Inductor's backward of a complex rotary embedding views complex values as float32 pairs (``view.dtype``):
+    in the float64 reference they met float64 values ("expected m1 and m2 to have the same dtype"), the reference
+    could not run, and the graph was judged against eager alone."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from determ_backend.backends.checks import _to64, graph_in_dtype
+
+    def f(z, w):
+        pairs = z.view(torch.float32).reshape(4, 8)  # complex64 (4, 4) -> its real and imaginary parts
+        return (pairs @ w,)
+
+    z, w = torch.randn(4, 4, dtype=torch.complex64), torch.randn(8, 3)
+    gm = make_fx(f)(z, w)
+    assert any("view.dtype" in str(n.target) for n in gm.graph.nodes)
+    (out,) = graph_in_dtype(gm, torch.float64)(*_to64([z, w]))
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, z.to(torch.complex128).view(torch.float64).reshape(4, 8) @ w.double())
