@@ -119,7 +119,9 @@ def _base_name(arg: str) -> Optional[str]:
     return m.group(1) if m and m.group(1) not in ("True", "False", "None") else None
 
 
-_CPP_SIG = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\[[^\]]*\], r\'\'\'.*?kernel\(([^)]*)\)", re.M | re.S)
+_CPP_BLOCK = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\[[^\]]*\], r\'\'\'", re.M)
+# the entry point of a C++ kernel; a template kernel (flex attention, a GEMM) defines helpers named kernel_* before it
+_CPP_ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\(([^)]*)\)')
 
 
 def _only_read(body: str, param: str) -> bool:
@@ -149,15 +151,25 @@ def _kernel_outputs(src: str) -> Dict[str, Tuple[List[int], List[int], List[int]
     """Kernel name -> (positions it writes, positions it only writes, positions it writes only through an alias)
     from the kernel signatures and bodies (an ``in_out_ptr`` the body only reads is no output)."""
     out: Dict[str, Tuple[List[int], List[int], List[int]]] = {}
-    for m in list(_CPP_SIG.finditer(src)) + list(_TRITON_DEF.finditer(src)):
-        name, params = m.group(1), m.group(2)
+    kernels = []  # (name, parameters as written, body)
+    for m in _CPP_BLOCK.finditer(src):
         end = src.find("\'\'\')", m.end())
-        body = src[m.end():end if end >= 0 else len(src)]
-        ps = [p.replace("*", " ").split()[-1].split(":")[0] if p.strip() else "" for p in params.split(",")]
-        ps = [p.split(":")[0].strip() for p in ps]
-        out[name] = ([i for i, p in enumerate(ps) if p.startswith("out_ptr")
+        block = src[m.end():end if end >= 0 else len(src)]
+        entry = _CPP_ENTRY.search(block) or re.search(r"\bkernel\(([^)]*)\)", block)
+        if entry is not None:
+            kernels.append((m.group(1), entry.group(1), block[entry.end():]))
+    for m in _TRITON_DEF.finditer(src):
+        end = src.find("\'\'\')", m.end())
+        kernels.append((m.group(1), m.group(2), src[m.end():end if end >= 0 else len(src)]))
+    for name, params, body in kernels:
+        raw = [p.strip() for p in params.split(",")]
+        ps = [p.replace("*", " ").split()[-1].split(":")[0].strip() if p else "" for p in raw]
+        # a template kernel names its pointers itself (``float* output``): a pointer to non-const memory is written
+        named_out = [p and not p.startswith(("in_ptr", "in_out_ptr", "out_ptr")) and "*" in r and "const" not in r
+                     for p, r in zip(ps, raw)]
+        out[name] = ([i for i, p in enumerate(ps) if p.startswith("out_ptr") or named_out[i]
                       or (p.startswith("in_out_ptr") and not _only_read(body, p))],
-                     [i for i, p in enumerate(ps) if p.startswith("out_ptr")],
+                     [i for i, p in enumerate(ps) if p.startswith("out_ptr") or named_out[i]],
                      [i for i, p in enumerate(ps) if p.startswith("in_out_ptr") and _written_through_alias(body, p)])
     return out
 

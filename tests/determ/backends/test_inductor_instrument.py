@@ -292,3 +292,27 @@ def test_a_view_written_twice_holds_its_last_write_and_an_unparsed_write_is_no_e
     assert len(writes) == 2 and by_buffer["buf2"].inputs == (writes[-1],)
     assert not [i for i in plan.infos if (i.extra or {}).get("kernel") == "uninitialized"]
     assert by_buffer["buf4"].inputs == ("buf3",)  # written by what the plan cannot read: not shown to agree
+
+
+_TEMPLATE_SRC = """
+cpp_fused_flex_attention_1 = async_compile.cpp_pybinding(['const float*', 'const int32_t*', 'float*'], r'''
+#include <torch/csrc/inductor/cpp_prefix.h>
+inline void kernel_kernel_micro_gemm_kernel(const float* A, const float* B, float* C, int64_t K)
+{
+}
+extern "C"
+void kernel(const float* query, const int32_t* kv_indices, float* output)
+{
+  output[0] = query[0];
+}
+''')
+"""
+
+
+def test_a_template_kernels_output_is_found_by_its_entry_point_and_types():
+    """A template kernel (flex attention on the CPU) defines helpers named ``kernel_*`` before its entry point and
+    names its pointers itself: the helper's parameters were read as the kernel's, and ``float* output`` was no
+    output, so the attention's result was never traced and the relu after it had no root cause."""
+    from determ_backend.backends.inductor_instrument import _kernel_outputs
+
+    assert _kernel_outputs(_TEMPLATE_SRC) == {"cpp_fused_flex_attention_1": ([2], [2], [])}
