@@ -193,7 +193,8 @@ def write_repro(gm: fx.GraphModule, inputs: Sequence[Any], path: Union[str, Path
     m["regenerated_inputs"] = store.regenerated
     # the modules of this graph's custom ops join the imports given (the ops a graph it was cut from called, which
     # the meta it inherits lists, do not), and their directories the script's sys_path
-    given = [x for x in m.pop("imports", []) if x not in m.pop("op_imports", [])]
+    inherited = m.pop("op_imports", [])
+    given = [x for x in m.pop("imports", []) if x not in inherited]
     if given or writer.op_modules:
         m["imports"] = list(dict.fromkeys(given + writer.op_modules))
     if writer.op_modules:

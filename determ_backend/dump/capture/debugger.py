@@ -206,6 +206,7 @@ class PrecisionDebugger:
         self._switch = c.selection()
         self.model = model
         self._warned = False
+        self._compared_online = False  # a step found in the online baseline's reference (later ones may be missing)
         self.current_step = 0
         self._on = False
         self.online = None
@@ -239,8 +240,13 @@ class PrecisionDebugger:
                 try:
                     online = OnlineBaseline.for_step(self.config.bench_path, self.current_step,
                                                      control.current_rank(), keep=self.config.diff_nums)
-                except DetermError as e:  # a reference of fewer steps (or ranks): this step is dumped, not compared
+                except DetermError as e:
+                    if not self._compared_online:  # no step of it found yet: a wrong path, a reference of no dump
+                        raise
+                    # a reference of fewer steps: this step is dumped, not compared, and the training goes on
                     log.warning("%s; step %d is dumped without the online comparison", e, self.current_step)
+                else:
+                    self._compared_online = True
             self.online = online
             control.set_dump_switch("ON", mode=mode, summary_only=self.task == "statistics",
                                     dump_mode=self.data_mode, level=self.level, online=online, **kw)

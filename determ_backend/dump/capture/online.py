@@ -57,6 +57,11 @@ def _resolve_index(bench: Path, step: int, rank: int) -> Path:
                       f"{bench}/step{step}/rank{rank}/dump.pkl, a rank directory or an index file)")
 
 
+def _floating(dtype: Optional[str]) -> bool:
+    d = getattr(torch, str(dtype).replace("torch.", ""), None) if dtype else None
+    return isinstance(d, torch.dtype) and d.is_floating_point
+
+
 class OnlineBaseline:
     """Judges records against a reference dump as they are produced; see the module docstring."""
 
@@ -95,8 +100,8 @@ class OnlineBaseline:
         against float32), every tensor within the tolerance of the narrowest dtype met, as compare judges: a
         ``.float()`` of bfloat16 values carries bfloat16's rounding, and was blamed when judged bitwise."""
         da, db = ta.get("dtype"), tb.get("dtype")
-        if da != db:
-            self._dtypes.update(d for d in (da, db) if d)
+        if da != db and _floating(da) and _floating(db):  # int32 ids against int64 ones are no mixed precision
+            self._dtypes.update((da, db))
         if self._device == self.device and da == db and not self._dtypes:
             return None
         return dtype_tol(DEFAULT_TOL, da, db, *self._dtypes)

@@ -268,3 +268,23 @@ def test_an_online_baseline_of_a_bfloat16_run_against_float32_judges_as_compare_
     assert not [r for r in caplog.records if r.getMessage().startswith("online baseline: root cause")]
     report = json.loads((new / "step0" / "rank0" / "online_compare.json").read_text())
     assert report["root_cause"] is None, report
+
+
+def test_integer_ids_in_two_widths_leave_the_online_verdicts_bitwise():
+    """int32 ids against int64 ones switched every later float32 pair to a tolerance, hiding bitwise differences."""
+    from determ_backend.dump.capture.online import OnlineBaseline
+
+    ob = OnlineBaseline.__new__(OnlineBaseline)
+    ob._dtypes, ob._device, ob.device = set(), "cpu", "cpu"
+    ob._tol({"dtype": "torch.int32"}, {"dtype": "torch.int64"})
+    assert ob._tol({"dtype": "torch.float32"}, {"dtype": "torch.float32"}) is None
+    ob._tol({"dtype": "torch.bfloat16"}, {"dtype": "torch.float32"})
+    assert ob._tol({"dtype": "torch.float32"}, {"dtype": "torch.float32"}) is not None  # mixed precision: widened
+
+
+def test_a_bench_path_holding_no_dump_is_still_an_error_at_the_first_step(tmp_path):
+    """Only the steps a reference lacks after one it holds are dumped without the comparison: a bench_path of no dump
+    at all (a wrong directory) is the one-line error it was, not a warning every step and nothing compared."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no reference dump for step 0"):
+        _run(tmp_path, "new", {"task": "statistics", "statistics": {"bench_path": str(tmp_path / "empty")}})

@@ -653,3 +653,13 @@ def test_a_graph_that_fails_without_the_compiler_is_bad_input_for_run_and_minify
         from repro_tools.minify.oracles import OracleSpec
         minify(*load_repro(path)[:2], OracleSpec(kind="runtime_error", compiler="eager"), progress=False)
     assert cli_main(["minify", str(path)]) == 2
+
+
+def test_a_repro_cut_from_one_with_several_op_modules_imports_none_of_them(tmp_path):
+    """The inherited op modules were subtracted from the imports against an emptied list after the first one: a cut
+    graph calling no custom op still imported the second module."""
+    meta = {"imports": ["determ_missing_ops_a", "determ_missing_ops_b"],
+            "op_imports": ["determ_missing_ops_a", "determ_missing_ops_b"]}
+    path = write_repro(fx.symbolic_trace(WithParams()), [torch.randn(3, 4)], tmp_path / "cut.py", meta=meta)
+    got = read_meta(path)
+    assert "imports" not in got and "op_imports" not in got, got
