@@ -206,7 +206,7 @@ def _module_import(mod: str) -> str:
     if mod == "torch" or mod.startswith("torch."):
         return f"import {mod}\n"
     return (f"try:\n    import {mod}\n"
-            f"except ImportError as _e:  # where the graph's custom ops are defined\n"
+            f"except Exception as _e:  # where the graph's custom ops are defined (an import, a load_library failing)\n"
             f"    if __name__ != '__main__':\n        raise\n"
             f"    print(os.path.basename(__file__) + ': cannot import {mod}, which defines custom ops this graph calls (' "
             f"+ str(_e) + '); run it where {mod} can be imported (its directory on PYTHONPATH)', file=sys.stderr)\n"
