@@ -235,9 +235,12 @@ class _Planner:
         result such as the undivided sum of a ``mean`` whose division is fused into the consumer, or an
         input an extern kernel needed materialized.  The guess prefers origins no other buffer holds."""
         o = self.origins.get(buf) or {}
+        writer = self.input_writers.get(buf)
+        if writer is not None and self.writes_seen.get(buf, 0) == self.write_count.get(buf, 0):
+            # the last launch writing graph input ``buf`` (whole, or a slice of it, an index_put into it): after it,
+            # buf holds what the graph writes back into it, the value of its last in-place write
+            return writer, None
         mutation = self._mutated_in_kernel(buf)
-        if mutation is not None and mutation is self.input_writers.get(buf):
-            return mutation, None  # the graph's last write back into its input ``buf``: after it, buf holds its value
         if mutation is not None:
             return None, mutation
         if o.get("origin") in self.nodes:

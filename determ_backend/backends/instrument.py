@@ -146,6 +146,9 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
     display = display or {}
     infos: List[NodeInfo] = []
     index: Dict[str, int] = {}
+    # graph input -> the node that last wrote it in place (a dynamo graph's ``acc.add_(x); acc.mul_(2)``): a node
+    # reading the input after that reads what the write left, not the value the graph was called with
+    written: Dict[str, str] = {}
     for n in gm.graph.nodes:
         if n.op == "output":
             continue
@@ -156,7 +159,7 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
         elif n.op == "get_attr":
             info = NodeInfo(node=n.name, op="get_attr", kind="param", extra={"attr": str(n.target)})
         else:
-            ins = tuple(display.get(a, a) for a in _tensor_args(n))
+            ins = tuple(written[a] if a in written else display.get(a, a) for a in _tensor_args(n))
             # an async collective's value is not read (it may still be in flight): like a view, it is judged
             # through its neighbours, here the wait_tensor that returns it complete
             kind = "view" if is_view(n) or _is_async_collective(n) else ("multi" if _is_sequence_valued(n) else "node")
@@ -170,6 +173,10 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
                             extra=_meta_extra(n) if kind != "node" else None)
         index[n.name] = len(infos)
         infos.append(info)
+        if n.op in ("call_function", "call_method"):
+            ph = _input_written(n)
+            if ph is not None:
+                written[ph.name] = n.name
     _mark_outputs(gm, infos, index)
     for ph, n in written_inputs(gm).items():
         if n.name in index:
@@ -181,9 +188,12 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
 def _input_written(n: fx.Node) -> Optional[fx.Node]:
     """The graph input (placeholder) ``n`` writes in place, through views of it too: a functionalized graph's
     ``copy_`` back into a mutated input, an in-place op on an input in a dynamo graph (``acc.add_(x)``); else None."""
+    t = n.target
+    out = n.kwargs.get("out")
+    if isinstance(out, fx.Node):  # ``torch.add(a, b, out=acc)``
+        return _placeholder_under(out)
     if not n.args or not isinstance(n.args[0], fx.Node):
         return None
-    t = n.target
     if n.op == "call_function" and _torch_compat.is_op_overload(t):
         schema = _torch_compat.op_schema(t)
         args = schema.arguments if schema is not None else ()
@@ -195,8 +205,19 @@ def _input_written(n: fx.Node) -> Optional[fx.Node]:
             return None
     else:
         return None
-    base = n.args[0]
-    while base.op != "placeholder" and is_view(base) and base.args and isinstance(base.args[0], fx.Node):
+    return _placeholder_under(n.args[0])
+
+
+def _basic_index(idx: Any) -> bool:
+    """An index ``x[idx]`` that views ``x`` (ints, slices, None, Ellipsis), not one that copies (a tensor, a list)."""
+    parts = idx if isinstance(idx, tuple) else (idx,)
+    return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
+
+
+def _placeholder_under(base: fx.Node) -> Optional[fx.Node]:
+    """The graph input ``base`` is, or views (through view ops and basic indexing, ``acc[0]``, ``acc[:, :8]``)."""
+    while base.op != "placeholder" and base.args and isinstance(base.args[0], fx.Node) and (
+            is_view(base) or (base.target is operator.getitem and len(base.args) > 1 and _basic_index(base.args[1]))):
         base = base.args[0]
     return base if base.op == "placeholder" else None
 

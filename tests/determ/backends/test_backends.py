@@ -169,6 +169,32 @@ def test_a_nondeterministic_value_reaching_only_a_written_back_input_is_a_findin
     assert "eager_nd_rowsum" in report["first_divergence"]["op"], report["first_divergence"]
 
 
+@pytest.mark.parametrize("write", ["twice", "slice", "out"])
+def test_a_dynamo_graph_writing_its_input_in_place_blames_the_nondeterministic_op(tmp_path, write):
+    """A dynamo graph's in-place ops take the input itself as their argument: the second write (``acc.mul_(2)``)
+    read the input as the graph was called with it, whose record agrees, and the deterministic ``mul_`` was the
+    root cause; a write through a slice (``acc[:, :8].add_``) or ``out=`` was not seen as a write at all."""
+    import eager_helpers  # noqa: F401  (determ_test::eager_nd_rowsum, a genuinely nondeterministic op)
+
+    nd = torch.ops.determ_test.eager_nd_rowsum
+
+    def f(x, acc):
+        if write == "twice":
+            acc.add_(nd(x * 2))
+            acc.mul_(2)
+        elif write == "slice":
+            acc[:, :8].add_(nd(x * 2)[:, :8])
+        else:
+            torch.add(acc, nd(x * 2), out=acc)
+        return x * 3
+
+    _, run_dir = compile_run(f, (torch.randn(16, 64), torch.zeros(16, 64)), "determ_eager", tmp_path, write,
+                             check="determinism")
+    report = load(run_dir)[1]
+    assert report["divergent"], report
+    assert [r["op"] for r in report["findings"][0]["root_causes"]] == ["determ_test.eager_nd_rowsum"], report
+
+
 def test_determinism_check_is_clean_on_deterministic_model(tmp_path):
     torch.manual_seed(0)
     _, run_dir = compile_run(MLP(), (torch.randn(4, 8),), "determ_eager", tmp_path, "clean", check="determinism")

@@ -317,11 +317,16 @@ _WRITES_BACK_SCRIPT = textwrap.dedent("""
         h = torch.sigmoid(x)
         acc.add_(h.mean())
         return h[:, :2] * 2
+    def rows(x, acc, y):  # a wrong relu written into part of the input, and another reaching the output
+        acc[2:5].add_(torch.relu(x[2:5]))
+        return torch.relu(y) + 1
     opts = {"dir": sys.argv[1], "check": "accuracy"}
     with torch.no_grad():
         torch.compile(step, backend="determ_inductor", options=dict(opts, run_id="step"))()
         torch.compile(accumulate, backend="determ_inductor", options=dict(opts, run_id="acc"))(
             torch.randn(2, 8, 6, 6), torch.zeros(()))
+        torch.compile(rows, backend="determ_inductor", options=dict(opts, run_id="rows"))(
+            torch.randn(8, 8), torch.zeros(8, 8), torch.randn(8, 8))
 """)
 
 
@@ -336,3 +341,9 @@ def test_a_wrong_value_reaching_only_what_the_graph_writes_back_into_its_inputs_
     assert set(named) == {"relu", "relu_1"}, step["findings"][0]["root_causes"]  # the weight's and the bias's
     acc = load(tmp_path / "acc")[1]
     assert not acc["divergent"] and acc.get("notes", []) == [] and acc["checker_errors"] == [], acc
+    # a slice of the input written: the write-back was labelled partial and never judged; with an output also
+    # wrong, replaying the graph judged the outputs alone and called the write-back's relu masked; narrowing the
+    # kernel named the slice (a view of the memory it writes)
+    rows = load(tmp_path / "rows")[1]
+    named = sorted((r.get("kernel") or {}).get("node") or r["node"] for r in rows["findings"][0]["root_causes"])
+    assert named == ["relu", "relu_1"], rows["findings"][0]["root_causes"]
