@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -249,7 +250,9 @@ def _command(args: argparse.Namespace) -> List[str]:
     if not cmd:
         raise ConfigError("bisect: no command given; expected: repro-tools bisect [options] -- CMD [ARGS...]")
     if shutil.which(cmd[0]) is None:
-        raise ConfigError(f"bisect: command {cmd[0]!r} not found (not an executable file or on PATH)")
+        hint = (f"; a Python script runs as: repro-tools bisect -- python {' '.join(cmd)}"
+                if cmd[0].endswith(".py") and os.path.isfile(cmd[0]) else "")
+        raise ConfigError(f"bisect: command {cmd[0]!r} not found (not an executable file or on PATH){hint}")
     if args.timeout is not None and not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     return cmd

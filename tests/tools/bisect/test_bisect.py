@@ -111,8 +111,12 @@ def test_healthy_command(tmp_path, capsys):
     (["--"], "no command given"),
     (["--", "determ-no-such-command"], "'determ-no-such-command' not found"),
     (["--timeout", "0", "--", sys.executable], "--timeout must be a positive number"),
+    (["{script}"], "a Python script runs as: repro-tools bisect -- python {script}"),
 ])
-def test_usage_errors_exit_2(capsys, argv, needle):
+def test_usage_errors_exit_2(capsys, argv, needle, tmp_path):
+    script = tmp_path / "repro.py"
+    script.write_text("")
+    argv, needle = [a.format(script=script) for a in argv], needle.format(script=script)
     assert main(["bisect", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
