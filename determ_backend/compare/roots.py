@@ -38,7 +38,8 @@ from determ_backend.trace.stream import Record
 from determ_backend.compare.align import Pair, align, carries
 from determ_backend.compare.verdict import is_float, judge_records
 
-__all__ = ["Comparison", "describe", "pair_row", "find_roots", "compare_traces", "is_output", "Confirm", "MAX_CONFIRM"]
+__all__ = ["Comparison", "describe", "pair_row", "find_roots", "compare_traces", "is_output", "is_allocation", "Confirm",
+           "MAX_CONFIRM"]
 
 Confirm = Callable[[List[Pair]], List[Optional[bool]]]
 """Given candidate root pairs, for each: True (its value alone makes an output fail), False (it
@@ -398,7 +399,7 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
         candidates.extend(here)
     # memory allocated and never written holds whatever was there: two runs' differ, and while nothing failing reads
     # it that is no divergence at all (a masked note of garbage made every MoE model's index map look divergent)
-    for p in [p for p in masked if _allocation(p.rec)]:
+    for p in [p for p in masked if is_allocation(p.rec)]:
         masked.remove(p)
         p.equal = True
         p.metrics["uninitialized"] = True
@@ -417,7 +418,7 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
 _ALLOCATION = re.compile(r"^aten\.(new_)?empty(_like|_strided|_permuted)?\.|^uninitialized$")
 
 
-def _allocation(rec: Record) -> bool:
+def is_allocation(rec: Record) -> bool:
     """Whether ``rec`` is memory as allocated, never written (``empty_like``; inductor's read of such memory): the
     records' side of :func:`determ_backend.modes.ops.uninitialized`, which knows the operator itself."""
     return bool(rec.op and _ALLOCATION.match(rec.op))

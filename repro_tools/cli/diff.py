@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
-from determ_backend.compare import Comparison, compare_traces, metrics_text
+from determ_backend.compare import Comparison, compare_traces, is_allocation, metrics_text
 from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.store import store_for
 from determ_backend.trace.stream import TraceFile
@@ -83,9 +83,15 @@ def diff_summary(cmp: Comparison, files: Dict[str, tuple], checks: Sequence[str]
         notes.append(f"not paired: {s['unmatched_a']} records of A and {s['unmatched_b']} of B have no counterpart, "
                      f"so the runs are not shown identical{why}")
     if s["unjudged"]:
-        no_tol = sum(1 for p in cmp.pairs if p.paired and p.equal is None and p.metrics.get("unjudged"))
+        unjudged = [p for p in cmp.pairs if p.paired and p.equal is None and p.metrics.get("unjudged")]
+        alloc = sum(1 for p in unjudged if is_allocation(p.rec))  # memory as allocated: no values, no statistics
+        no_tol = len(unjudged) - alloc
         why = (f"{no_tol} differ in their fingerprints with no statistics or stored values to judge --tol by "
                f"(record them with stats, or DETERM_SAVE_TENSORS=1)" if no_tol else "")
+        if alloc:
+            why += ("; " if why else "") + (f"{alloc} are memory as allocated (empty, new_empty_strided: no values "
+                                            "yet), whose fingerprints hold dtype and shape alone")
+        no_tol += alloc
         rest = s["unjudged"] - no_tol
         why += ("; " if why and rest else "") + (f"{rest} carry no fingerprint and no judged input" if rest else "")
         notes.append(f"not judged: {s['unjudged']} paired records: {why}")

@@ -267,3 +267,15 @@ def test_a_multi_rank_run_directory_names_its_ranks(tmp_path, capsys):
     assert rc == 2
     assert cli(["report", run, "-o", str(tmp_path / "r.html")]) == 2
     assert "holds rank directories (rank0, rank1)" in capsys.readouterr().err
+
+
+def test_allocations_of_two_dtypes_are_said_to_hold_no_values_not_to_lack_statistics(tmp_path, capsys):
+    """A bf16 run against an fp32 one under --tol: the unjudged records were memory as allocated (``new_empty``),
+    and the note told the user to "record them with stats" though statistics were on."""
+    for name, dt in (("a", torch.float32), ("b", torch.bfloat16)):
+        with HashMode(trace_path=str(tmp_path / f"{name}.jsonl"), stats=True):
+            x = torch.ones(4, 4, dtype=dt)
+            x.new_empty((4, 4)).fill_(2.0) * x
+    cli(["diff", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--tol", "0.01"])
+    out = capsys.readouterr().out
+    assert "memory as allocated" in out and "record them with stats" not in out, out
