@@ -92,6 +92,10 @@ def detect(paths: Sequence[str]) -> str:
         raise ConfigError(f"{paths[0]}: holds rank directories ({names}); pass one rank's directory (a run or a "
                           f"trace: {p / next(iter(ranks.values())).name}), two of them, or the directory "
                           "`compare --distributed` wrote")
+    if p.is_dir() and (any(p.glob("step*/rank*/*.pkl")) or any(p.glob("rank*/*.pkl"))):
+        below = sorted(str(q.relative_to(p)) for q in [*p.glob("step*/rank*/*.pkl"), *p.glob("rank*/*.pkl")])[:3]
+        raise ConfigError(f"{paths[0]}: an API dump's dump_path; its indexes are in its step/rank folders "
+                          f"({', '.join(below)}): pass two of those (the dump under test and the benchmark)")
     raise ConfigError(f"{paths[0]}: not a determ result; expected a run directory (report.json), a trace, an "
                       "xdevice, compare or minify output directory, or two traces or dumps")
 

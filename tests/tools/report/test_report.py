@@ -179,6 +179,9 @@ def test_a_dump_pair_and_its_compare_output(dumps, tmp_path):
     (lambda p: p / "missing", "no such file or directory"),
     (lambda p: p, "not a determ result"),
     (lambda p: (p / "x.txt").write_text("hi") and p / "x.txt", "not a determ result"),
+    # an msprobe dump_path: its indexes below it are named, as compare names them
+    (lambda p: ((p / "d" / "step0" / "rank0").mkdir(parents=True), (p / "d" / "step0" / "rank0" / "dump.pkl").touch(),
+                p / "d")[2], "its indexes are in its step/rank folders (step0/rank0/dump.pkl)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make, needle):
     target = make(tmp_path)
