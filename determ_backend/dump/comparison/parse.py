@@ -19,6 +19,7 @@ warning -- the entries before a kill are exactly what a user needs to compare.
 from __future__ import annotations
 
 import json
+import re
 import logging
 import os
 from dataclasses import dataclass, field
@@ -144,7 +145,20 @@ def _entry(p: Path, lineno: int, d: Dict[str, Any]) -> Dict[str, Any]:
         if key in d and not isinstance(d[key], str):
             raise TraceFormatError(f"{p}:{lineno}: entry {d['name']}: {key!r} must be a string, got "
                                    f"{json.dumps(d[key])[:60]}")
+    for t in d.get("inputs", []) + d.get("outputs", []):  # what the verdicts read: checked as a trace's records are
+        h = t.get("hash")
+        if h is not None and not (isinstance(h, str) and _HEX.fullmatch(h)):
+            raise TraceFormatError(f"{p}:{lineno}: entry {d['name']}: {t.get('name', 'a tensor')}'s hash must be "
+                                   f"hexadecimal, got {json.dumps(h)[:40]}")
+        st = t.get("stats")
+        if st is not None and not (isinstance(st, dict) and all(
+                v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in st.values())):
+            raise TraceFormatError(f"{p}:{lineno}: entry {d['name']}: {t.get('name', 'a tensor')}'s stats must map "
+                                   f"names to numbers, got {json.dumps(st)[:60]}")
     return d
+
+
+_HEX = re.compile(r"[0-9a-fA-F]+")
 
 
 def read_dump(path: Union[str, Path], allow_partial: bool = False,

@@ -482,3 +482,25 @@ def test_compare_of_a_dump_path_root_names_the_indexes_below_it(dumps, tmp_path,
     (tmp_path / "proj" / "checkpoints" / "optimizer.pkl").write_bytes(b"x")
     assert main(["compare", str(tmp_path / "proj"), str(root), "-o", str(tmp_path / "o")]) == 2
     assert "optimizer.pkl" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, needle", [('"hash":"zz"', "hash must be hexadecimal"),
+                                          ('"max":"big"', "stats must map names to numbers")])
+def test_a_hand_edited_dump_value_is_a_one_line_error(tmp_path, edit, needle):
+    """A dump whose hash or statistic was edited by hand was read as it was (a trace's reader refuses the same)."""
+    import re
+
+    from determ_backend import dump
+    from determ_backend.errors import TraceFormatError
+
+    d = dump.PrecisionDebugger(task="statistics", dump_path=str(tmp_path / "d"))
+    d.start()
+    torch.relu(torch.randn(4))
+    d.stop()
+    index = tmp_path / "d" / "step0" / "rank0" / "dump.pkl"
+    key = edit.split(":")[0]
+    text = re.sub(rf'{key}:("[0-9a-f]+"|[-0-9.e]+)', edit, index.read_text(), count=1)
+    assert edit in text
+    index.write_text(text)
+    with pytest.raises(TraceFormatError, match=needle):
+        dump.read_dump(index)
