@@ -78,11 +78,18 @@ _SOURCE = re.compile(r"^(.+?):(\d+)(?: \(.*\))?$")  # a finding's source: ``file
 
 
 def _op_base(op: str) -> str:
-    """``relu`` of ``aten.relu.default``, ``torch.relu``, ``torch._C._nn.relu``: the name a call of it ends with
-    (an operator ``namespace.name.overload`` by its name, a Python callable by its last part)."""
+    """``relu`` of ``aten.relu.default``, ``torch.relu``, ``torch._C._nn.relu``, ``einops.einops.rearrange``: the name
+    a call of it ends with (a registered operator ``namespace.name[.overload]`` by its name, any other callable by its
+    last part)."""
     parts = op.split(".")
-    python = parts[0] in ("torch", "builtins", "math") or parts[0].startswith("_") or len(parts) < 2
-    return parts[-1] if python else parts[1]
+    if len(parts) in (2, 3):
+        try:
+            getattr(getattr(torch.ops, parts[0]), parts[1])
+            return parts[1]
+        except (AttributeError, RuntimeError):
+            if len(parts) == 3 and parts[0] not in sys.modules:  # an operator of a library not loaded here
+                return parts[1]
+    return parts[-1]
 
 
 def _repro_line(path: Path, node: Optional[str], op: Optional[str], source: Optional[str] = None) -> Optional[str]:

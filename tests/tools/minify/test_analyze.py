@@ -135,3 +135,12 @@ def test_an_after_dynamo_repro_line_is_the_statement_calling_the_op_at_the_findi
     assert f["node"] == "eager_nd_rowsum" and f["source"].startswith(f"{__file__}:")
     assert f["repro_line"] is not None and "hidden_states" in f["repro_line"].split("=")[0], f["repro_line"]
     assert "eager_nd_rowsum(" in f["repro_line"]
+
+
+def test_the_name_a_call_ends_with_is_an_operators_name_or_a_callables_last_part():
+    import json as _json  # a loaded module whose dotted callables have three parts
+
+    assert _json
+    got = [analyze._op_base(op) for op in ("aten.relu.default", "torch.relu", "torch._C._nn.linear",
+                                             "json.decoder.scanstring", "determ_test.eager_nd_rowsum.default")]
+    assert got == ["relu", "relu", "linear", "scanstring", "eager_nd_rowsum"]
