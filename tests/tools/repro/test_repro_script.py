@@ -556,15 +556,14 @@ def test_the_nodes_of_a_checkpoints_body_keep_their_names_and_user_lines(tmp_pat
     assert "SUBGRAPH_NODES" not in (tmp_path / "plain.py").read_text()  # scripts without subgraphs are as before
 
 
-_USER_OPS = '''
-import torch
-@torch.library.custom_op("determ_user_ops::twice", mutates_args=())
-def twice(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-@twice.register_fake
-def _(x):
-    return torch.empty_like(x)
-'''
+def _twice_op(namespace: str) -> str:
+    """Source defining custom op ``<namespace>::twice`` (the module of a user's custom op)."""
+    return (f"import torch\n@torch.library.custom_op('{namespace}::twice', mutates_args=())\n"
+            "def twice(x: torch.Tensor) -> torch.Tensor:\n    return x * 2\n"
+            "@twice.register_fake\ndef _(x):\n    return torch.empty_like(x)\n")
+
+
+_USER_OPS = _twice_op("determ_user_ops")
 
 
 def test_a_repro_calling_a_users_custom_op_imports_it_from_anywhere_and_says_so_when_it_cannot(tmp_path, monkeypatch):
@@ -593,17 +592,11 @@ def test_a_repro_calling_a_users_custom_op_imports_it_from_anywhere_and_says_so_
     assert run_script(cut, "run", cwd=elsewhere).returncode == 0
 
 
-_MAIN_OP_PROGRAM = '''
-import sys, torch
+_MAIN_OP_PROGRAM = _twice_op("determ_main_ops") + '''
+import sys
 sys.path.insert(0, sys.argv[2])
 from repro_helpers import capture_graph
 from repro_tools.repro.script import write_repro
-@torch.library.custom_op("determ_main_ops::twice", mutates_args=())
-def twice(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-@twice.register_fake
-def _(x):
-    return torch.empty_like(x)
 gm, inputs = capture_graph(lambda x: torch.relu(twice(x)), torch.randn(4))
 write_repro(gm, inputs, sys.argv[1], meta={"compiler": "eager", "after": "dynamo"})
 '''
