@@ -138,13 +138,17 @@ def _only_read(body: str, param: str) -> bool:
 
 
 def _written_through_alias(body: str, param: str) -> bool:
-    """Whether the kernel ``body`` writes ``param`` only through an alias, ``auto out_ptr0 = in_out_ptr0;``: the
-    memory was lent to an intermediate buffer of the kernel (a ``mean``'s undivided sum) whose value it then holds,
-    not its own node's, when nothing stores into it directly afterwards."""
+    """Whether the kernel ``body`` leaves in ``param`` another buffer's value, not its own node's: the memory was lent
+    to an intermediate buffer (``auto out_ptr0 = in_out_ptr0;``, a ``mean``'s undivided sum) and nothing stores into
+    it directly afterwards; or the last thing stored into it directly is a reduction's raw accumulator
+    (``tmp_acc0_vec.store(in_out_ptr0 + x)``, a ``var``'s undivided sum of squares)."""
     name = re.escape(param)
-    if not re.search(rf"=\s*{name}\s*;", body):
-        return False
-    return re.search(rf"store\(\s*{name}\b|\b{name}\[[^\]]*\]\s*=[^=]", body) is None
+    stores = [(m.start(), m.group(1)) for m in re.finditer(rf"(\w+)\.store\(\s*{name}\b", body)]
+    stores += [(m.start(), m.group(1)) for m in re.finditer(rf"\b{name}\[[^\]]*\]\s*=(?!=)\s*([^;]+);", body)]
+    if stores:
+        last = max(stores)[1].strip()
+        return re.fullmatch(r"(?:static_cast<\w+>\()?tmp_acc\d+(?:_vec)?\)?", last) is not None
+    return re.search(rf"=\s*{name}\s*;", body) is not None
 
 
 def _kernel_outputs(src: str) -> Dict[str, Tuple[List[int], List[int], List[int]]]:

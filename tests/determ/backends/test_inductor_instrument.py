@@ -316,3 +316,16 @@ def test_a_template_kernels_output_is_found_by_its_entry_point_and_types():
     from determ_backend.backends.inductor_instrument import _kernel_outputs
 
     assert _kernel_outputs(_TEMPLATE_SRC) == {"cpp_fused_flex_attention_1": ([2], [2], [])}
+
+
+def test_an_in_out_buffer_left_holding_a_reductions_accumulator_is_lent():
+    """A kernel that stores a raw reduction accumulator last into an in_out buffer (var's undivided sum of squares
+    in memory planned for ``acc * 0.9 + var``) leaves no value of the buffer's node there: judged as that node, a
+    clean run had a masked divergence.  A final value stored after the accumulator is the node's."""
+    from determ_backend.backends.inductor_instrument import _written_through_alias as lent
+
+    assert lent("auto out_ptr0 = in_out_ptr0;\ntmp_acc0_vec.store(in_out_ptr0 + x);", "in_out_ptr0")
+    assert lent("in_out_ptr0[x] = static_cast<float>(tmp_acc0);", "in_out_ptr0")
+    assert lent("auto out_ptr0 = in_out_ptr0;\nt.store(out_ptr0 + x);", "in_out_ptr0")
+    assert not lent("auto out_ptr2 = in_out_ptr1;\nout_ptr2[0] = tmp_acc0;\nin_out_ptr1[0] = tmp2;", "in_out_ptr1")
+    assert not lent("tmp3.store(in_out_ptr0 + x);", "in_out_ptr0")
