@@ -178,10 +178,9 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
             if ph is not None:
                 written[ph.name] = n.name
     _mark_outputs(gm, infos, index)
-    for ph, n in written_inputs(gm).items():
-        if n.name in index:
-            info = infos[index[n.name]]
-            infos[index[n.name]] = dataclasses.replace(info, extra=dict(info.extra or {}, writes_input=display.get(ph, ph)))
+    for ph, name in written.items():  # each input's last writer: what written_inputs(gm) finds, met on this walk
+        info = infos[index[name]]
+        infos[index[name]] = dataclasses.replace(info, extra=dict(info.extra or {}, writes_input=display.get(ph, ph)))
     return infos, index
 
 
