@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import devices
+from determ_backend.backends.instrument import held_written
 from determ_backend.clones import attributes_dtype, clone_inputs, written_attributes
 
 __all__ = ["EagerInterpreter", "run_eager", "eager_node_values", "replay"]
@@ -69,6 +70,9 @@ class EagerInterpreter(fx.Interpreter):
         return self._copies[target]
 
     def run_node(self, n: fx.Node) -> Any:
+        held = held_written(n)
+        if held is not None:
+            return self._run_writer(n)
         if n.name in self.inject:
             v = self.inject[n.name]
             v = v.clone() if isinstance(v, torch.Tensor) else v
@@ -76,6 +80,24 @@ class EagerInterpreter(fx.Interpreter):
             v = self._compute(n)
         if self.record and (self.keep is None or n.name in self.keep):
             self._keep(n, v)
+        return v
+
+    def _run_writer(self, n: fx.Node) -> Any:
+        """An item assignment or in-place foreach op (:func:`~determ_backend.backends.instrument.held_written`): its
+        value is what it wrote (``n``, or ``n.j`` for the j-th tensor of a foreach op), kept and substituted there;
+        its own value is None."""
+        written = self.fetch_args_kwargs_from_env(n)[0][0]
+        v = self._compute(n)
+        many = isinstance(written, (list, tuple))
+        for j, t in enumerate(written if many else (written,)):
+            key = f"{n.name}.{j}" if many else n.name
+            if not isinstance(t, torch.Tensor):
+                continue
+            if key in self.inject:
+                with torch.no_grad():
+                    t.copy_(self.inject[key])
+            if self.record and (self.keep is None or key in self.keep or n.name in self.keep):
+                self.values[key] = t.detach().clone()
         return v
 
     def _compute(self, n: fx.Node) -> Any:

@@ -24,7 +24,8 @@ from determ_backend import _torch_compat
 from determ_backend.backends.recorder import NodeInfo, Recorder
 from determ_backend.trace.stream import dtype_name, module_place
 
-__all__ = ["node_source", "module_place_of", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos"]
+__all__ = ["node_source", "module_place_of", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos",
+           "written_args", "held_written", "written_inputs"]
 
 # the file name is everything up to the last '", line N, in ' of the line: it may hold quotes itself
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (\S+)', re.M)
@@ -146,23 +147,27 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
     display = display or {}
     infos: List[NodeInfo] = []
     index: Dict[str, int] = {}
-    # graph input -> the node that last wrote it in place (a dynamo graph's ``acc.add_(x); acc.mul_(2)``): a node
-    # reading the input after that reads what the write left, not the value the graph was called with
-    written: Dict[str, str] = {}
+    # node -> the records that hold what its memory holds after in-place writes (a dynamo graph's ``y.add_(x)``,
+    # ``y[:, :8] = v``, ``torch._foreach_mul_([y], 2)``: later readers of ``y`` name ``y``'s node, yet read what the
+    # writes left).  A write of the whole tensor replaces them; a write through a view of it adds to them.
+    written: Dict[str, Tuple[str, ...]] = {}
+    placeholders: set = set()
     for n in gm.graph.nodes:
         if n.op == "output":
             continue
         if n.op == "placeholder":
+            placeholders.add(n.name)
             kind = "param" if n.name in display else "input"
             info = NodeInfo(node=display.get(n.name, n.name), op="input", kind=kind,
                             extra={"placeholder": n.name} if n.name in display else None)
         elif n.op == "get_attr":
             info = NodeInfo(node=n.name, op="get_attr", kind="param", extra={"attr": str(n.target)})
         else:
-            ins = tuple(written[a] if a in written else display.get(a, a) for a in _tensor_args(n))
+            ins = tuple(w for a in _tensor_args(n) for w in written.get(a, (display.get(a, a),)))
             # an async collective's value is not read (it may still be in flight): like a view, it is judged
             # through its neighbours, here the wait_tensor that returns it complete
-            kind = "view" if is_view(n) or _is_async_collective(n) else ("multi" if _is_sequence_valued(n) else "node")
+            kind = "view" if is_view(n) or _is_async_collective(n) else (
+                "multi" if _is_sequence_valued(n) and held_written(n) is None else "node")  # a foreach_ op's writes
             op = op_name(n)
             src = n.args[0] if n.target is operator.getitem and n.args and isinstance(n.args[0], fx.Node) else None
             if src is not None and src.name in index and infos[index[src.name]].kind in ("multi", "view"):
@@ -174,37 +179,87 @@ def graph_node_infos(gm: fx.GraphModule, display: Optional[Dict[str, str]] = Non
         index[n.name] = len(infos)
         infos.append(info)
         if n.op in ("call_function", "call_method"):
-            ph = _input_written(n)
-            if ph is not None:
-                written[ph.name] = n.name
+            for rec, base, whole in _writes(n):
+                written[base.name] = (rec,) if whole else written.get(base.name, (display.get(base.name, base.name),)) + (rec,)
     _mark_outputs(gm, infos, index)
-    for ph, name in written.items():  # each input's last writer: what written_inputs(gm) finds, met on this walk
-        info = infos[index[name]]
-        infos[index[name]] = dataclasses.replace(info, extra=dict(info.extra or {}, writes_input=display.get(ph, ph)))
+    for ph in placeholders & written.keys():  # what each input holds after the call: what the program sees
+        for name in written[ph]:
+            i = index.get(name.rsplit(".", 1)[0] if name not in index else name)
+            if i is not None and infos[i].op != "input":
+                infos[i] = dataclasses.replace(infos[i], extra=dict(infos[i].extra or {}, writes_input=display.get(ph, ph)))
     return infos, index
 
 
-def _input_written(n: fx.Node) -> Optional[fx.Node]:
-    """The graph input (placeholder) ``n`` writes in place, through views of it too: a functionalized graph's
-    ``copy_`` back into a mutated input, an in-place op on an input in a dynamo graph (``acc.add_(x)``); else None."""
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                                operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+                                operator.ixor, operator.ilshift, operator.irshift})
+
+
+def _is_tensor_node(n: Any) -> bool:
+    if not isinstance(n, fx.Node):
+        return False
+    val = n.meta.get("val", n.meta.get("example_value"))
+    return val is None or isinstance(val, torch.Tensor)  # a graph without values: taken at its word
+
+
+def written_args(n: fx.Node) -> List[fx.Node]:
+    """The tensors ``n`` writes in place, as ``n`` names them (a view of another node's memory included): an
+    in-place op or method (``acc.add_(x)``, ``torch.relu_``, a functionalized graph's ``copy_`` back into an input),
+    ``out=``, an augmented assignment (``y += x``), an item assignment (``y[:, :8] = v``), an in-place foreach op
+    (``torch._foreach_mul_([a, b], 2)``: each tensor of its first list)."""
     t = n.target
     out = n.kwargs.get("out")
     if isinstance(out, fx.Node):  # ``torch.add(a, b, out=acc)``
-        return _placeholder_under(out)
-    if not n.args or not isinstance(n.args[0], fx.Node):
-        return None
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [o for o in out if isinstance(o, fx.Node)]
+    if not n.args:
+        return []
+    first = n.args[0]
     if n.op == "call_function" and _torch_compat.is_op_overload(t):
         schema = _torch_compat.op_schema(t)
         args = schema.arguments if schema is not None else ()
         if not args or args[0].alias_info is None or not args[0].alias_info.is_write:
-            return None
+            return []
+    elif n.op == "call_function" and (t is operator.setitem or t in _INPLACE_OPERATORS):
+        if not _is_tensor_node(first):  # ``n += 1`` of a size
+            return []
     elif n.op == "call_method" or (n.op == "call_function" and getattr(t, "__module__", "") == "torch"):
         name = t if isinstance(t, str) else getattr(t, "__name__", "")
-        if not name.endswith("_") or name.startswith("_"):  # the in-place convention (``add_``, ``copy_``)
-            return None
+        if not name.endswith("_") or name.endswith("__"):  # the in-place convention (``add_``, ``_foreach_mul_``)
+            return []
     else:
+        return []
+    items = first if isinstance(first, (list, tuple)) else (first,)
+    return [a for a in items if _is_tensor_node(a)]
+
+
+def held_written(n: fx.Node) -> Optional[Any]:
+    """The argument holding what ``n`` wrote, for a writing node whose own value is not that tensor: an item
+    assignment (``None``) and an in-place foreach op (``None``; its list of tensors is the value).  None for any
+    other node."""
+    if n.op != "call_function" or not n.args:
         return None
-    return _placeholder_under(n.args[0])
+    t = n.target
+    if t is operator.setitem:
+        return n.args[0]
+    if isinstance(n.args[0], (list, tuple)) and getattr(t, "__name__", "").startswith("_foreach_") and written_args(n):
+        return n.args[0]
+    return None
+
+
+def _writes(n: fx.Node) -> List[Tuple[str, fx.Node, bool]]:
+    """``(record name, base node, whole)`` per tensor ``n`` writes: the record holding the written value (``n``, or
+    ``n.j`` for the j-th tensor of a foreach op), the node whose memory it is (:func:`_memory_base`) and whether the
+    write covers all of it (not through a view)."""
+    targets = written_args(n)
+    many = held_written(n) is not None and isinstance(n.args[0], (list, tuple))
+    found = []
+    for j, a in enumerate(targets):
+        base = _memory_base(a)
+        if base is not None:
+            found.append((f"{n.name}.{j}" if many else n.name, base, base is a))
+    return found
 
 
 def _basic_index(idx: Any) -> bool:
@@ -213,25 +268,27 @@ def _basic_index(idx: Any) -> bool:
     return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
 
 
-def _placeholder_under(base: fx.Node) -> Optional[fx.Node]:
-    """The graph input ``base`` is, or views (through view ops and basic indexing, ``acc[0]``, ``acc[:, :8]``)."""
+def _memory_base(node: fx.Node) -> Optional[fx.Node]:
+    """The node whose memory ``node`` is, or views (through view ops and basic indexing, ``acc[0]``,
+    ``acc[:, :8]``)."""
+    base = node
     while base.op != "placeholder" and base.args and isinstance(base.args[0], fx.Node) and (
             is_view(base) or (base.target is operator.getitem and len(base.args) > 1 and _basic_index(base.args[1]))):
         base = base.args[0]
-    return base if base.op == "placeholder" else None
+    return base
 
 
 def written_inputs(gm: fx.GraphModule) -> Dict[str, fx.Node]:
-    """Graph input name -> the last node writing it in place (:func:`_input_written`).  What it holds then is what
+    """Graph input name -> the last node writing it in place (:func:`written_args`).  What it holds then is what
     the program sees after the call, as much as a returned value: the causal rule takes it for a symptom
     (``extra.writes_input``), so a wrong value reaching only a mutated input or buffer (a compiled optimizer step,
     running statistics, ``acc.add_``) is a finding, not a masked note."""
     last: Dict[str, fx.Node] = {}
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method"):
-            ph = _input_written(n)
-            if ph is not None:
-                last[ph.name] = n
+            for _, base, _ in _writes(n):
+                if base.op == "placeholder":
+                    last[base.name] = n
     return last
 
 
@@ -281,7 +338,8 @@ def instrument_graph(gm: fx.GraphModule, recorder: Recorder, index: Dict[str, in
             continue
         if recorder.infos[index[n.name]].kind in ("view", "multi"):
             continue  # views follow from their input; tuple values are captured by their getitem users
+        held = held_written(n)  # an item assignment, an in-place foreach op: their value is what they wrote
         with g.inserting_after(n):
-            g.call_function(capture, (index[n.name], n))
+            g.call_function(capture, (index[n.name], n if held is None else held))
     new.recompile()
     return new

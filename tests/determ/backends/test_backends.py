@@ -169,11 +169,12 @@ def test_a_nondeterministic_value_reaching_only_a_written_back_input_is_a_findin
     assert "eager_nd_rowsum" in report["first_divergence"]["op"], report["first_divergence"]
 
 
-@pytest.mark.parametrize("write", ["twice", "slice", "out"])
+@pytest.mark.parametrize("write", ["twice", "slice", "out", "setitem", "foreach", "iadd"])
 def test_a_dynamo_graph_writing_its_input_in_place_blames_the_nondeterministic_op(tmp_path, write):
     """A dynamo graph's in-place ops take the input itself as their argument: the second write (``acc.mul_(2)``)
     read the input as the graph was called with it, whose record agrees, and the deterministic ``mul_`` was the
-    root cause; a write through a slice (``acc[:, :8].add_``) or ``out=`` was not seen as a write at all."""
+    root cause; a write through a slice (``acc[:, :8].add_``), ``out=``, an item assignment, an in-place foreach op
+    or ``acc += v`` was not seen as a write at all (the nondeterministic op was a masked note)."""
     import eager_helpers  # noqa: F401  (determ_test::eager_nd_rowsum, a genuinely nondeterministic op)
 
     nd = torch.ops.determ_test.eager_nd_rowsum
@@ -184,12 +185,45 @@ def test_a_dynamo_graph_writing_its_input_in_place_blames_the_nondeterministic_o
             acc.mul_(2)
         elif write == "slice":
             acc[:, :8].add_(nd(x * 2)[:, :8])
-        else:
+        elif write == "out":
             torch.add(acc, nd(x * 2), out=acc)
+        elif write == "setitem":
+            acc[:, :8] = nd(x * 2)[:, :8]
+        elif write == "foreach":
+            torch._foreach_add_([acc], [nd(x * 2)])
+        else:
+            acc += nd(x * 2)
         return x * 3
 
     _, run_dir = compile_run(f, (torch.randn(16, 64), torch.zeros(16, 64)), "determ_eager", tmp_path, write,
                              check="determinism")
+    report = load(run_dir)[1]
+    assert report["divergent"], report
+    assert [r["op"] for r in report["findings"][0]["root_causes"]] == ["determ_test.eager_nd_rowsum"], report
+
+
+@pytest.mark.parametrize("write", ["method", "setitem", "foreach", "view"])
+def test_a_value_written_in_place_in_a_dynamo_graph_is_what_its_later_readers_read(tmp_path, write):
+    """``y.add_(v)``, ``y[:, :8] = v``, ``torch._foreach_add_([y], [v])``, ``y[:, :8].add_(v)`` leave ``y``'s node
+    name on every later reader of ``y``: the reader's input was ``y`` as first made, whose record agrees, and
+    ``tanh``, innocent, was the root cause of the nondeterministic ``v``."""
+    import eager_helpers  # noqa: F401  (determ_test::eager_nd_rowsum, a genuinely nondeterministic op)
+
+    nd = torch.ops.determ_test.eager_nd_rowsum
+
+    def f(x):
+        y = x * 2
+        if write == "method":
+            y.add_(nd(x))
+        elif write == "setitem":
+            y[:, :8] = nd(x)[:, :8]
+        elif write == "foreach":
+            torch._foreach_add_([y], [nd(x)])
+        else:
+            y[:, :8].add_(nd(x)[:, :8])
+        return torch.tanh(y) * 3
+
+    _, run_dir = compile_run(f, (torch.randn(16, 64),), "determ_eager", tmp_path, write, check="determinism")
     report = load(run_dir)[1]
     assert report["divergent"], report
     assert [r["op"] for r in report["findings"][0]["root_causes"]] == ["determ_test.eager_nd_rowsum"], report

@@ -94,3 +94,26 @@ def test_nodes_run_alone_in_fp64_never_write_into_the_values_they_were_given():
     by = {n.name: n for n in gm.graph.nodes}
     EagerInterpreter(gm).run_nodes([by["bump"]], vals, to64=True)
     assert torch.equal(vals["mul"], before)
+
+
+def test_an_item_assignment_and_a_foreach_write_hold_what_they_wrote_and_take_substitutes_there():
+    """``y[:, :2] = v`` and ``torch._foreach_mul_([y, z], 2)`` return None: their values are the tensors they wrote
+    (``setitem``, ``foreach.0``/``foreach.1``), and a substituted value is written there, so later readers see it."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = _op(g, operator.mul, (x, 2.0), "y")
+    z = _op(g, operator.add, (x, 1.0), "z")
+    _op(g, operator.setitem, (y, (slice(None), slice(None, 2)), 0.5), "setitem")
+    _op(g, torch._foreach_mul_, ([y, z], 2.0), "foreach")
+    s = _op(g, operator.add, (y, z), "s")
+    g.output((s,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    x = torch.randn(3, 4)
+    vals = eager_node_values(gm, [x])
+    y_set = x * 2
+    y_set[:, :2] = 0.5
+    assert torch.equal(vals["setitem"], y_set)
+    assert torch.equal(vals["foreach.0"], y_set * 2) and torch.equal(vals["foreach.1"], (x + 1) * 2)
+    assert torch.equal(vals["s"], y_set * 2 + (x + 1) * 2)
+    sub = replay(gm, [x], devices.get_rng_state(), inject={"foreach.1": torch.zeros(3, 4), "setitem": torch.ones(3, 4)})
+    assert torch.equal(sub["foreach.0"], torch.full((3, 4), 2.0)) and torch.equal(sub["s"], torch.full((3, 4), 2.0))
