@@ -205,7 +205,8 @@ def _is_tensor_node(n: Any) -> bool:
 def written_args(n: fx.Node) -> List[fx.Node]:
     """The tensors ``n`` writes in place, as ``n`` names them (a view of another node's memory included): an
     in-place op or method (``acc.add_(x)``, ``torch.relu_``, a functionalized graph's ``copy_`` back into an input),
-    ``out=``, an augmented assignment (``y += x``), an item assignment (``y[:, :8] = v``), an in-place foreach op
+    ``out=``, ``inplace=True`` (``F.relu(y, inplace=True)``, ``nn.ReLU(inplace=True)``), an augmented assignment
+    (``y += x``), an item assignment (``y[:, :8] = v``), an in-place foreach op
     (``torch._foreach_mul_([a, b], 2)``: each tensor of its first list)."""
     t = n.target
     out = n.kwargs.get("out")
@@ -221,7 +222,8 @@ def written_args(n: fx.Node) -> List[fx.Node]:
         args = schema.arguments if schema is not None else ()
         if not args or args[0].alias_info is None or not args[0].alias_info.is_write:
             return []
-    elif n.op == "call_function" and (t is operator.setitem or t in _INPLACE_OPERATORS):
+    elif n.op == "call_function" and (t is operator.setitem or t in _INPLACE_OPERATORS
+                                      or n.kwargs.get("inplace") is True):  # ``F.relu(y, inplace=True)``
         if not _is_tensor_node(first):  # ``n += 1`` of a size
             return []
     elif n.op == "call_method" or (n.op == "call_function" and getattr(t, "__module__", "") == "torch"):

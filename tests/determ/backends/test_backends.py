@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import operator
+
 import pytest
 import torch
 
@@ -455,6 +457,62 @@ def test_a_functional_collective_is_judged_at_its_wait_not_read_in_flight():
     infos, index = graph_node_infos(fx.GraphModule(torch.nn.Module(), g))
     assert infos[index[ar.name]].kind == "view" and infos[index[done.name]].kind == "node"
     assert infos[index[done.name]].inputs == (ar.name,)
+
+
+def test_every_form_of_in_place_write_in_a_dynamo_graph_is_what_later_readers_read():
+    """The forms a Dynamo graph writes in place with, each read back by the next: a method, ``inplace=True``
+    (``nn.ReLU(inplace=True)``), ``out=``, ``+=``, an item assignment, a foreach op, a write through a view (which
+    adds to what the tensor holds), a write into an input (a symptom: ``writes_input``); ``n += 1`` of a size is
+    no write."""
+    from determ_backend.backends.instrument import graph_node_infos
+
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    relu = torch.nn.ReLU(inplace=True)
+
+    def f(x, acc):
+        y = x * 2
+        y.add_(1)
+        r1 = y * 1
+        relu(y)
+        r2 = y * 1
+        torch.mul(y, 3, out=y)
+        r3 = y * 1
+        y += x
+        r4 = y * 1
+        y[:, :1] = 0
+        r5 = y * 1
+        torch._foreach_mul_([y, x], 2.0)
+        r6 = y * 1
+        y[:, :2].sub_(1)
+        r7 = y * 1
+        acc.mul_(0.5)
+        n = x.shape[0]
+        n += 1
+        return r1, r2, r3, r4, r5, r6, r7, y.sum() * n
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=grab, fullgraph=True)(torch.randn(4, 4), torch.ones(4, 4))
+    gm = graphs[0]
+    infos, index = graph_node_infos(gm)
+    nodes = list(gm.graph.nodes)
+    reads = [infos[index[n.name]].inputs for n in nodes if n.op == "call_function" and n.target is operator.mul
+             and len(n.args) == 2 and n.args[1] == 1]
+    writers = [n.name for n in nodes if n.op in ("call_function", "call_method")
+               and (str(n.target).endswith("_") or n.target in (operator.iadd, operator.setitem)
+                    or n.kwargs.get("inplace") or "out" in n.kwargs or "_foreach_" in str(n.target))
+               and n.target is not torch._C._set_grad_enabled]
+    y_writers = writers[:6] + [writers[6]]  # add_, relu, mul(out=), iadd, setitem, _foreach_mul_, sub_
+    expect = [(y_writers[0],), (y_writers[1],), (y_writers[2],), (y_writers[3],), (y_writers[4],),
+              (f"{y_writers[5]}.0",), (f"{y_writers[5]}.0", y_writers[6])]
+    assert reads == expect, (reads, writers)
+    acc_writer = writers[7]
+    assert infos[index[acc_writer]].extra["writes_input"].endswith("acc_")
+    assert [i.node for i in infos if (i.extra or {}).get("writes_input")] == [y_writers[5], acc_writer]  # x: foreach
 
 
 @pytest.mark.slow
