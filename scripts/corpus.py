@@ -48,7 +48,7 @@ import real_models  # noqa: E402
 
 log = logging.getLogger("corpus")
 
-BACKENDS = ("determ_inductor", "determ_aot_eager")
+BACKENDS = ("determ_inductor", "determ_aot_eager", "determ_eager")
 MODES = ("eval", "train")
 CHECKS = ("determinism", "accuracy", "nan")
 FLOWS = ("aot4", "inject")

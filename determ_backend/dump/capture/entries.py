@@ -70,36 +70,60 @@ def is_data_tensor(t: Any) -> bool:
 
 
 class FingerprintCache:
-    """Fingerprints of recently seen tensors, valid while the tensor object lives and is not modified."""
+    """Fingerprints of recently seen tensors, valid while the tensor object lives and is not modified.
+
+    Modified means its version counter moved, or :meth:`forget` was told of a write into its memory through any
+    tensor (``p.data.mul_(0.9)`` writes ``p`` through another object with a counter of its own), or :meth:`clear`
+    (after every optimizer step: a fused optimizer, ``torch._fused_adamw_``, writes the parameters without moving
+    their counters)."""
 
     def __init__(self) -> None:
-        self._entries: Dict[int, Tuple[Any, int, Dict[str, Any]]] = {}
+        self._entries: Dict[int, Tuple[Any, int, Dict[str, Any], int]] = {}
+        self._by_storage: Dict[int, List[int]] = {}  # first byte of a storage -> ids of its cached tensors
 
     def get(self, t: torch.Tensor) -> Optional[Dict[str, Any]]:
         hit = self._entries.get(id(t))
         if hit is None:
             return None
-        ref, version, fp = hit
+        ref, version, fp, _ = hit
         if ref() is not t or _torch_compat.tensor_version(t) != version:
             return None
         return fp
 
     def put(self, t: torch.Tensor, fp: Dict[str, Any]) -> None:
         if len(self._entries) >= _CACHE_LIMIT:
-            self._entries.clear()
+            self.clear()
         try:
-            self._entries[id(t)] = (weakref.ref(t), _torch_compat.tensor_version(t), fp)
+            where = _storage_start(t)
+            self._entries[id(t)] = (weakref.ref(t), _torch_compat.tensor_version(t), fp, where)
         except (TypeError, RuntimeError):  # no weak references, or an inference tensor (no version counter, so a
-            pass                           # write in inference mode would go unseen): not cached
+            return                         # write in inference mode would go unseen): not cached
+        if where:
+            self._by_storage.setdefault(where, []).append(id(t))
 
     def forget(self, items: Sequence[Tuple[str, Any]]) -> None:
-        """Drop the tensors of ``items``: a call wrote into them (collectives do not bump ``_version``)."""
+        """Drop the tensors of ``items``, and every tensor sharing memory with them: a call wrote into them
+        (collectives do not bump ``_version``; a write through ``.data`` bumps another counter)."""
         for _, v in items:
             if isinstance(v, torch.Tensor):
                 self._entries.pop(id(v), None)
+                try:
+                    where = _storage_start(v)
+                except RuntimeError:
+                    continue
+                for i in self._by_storage.pop(where, ()) if where else ():
+                    self._entries.pop(i, None)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._by_storage.clear()
+
+
+def _storage_start(t: torch.Tensor) -> int:
+    """The first byte of ``t``'s storage (0 for a tensor without one: a sparse or wrapper tensor)."""
+    if t.layout is not torch.strided or t.is_meta:
+        return 0
+    return t.untyped_storage().data_ptr()
 
 
 def _scalar_entry(name: str, v: Any) -> Optional[Dict[str, Any]]:

@@ -14,6 +14,8 @@
   model is recorded around its calls, ``Module_<path>.<Class>_<n>_forward`` (the model
   itself is ``Module_<Class>_<n>``) and ``_backward`` (gradients of its outputs in,
   of its inputs and parameters out); at ``L0`` no torch API call is recorded.
+* **Optimizer steps**: after every ``optimizer.step()`` (a global optimizer post-hook) no fingerprint taken
+  before is reused (a fused optimizer writes the parameters without moving their version counters).
 * **Parameters**: before every ``optimizer.step()`` (a global optimizer pre-hook)
   each registered model's parameters (``Parameter_<name>_<step>_forward``) and
   gradients (``..._backward``) are recorded -- after any data-parallel all-reduce,
@@ -114,10 +116,13 @@ class Installation:
             apis = recorder.overflow is not None or recorder.settings.apis
             if apis:
                 self._install_dist()
-            if models and recorder.overflow is None:
-                from torch.optim.optimizer import register_optimizer_step_pre_hook
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+            if models and recorder.overflow is None:
                 self._handles.append(register_optimizer_step_pre_hook(self._before_step))
+            # a fused optimizer (``torch._fused_adamw_``) writes the parameters without moving their version
+            # counters: no fingerprint taken before a step stands for a tensor after it
+            self._handles.append(register_optimizer_step_post_hook(self._after_step))
             if apis:
                 self._mode = DumpMode(recorder)
                 self._mode.__enter__()
@@ -175,6 +180,9 @@ class Installation:
         if passthrough():
             return
         self.snapshot_parameters()
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self.rec.session.cache.clear()
 
     def snapshot_parameters(self) -> None:
         """Record every registered model's parameters and gradients now."""
