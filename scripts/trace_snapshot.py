@@ -30,7 +30,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 # real_models and the bench's models; appended, so determ still comes from the environment
@@ -123,17 +123,19 @@ def write(out: Path, families: List[str], scenarios: bool) -> int:
     for name, run in tqdm(cases.items(), desc="snapshot", unit="case", file=sys.stderr):
         run()
     meta = {"root": str(ROOT), "determ": str(Path(determ_backend.__file__).resolve().parents[1]),
-            "torch": torch.__version__, "cases": list(cases)}
+            "prefix": sys.prefix, "torch": torch.__version__, "cases": list(cases)}
     (out / META).write_text(json.dumps(meta, indent=1) + "\n")
     files = sorted(p.name for p in out.iterdir() if p.name != META)
     print(f"{len(files)} files from {len(cases)} cases in {out} (determ from {meta['determ']})")
     return 0
 
 
-def _normalized(path: Path, roots: List[str]) -> bytes:
+def _normalized(path: Path, roots: List[Tuple[str, bytes]]) -> bytes:
+    """``path``'s bytes with object addresses and the snapshot's roots replaced: its environment (the installed
+    packages' files, which may lie inside one checkout and not the other) first, then its repository roots."""
     data = _ADDRESS.sub(b"ADDR", path.read_bytes())
-    for root in roots:
-        data = data.replace(root.encode(), b"ROOT")
+    for root, token in roots:
+        data = data.replace(root.encode(), token)
     return data
 
 
@@ -142,7 +144,8 @@ def _roots(snapshot: Path) -> List[str]:
         meta = json.loads((snapshot / META).read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"trace_snapshot: {snapshot}: not a snapshot directory ({META} unreadable: {e})")
-    return sorted({meta["root"], meta["determ"]}, key=len, reverse=True)
+    prefix = [(meta["prefix"], b"PREFIX")] if meta.get("prefix") else []
+    return prefix + [(r, b"ROOT") for r in sorted({meta["root"], meta["determ"]}, key=len, reverse=True)]
 
 
 def compare(a: Path, b: Path) -> int:

@@ -129,6 +129,9 @@ class OpRecorder:
         # seq of the write's record, that record); an entry of an alias of such memory made before is stale
         self._silent: List[tuple] = []  # (first byte, end, seq, record, storage reference): changed in place
         weakref.finalize(self, _release_silent, self._silent).atexit = False
+        # first byte of each storage an op wrote through a view (``w[0, 0] += e``, ``buf[:2] = h``): the base,
+        # read next as an object no op returned, holds what those writes left, not a value of its own
+        self._view_written: Dict[int, int] = {}
         self._counts: Dict[tuple, int] = {}
         self._hashes = PendingHashes(stats)
         self._events: List[OpEvent] = []
@@ -238,6 +241,10 @@ class OpRecorder:
         ops wrote through views (:meth:`_silent_alias`)."""
         if (self._silent or gathered) and not unread:
             alias = self._silent_alias(t, source, loc, events, gathered)
+            if alias is not None:
+                return alias
+        if self._view_written and not unread and not gathered and self._storage_start(t) in self._view_written:
+            alias = self._silent_alias(t, source, loc, events, gathered=True)  # the records written into its storage
             if alias is not None:
                 return alias
         named = self.names.get(id(t))
@@ -389,8 +396,27 @@ class OpRecorder:
                            {"aliases": writer.node} if writer is not None else None)
         self._capture(rec, t)
         self.set_producer(t, rec)
-        events.append(OpEvent(rec.op, source, None, (), [rec], [str(t.device)], inputs))
+        device = str(t.device)  # the text log names the writes it is made of, as an op's inputs
+        args = [(f"written.{k}", r, None, device) for k, r in enumerate(inputs)] if self.describe_args else ()
+        events.append(OpEvent(rec.op, source, None, args, [rec], [device], inputs))
         return rec
+
+    @staticmethod
+    def _storage_start(t: torch.Tensor) -> Optional[int]:
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage (a sparse or wrapper tensor)
+            return None
+
+    def _written_through_view(self, outs: Sequence) -> None:
+        """Remember the storages of the views among ``outs`` (what an in-place op wrote), for :meth:`_input_record`."""
+        for t in outs:
+            if isinstance(t, torch.Tensor) and t._base is not None:
+                start = self._storage_start(t)
+                if start is not None:
+                    if len(self._view_written) >= _LINES_LIMIT:  # addresses of freed storages: only a wasted look
+                        self._view_written.clear()
+                    self._view_written[start] = self.seq
 
     def _written_silently(self, outs: Sequence, recs: List[Record]) -> None:
         """A collective wrote ``outs`` without moving their version counters: remember their storages, so that
@@ -445,6 +471,8 @@ class OpRecorder:
             recs.append(rec)
         if info[6]:  # a collective returns the tensors it wrote (its schema declares no writes)
             self._written_silently(outs, recs)
+        elif writes:
+            self._written_through_view(outs)
         if compiled:
             self.compiled_ops += 1
         devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else ()

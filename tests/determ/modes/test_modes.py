@@ -966,3 +966,37 @@ def test_one_mode_entered_by_a_second_thread_is_refused_in_one_line(tmp_path):
     assert len(errors) == 1 and "make one per thread" in errors[0], errors
     ops = [r.op for r in read_trace_file(tmp_path / "run.jsonl").records]
     assert ops.count("aten.relu.default") == 1, ops  # the first thread's ops alone
+
+
+@pytest.mark.parametrize("tool", ["log", "jsonl"])
+def test_a_write_through_a_view_is_what_the_base_is_read_as(tmp_path, tool):
+    """``buf[:2] = h`` and ``w[0, 0] += e`` write a tensor through a view of it: read next as an object no op
+    returned, the base was recorded as a fresh ``input``, and diff blamed that input (beside the real culprit)."""
+
+    def view_write(swap):
+        torch.manual_seed(0)
+        l1, l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        h = l1(torch.randn(2, 8))
+        h = torch.nn.functional.gelu(h) if swap else torch.relu(h)
+        buf = torch.zeros(4, 16)
+        buf[:2] = h
+        return l2(buf)
+
+    def indexed_weight(perturb):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 4)
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            m.weight[0, 0] += 0.5 if perturb else 0.0
+        return m(x)
+
+    for fn, expect in ((view_write, {("aten.relu.default", "a"), ("aten.gelu.default", "b")}),
+                       (indexed_weight, {("aten.add_.Tensor", None)})):
+        paths = []
+        for name, flag in (("a", False), ("b", True)):
+            path = tmp_path / f"{fn.__name__}_{name}.{tool}"
+            with (HashDebugTrace(log_path=path) if tool == "log" else HashMode(path)):
+                fn(flag)
+            paths.append(path)
+        cmp = diff_logs(*paths) if tool == "log" else compare_traces(read_trace(paths[0]), read_trace(paths[1]))
+        assert {(p.rec.op, p.metrics.get("only_in")) for p in cmp.root_causes} == expect, cmp.root_causes
