@@ -534,7 +534,8 @@ class OpRecorder:
 
     def _capture(self, rec: Record, t) -> None:
         why = hashable(t) if isinstance(t, torch.Tensor) else None
-        if why is not None and t.is_meta and not t.is_nested:  # no values: its dtype and shape are all it holds
+        if why is not None and not t.is_nested and (t.is_meta or _compat.is_fake_tensor(t)):
+            # no values (a meta tensor, a FakeTensor torch.export or a compile traces with): dtype and shape are all
             rec.hash = uninitialized_hash(rec)
             return
         if why is not None:

@@ -1000,3 +1000,20 @@ def test_a_write_through_a_view_is_what_the_base_is_read_as(tmp_path, tool):
             paths.append(path)
         cmp = diff_logs(*paths) if tool == "log" else compare_traces(read_trace(paths[0]), read_trace(paths[1]))
         assert {(p.rec.op, p.metrics.get("only_in")) for p in cmp.root_causes} == expect, cmp.root_causes
+
+
+def test_torch_export_runs_under_the_eager_tools_and_its_fake_tensors_are_fingerprinted_by_dtype_and_shape(tmp_path):
+    """``torch.export.export`` traces with FakeTensors: the bitwise mode read them and killed the program ("Cannot
+    access data pointer"), and HashMode left them unfingerprinted, so two identical runs were never shown identical."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    expected = torch.export.export(m, (x,)).module()(x)
+    with BitwiseEquivalenceMode() as bm:
+        y = torch.export.export(m, (x,)).module()(x)
+    assert torch.equal(y, expected) and bm.get_mismatches() == []
+    for name in ("a", "b"):
+        with HashMode(tmp_path / f"{name}.jsonl"):
+            torch.export.export(m, (x,)).module()(x)
+    cmp = compare_traces(read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl"))
+    assert cmp.identical, cmp.summary()
