@@ -474,6 +474,25 @@ def functorch_active() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
+def functorch_unwrapped(value: Any) -> Any:
+    """``value`` with each ``torch.func`` wrapper (batched, gradient-tracking) replaced by the plain tensor it wraps
+    (under ``vmap`` the whole batch, batch dimension included), read outside the transform; tensors and lists or
+    tuples of them.  A wrapper has no memory of its own, and a copy of it made inside the transform is dead once
+    the transform returns."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(functorch_unwrapped(v) for v in value)
+    if not isinstance(value, torch.Tensor) or not torch._C._functorch.is_functorch_wrapped_tensor(value):
+        return value
+    with functorch_disabled():
+        return torch.func.debug_unwrap(value, recurse=True)
+
+
+def uses_functorch(target: Any) -> bool:
+    """Whether an FX node's target is one of ``torch.func``'s level or wrapper functions (a Dynamo graph of a
+    ``vmap`` or ``grad`` call holds ``_vmap_increment_nesting``, ``_add_batch_dim``...)."""
+    return str(getattr(target, "__module__", "")).startswith(("torch._functorch", "torch._C._functorch"))
+
+
 @contextlib.contextmanager
 def functorch_disabled() -> Iterator[None]:
     """Run the block outside every ``torch.func`` transform: tensors made there are plain tensors (a cached

@@ -19,12 +19,13 @@ Cutting part of a graph out as a graph of its own lives in
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from determ_backend import devices
+from determ_backend import _torch_compat, devices
 from determ_backend.backends.instrument import held_written
 from determ_backend.clones import attributes_dtype, clone_inputs, written_attributes
 
@@ -110,6 +111,13 @@ class EagerInterpreter(fx.Interpreter):
             return torch.ops.aten.reshape.default(*args, **kwargs)
 
     def _keep(self, n: fx.Node, v: Any) -> None:
+        if _torch_compat.functorch_active():  # inside a vmap or grad: kept as the plain tensor the wrapper wraps
+            with _torch_compat.functorch_disabled():
+                self._keep_plain(n, _torch_compat.functorch_unwrapped(v))
+            return
+        self._keep_plain(n, v)
+
+    def _keep_plain(self, n: fx.Node, v: Any) -> None:
         if n.op != "output":
             self.values[n.name] = v.detach().clone() if isinstance(v, torch.Tensor) else v
             return
@@ -150,7 +158,9 @@ def eager_node_values(gm: fx.GraphModule, args: Sequence[Any], inject: Optional[
     """Every node's value (and ``output.K`` per output leaf), or only those named in ``keep``, from an eager run
     of ``gm`` without autograd; nodes named in ``inject`` take the given values instead."""
     interp = EagerInterpreter(gm, record=True, inject=inject, keep=keep)
-    with torch.no_grad():
+    # a graph of ``torch.func.grad`` computes gradients itself: under no_grad they came out as zeros
+    functorch = any(n.op == "call_function" and _torch_compat.uses_functorch(n.target) for n in gm.graph.nodes)
+    with torch.no_grad() if not functorch else contextlib.nullcontext():
         interp.run(*args)
     return interp.values
 

@@ -321,8 +321,9 @@ def instrument_graph(gm: fx.GraphModule, recorder: Recorder, index: Dict[str, in
     """A copy of ``gm`` that calls ``recorder.capture(i, value)`` after every node in ``index``."""
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     g = new.graph
-    capture = recorder.capture
     nodes = list(g.nodes)
+    functorch = any(n.op == "call_function" and _torch_compat.uses_functorch(n.target) for n in nodes)
+    capture = recorder.capture_unwrapped if functorch else recorder.capture  # a vmap's values are wrappers
     placeholders = [n for n in nodes if n.op == "placeholder"]
     anchor = placeholders[-1] if placeholders else None
     if anchor is None:

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from determ_backend import _torch_compat
 from determ_backend.fingerprint.core import FingerprintBatch
 from determ_backend.trace.stream import Record, RecordTemplate, dtype_name, template_lines
 
@@ -170,6 +171,15 @@ class Recorder:
             for j, v in enumerate(value):
                 if isinstance(v, torch.Tensor):
                     self._capture_tensor(state, i, j, v)
+
+    def capture_unwrapped(self, i: int, value: Any) -> None:
+        """:meth:`capture` in a graph that runs ``torch.func`` transforms (``vmap``, ``grad``): inside one, a value
+        is a wrapper with no memory of its own, captured as the tensor it wraps (the whole batch), read outside."""
+        if not _torch_compat.functorch_active():
+            self.capture(i, value)
+            return
+        with _torch_compat.functorch_disabled():
+            self.capture(i, _torch_compat.functorch_unwrapped(value))
 
     def _capture_tensor(self, state: _CallState, i: int, j: Optional[int], t: torch.Tensor) -> None:
         if t.is_meta or t.layout is not torch.strided:

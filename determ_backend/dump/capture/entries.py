@@ -150,8 +150,7 @@ def describe(items: Sequence[Tuple[str, Any]], cache: FingerprintCache, *, data:
     the tensor it wraps (under ``vmap`` the whole batch, batch dimension included), read outside the transform."""
     if _torch_compat.functorch_active():
         with _torch_compat.functorch_disabled():
-            items = [(name, torch.func.debug_unwrap(v, recurse=True) if isinstance(v, torch.Tensor) else v)
-                     for name, v in items]
+            items = [(name, _torch_compat.functorch_unwrapped(v)) for name, v in items]
             return _describe(items, cache, data, keep_non_float, pipeline, refs)
     return _describe(items, cache, data, keep_non_float, pipeline, refs)
 

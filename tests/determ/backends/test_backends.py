@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import subprocess
 import sys
 import textwrap
-
-import operator
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from backend_helpers import MLP, BreakModel, NondetModel, compile_run, load
 from determ_backend.backends import run as run_mod
 from determ_backend.config import load_config
 from determ_backend.errors import ConfigError
+from determ_backend.fingerprint.core import hash_tensor
+from determ_backend.trace.stream import format_hash
 from repro_tools.cli import main as cli
 
 
@@ -229,6 +230,24 @@ def test_a_value_written_in_place_in_a_dynamo_graph_is_what_its_later_readers_re
     report = load(run_dir)[1]
     assert report["divergent"], report
     assert [r["op"] for r in report["findings"][0]["root_causes"]] == ["determ_test.eager_nd_rowsum"], report
+
+
+@pytest.mark.parametrize("check", ["determinism", "accuracy"])
+def test_a_dynamo_graph_running_vmap_and_grad_is_traced_by_the_tensors_the_wrappers_wrap(tmp_path, check):
+    """``torch.vmap`` and ``torch.func.grad`` in a Dynamo graph (Mamba's pure-torch scan): inside them the values are
+    wrappers with no memory, and determ_eager stopped the program ("Cannot access data pointer of Tensor that doesn't
+    have storage"); the eager reference ran under no_grad, where ``grad`` gave zeros, a false divergence."""
+    def f(x, w):
+        g = torch.func.grad(lambda a: (a * w).sum())(x)
+        return torch.vmap(lambda r: torch.tanh(r * 2) + w.sum())(x) + g
+
+    x, w = torch.randn(4, 3), torch.randn(3)
+    out, run_dir = compile_run(f, (x, w), "determ_eager", tmp_path, check, check=check)
+    assert torch.equal(out, f(x, w))
+    recs, report = load(run_dir)
+    assert not report["divergent"] and report["checker_errors"] == [] and report["notes"] == [], report
+    (tanh,) = [r for r in recs if r.op == "torch.tanh"]
+    assert tanh.shape == [4, 3] and tanh.hash == format_hash(hash_tensor(torch.tanh(x * 2)))
 
 
 def test_determinism_check_is_clean_on_deterministic_model(tmp_path):
