@@ -23,6 +23,8 @@ __all__ = [
     "is_available",
     "device_count",
     "synchronize",
+    "rank_and_world",
+    "world_size",
     "available_devices",
     "get_rng_state",
     "set_rng_state",
@@ -90,6 +92,18 @@ def _split(device) -> Tuple[str, Optional[int]]:
     if not m or m.group(1) not in DEVICE_TYPES:
         raise ConfigError(f"unknown device {device!r}; expected one of {', '.join(DEVICE_TYPES)} with an optional :INDEX")
     return m.group(1), None if m.group(2) is None else int(m.group(2))
+
+
+def rank_and_world() -> Tuple[int, int]:
+    """``(rank, world size)`` of this process under ``torch.distributed``; ``(0, 1)`` when no process group runs."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def world_size() -> int:
+    return rank_and_world()[1]
 
 
 def synchronize(device) -> None:

@@ -58,7 +58,7 @@ from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, first_line
-from determ_backend.backends.eager import replay
+from determ_backend.backends.eager import RankLocalReplay, replay
 from determ_backend.backends.instrument import node_source
 from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
@@ -246,7 +246,7 @@ class _Confirmation:
         if rec.kind == "output" or value is None or not isinstance(exp, torch.Tensor) or value.shape != exp.shape:
             return None
         try:
-            replayed = replay(self.ex.reference_gm, self.args, self.rng, inject={name: value})
+            replayed = replay(self.ex.reference_gm, self.args, self.rng, inject={name: value}, rank_local=True)
         except Exception as e:  # a substituted value the graph cannot run with: cannot tell
             log.info("determ accuracy: replay with %s substituted failed (%s)", name, e)
             return None
@@ -500,7 +500,11 @@ class GraphExec:
             return {"node": None, "region": names,
                     "note": "not narrowed: the compiled graph reused its inputs' memory (a cached compile from "
                             "before DETERM_CHECK=nan; clear TORCHINDUCTOR_CACHE_DIR to narrow)"}
-        values = replay(self.reference_gm, args, rng_state if rng_state is not None else devices.get_rng_state())
+        try:
+            values = replay(self.reference_gm, args, rng_state if rng_state is not None else devices.get_rng_state(),
+                            rank_local=True)
+        except RankLocalReplay as e:
+            return {"node": None, "region": names, "note": f"{e} (this rank alone found the NaN/Inf)"}
         node = first_created(self.reference_gm, values, names)
         if node is None:
             return {"node": None, "region": names,

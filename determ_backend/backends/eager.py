@@ -29,7 +29,7 @@ from determ_backend import _torch_compat, devices
 from determ_backend.backends.instrument import held_written
 from determ_backend.clones import attributes_dtype, clone_inputs, written_attributes
 
-__all__ = ["EagerInterpreter", "run_eager", "eager_node_values", "replay"]
+__all__ = ["EagerInterpreter", "run_eager", "eager_node_values", "replay", "holds_collectives", "RankLocalReplay"]
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
@@ -165,12 +165,35 @@ def eager_node_values(gm: fx.GraphModule, args: Sequence[Any], inject: Optional[
     return interp.values
 
 
+class RankLocalReplay(RuntimeError):
+    """A replay that only this rank would run, of a graph holding collectives: refused before it starts."""
+
+
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+
+
+def holds_collectives(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls a ``torch.distributed`` collective (a functional ``all_reduce`` and its wait...)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and (str(getattr(n.target, "namespace", "")) in _COLLECTIVE_NAMESPACES
+                                        or str(getattr(n.target, "__module__", "")).startswith("torch.distributed")):
+            return True
+    return False
+
+
 def replay(gm: fx.GraphModule, args: Sequence[Any], rng_state: Dict[str, Any],
-           inject: Optional[Mapping[str, Any]] = None, keep: Optional[Collection[str]] = None) -> Dict[str, Any]:
+           inject: Optional[Mapping[str, Any]] = None, keep: Optional[Collection[str]] = None,
+           rank_local: bool = False) -> Dict[str, Any]:
     """:func:`eager_node_values` on clones of ``args`` with the RNG (CPU and accelerators,
     :func:`determ_backend.devices.get_rng_state`) in ``rng_state`` for the run; the caller's RNG state is
     restored after.  Two replays from one state that differ only in ``inject`` differ only by what the
-    substituted values do downstream: random ops draw the same numbers in both."""
+    substituted values do downstream: random ops draw the same numbers in both.
+
+    ``rank_local``: a replay this rank alone may run (a candidate's confirmation, a NaN's origin), refused with
+    :class:`RankLocalReplay` when ``gm`` holds collectives and several ranks run: its collectives would wait
+    for ranks that never join, or pair with their next real ones, and the job would hang or fail."""
+    if rank_local and devices.world_size() > 1 and holds_collectives(gm):
+        raise RankLocalReplay("not replayed: the graph holds collectives that every rank would have to join")
     current = devices.get_rng_state()
     try:
         devices.set_rng_state(rng_state)

@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.fx as fx
 
-from determ_backend import _torch_compat
+from determ_backend import _torch_compat, devices
+from determ_backend.backends.eager import holds_collectives
 from determ_backend.backends.extract import MissingValue, Step, extract, walk_back
 from determ_backend.backends.instrument import is_view, node_source, op_name
 from determ_backend.trace.stream import dtype_name
@@ -138,12 +139,15 @@ def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, 
                 compile_region: Callable[[fx.GraphModule, List[Any]], Callable], judge: Judge) -> Optional[Narrowed]:
     """The first node of ``node``'s fused region (in graph order) whose compiled value fails ``judge``
     when the region is compiled alone; a :class:`Narrowed` with no node when none does; None when there
-    is nothing to narrow (a region of one op).  :class:`CannotNarrow` and the compiler's own errors
+    is nothing to narrow (a region of one op; one holding collectives, which this rank alone would run, when
+    several ranks run).  :class:`CannotNarrow` and the compiler's own errors
     propagate to the caller."""
     region = region_of(gm, node, judged)
     if sum(1 for n in region if n.target is not operator.getitem) < 2:
         return None
     mod, inputs, outs = region_module(region, ref)
+    if devices.world_size() > 1 and holds_collectives(mod):  # run by this rank alone, they would desync the job:
+        return None                                              # the kernel's buffer stays the answer
 
     def compile_and_run() -> Any:
         fn = compile_region(mod, clone_inputs(inputs))

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from determ_backend import devices
 from determ_backend.backends.flows import write_report
 from determ_backend.backends.recorder import ValueMemo
 from determ_backend.compare.nonfinite import input_ranges
@@ -43,10 +44,7 @@ REPORT_HTML = "report.html"
 
 
 def current_rank() -> int:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
+    return devices.rank_and_world()[0]
 
 
 _CLAIM = ".determ-run"

@@ -67,7 +67,7 @@ class Upstream:
         if not inject:
             return None
         try:
-            replayed = replay(self.gm, self.args, self.rng, inject=inject, keep={name}).get(name)
+            replayed = replay(self.gm, self.args, self.rng, inject=inject, keep={name}, rank_local=True).get(name)
         except Exception as e:
             log.info("determ: replay of %s from the suspect side's inputs failed (%s)", name, e)
             return None

@@ -83,10 +83,7 @@ def current_rank() -> int:
 
 
 def _current_rank() -> Tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return devices.rank_and_world()
 
 
 class _Controller:

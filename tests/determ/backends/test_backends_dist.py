@@ -44,3 +44,38 @@ def test_each_rank_writes_its_own_trace_with_its_rank(tmp_path, free_port):
 
     # same weights, different data: the ranks' traces diverge at the batch input, not at a parameter
     assert cli(["diff", str(tmp_path / "ddp" / "rank0"), str(tmp_path / "ddp" / "rank1")]) == 1
+
+
+def _nan_worker(rank: int, port: int, out: str, cache: str) -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_CACHE_DIR=cache)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        def h(x):
+            y = torch.sqrt(x) * 2  # a NaN on rank 0 alone, created inside a fused kernel
+            return y + funcol.all_reduce(x * 3, "sum", dist.group.WORLD)
+
+        x = torch.rand(4, 8) + 0.1
+        if rank == 0:
+            x[0, 0] = -1.0
+        torch.compile(h, backend="determ_inductor", options={"dir": out, "run_id": "nan", "check": "nan"})(x)
+        t = torch.ones(3)
+        dist.all_reduce(t)  # the program's next collective: a replay of the graph on rank 0 alone mismatched it
+        assert t.tolist() == [2.0, 2.0, 2.0]
+        from determ_backend.backends import run as run_mod
+
+        run_mod.finish_all()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_check_never_replays_a_graph_with_collectives_on_one_rank(tmp_path, free_port):
+    """Rank 0's fused kernel creates a NaN: the nan check replayed the whole graph on rank 0 to find the node,
+    issuing its all_reduce once more, and gloo aborted the job at the program's next collective."""
+    mp.spawn(_nan_worker, args=(free_port(), str(tmp_path), str(tmp_path / "cache")), nprocs=2, join=True)
+    _, report = load(tmp_path / "nan" / "rank0")
+    (finding,) = report["findings"]
+    assert "collectives" in finding["first_divergence"]["inside"]["note"], finding
+    assert not load(tmp_path / "nan" / "rank1")[1]["divergent"]
