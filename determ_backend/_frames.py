@@ -13,13 +13,14 @@ business.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sysconfig
 from typing import Any, Dict, List
 
 import torch
 
-__all__ = ["FrameFilter", "user_frames", "called_from_determ"]
+__all__ = ["FrameFilter", "user_frames", "called_from_determ", "in_torch"]
 
 _TORCH_ROOT = os.path.join(os.path.dirname(torch.__file__), "")
 _DETERM_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
@@ -30,12 +31,22 @@ _USER_MODELS = (os.path.join(_DETERM_ROOT, "demo_model.py"),)  # user code that 
 _CACHE_LIMIT = 1 << 14  # code objects remembered per filter (generated code makes new ones)
 
 
+def _wrapper_files() -> tuple:
+    """Files of decorator wrappers that stand between the user and torch (``typing_extensions.deprecated``,
+    which torch's deprecated APIs carry): never the user's line."""
+    try:
+        spec = importlib.util.find_spec("typing_extensions")
+    except (ImportError, ValueError):
+        return ()
+    return (spec.origin,) if spec is not None and spec.origin else ()
+
+
 class FrameFilter:
-    """Which frames are user code: not in torch, not in determ, and (``stdlib=True``) not in the
-    standard library or a frozen module.  The answer is cached per code object."""
+    """Which frames are user code: not in torch, not in determ, not a decorator wrapper (:func:`_wrapper_files`),
+    and (``stdlib=True``) not in the standard library or a frozen module.  The answer is cached per code object."""
 
     def __init__(self, stdlib: bool = True) -> None:
-        self._roots = (_TORCH_ROOT, _DETERM_ROOT) + (_STDLIB_ROOTS if stdlib else ())
+        self._roots = (_TORCH_ROOT, _DETERM_ROOT) + _wrapper_files() + (_STDLIB_ROOTS if stdlib else ())
         # id(code) -> internal?  By id: hashing a code object hashes its bytecode and constants every time.
         # The codes are kept alive in _codes, so an id is not reused while it is cached.
         self._cache: Dict[int, bool] = {}
@@ -83,6 +94,11 @@ _USER = FrameFilter()  # user_frames()'s filter, shared so that its cache lasts 
 def user_frames(frame, depth: int = 8) -> List[str]:
     """``file:line in function`` of the first ``depth`` frames outside torch, determ and the stdlib."""
     return [f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" for f in _USER.user_frames(frame, depth)]
+
+
+def in_torch(path: str) -> bool:
+    """Whether source file ``path`` is torch's own."""
+    return path.startswith(_TORCH_ROOT)
 
 
 def called_from_determ(frame) -> bool:

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat
+from determ_backend._frames import in_torch
 from determ_backend.backends.recorder import NodeInfo, Recorder
 from determ_backend.trace.stream import dtype_name, module_place
 
@@ -39,7 +40,8 @@ def node_source(node: fx.Node) -> Optional[str]:
     frames = _FRAME.findall(st) if st else None
     if not frames:
         return module_place_of(node)
-    f, line, fn = frames[-1]
+    # the innermost frame outside torch (a functional collective's frames end in torch's own Python)
+    f, line, fn = next((fr for fr in reversed(frames) if not in_torch(fr[0])), frames[-1])
     return f"{f}:{line} ({fn})"
 
 

@@ -250,6 +250,20 @@ def test_a_dynamo_graph_running_vmap_and_grad_is_traced_by_the_tensors_the_wrapp
     assert tanh.shape == [4, 3] and tanh.hash == format_hash(hash_tensor(torch.tanh(x * 2)))
 
 
+def test_a_nodes_source_is_the_innermost_frame_outside_torch():
+    """A functional collective's stack trace ends in torch's ``_functional_collectives.py``: its records and
+    findings pointed there instead of at the user's ``funcol.all_reduce(...)``."""
+    import torch.fx as fx
+    from determ_backend.backends.instrument import node_source
+
+    torch_file = os.path.join(os.path.dirname(torch.__file__), "distributed", "_functional_collectives.py")
+    g = fx.Graph()
+    n = g.call_function(torch.relu, (g.placeholder("x"),))
+    n.meta["stack_trace"] = (f'  File "/home/u/train.py", line 16, in g\n    s = funcol.all_reduce(x, "sum", grp)\n'
+                             f'  File "{torch_file}", line 179, in all_reduce\n    tensor = op(self)\n')
+    assert node_source(n) == "/home/u/train.py:16 (g)"
+
+
 def test_determinism_check_is_clean_on_deterministic_model(tmp_path):
     torch.manual_seed(0)
     _, run_dir = compile_run(MLP(), (torch.randn(4, 8),), "determ_eager", tmp_path, "clean", check="determinism")

@@ -1017,3 +1017,17 @@ def test_torch_export_runs_under_the_eager_tools_and_its_fake_tensors_are_finger
             torch.export.export(m, (x,)).module()(x)
     cmp = compare_traces(read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl"))
     assert cmp.identical, cmp.summary()
+
+
+def test_ops_of_a_deprecated_torch_api_are_placed_at_the_users_call_not_the_wrapper(tmp_path):
+    """``quantize_dynamic`` carries ``typing_extensions.deprecated``: its ops were placed at the wrapper's line in
+    ``typing_extensions.py``, a file of site-packages taken for user code."""
+    import warnings
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with HashMode(tmp_path / "q.jsonl"):
+            torch.ao.quantization.quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
+    sources = {r.source for r in read_trace(tmp_path / "q.jsonl")}
+    assert sources == {f"{__file__}:{_lineno_of('quantize_dynamic(m, {')}"}, sources
