@@ -246,12 +246,15 @@ def atomic_write_text(path: Union[str, Path], text: str) -> None:
 
 
 def dir_problem(target: Union[str, Path]) -> Optional[str]:
-    """Why directory ``target`` cannot be used (None when it can): it is a file, or its nearest existing
-    ancestor is a file or a directory this process may not write into."""
+    """Why directory ``target`` cannot be used (None when it can): it is a file or a broken symbolic link, or its
+    nearest existing ancestor is one, or a directory this process may not write into (tried, not taken from the
+    permission bits)."""
     target = Path(target)
     anc = target
-    while not anc.exists() and anc != anc.parent:
+    while not os.path.lexists(anc) and anc != anc.parent:
         anc = anc.parent
+    if anc.is_symlink() and not anc.exists():  # a link to a disk that is not mounted
+        return f"{anc} is a broken symbolic link"
     if not anc.is_dir():
         return f"{anc} is a file, not a directory"
     if anc == target:

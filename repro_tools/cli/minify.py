@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -26,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 from determ_backend import _torch_compat as tc
 from determ_backend.errors import ConfigError, ReproError
+from determ_backend.trace.stream import dir_problem
 
 from repro_tools.cli.args import tol_arg
 from repro_tools.minify.minifier import STATE_FILE, minify_repro
@@ -107,16 +107,11 @@ def _print_text(s: Dict[str, Any]) -> None:
 
 
 def _check_writable_dir(out: Path, what: str) -> None:
-    """``out`` is, or can become, a directory: no regular file in the way, an existing writable ancestor."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{what} {out}: exists and is not a directory; expected a directory (new or existing)")
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(f"{what} {out}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} {out}: {parent} is not writable")
+    """``out`` is, or can become, a directory (:func:`~determ_backend.trace.stream.dir_problem`): checked before
+    any query, so that a bad ``--out`` is not found when the first result is written."""
+    problem = dir_problem(out)
+    if problem is not None:
+        raise ConfigError(f"{what} {out}: {problem}; expected a directory (new or existing)")
 
 
 def out_dir_for(src: Path, given: Optional[str], resume: Optional[bool] = None, name: str = "minify",

@@ -257,7 +257,7 @@ def test_api_accuracy_needs_a_graph_that_runs_eagerly():
 def test_cli_out_that_is_a_file_fails_before_loading(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     assert main(["minify", str(tmp_path / "no_repro_here"), "--out", str(tmp_path / "afile")]) == 2
-    _one_line_error(capsys, "is not a directory")
+    _one_line_error(capsys, "is a file, not a directory")
 
 
 @pytest.mark.parametrize("state", ["[1]", "{}", '{"format": "determ-minify-state", "start_key": 3}'])
@@ -411,3 +411,20 @@ def test_resume_with_another_oracle_is_refused_in_one_line(tmp_path, capsys):
     assert main(["minify", str(repro), "--out", str(out), "--resume", "--in-process", "--no-progress",
                  "--tol", "10"]) == 2
     _one_line_error(capsys, "--resume: the run was started with tol=")
+
+
+@pytest.mark.parametrize("bad", ["broken_link", "under_proc"])
+def test_cli_out_that_cannot_become_a_directory_fails_before_any_query(tmp_path, capsys, bad):
+    """A link to a scratch disk that is not mounted, or a folder where nothing can be made (``/proc``): the check
+    passed (``exists()`` is False for a broken link, and root may write anywhere by the permission bits), the
+    queries ran, and the first checkpoint failed with "File exists: minout"."""
+    repro = _write(tmp_path, "accuracy", "minifier_helpers:wrong_erf", layers=1)
+    if bad == "broken_link":
+        out = tmp_path / "minout"
+        out.symlink_to(tmp_path / "not_mounted" / "scratch")
+        expect = "is a broken symbolic link"
+    else:
+        out, expect = Path("/proc/determ_minify_out"), "cannot create it in /proc"
+    assert main(["minify", str(repro), "--out", str(out), "--no-progress"]) == 2
+    _one_line_error(capsys, expect)
+    assert not (tmp_path / "not_mounted").exists()
