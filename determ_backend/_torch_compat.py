@@ -474,6 +474,15 @@ def functorch_active() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
+def process_group_store() -> Optional[Any]:
+    """The key-value store of the default ``torch.distributed`` process group (every rank reaches it without a
+    collective); None when there is none."""
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
 def functorch_unwrapped(value: Any) -> Any:
     """``value`` with each ``torch.func`` wrapper (batched, gradient-tracking) replaced by the plain tensor it wraps
     (under ``vmap`` the whole batch, batch dimension included), read outside the transform; tensors and lists or

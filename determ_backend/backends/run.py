@@ -11,6 +11,7 @@ registry owned by :class:`RunRegistry`; :func:`finish_all` (also registered with
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from determ_backend import devices
+from determ_backend import _torch_compat, devices
 from determ_backend.backends.flows import write_report
 from determ_backend.backends.recorder import ValueMemo
 from determ_backend.compare.nonfinite import input_ranges
@@ -88,8 +89,29 @@ def reuse_run_dir(leaf: Path) -> None:
         (Path(leaf) / stale).unlink(missing_ok=True)
 
 
-def _default_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+_AGREED: Dict[str, int] = {}  # default run ids this process agreed with its peers, per output settings
+
+
+def _default_run_id(settings: tuple = ()) -> str:
+    """``<time>-<pid>``; under ``torch.distributed``, the one every rank takes: the first rank to reach the process
+    group's store puts its own there, and the others read it (no collective: ranks need not be in step), so a job
+    writes ``<run id>/rank<N>/`` under one id.  ``settings``: what sets the run's output apart (two runs of other
+    settings in one job get two ids)."""
+    local = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    if devices.world_size() < 2:
+        return local
+    store = _torch_compat.process_group_store()
+    if store is None:
+        return local
+    digest = hashlib.blake2b(repr(settings).encode(), digest_size=6).hexdigest()
+    n = _AGREED.get(digest, 0)
+    _AGREED[digest] = n + 1
+    try:
+        got = store.compare_set(f"determ/run_id/{digest}/{n}", "", local)
+    except Exception as e:  # a store that is gone or refuses: each rank keeps its own id
+        log.info("determ: run id not agreed with the other ranks (%s: %s)", type(e).__name__, first_line(e))
+        return local
+    return got.decode() if isinstance(got, bytes) else str(got)
 
 
 class ReferenceTrace:
@@ -155,7 +177,8 @@ class Run:
 
     def __init__(self, config: DetermConfig):
         self.config = config
-        self.id = config.run_id or _default_run_id()
+        self.id = config.run_id or _default_run_id((os.path.abspath(config.dir), config.check, config.reference,
+                                                     config.trace))
         self.rank = current_rank()
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank_part = f"/rank{self.rank}" if self.rank != 0 or distributed else ""

@@ -14,14 +14,13 @@ from backend_helpers import MLP, load
 pytestmark = pytest.mark.slow
 
 
-
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, run_id: str = "ddp") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         m = MLP()
-        f = torch.compile(m, backend="determ_aot_eager", options={"dir": out, "run_id": "ddp"})
+        f = torch.compile(m, backend="determ_aot_eager", options={"dir": out, **({"run_id": run_id} if run_id else {})})
         loss = f(torch.randn(4, 8) + rank).sum()
         loss.backward()
         for p in m.parameters():
@@ -44,6 +43,14 @@ def test_each_rank_writes_its_own_trace_with_its_rank(tmp_path, free_port):
 
     # same weights, different data: the ranks' traces diverge at the batch input, not at a parameter
     assert cli(["diff", str(tmp_path / "ddp" / "rank0"), str(tmp_path / "ddp" / "rank1")]) == 1
+
+
+def test_the_ranks_of_a_job_agree_on_the_default_run_id(tmp_path, free_port):
+    """Without DETERM_RUN_ID each rank named its run ``<time>-<its pid>``: a 2-rank job wrote two run directories,
+    ``<a>/rank0`` and ``<b>/rank1``, instead of one holding both."""
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), ""), nprocs=2, join=True)
+    assert sorted(p.relative_to(tmp_path).parts[1] for p in tmp_path.glob("*/rank*")) == ["rank0", "rank1"]
+    assert len({p.parent for p in tmp_path.glob("*/rank*")}) == 1
 
 
 def _nan_worker(rank: int, port: int, out: str, cache: str) -> None:
