@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 _TRITON_DEF = re.compile(r"^(\w+) = async_compile\.triton\('\w+', '''.*?def \w+\(([^)]*)\)", re.M | re.S)
 _ALLOC = re.compile(r"^(buf\d+) = (?:empty_strided_\w+|empty_strided|torch\.empty\w*)\(\((.*?)\),")
+_WAIT_KERNEL = "torch.ops._c10d_functional.wait_tensor.default"
+_WAIT = re.compile(r"^(torch\.ops\._c10d_functional\.wait_tensor\.default)\((\w+)\)$")
 _NOT_KERNEL = ("empty_strided", "reinterpret_tensor", "torch.empty", "alloc_from_pool", "assert_", "torch._C")
 
 
@@ -350,6 +352,8 @@ class _Planner:
         if kind == "node":
             self.writes_seen[var] = self.writes_seen.get(var, 0) + 1
         node, part_of = self._claim(var) if kind == "node" else (None, None)
+        if kernel == _WAIT_KERNEL:  # the collective's value, final once waited on: the wait node's, whole
+            node, part_of = self._wait_node(var) or node, None
         if lent and node is not None:
             node, part_of = None, node
         if node is not None:
@@ -372,6 +376,12 @@ class _Planner:
         if node is not None or part_of is not None:
             self.fx_of[len(self.infos) - 1] = node if node is not None else part_of
         return len(self.infos) - 1
+
+    def _wait_node(self, buf: str) -> Optional[fx.Node]:
+        """The ``wait_tensor`` node whose statement waits on ``buf``: its origin, or one its comment names."""
+        names = [(self.origins.get(buf) or {}).get("origin")] + list(self.pending_comment)
+        return next((self.nodes[n] for n in names if n in self.nodes and op_name(self.nodes[n]).startswith(
+            "_c10d_functional.wait_tensor")), None)
 
     def forget(self, stripped: str, keep: Sequence[str] = ()) -> None:
         """``stripped`` may write any variable it names (other than ``keep``, read-only there): those no longer
@@ -583,6 +593,9 @@ def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]
         outs = [a.split("=", 1)[1].strip() for a in args if _is_out(a)]
         ins = [n for n in (_base_name(a) for a in args if not _is_out(a)) if n]
         return [(_base_name(o), f"extern_kernels.{m.group(1)}", ins) for o in outs if _base_name(o)]
+    m = _WAIT.match(stripped)
+    if m:  # an asynchronous collective's buffer holds its value once waited on (``all_reduce_`` writes it in flight)
+        return [(m.group(2), m.group(1), [m.group(2)])]
     m = re.match(r"^(buf\d+) = ([\w.]+)\((.*)\)$", stripped)
     if m and not any(m.group(2).startswith(k) for k in _NOT_KERNEL):
         # keyword tensors are inputs too (``attn_mask=buf0`` of a fallback attention); scalars name no variable

@@ -329,3 +329,49 @@ def test_an_in_out_buffer_left_holding_a_reductions_accumulator_is_lent():
     assert lent("auto out_ptr0 = in_out_ptr0;\nt.store(out_ptr0 + x);", "in_out_ptr0")
     assert not lent("auto out_ptr2 = in_out_ptr1;\nout_ptr2[0] = tmp_acc0;\nin_out_ptr1[0] = tmp2;", "in_out_ptr1")
     assert not lent("tmp3.store(in_out_ptr0 + x);", "in_out_ptr0")
+
+
+_FUNCTIONAL_ALL_REDUCE = """
+cpp_fused_all_reduce_mul_sqrt_0 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''
+extern "C"  void kernel(const float* in_ptr0,
+                       float* out_ptr0)
+{
+}
+''')
+
+
+def call(args):
+    arg0_1, = args
+    args.clear()
+    buf0 = empty_strided_cpu((4, 8), (8, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [sqrt, y, tensor], Original ATen: [aten.sqrt, aten.mul, _c10d_functional.all_reduce]
+    cpp_fused_all_reduce_mul_sqrt_0(arg0_1, buf0)
+    # Topologically Sorted Source Nodes: [sqrt, y, tensor], Original ATen: [aten.sqrt, aten.mul, _c10d_functional.all_reduce]
+    torch.ops._c10d_functional.all_reduce_.default(buf0, 'sum', '0')
+    # Topologically Sorted Source Nodes: [y_1], Original ATen: [_c10d_functional.wait_tensor]
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+    return (buf0, )
+"""
+
+
+def test_a_functional_all_reduce_is_captured_once_waited_on():
+    """Inductor lowers a functional all_reduce to an in-place ``all_reduce_`` of the buffer its input was computed
+    into, then a ``wait_tensor``: the buffer was captured before the reduction and named ``wait_tensor``, so another
+    rank's difference arriving through the all_reduce was blamed on the op reading it."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
+
+    g = fx.Graph()
+    x = g.placeholder("arg0_1")
+    mul = g.call_function(aten.mul.Tensor, (x, 2.0))
+    mul.name = "mul"
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (mul, "sum", "0"))
+    ar.name = "all_reduce"
+    wait = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
+    wait.name = "wait_tensor"
+    g.output((wait,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    plan = plan_call(_FUNCTIONAL_ALL_REDUCE, gm, {"buf0": {"origin": "wait_tensor", "origins": ["mul", "wait_tensor"]}},
+                     display={})
+    nodes = [(i.node, (i.extra or {}).get("holds"), i.inputs) for i in plan.infos if i.kind == "node"]
+    assert nodes == [("wait_tensor#1", "partial", ("arg0_1",)), ("wait_tensor", None, ("wait_tensor#1",))]
+    assert plan.source.index("_determ_capture(2, buf0)") > plan.source.index("wait_tensor.default(buf0)")
