@@ -558,8 +558,13 @@ def _name_last_writes(infos: List[NodeInfo]) -> None:
     writes: Dict[str, List[int]] = {}
     for i, info in enumerate(infos):
         ex = info.extra or {}
-        if info.kind == "node" and not ex.get("holds"):
-            writes.setdefault(info.node.split("#", 1)[0], []).append(i)
+        base = info.node.split("#", 1)[0]
+        # a later write guessed to be part of the node the buffer was first claimed for (an embedding gradient
+        # accumulated by a kernel that is not the buffer's origin node, after the zero fill that was) is that
+        # node's last write too
+        if info.kind == "node" and (not ex.get("holds") or (ex.get("holds") == "partial" and ex.get("of") == base
+                                                            and base in writes)):
+            writes.setdefault(base, []).append(i)
     rename: Dict[str, str] = {}
     for base, idx in writes.items():
         if len(idx) < 2 or infos[idx[0]].node != base or len({(infos[i].extra or {}).get("buffer") for i in idx}) != 1:
@@ -571,6 +576,9 @@ def _name_last_writes(infos: List[NodeInfo]) -> None:
             extra = dict(infos[i].extra or {})
             if new != base:
                 extra.update(holds="partial", of=base)
+            else:
+                extra.pop("holds", None)
+                extra.pop("of", None)
             infos[i] = dataclasses.replace(infos[i], node=new, extra=extra)
     if rename:
         for i, info in enumerate(infos):
@@ -601,6 +609,12 @@ def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]
         # keyword tensors are inputs too (``attn_mask=buf0`` of a fallback attention); scalars name no variable
         ins = [n for n in (_base_name(a) for a in _split_args(m.group(3)) if not _is_out(a)) if n]
         return [(m.group(1), m.group(2), ins)]
+    m = re.match(r"^([\w.]+)\((.*)\)$", stripped)
+    if m and not any(m.group(1).startswith(k) for k in _NOT_KERNEL):  # a fallback writing ``out=`` (the seeds of
+        args = _split_args(m.group(2))                                # random kernels: ``aten.randint.low_out``)
+        outs = [_base_name(a.split("=", 1)[1].strip()) for a in args if _is_out(a)]
+        ins = [n for n in (_base_name(a) for a in args if not _is_out(a)) if n]
+        return [(o, m.group(1), ins) for o in outs if o]
     return []
 
 

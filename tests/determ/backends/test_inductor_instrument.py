@@ -375,3 +375,62 @@ def test_a_functional_all_reduce_is_captured_once_waited_on():
     nodes = [(i.node, (i.extra or {}).get("holds"), i.inputs) for i in plan.infos if i.kind == "node"]
     assert nodes == [("wait_tensor#1", "partial", ("arg0_1",)), ("wait_tensor", None, ("wait_tensor#1",))]
     assert plan.source.index("_determ_capture(2, buf0)") > plan.source.index("wait_tensor.default(buf0)")
+
+
+def test_an_accumulation_guessed_part_of_the_buffers_node_is_its_last_write():
+    """BERT's token-type embedding gradient: the zero fill is the buffer's origin node, the accumulating kernel is a
+    mutation of it (``mutates``), guessed partial of that same node; the zeros kept the node's name and were judged
+    against eager's gradient (a false masked note, cosine 0, every step)."""
+    g = fx.Graph()
+    x = g.placeholder("arg0_1")
+    acc = g.call_function(aten.relu.default, (x,))  # stands for the accumulation
+    acc.name = "acc"
+    g.output((acc,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    origins = {"buf0": {"origin": "acc", "origins": ["acc"]}, "buf1": {"origins": ["acc"], "mutates": ["buf0"]}}
+    plan = plan_call(_ZERO_FILL_THEN_ACCUMULATE, gm, origins, display={})
+    nodes = [(i.node, (i.extra or {}).get("holds"), i.inputs) for i in plan.infos if i.kind == "node"]
+    assert nodes == [("acc#1", "partial", ()), ("acc", None, ("arg0_1", "acc#1"))]
+
+
+_SEEDS = """
+cpp_fused_dropout_0 = async_compile.cpp_pybinding(['const int64_t*', 'const float*', 'float*'], r'''
+extern "C"  void kernel(const int64_t* in_ptr0,
+                       const float* in_ptr1,
+                       float* out_ptr0)
+{
+}
+''')
+
+
+def call(args):
+    arg0_1, = args
+    args.clear()
+    buf0 = empty_strided_cpu((1, ), (1, ), torch.int64)
+    # Topologically Sorted Source Nodes: [], Original ATen: []
+    aten.randint.low_out(-9223372036854775808, 9223372036854775807, [1], out=buf0)
+    buf1 = empty_strided_cpu((4, 8), (8, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [drop], Original ATen: [aten.native_dropout]
+    cpp_fused_dropout_0(buf0, arg0_1, buf1)
+    return (buf1, )
+"""
+
+
+def test_the_seeds_a_fallback_writes_through_out_are_recorded():
+    """Inductor's random kernels read seeds ``aten.randint.low_out(..., out=buf0)`` wrote: that statement was no
+    write, the dropout's input ``buf0`` had no record, and two runs of other seeds had no root cause."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_seeds)
+
+    g = fx.Graph()
+    x = g.placeholder("arg0_1")
+    seeds = g.call_function(torch.ops.prims.inductor_seeds.default, (1, torch.device("cpu")))
+    seeds.name = "inductor_seeds_default"
+    drop = g.call_function(aten.mul.Tensor, (x, 2.0))  # stands for the dropout
+    drop.name = "drop"
+    g.output((drop,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    origins = {"buf0": {"origin": "inductor_seeds_default", "origins": ["inductor_seeds_default"]},
+               "buf1": {"origin": "drop", "origins": ["drop"]}}
+    plan = plan_call(_SEEDS, gm, origins, display={})
+    nodes = [(i.node, i.inputs) for i in plan.infos if i.kind == "node"]
+    assert nodes == [("inductor_seeds_default", ()), ("drop", ("inductor_seeds_default", "arg0_1"))]
