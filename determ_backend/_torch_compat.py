@@ -483,6 +483,20 @@ def process_group_store() -> Optional[Any]:
         return None
 
 
+def wrapped_tensor(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The one plain tensor a traceable wrapper subclass holds (a ``DTensor``'s local shard, as FSDP2 keeps its
+    parameters), by the subclass protocol (``__tensor_flatten__``); None for any other tensor, and for a subclass
+    holding several tensors."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None or type(t) in (torch.Tensor, torch.nn.Parameter):
+        return None
+    try:
+        inner = [x for x in (getattr(t, n) for n in flatten()[0]) if isinstance(x, torch.Tensor)]
+    except Exception:
+        return None
+    return inner[0] if len(inner) == 1 and type(inner[0]) is torch.Tensor else None
+
+
 def functorch_unwrapped(value: Any) -> Any:
     """``value`` with each ``torch.func`` wrapper (batched, gradient-tracking) replaced by the plain tensor it wraps
     (under ``vmap`` the whole batch, batch dimension included), read outside the transform; tensors and lists or

@@ -84,6 +84,12 @@ def _release_storages(producers: Dict[tuple, tuple]) -> None:
     producers.clear()
 
 
+def _release_refs(refs: Dict[int, object]) -> None:
+    for ref in refs.values():
+        _compat.storage_release(ref)
+    refs.clear()
+
+
 def _release_silent(silent: List[tuple]) -> None:
     for e in silent:
         _compat.storage_release(e[4])
@@ -131,7 +137,8 @@ class OpRecorder:
         weakref.finalize(self, _release_silent, self._silent).atexit = False
         # first byte of each storage an op wrote through a view (``w[0, 0] += e``, ``buf[:2] = h``): the base,
         # read next as an object no op returned, holds what those writes left, not a value of its own
-        self._view_written: Dict[int, int] = {}
+        self._view_written: Dict[int, object] = {}  # first byte -> a weak reference to that storage
+        weakref.finalize(self, _release_refs, self._view_written).atexit = False
         self._counts: Dict[tuple, int] = {}
         self._hashes = PendingHashes(stats)
         self._events: List[OpEvent] = []
@@ -243,7 +250,7 @@ class OpRecorder:
             alias = self._silent_alias(t, source, loc, events, gathered)
             if alias is not None:
                 return alias
-        if self._view_written and not unread and not gathered and self._storage_start(t) in self._view_written:
+        if self._view_written and not unread and not gathered and self._written_through_view_before(t):
             alias = self._silent_alias(t, source, loc, events, gathered=True)  # the records written into its storage
             if alias is not None:
                 return alias
@@ -413,10 +420,26 @@ class OpRecorder:
         for t in outs:
             if isinstance(t, torch.Tensor) and t._base is not None:
                 start = self._storage_start(t)
-                if start is not None:
-                    if len(self._view_written) >= _LINES_LIMIT:  # addresses of freed storages: only a wasted look
-                        self._view_written.clear()
-                    self._view_written[start] = self.seq
+                old = self._view_written.get(start) if start is not None else None
+                if start is None or (old is not None and not _compat.storage_expired(old)):
+                    continue
+                if old is not None:  # memory freed since, now another storage's
+                    _storage_release(self._view_written.pop(start))
+                if len(self._view_written) >= _LINES_LIMIT:  # mostly storages freed since
+                    _release_refs(self._view_written)
+                self._view_written[start] = _storage_weak_ref(t)
+
+    def _written_through_view_before(self, t: torch.Tensor) -> bool:
+        """Whether an op wrote through a view into ``t``'s storage, which is still alive (memory freed and taken by
+        another tensor at the same address is not it: runs would differ by where the allocator put things)."""
+        start = self._storage_start(t)
+        ref = self._view_written.get(start) if start is not None else None
+        if ref is None:
+            return False
+        if _compat.storage_expired(ref):
+            _storage_release(self._view_written.pop(start))
+            return False
+        return True
 
     def _written_silently(self, outs: Sequence, recs: List[Record]) -> None:
         """A collective wrote ``outs`` without moving their version counters: remember their storages, so that
@@ -460,7 +483,7 @@ class OpRecorder:
         recs = []
         for j, t in enumerate(outs):
             rec = self._record(base if len(outs) == 1 else f"{base}.{j}", op, "node", source, t, in_recs, extra)
-            if uninit:  # the memory holds garbage until written: hash what is defined, dtype and shape
+            if j in uninit:  # the memory holds garbage until written: hash what is defined, dtype and shape
                 rec.hash = uninitialized_hash(rec)
             elif nondeterministic:  # values may have been substituted after the op: read them
                 self._capture(rec, t)
@@ -538,6 +561,12 @@ class OpRecorder:
             # no values (a meta tensor, a FakeTensor torch.export or a compile traces with): dtype and shape are all
             rec.hash = uninitialized_hash(rec)
             return
+        if why is not None and not t.is_nested:
+            inner = _compat.wrapped_tensor(t)  # a DTensor: its values on this rank are its local shard's
+            if inner is not None and inner.layout is torch.strided and not inner.is_meta:
+                rec.extra = dict(rec.extra or {}, local=type(t).__name__)
+                self._hashes.add(rec, inner)
+                return
         if why is not None:
             rec.extra = dict(rec.extra or {}, unhashable=why)
             return

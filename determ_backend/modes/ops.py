@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
 import torch
 
@@ -131,10 +131,29 @@ def out_tensor_ids(outs: Tuple[Tuple[int, str], ...], args: Sequence, kwargs: Di
     return found - {id(t) for t in _leaves(read, []) if isinstance(t, torch.Tensor)}
 
 
-def uninitialized(func) -> bool:
-    """Ops whose outputs are uninitialized memory (``empty``, ``empty_like``, ``new_empty_strided``...)."""
+# ops that return memory only partly written, by output position: FSDP2's ``all_gather_copy_in`` returns the
+# all-gather buffer (``torch.empty``) with only this rank's shard copied in; the all-gather fills the rest
+_PARTLY_WRITTEN = {"fsdp::all_gather_copy_in": frozenset({1})}
+class _Every(frozenset):
+    """Every output position."""
+
+    def __contains__(self, item) -> bool:
+        return True
+
+
+_ALL = _Every()
+
+
+def uninitialized(func) -> FrozenSet[int]:
+    """Positions of the outputs of ``func`` that hold uninitialized memory (all for ``empty``, ``empty_like``,
+    ``new_empty_strided``...; the all-gather buffer of FSDP2's ``all_gather_copy_in``): fingerprinted by dtype
+    and shape, never read."""
     schema = _torch_compat.op_schema(func)
-    return schema is not None and "empty" in schema.name and not schema.is_mutable
+    if schema is None:
+        return frozenset()
+    if "empty" in schema.name and not schema.is_mutable:
+        return _ALL
+    return _PARTLY_WRITTEN.get(schema.name, frozenset())
 
 
 def adopts_storage(func) -> bool:
