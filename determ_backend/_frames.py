@@ -58,6 +58,17 @@ class FrameFilter:
         """The path prefixes of code that is not the user's: a frame whose file starts with one is skipped."""
         return self._roots
 
+    def internal(self, code) -> bool:
+        """Whether ``code`` is not the user's (cached, as in :meth:`user_frames`)."""
+        found = self._cache.get(id(code))
+        if found is None:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+                self._codes.clear()
+            self._codes.append(code)
+            found = self._cache[id(code)] = code.co_filename.startswith(self._roots)
+        return found
+
     def user_frames(self, frame, depth: int) -> list:
         """The first ``depth`` user frames from ``frame`` outwards (innermost first)."""
         out = []

@@ -483,6 +483,18 @@ def process_group_store() -> Optional[Any]:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def autograd_engine_entry() -> Optional[Any]:
+    """The code object of the Python function through which ``backward()`` and ``autograd.grad`` enter the C++
+    engine: an op dispatched with it as the nearest Python frame is one of autograd's own formulas; None when this
+    torch has no such function."""
+    try:
+        from torch.autograd import graph
+        return graph._engine_run_backward.__code__
+    except (ImportError, AttributeError):
+        return None
+
+
 def wrapped_tensor(t: torch.Tensor) -> Optional[torch.Tensor]:
     """The one plain tensor a traceable wrapper subclass holds (a ``DTensor``'s local shard, as FSDP2 keeps its
     parameters), by the subclass protocol (``__tensor_flatten__``); None for any other tensor, and for a subclass

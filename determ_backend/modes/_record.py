@@ -168,6 +168,20 @@ class OpRecorder:
             return source, loc, None
         return source, loc, [f"{g.f_code.co_filename}:{g.f_lineno} in {g.f_code.co_name}" for g in frames]
 
+    @staticmethod
+    def _run_by_user(frame) -> bool:
+        """Whether an op dispatched during backward was called by the user's Python (a custom ``Function``'s
+        backward, a hook): a user frame comes before the engine's entry on the way out from ``frame``."""
+        engine = _compat.autograd_engine_entry()
+        while frame is not None:
+            code = frame.f_code
+            if code is engine:
+                return False
+            if not _FRAMES.internal(code):
+                return True
+            frame = frame.f_back
+        return False
+
     def _name(self, op: str, loc: str, suffix: str = "") -> str:
         base = f"{op}@{loc}{suffix}"
         k = self._counts.get(base, 0)
@@ -294,7 +308,9 @@ class OpRecorder:
         backward = fwd = None
         if node is not None:
             backward = node.name()
-            fwd = node.metadata.get(FORWARD_KEY)
+            # autograd's own formulas are named after the forward line that made their node; ops the user's Python
+            # runs during backward (a custom Function's backward, a tensor hook) are named after that code
+            fwd = node.metadata.get(FORWARD_KEY) if not self._run_by_user(frame) else None
         if fwd is not None and self.stack_depth == 1:  # named after its forward line: no frames to walk
             source, loc = fwd
             stack = None

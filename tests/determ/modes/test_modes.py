@@ -1065,3 +1065,30 @@ def test_a_dtensor_is_fingerprinted_by_its_local_shard_and_fsdps_gather_buffer_a
         dist.destroy_process_group()
     (rec,) = [r for r in read_trace(tmp_path / "d.jsonl") if r.op == "aten.add_.Tensor"]
     assert rec.extra.get("local") == "DTensor" and rec.hash == format_hash(hash_tensor(local + 1.0))
+
+
+def test_ops_a_custom_backward_or_a_hook_runs_are_named_after_that_code(tmp_path):
+    """Autograd's own formulas are named after the forward line that made their node; ops the user's Python runs
+    during backward (a custom Function's backward, BLOOM's GeLUFunction; a tensor hook) were named so too, and a bug
+    in that backward was reported at the forward line."""
+
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2  # custom forward
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3  # a tripling custom backward
+
+    x = torch.randn(4, requires_grad=True)
+    with HashMode(tmp_path / "f.jsonl"):
+        y = Scaled.apply(x).tanh()
+        y.register_hook(lambda g: g / 2)  # a halving hook
+        y.sum().backward()
+    recs = read_trace(tmp_path / "f.jsonl")
+    line = {r.op: int(r.source.rsplit(":", 1)[1]) for r in recs if r.op in ("aten.div.Tensor", "aten.tanh_backward.default")}
+    bw_mul = [int(r.source.rsplit(":", 1)[1]) for r in recs if r.op == "aten.mul.Tensor" and "/bw" in r.node]
+    assert bw_mul == [_lineno_of("# a tripling custom backward")]
+    assert line["aten.div.Tensor"] == _lineno_of("# a halving hook")
+    assert line["aten.tanh_backward.default"] == _lineno_of("y = Scaled.apply(x).tanh()")  # a formula: forward line
