@@ -228,12 +228,13 @@ class OpRecorder:
         """``view``: ``t`` shares memory with an input, so an entry still valid for the same memory
         keeps its original producer (``detach``/``t().t()`` make no new values)."""
         key = mem_key(t)
-        if key is None:
-            return
         try:
             v = _version(t)
         except RuntimeError:  # inference tensors have no version counter
             v = -1
+        if key is None:  # no memory of its own to key (a sparse tensor): found by identity alone, by its readers
+            self._remember(t, rec, v)
+            return
         producers = self._producers
         ent = producers.get(key)
         if ent is not None and view and ent[2] == v and not _compat.storage_expired(ent[0]):

@@ -1092,3 +1092,24 @@ def test_ops_a_custom_backward_or_a_hook_runs_are_named_after_that_code(tmp_path
     assert bw_mul == [_lineno_of("# a tripling custom backward")]
     assert line["aten.div.Tensor"] == _lineno_of("# a halving hook")
     assert line["aten.tanh_backward.default"] == _lineno_of("y = Scaled.apply(x).tanh()")  # a formula: forward line
+
+
+def test_a_sparse_tensor_is_its_producers_value_where_it_is_read(tmp_path):
+    """A sparse tensor has no memory key: every read made it a fresh ``input``, the chain from its values broke,
+    the real culprit (the values' scaling) was a masked note and the innocent matmuls were blamed."""
+    def run(path, scale):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(16, 8))
+        i = torch.tensor([[0, 1, 3, 5, 7], [2, 4, 6, 8, 15]])
+        with HashDebugTrace(log_path=path):
+            v = torch.randn(5) * scale  # the scaled sparse values
+            s = torch.sparse_coo_tensor(i, v, (8, 16))
+            y = torch.sparse.mm(s, w)
+            z = torch.mm(s.to_sparse_csr(), w)
+            (y.sum() + z.pow(2).sum()).backward()
+
+    run(tmp_path / "a.log", 1.0)
+    run(tmp_path / "b.log", 1.5)
+    cmp = diff_logs(tmp_path / "a.log", tmp_path / "b.log")
+    assert [(p.rec.op, p.rec.source) for p in cmp.root_causes] == \
+        [("aten.mul.Tensor", f"{__file__}:{_lineno_of('# the scaled sparse values')}")]
