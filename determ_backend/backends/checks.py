@@ -58,7 +58,7 @@ from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, first_line
-from determ_backend.backends.eager import RankLocalReplay, replay
+from determ_backend.backends.eager import RankLocalReplay, holds_collectives, replay
 from determ_backend.backends.instrument import node_source
 from determ_backend.backends.recorder import CallResult, Recorder
 from determ_backend.backends.run import Run
@@ -526,6 +526,11 @@ class GraphExec:
             # generator stands elsewhere (it drew for fewer rows), and dropout would be blamed for the batch
             return (f"graph {r0.graph} {r0.stage}: it draws random numbers (dropout in training), and a sub-batch "
                     "draws other numbers for its rows than the batch did")
+        if devices.world_size() > 1 and holds_collectives(self.reference_gm):
+            # the sub-batch runs stop at the first divergent one, which differs from rank to rank: their collectives
+            # would pair with other ranks' next ones
+            return (f"graph {r0.graph} {r0.stage}: it holds collectives, which the sub-batch runs of this rank alone "
+                    "would issue")
         placeholders = [n for n in self.reference_gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(args):
             return f"graph {r0.graph} {r0.stage}: its placeholders do not match its arguments"

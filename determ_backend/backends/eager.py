@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
-from determ_backend.backends.instrument import held_written
+from determ_backend.backends.instrument import held_written, uses_functorch
 from determ_backend.clones import attributes_dtype, clone_inputs, written_attributes
 
 __all__ = ["EagerInterpreter", "run_eager", "eager_node_values", "replay", "holds_collectives", "RankLocalReplay"]
@@ -71,8 +71,7 @@ class EagerInterpreter(fx.Interpreter):
         return self._copies[target]
 
     def run_node(self, n: fx.Node) -> Any:
-        held = held_written(n)
-        if held is not None:
+        if held_written(n) is not None:
             return self._run_writer(n)
         if n.name in self.inject:
             v = self.inject[n.name]
@@ -90,15 +89,20 @@ class EagerInterpreter(fx.Interpreter):
         written = self.fetch_args_kwargs_from_env(n)[0][0]
         v = self._compute(n)
         many = isinstance(written, (list, tuple))
-        for j, t in enumerate(written if many else (written,)):
-            key = f"{n.name}.{j}" if many else n.name
-            if not isinstance(t, torch.Tensor):
-                continue
-            if key in self.inject:
-                with torch.no_grad():
-                    t.copy_(self.inject[key])
-            if self.record and (self.keep is None or key in self.keep or n.name in self.keep):
-                self.values[key] = t.detach().clone()
+        # inside a vmap or grad the written tensors are wrappers: what they wrote is in the tensors they wrap
+        functorch = _torch_compat.functorch_active()
+        with _torch_compat.functorch_disabled() if functorch else contextlib.nullcontext():
+            for j, t in enumerate(written if many else (written,)):
+                key = f"{n.name}.{j}" if many else n.name
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if functorch:
+                    t = _torch_compat.functorch_unwrapped(t)
+                if key in self.inject:
+                    with torch.no_grad():
+                        t.copy_(self.inject[key])
+                if self.record and (self.keep is None or key in self.keep or n.name in self.keep):
+                    self.values[key] = t.detach().clone()
         return v
 
     def _compute(self, n: fx.Node) -> Any:
@@ -159,8 +163,7 @@ def eager_node_values(gm: fx.GraphModule, args: Sequence[Any], inject: Optional[
     of ``gm`` without autograd; nodes named in ``inject`` take the given values instead."""
     interp = EagerInterpreter(gm, record=True, inject=inject, keep=keep)
     # a graph of ``torch.func.grad`` computes gradients itself: under no_grad they came out as zeros
-    functorch = any(n.op == "call_function" and _torch_compat.uses_functorch(n.target) for n in gm.graph.nodes)
-    with torch.no_grad() if not functorch else contextlib.nullcontext():
+    with torch.no_grad() if not uses_functorch(gm) else contextlib.nullcontext():
         interp.run(*args)
     return interp.values
 
@@ -175,8 +178,14 @@ _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d
 def holds_collectives(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` calls a ``torch.distributed`` collective (a functional ``all_reduce`` and its wait...)."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and (str(getattr(n.target, "namespace", "")) in _COLLECTIVE_NAMESPACES
-                                        or str(getattr(n.target, "__module__", "")).startswith("torch.distributed")):
+        if n.op != "call_function":
+            continue
+        module = str(getattr(n.target, "__module__", ""))
+        # an operator overload names its namespace; a Dynamo graph's packet (``_c10d_functional.all_reduce``) lives
+        # in ``torch._ops.<namespace>``
+        namespace = str(getattr(n.target, "namespace", None) or (module.split(".")[2] if module.startswith(
+            "torch._ops.") else ""))
+        if namespace in _COLLECTIVE_NAMESPACES or module.startswith("torch.distributed"):
             return True
     return False
 

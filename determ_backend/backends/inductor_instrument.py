@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 _TRITON_DEF = re.compile(r"^(\w+) = async_compile\.triton\('\w+', '''.*?def \w+\(([^)]*)\)", re.M | re.S)
 _ALLOC = re.compile(r"^(buf\d+) = (?:empty_strided_\w+|empty_strided|torch\.empty\w*)\(\((.*?)\),")
 _WAIT_KERNEL = "torch.ops._c10d_functional.wait_tensor.default"
-_WAIT = re.compile(r"^(torch\.ops\._c10d_functional\.wait_tensor\.default)\((\w+)\)$")
+_WAIT = re.compile(rf"^({re.escape(_WAIT_KERNEL)})\((\w+)\)$")
 _NOT_KERNEL = ("empty_strided", "reinterpret_tensor", "torch.empty", "alloc_from_pool", "assert_", "torch._C")
 
 

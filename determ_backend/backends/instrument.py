@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
 import operator
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -33,7 +35,7 @@ _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (\S+)', re.M)
 
 
 def node_source(node: fx.Node) -> Optional[str]:
-    """``file:line (function)`` of the user code that produced ``node`` (innermost frame).  A node of torch's own
+    """``file:line (function)`` of the user code that produced ``node`` (the innermost frame outside torch).  A node of torch's own
     modules alone (an ``nn.Sequential`` of ``nn.Linear`` and ``nn.ReLU``: dynamo keeps no frame of torch's code) is
     placed by its module instead, ``<module 1: ReLU>``; None when neither is known."""
     st = node.meta.get("stack_trace")
@@ -216,6 +218,10 @@ def written_args(n: fx.Node) -> List[fx.Node]:
         return [out]
     if isinstance(out, (list, tuple)):
         return [o for o in out if isinstance(o, fx.Node)]
+    if n.op == "call_function" and not _torch_compat.is_op_overload(t):
+        inplace = _inplace_call(n)  # ``F.relu(y, inplace=True)``, ``F.elu(y, 1.0, True)`` (``nn.ELU(inplace=True)``)
+        if inplace is not None:
+            return [inplace]
     if not n.args:
         return []
     first = n.args[0]
@@ -224,8 +230,7 @@ def written_args(n: fx.Node) -> List[fx.Node]:
         args = schema.arguments if schema is not None else ()
         if not args or args[0].alias_info is None or not args[0].alias_info.is_write:
             return []
-    elif n.op == "call_function" and (t is operator.setitem or t in _INPLACE_OPERATORS
-                                      or n.kwargs.get("inplace") is True):  # ``F.relu(y, inplace=True)``
+    elif n.op == "call_function" and (t is operator.setitem or t in _INPLACE_OPERATORS):
         if not _is_tensor_node(first):  # ``n += 1`` of a size
             return []
     elif n.op == "call_method" or (n.op == "call_function" and getattr(t, "__module__", "") == "torch"):
@@ -238,17 +243,45 @@ def written_args(n: fx.Node) -> List[fx.Node]:
     return [a for a in items if _is_tensor_node(a)]
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(fn: Any) -> Optional[inspect.Signature]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    return sig if "inplace" in sig.parameters else None
+
+
+def _inplace_call(n: fx.Node) -> Optional[fx.Node]:
+    """The tensor a call with ``inplace=True`` writes (its first parameter), however the flag and the tensor are
+    passed (``nn.ELU(inplace=True)`` reaches the graph as ``F.elu(y, 1.0, True)``); None otherwise."""
+    try:
+        sig = _signature(n.target)
+    except TypeError:  # an unhashable target
+        return None
+    if sig is None:
+        return None
+    try:
+        bound = sig.bind(*n.args, **n.kwargs)
+    except TypeError:
+        return None
+    if bound.arguments.get("inplace") is not True:
+        return None
+    target = bound.arguments.get(next(iter(sig.parameters)))
+    return target if _is_tensor_node(target) else None
+
+
 def held_written(n: fx.Node) -> Optional[Any]:
-    """The argument holding what ``n`` wrote, for a writing node whose own value is not that tensor: an item
-    assignment (``None``) and an in-place foreach op (``None``; its list of tensors is the value).  None for any
-    other node."""
+    """For a writing node whose own value is not what it wrote, the argument that holds it: an item assignment's
+    tensor (``y[:, :8] = v`` evaluates to None), the list of tensors an in-place foreach or fused op writes
+    (``torch._foreach_mul_([a, b], 2)``, ``torch._fused_adamw_(params, ...)``: None).  None for any other node."""
     if n.op != "call_function" or not n.args:
         return None
-    t = n.target
-    if t is operator.setitem:
-        return n.args[0]
-    if isinstance(n.args[0], (list, tuple)) and getattr(t, "__name__", "").startswith("_foreach_") and written_args(n):
-        return n.args[0]
+    first = n.args[0]
+    if n.target is operator.setitem:
+        return first if _is_tensor_node(first) else None
+    if isinstance(first, (list, tuple)) and written_args(n):
+        return first
     return None
 
 
@@ -319,13 +352,18 @@ def _meta_extra(n: fx.Node) -> Optional[dict]:
     return None
 
 
+def uses_functorch(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` runs ``torch.func`` transforms (a Dynamo graph of ``vmap`` or ``grad``): inside them its values
+    are wrappers with no memory of their own."""
+    return any(n.op == "call_function" and _torch_compat.uses_functorch(n.target) for n in gm.graph.nodes)
+
+
 def instrument_graph(gm: fx.GraphModule, recorder: Recorder, index: Dict[str, int]) -> fx.GraphModule:
     """A copy of ``gm`` that calls ``recorder.capture(i, value)`` after every node in ``index``."""
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     g = new.graph
     nodes = list(g.nodes)
-    functorch = any(n.op == "call_function" and _torch_compat.uses_functorch(n.target) for n in nodes)
-    capture = recorder.capture_unwrapped if functorch else recorder.capture  # a vmap's values are wrappers
+    capture = recorder.capture_unwrapped if uses_functorch(gm) else recorder.capture  # a vmap's values are wrappers
     placeholders = [n for n in nodes if n.op == "placeholder"]
     anchor = placeholders[-1] if placeholders else None
     if anchor is None:

@@ -89,7 +89,7 @@ def reuse_run_dir(leaf: Path) -> None:
         (Path(leaf) / stale).unlink(missing_ok=True)
 
 
-_AGREED: Dict[str, int] = {}  # default run ids this process agreed with its peers, per output settings
+_AGREED: Dict[str, int] = {}  # output settings' digest -> default run ids agreed for them so far (a counter)
 
 
 def _default_run_id(settings: tuple = ()) -> str:

@@ -35,9 +35,9 @@ import torch
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._hashing import PendingHashes, hashable
 from determ_backend._frames import FrameFilter
-from determ_backend.modes.ops import (COPIES, adopts_storage, iter_args, mem_key, out_args, out_tensor_ids, tensor_args, returns_view,
-                                      same_layout, schema_writes, uninitialized, uninitialized_hash, version,
-                                      written_tensors)
+from determ_backend.modes.ops import (COPIES, adopts_storage, byte_span, iter_args, mem_key, out_args, out_tensor_ids,
+                                      returns_view, same_layout, schema_writes, storage_start, tensor_args,
+                                      uninitialized, uninitialized_hash, version, written_tensors)
 from determ_backend.trace.stream import Record, dtype_name, shape_of
 
 __all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY", "op_info"]
@@ -266,7 +266,7 @@ class OpRecorder:
             if alias is not None:
                 return alias
         if self._view_written and not unread and not gathered and self._written_through_view_before(t):
-            alias = self._silent_alias(t, source, loc, events, gathered=True)  # the records written into its storage
+            alias = self._silent_alias(t, source, loc, events, within=True)  # the records written into its memory
             if alias is not None:
                 return alias
         named = self.names.get(id(t))
@@ -383,13 +383,23 @@ class OpRecorder:
         return rec
 
     def _silent_alias(self, t: torch.Tensor, source: Optional[str], loc: str, events: list,
-                      gathered: bool = False, written: Optional[tuple] = None) -> Optional[Record]:
+                      gathered: bool = False, written: Optional[tuple] = None, within: bool = False) -> Optional[Record]:
         """A new ``alias`` record of ``t``'s values as they are now, made of the writes into its memory: when ``t``
         lies in memory a collective wrote (:meth:`_written_silently`), that write and the records written into the
         same memory since; with ``gathered`` (a collective's input seen for the first time), the records written
         into ``t``'s storage.  DDP writes each gradient into its bucket through a view (``mul.out``), then
         all-reduces the whole bucket, an object first seen there.  ``written``: the entry of :attr:`_silent` that
-        holds ``t``'s memory, when the caller found it already.  None when neither applies."""
+        holds ``t``'s memory, when the caller found it already.  ``within``: the records written into the bytes
+        ``t`` covers (a tensor written through views of it; a sibling view of the same storage is not made of them).
+        None when none applies."""
+        if within:
+            key = mem_key(t)
+            if key is None:
+                return None
+            lo, hi = byte_span(key)
+            inputs = sorted((ent[1] for k, ent in self._producers.items() if k[0] < hi and byte_span(k)[1] > lo
+                             and not _compat.storage_expired(ent[0])), key=lambda r: r.seq)
+            return self._alias_of(t, source, loc, events, inputs, None)
         writer, lo, hi, seq = None, 0, 0, -1
         if written is None:
             try:
@@ -414,6 +424,11 @@ class OpRecorder:
         inputs += sorted((ent[1] for key, ent in self._producers.items()
                           if lo <= key[0] < hi and ent[1].seq > seq and ent[1] is not writer
                           and not _compat.storage_expired(ent[0])), key=lambda r: r.seq)
+        return self._alias_of(t, source, loc, events, inputs, writer)
+
+    def _alias_of(self, t: torch.Tensor, source: Optional[str], loc: str, events: list, inputs: List[Record],
+                  writer: Optional[Record]) -> Optional[Record]:
+        """The ``alias`` record of ``t`` made of ``inputs`` (None when there are none)."""
         if not inputs:
             return None
         rec = self._record(self._name("alias", loc), "alias", "node", source, t, inputs,
@@ -425,18 +440,11 @@ class OpRecorder:
         events.append(OpEvent(rec.op, source, None, args, [rec], [device], inputs))
         return rec
 
-    @staticmethod
-    def _storage_start(t: torch.Tensor) -> Optional[int]:
-        try:
-            return t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # no storage (a sparse or wrapper tensor)
-            return None
-
     def _written_through_view(self, outs: Sequence) -> None:
         """Remember the storages of the views among ``outs`` (what an in-place op wrote), for :meth:`_input_record`."""
         for t in outs:
             if isinstance(t, torch.Tensor) and t._base is not None:
-                start = self._storage_start(t)
+                start = storage_start(t)
                 old = self._view_written.get(start) if start is not None else None
                 if start is None or (old is not None and not _compat.storage_expired(old)):
                     continue
@@ -449,7 +457,7 @@ class OpRecorder:
     def _written_through_view_before(self, t: torch.Tensor) -> bool:
         """Whether an op wrote through a view into ``t``'s storage, which is still alive (memory freed and taken by
         another tensor at the same address is not it: runs would differ by where the allocator put things)."""
-        start = self._storage_start(t)
+        start = storage_start(t)
         ref = self._view_written.get(start) if start is not None else None
         if ref is None:
             return False

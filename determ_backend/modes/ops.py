@@ -218,6 +218,25 @@ def mem_key(t: torch.Tensor) -> Optional[tuple]:
         return None
 
 
+def byte_span(key: tuple) -> Tuple[int, int]:
+    """``[first byte, end)`` of the memory a :func:`mem_key` covers (its elements' extent, not its storage's)."""
+    ptr, dtype, shape, stride = key[:4]
+    if any(s == 0 for s in shape):
+        return ptr, ptr
+    last = sum((s - 1) * abs(st) for s, st in zip(shape, stride))
+    return ptr, ptr + (last + 1) * dtype.itemsize
+
+
+def storage_start(t: torch.Tensor) -> Optional[int]:
+    """The first byte of ``t``'s storage; None for a tensor without one of its own (sparse, meta, a wrapper)."""
+    if t.layout is not torch.strided or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def unseen():
     """Context for a mode's own torch ops (fingerprints, metrics): no dispatch mode sees them.
 

@@ -82,10 +82,6 @@ def current_rank() -> int:
     return _STATE.dump_rank()
 
 
-def _current_rank() -> Tuple[int, int]:
-    return devices.rank_and_world()
-
-
 class _Controller:
     """Process-wide dump state behind the functional interface."""
 
@@ -113,7 +109,7 @@ class _Controller:
 
     def dump_rank(self) -> int:
         """``register_hook(..., rank=N)``'s rank, else the distributed rank, else 0."""
-        return self.rank if self.rank is not None else _current_rank()[0]
+        return self.rank if self.rank is not None else devices.rank_and_world()[0]
 
     def file_name(self, prefix: str) -> str:
         """The index's name without ``.pkl`` for a mode's ``prefix`` (``""``, ``"api_stack_"``...): ``<prefix>dump``
@@ -131,7 +127,7 @@ class _Controller:
         if s is not None:
             s.close()
         self._refuse_earlier_dump(rank_dir, name)
-        header = default_header(self.dump_rank(), _current_rank()[1], mode, task)
+        header = default_header(self.dump_rank(), devices.rank_and_world()[1], mode, task)
         header["device"] = _model_device(self.models)
         s = DumpSession(rank_dir, name, header, tensors=task in ("tensor", "overflow_check"),
                         ring_bytes=self.ring_bytes)

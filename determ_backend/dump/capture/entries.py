@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from determ_backend import _torch_compat
+from determ_backend.modes.ops import storage_start
 from determ_backend.trace.stream import shape_of
 
 __all__ = ["flatten", "FingerprintCache", "describe", "is_data_tensor", "call_items", "output_items"]
@@ -79,7 +80,7 @@ class FingerprintCache:
 
     def __init__(self) -> None:
         self._entries: Dict[int, Tuple[Any, int, Dict[str, Any], int]] = {}
-        self._by_storage: Dict[int, List[int]] = {}  # first byte of a storage -> ids of its cached tensors
+        self._by_storage: Dict[int, set] = {}  # first byte of a storage -> ids of its cached tensors
 
     def get(self, t: torch.Tensor) -> Optional[Dict[str, Any]]:
         hit = self._entries.get(id(t))
@@ -91,15 +92,15 @@ class FingerprintCache:
         return fp
 
     def put(self, t: torch.Tensor, fp: Dict[str, Any]) -> None:
-        if len(self._entries) >= _CACHE_LIMIT:
+        if len(self._entries) >= _CACHE_LIMIT or len(self._by_storage) >= _CACHE_LIMIT:
             self.clear()
         try:
-            where = _storage_start(t)
+            where = storage_start(t)
             self._entries[id(t)] = (weakref.ref(t), _torch_compat.tensor_version(t), fp, where)
         except (TypeError, RuntimeError):  # no weak references, or an inference tensor (no version counter, so a
             return                         # write in inference mode would go unseen): not cached
         if where:
-            self._by_storage.setdefault(where, []).append(id(t))
+            self._by_storage.setdefault(where, set()).add(id(t))
 
     def forget(self, items: Sequence[Tuple[str, Any]]) -> None:
         """Drop the tensors of ``items``, and every tensor sharing memory with them: a call wrote into them
@@ -107,23 +108,12 @@ class FingerprintCache:
         for _, v in items:
             if isinstance(v, torch.Tensor):
                 self._entries.pop(id(v), None)
-                try:
-                    where = _storage_start(v)
-                except RuntimeError:
-                    continue
-                for i in self._by_storage.pop(where, ()) if where else ():
+                for i in self._by_storage.pop(storage_start(v), ()):
                     self._entries.pop(i, None)
 
     def clear(self) -> None:
         self._entries.clear()
         self._by_storage.clear()
-
-
-def _storage_start(t: torch.Tensor) -> int:
-    """The first byte of ``t``'s storage (0 for a tensor without one: a sparse or wrapper tensor)."""
-    if t.layout is not torch.strided or t.is_meta:
-        return 0
-    return t.untyped_storage().data_ptr()
 
 
 def _scalar_entry(name: str, v: Any) -> Optional[Dict[str, Any]]:

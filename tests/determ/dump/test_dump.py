@@ -801,3 +801,19 @@ def test_a_weight_written_without_its_version_moving_is_fingerprinted_anew(tmp_p
     dumped = [next(i for i in entries[f"Functional_linear_{k}_forward"]["inputs"] if i["name"] == "input.1")["hash"]
               for k in (0, 1)]
     assert seen[0] != seen[1] and dumped == seen, (dumped, seen)
+
+
+def test_the_fingerprint_cache_remembers_each_tensor_once_by_its_storage():
+    """A buffer written in place every step (a KV cache) is put again after each write: its id was appended to the
+    storage's list every time, a list that grew forever in an inference dump (no optimizer step clears it)."""
+    from determ_backend.dump.capture.entries import FingerprintCache
+
+    cache = FingerprintCache()
+    kv = torch.zeros(16)
+    for step in range(1000):
+        kv.add_(1)
+        assert cache.get(kv) is None
+        cache.put(kv, {"hash": step})
+    assert sum(len(v) for v in cache._by_storage.values()) == 1
+    cache.forget([("kv", kv.view(4, 4))])  # a write through another tensor of the same memory
+    assert cache.get(kv) is None
