@@ -60,6 +60,23 @@ def carries(r: Record) -> bool:
     return base in _CARRIES and len(r.inputs) == 1
 
 
+# views that hold part of their input's values (no value of their own: never where two runs part)
+_SUBSET_VIEWS = frozenset({"aten.select", "aten.slice", "aten.narrow", "aten.as_strided", "aten.diagonal",
+                           "aten.unfold", "aten.split", "aten.split_with_sizes", "aten.unbind", "aten.chunk"})
+
+
+def re_views(r: Record) -> bool:
+    """Whether ``r`` only re-views part or all of its one input (``w[0]``, a slice, any record marked a view or
+    whose fingerprint is derived from its input's)."""
+    if len(r.inputs) != 1:
+        return False
+    if r.kind == "view" or (r.extra or {}).get("derived_hash"):
+        return True
+    op = r.op or ""
+    base = op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+    return base in _SUBSET_VIEWS
+
+
 def _groups(records: Sequence[Record]) -> Dict[tuple, List[Record]]:
     out: Dict[tuple, List[Record]] = {}
     for r in records:
@@ -115,7 +132,28 @@ def _same_name_other_shape(pairs: List[Pair]) -> List[Pair]:
         p.b, q.b = q.b, None
         del lone_b[a.node]
         partner[a.node] = p.b.node
+    _same_value_inputs(pairs)
     return [p for p in pairs if p.a is not None or p.b is not None]
+
+
+def _same_value_inputs(pairs: List[Pair]) -> None:
+    """Pair the lone records of no inputs (a tensor entering the run) that hold the one same value on each side,
+    whatever their names: a weight is named after the line that first reads it, which an extra op of one run (a
+    poke at it, ``w[0, 0] += e``) moves."""
+    def key(r: Record) -> Optional[tuple]:
+        return (r.op, r.hash, r.dtype, tuple(r.shape or ())) if not r.inputs and r.hash is not None else None
+
+    lone_a: Dict[tuple, List[Pair]] = {}
+    lone_b: Dict[tuple, List[Pair]] = {}
+    for p in pairs:
+        side, rec = (lone_a, p.a) if p.b is None else (lone_b, p.b) if p.a is None else (None, None)
+        k = key(rec) if rec is not None else None
+        if k is not None:
+            side.setdefault(k, []).append(p)
+    for k, found in lone_a.items():
+        other = lone_b.get(k)
+        if len(found) == 1 and other is not None and len(other) == 1:  # only where the value says which is which
+            found[0].b, other[0].b = other[0].b, None
 
 
 class _Side:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
-from determ_backend.compare.align import Pair, align, carries
+from determ_backend.compare.align import Pair, align, carries, re_views
 from determ_backend.compare.verdict import is_float, judge_records
 
 __all__ = ["Comparison", "describe", "pair_row", "find_roots", "compare_traces", "is_output", "is_allocation", "Confirm",
@@ -192,7 +192,7 @@ class _Graph:
     def passes_on(self, side: int, rec: Record) -> bool:
         """Whether ``rec`` holds its one input's values: a conversion, copy or view, or an op whose fingerprint
         is its input's (``h * 1.0``)."""
-        if carries(rec):
+        if carries(rec) or re_views(rec):
             return True
         if len(rec.inputs) != 1 or rec.hash is None:
             return False

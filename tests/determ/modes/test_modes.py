@@ -1148,3 +1148,26 @@ def test_the_bitwise_mode_compares_writes_into_a_tensor_subclass_holding_memory(
     with BitwiseEquivalenceMode(warn=False) as bm:
         eager_nd_rowsum(x)
     assert len(bm.get_mismatches()) == 1
+
+
+@pytest.mark.parametrize("tool", ["log", "jsonl"])
+def test_a_weight_poked_inside_the_trace_is_blamed_on_the_poke(tmp_path, tool):
+    """Run B pokes a weight through an index under the mode (``w[0, 0] += e``): diff blamed the ``select`` view (an
+    op only B ran, fed by the agreeing weight), and HashMode without ``module=`` found no root cause at all (the
+    weight, named after the line first reading it, was read first by the poke in B and by the layer in A)."""
+    def run(path, poke):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        x = torch.randn(4, 8)
+        with (HashDebugTrace(log_path=path) if tool == "log" else HashMode(path)):
+            if poke:
+                with torch.no_grad():
+                    m[2].weight[0, 0] += 1e-3  # the poke
+            m(x).sum().backward()
+
+    paths = [tmp_path / f"{n}.{tool}" for n in "ab"]
+    run(paths[0], False)
+    run(paths[1], True)
+    cmp = diff_logs(*paths) if tool == "log" else compare_traces(read_trace(paths[0]), read_trace(paths[1]))
+    assert [(p.rec.op, p.rec.source) for p in cmp.root_causes] == \
+        [("aten.add_.Tensor", f"{__file__}:{_lineno_of('# the poke')}")], cmp.root_causes
