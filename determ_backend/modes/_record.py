@@ -124,8 +124,8 @@ class OpRecorder:
         self._pruned_at = 0  # seq at the last prune of the producer table
         self.compiled_ops = 0
         self.lock = threading.RLock()
-        # memory key -> (weak reference to the storage, Record, version); the references are given back when an
-        # entry is replaced or pruned, and the rest when the recorder goes
+        # memory key -> (weak reference to the storage, Record, version, id of the tensor that holds it); the references
+        # are given back when an entry is replaced or pruned, and the rest when the recorder goes
         self._producers: Dict[tuple, tuple] = {}
         # given back when the recorder is collected, not at interpreter exit (a mode may still run then: a
         # reference left at exit is only a small leak)
@@ -240,8 +240,13 @@ class OpRecorder:
         if ent is not None and view and ent[2] == v and not _compat.storage_expired(ent[0]):
             self._remember(t, ent[1], v)
             return
-        producers[key] = (_storage_weak_ref(t), rec, v)
+        producers[key] = (_storage_weak_ref(t), rec, v, id(t))
         if ent is not None:  # given back once it is out of the table (an interrupt in between leaks, never frees twice)
+            if not view and ent[3] != id(t) and not _compat.storage_expired(ent[0]):
+                # written through another tensor of the same memory with a version counter of its own (``p.data``):
+                # the object that held the old record does not hold it any more
+                self._by_object.pop(ent[3], None)
+                self._written_through_view((t,), alias=True)
             _storage_release(ent[0])
         try:
             self._by_object[id(t)] = (weakref.ref(t), rec, v)
@@ -440,10 +445,11 @@ class OpRecorder:
         events.append(OpEvent(rec.op, source, None, args, [rec], [device], inputs))
         return rec
 
-    def _written_through_view(self, outs: Sequence) -> None:
-        """Remember the storages of the views among ``outs`` (what an in-place op wrote), for :meth:`_input_record`."""
+    def _written_through_view(self, outs: Sequence, alias: bool = False) -> None:
+        """Remember the storages of the views among ``outs`` (what an in-place op wrote; ``alias``: every tensor of
+        ``outs`` wrote memory another object holds), for :meth:`_input_record`."""
         for t in outs:
-            if isinstance(t, torch.Tensor) and t._base is not None:
+            if isinstance(t, torch.Tensor) and (alias or t._base is not None):
                 start = storage_start(t)
                 old = self._view_written.get(start) if start is not None else None
                 if start is None or (old is not None and not _compat.storage_expired(old)):
