@@ -240,18 +240,40 @@ class OpRecorder:
         if ent is not None and view and ent[2] == v and not _compat.storage_expired(ent[0]):
             self._remember(t, ent[1], v)
             return
-        producers[key] = (_storage_weak_ref(t), rec, v, id(t))
+        holder = id(t)
+        if ent is not None and view and not _compat.storage_expired(ent[0]):
+            # a view with a version counter of its own (``p.data``, which reaches the mode as ``detach``): the tensor
+            # holding the memory's record stays the one to forget when the view is written
+            holder = ent[3]
+        producers[key] = (_storage_weak_ref(t), rec, v, holder)
         if ent is not None:  # given back once it is out of the table (an interrupt in between leaks, never frees twice)
             if not view and ent[3] != id(t) and not _compat.storage_expired(ent[0]):
                 # written through another tensor of the same memory with a version counter of its own (``p.data``):
-                # the object that held the old record does not hold it any more
+                # the object that held the old record does not hold it any more, nor do the views made of it before
                 self._by_object.pop(ent[3], None)
+                self._forget_overlapping(key)
                 self._written_through_view((t,), alias=True)
             _storage_release(ent[0])
         try:
             self._by_object[id(t)] = (weakref.ref(t), rec, v)
         except TypeError:  # a tensor subclass without weak references: the memory key alone
             pass
+
+    def _forget_overlapping(self, key: tuple) -> None:
+        """Drop the entries of other tensors over the bytes of ``key`` (a write their version counters did not see
+        changed them), and the identity entries holding their records."""
+        lo, hi = byte_span(key)
+        producers = self._producers
+        gone = [k for k in producers if k != key and k[0] < hi and byte_span(k)[1] > lo]
+        if not gone:
+            return
+        stale = set()
+        for k in gone:
+            ent = producers.pop(k)
+            stale.add(id(ent[1]))
+            _storage_release(ent[0])
+        for i in [i for i, e in self._by_object.items() if id(e[1]) in stale]:
+            del self._by_object[i]
 
     def _settle(self) -> None:
         """Register the last op's outputs.  Deferred to the next op because autograd bumps the version
