@@ -595,12 +595,6 @@ def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]
         names = [_base_name(a) for a in args]
         ins = [n for k, n in enumerate(names) if n and k not in pure and not n.isdigit()]
         return [(names[k], m.group(1), ins) for k in writes if k < len(names) and names[k]]
-    m = re.match(r"^extern_kernels\.(\w+)\((.*)\)$", stripped)
-    if m:
-        args = _split_args(m.group(2))
-        outs = [a.split("=", 1)[1].strip() for a in args if _is_out(a)]
-        ins = [n for n in (_base_name(a) for a in args if not _is_out(a)) if n]
-        return [(_base_name(o), f"extern_kernels.{m.group(1)}", ins) for o in outs if _base_name(o)]
     m = _WAIT.match(stripped)
     if m:  # an asynchronous collective's buffer holds its value once waited on (``all_reduce_`` writes it in flight)
         return [(m.group(2), m.group(1), [m.group(2)])]
@@ -610,8 +604,10 @@ def _kernel_writes(stripped: str, kernels: Dict[str, Tuple[List[int], List[int]]
         ins = [n for n in (_base_name(a) for a in _split_args(m.group(3)) if not _is_out(a)) if n]
         return [(m.group(1), m.group(2), ins)]
     m = re.match(r"^([\w.]+)\((.*)\)$", stripped)
-    if m and not any(m.group(1).startswith(k) for k in _NOT_KERNEL):  # a fallback writing ``out=`` (the seeds of
-        args = _split_args(m.group(2))                                # random kernels: ``aten.randint.low_out``)
+    if m and not any(m.group(1).startswith(k) for k in _NOT_KERNEL):
+        # an extern kernel or a fallback writing ``out=`` (``extern_kernels.mm(..., out=buf0)``; the seeds of random
+        # kernels, ``aten.randint.low_out(..., out=buf1)``)
+        args = _split_args(m.group(2))
         outs = [_base_name(a.split("=", 1)[1].strip()) for a in args if _is_out(a)]
         ins = [n for n in (_base_name(a) for a in args if not _is_out(a)) if n]
         return [(o, m.group(1), ins) for o in outs if o]

@@ -289,14 +289,9 @@ def _writes(n: fx.Node) -> List[Tuple[str, fx.Node, bool]]:
     """``(record name, base node, whole)`` per tensor ``n`` writes: the record holding the written value (``n``, or
     ``n.j`` for the j-th tensor of a foreach op), the node whose memory it is (:func:`_memory_base`) and whether the
     write covers all of it (not through a view)."""
-    targets = written_args(n)
-    many = held_written(n) is not None and isinstance(n.args[0], (list, tuple))
-    found = []
-    for j, a in enumerate(targets):
-        base = _memory_base(a)
-        if base is not None:
-            found.append((f"{n.name}.{j}" if many else n.name, base, base is a))
-    return found
+    many = isinstance(held_written(n), (list, tuple))
+    return [(f"{n.name}.{j}" if many else n.name, _memory_base(a), _memory_base(a) is a)
+            for j, a in enumerate(written_args(n))]
 
 
 def _basic_index(idx: Any) -> bool:
@@ -305,7 +300,7 @@ def _basic_index(idx: Any) -> bool:
     return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
 
 
-def _memory_base(node: fx.Node) -> Optional[fx.Node]:
+def _memory_base(node: fx.Node) -> fx.Node:
     """The node whose memory ``node`` is, or views (through view ops and basic indexing, ``acc[0]``,
     ``acc[:, :8]``)."""
     base = node

@@ -259,12 +259,26 @@ class OpRecorder:
         except TypeError:  # a tensor subclass without weak references: the memory key alone
             pass
 
+    def _overlapping(self, key: tuple) -> List[tuple]:
+        """The keys of the producer table whose bytes overlap ``key``'s (``key`` itself among them, when present)."""
+        lo, hi = byte_span(key)
+        return [k for k in self._producers if k[0] < hi and byte_span(k)[1] > lo]
+
+    def _records_over(self, t: torch.Tensor) -> List[Record]:
+        """The live records written into the bytes ``t`` covers, in order: what a tensor written through views of
+        it holds (a sibling view of the same storage is not made of them)."""
+        key = mem_key(t)
+        if key is None:
+            return []
+        producers = self._producers
+        return sorted((producers[k][1] for k in self._overlapping(key) if not _compat.storage_expired(producers[k][0])),
+                      key=lambda r: r.seq)
+
     def _forget_overlapping(self, key: tuple) -> None:
         """Drop the entries of other tensors over the bytes of ``key`` (a write their version counters did not see
         changed them), and the identity entries holding their records."""
-        lo, hi = byte_span(key)
         producers = self._producers
-        gone = [k for k in producers if k != key and k[0] < hi and byte_span(k)[1] > lo]
+        gone = [k for k in self._overlapping(key) if k != key]
         if not gone:
             return
         stale = set()
@@ -293,7 +307,7 @@ class OpRecorder:
             if alias is not None:
                 return alias
         if self._view_written and not unread and not gathered and self._written_through_view_before(t):
-            alias = self._silent_alias(t, source, loc, events, within=True)  # the records written into its memory
+            alias = self._alias_of(t, source, loc, events, self._records_over(t), None)  # the writes into its bytes
             if alias is not None:
                 return alias
         named = self.names.get(id(t))
@@ -410,23 +424,13 @@ class OpRecorder:
         return rec
 
     def _silent_alias(self, t: torch.Tensor, source: Optional[str], loc: str, events: list,
-                      gathered: bool = False, written: Optional[tuple] = None, within: bool = False) -> Optional[Record]:
+                      gathered: bool = False, written: Optional[tuple] = None) -> Optional[Record]:
         """A new ``alias`` record of ``t``'s values as they are now, made of the writes into its memory: when ``t``
         lies in memory a collective wrote (:meth:`_written_silently`), that write and the records written into the
         same memory since; with ``gathered`` (a collective's input seen for the first time), the records written
         into ``t``'s storage.  DDP writes each gradient into its bucket through a view (``mul.out``), then
         all-reduces the whole bucket, an object first seen there.  ``written``: the entry of :attr:`_silent` that
-        holds ``t``'s memory, when the caller found it already.  ``within``: the records written into the bytes
-        ``t`` covers (a tensor written through views of it; a sibling view of the same storage is not made of them).
-        None when none applies."""
-        if within:
-            key = mem_key(t)
-            if key is None:
-                return None
-            lo, hi = byte_span(key)
-            inputs = sorted((ent[1] for k, ent in self._producers.items() if k[0] < hi and byte_span(k)[1] > lo
-                             and not _compat.storage_expired(ent[0])), key=lambda r: r.seq)
-            return self._alias_of(t, source, loc, events, inputs, None)
+        holds ``t``'s memory, when the caller found it already.  None when neither applies."""
         writer, lo, hi, seq = None, 0, 0, -1
         if written is None:
             try:

@@ -79,14 +79,14 @@ class FingerprintCache:
     their counters)."""
 
     def __init__(self) -> None:
-        self._entries: Dict[int, Tuple[Any, int, Dict[str, Any], int]] = {}
+        self._entries: Dict[int, Tuple[Any, int, Dict[str, Any]]] = {}
         self._by_storage: Dict[int, set] = {}  # first byte of a storage -> ids of its cached tensors
 
     def get(self, t: torch.Tensor) -> Optional[Dict[str, Any]]:
         hit = self._entries.get(id(t))
         if hit is None:
             return None
-        ref, version, fp, _ = hit
+        ref, version, fp = hit
         if ref() is not t or _torch_compat.tensor_version(t) != version:
             return None
         return fp
@@ -95,10 +95,10 @@ class FingerprintCache:
         if len(self._entries) >= _CACHE_LIMIT or len(self._by_storage) >= _CACHE_LIMIT:
             self.clear()
         try:
-            where = storage_start(t)
-            self._entries[id(t)] = (weakref.ref(t), _torch_compat.tensor_version(t), fp, where)
+            self._entries[id(t)] = (weakref.ref(t), _torch_compat.tensor_version(t), fp)
         except (TypeError, RuntimeError):  # no weak references, or an inference tensor (no version counter, so a
             return                         # write in inference mode would go unseen): not cached
+        where = storage_start(t)
         if where:
             self._by_storage.setdefault(where, set()).add(id(t))
 
