@@ -100,6 +100,9 @@ class ApiRecorder:
         self.selector = Selector(settings)
         self.overflow = overflow
         self.task = "overflow_check" if overflow is not None else settings.task
+        # calls whose forward overflowed: their backward reads the saved nan/inf, so its own nan/inf is that
+        # overflow again, not a new one (exp's backward multiplies a finite gradient by the inf it returned)
+        self._overflowed: set = set()
         self.flusher = bw.BackwardFlusher()
         self._keep_non_float = settings.filter_switch == "OFF"
         self.active = True  # False once the dump is switched off: late backward hooks then record nothing
@@ -192,7 +195,8 @@ class ApiRecorder:
         if not self.active or self.session.closed:
             return
         if self.overflow is not None:
-            self._check_overflow(call, info, "backward", grad_ins, grad_outs, None, source)
+            if call not in self._overflowed:
+                self._check_overflow(call, info, "backward", grad_ins, grad_outs, None, source)
             return
         if not self.selector.select(call, info, "backward"):
             return
@@ -203,6 +207,7 @@ class ApiRecorder:
     def _overflow_call(self, call: str, info: ApiInfo, func: Callable, args: tuple, kwargs: Dict[str, Any]) -> Any:
         if not self.overflow.enabled:
             return func(*args, **kwargs)
+        self._overflowed.discard(call)  # a name seen again (counters restarted at a step): judged afresh
         with guard():
             items = call_items(args, kwargs)
             inplace = is_inplace(info, kwargs)
@@ -225,6 +230,10 @@ class ApiRecorder:
             return
         if not creates(nonfinite([v for _, v in outs]), [nonfinite([v for _, v in ins])]):
             return
+        if direction == "forward":
+            if len(self._overflowed) >= 1 << 16:  # never-stop runs: long finished backwards
+                self._overflowed.clear()
+            self._overflowed.add(call)
         ins_e, outs_e = self.describe_io(ins, outs)
         self.write(call, info, direction, ins_e, outs_e, source, None, overflow=self.overflow.count + 1)
         name = f"{call}_{direction}"

@@ -817,3 +817,15 @@ def test_the_fingerprint_cache_remembers_each_tensor_once_by_its_storage():
     assert sum(len(v) for v in cache._by_storage.values()) == 1
     cache.forget([("kv", kv.view(4, 4))])  # a write through another tensor of the same memory
     assert cache.get(kv) is None
+
+
+def test_overflow_check_does_not_count_the_backward_of_an_overflowed_call_again(tmp_path):
+    dump.set_dump_path(tmp_path, dump_tag="ovf")
+    dump.register_hook(make_net(), dump.overflow_check, overflow_nums=-1)
+    y = torch.full((4,), 20.0, requires_grad=True)
+    z = torch.exp(y * 10)  # overflows; its backward multiplies the gradient by the inf it returned
+    z.clamp(max=1.0).sum().backward()  # clamp passes a zero gradient: 0 * inf is nan from finite inputs
+    dump.set_overflow_check_switch("OFF")
+    assert torch.isnan(y.grad).all()
+    d = dump.read_dump(overflow_index(tmp_path / "ovf" / "rank0"))
+    assert [e["name"] for e in d.entries] == ["Torch_exp_0_forward"]
