@@ -19,6 +19,7 @@ import functools
 import operator
 import re
 import sys
+import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -493,6 +494,54 @@ def autograd_engine_entry() -> Optional[Any]:
         return graph._engine_run_backward.__code__
     except (ImportError, AttributeError):
         return None
+
+
+_ENGINE_TLS = threading.local()
+_ENGINE_LOCK = threading.Lock()
+_ENGINE_STATE: Dict[str, Any] = {"users": 0, "original": None}  # the original is kept once found (never cleared)
+
+
+def _engine_run_backward_around(*args, **kwargs):
+    """torch.autograd's engine entry while :func:`engine_runs_within` is in use: this thread's pending context (set
+    by that function, taken once) is entered around the engine's run; any other call runs the engine as it is."""
+    original = _ENGINE_STATE["original"]
+    enter = getattr(_ENGINE_TLS, "enter", None)
+    if enter is None:
+        return original(*args, **kwargs)
+    _ENGINE_TLS.enter = None  # taken: a backward run inside this one sets its own
+    try:
+        with enter():
+            return original(*args, **kwargs)
+    finally:
+        _ENGINE_TLS.enter = enter
+
+
+@contextlib.contextmanager
+def engine_runs_within(enter: Callable[[], Any]) -> Iterator[None]:
+    """The ``backward()``/``autograd.grad`` this thread calls inside the block runs its backward pass inside
+    ``enter()`` (a context manager), entered after torch's own argument handling and ``__torch_function__`` checks,
+    around the engine's run: a torch function mode, which is off while its handler of ``backward`` runs, sees the
+    calls of custom ``Function`` backwards, hooks and recomputations.  The engine entry of ``torch.autograd`` is
+    patched while any thread uses this (other threads' calls pass straight through) and restored after the last;
+    on a torch without that entry the backward pass runs without the context."""
+    import torch.autograd as autograd
+    with _ENGINE_LOCK:
+        if _ENGINE_STATE["users"] == 0:
+            current = getattr(autograd, "_engine_run_backward", None)
+            if current is not None and current is not _engine_run_backward_around:
+                _ENGINE_STATE["original"] = current
+                autograd._engine_run_backward = _engine_run_backward_around
+        _ENGINE_STATE["users"] += 1
+    prev = getattr(_ENGINE_TLS, "enter", None)
+    _ENGINE_TLS.enter = enter
+    try:
+        yield
+    finally:
+        _ENGINE_TLS.enter = prev
+        with _ENGINE_LOCK:
+            _ENGINE_STATE["users"] -= 1
+            if _ENGINE_STATE["users"] == 0 and autograd._engine_run_backward is _engine_run_backward_around:
+                autograd._engine_run_backward = _ENGINE_STATE["original"]
 
 
 def wrapped_tensor(t: torch.Tensor) -> Optional[torch.Tensor]:

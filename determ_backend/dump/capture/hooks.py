@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.overrides import TorchFunctionMode
 
+from determ_backend import _torch_compat as _compat
 from determ_backend._frames import FrameFilter, called_from_determ
 from determ_backend.compare.nonfinite import creates, nonfinite
 from determ_backend.dump.capture import backward as bw
@@ -46,6 +47,7 @@ __all__ = ["DumpMode", "ApiRecorder", "guard", "busy", "passthrough", "enter_opa
 log = logging.getLogger(__name__)
 
 _tls = threading.local()
+_BACKWARD_ENTRIES = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 _FRAMES = FrameFilter(stdlib=False)  # ptdbg-style stacks keep standard-library frames
 
 
@@ -260,6 +262,13 @@ class DumpMode(TorchFunctionMode):
             info = self.table.get(func)
         except TypeError:
             info = None
-        if info is None or called_from_determ(sys._getframe(1)):  # determ's own calls are never recorded
+        ours = called_from_determ(sys._getframe(1))  # determ's own calls are never recorded
+        if info is None or ours:
+            if not ours and func in _BACKWARD_ENTRIES:
+                # this mode is off while its handler runs: back on around the engine's run, it sees the calls made
+                # by custom Function backwards, tensor hooks and checkpoints' recomputations (the backward call itself
+                # is not an API of the table; the engine's own formulas call no Python)
+                with _compat.engine_runs_within(lambda: self):
+                    return func(*args, **kwargs)
             return func(*args, **kwargs)
         return self.recorder.api_call(info, func, args, kwargs)

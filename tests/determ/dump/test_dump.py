@@ -829,3 +829,57 @@ def test_overflow_check_does_not_count_the_backward_of_an_overflowed_call_again(
     assert torch.isnan(y.grad).all()
     d = dump.read_dump(overflow_index(tmp_path / "ovf" / "rank0"))
     assert [e["name"] for e in d.entries] == ["Torch_exp_0_forward"]
+
+
+class _SquareWithBackward(torch.autograd.Function):
+    """x * x whose backward is Python that calls torch APIs (scaled by ``factor``)."""
+
+    factor = 2.0
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return torch.mul(g, x) * _SquareWithBackward.factor
+
+
+class _BackwardPythonNet(torch.nn.Module):
+    """A custom Function, a reentrant checkpoint (recomputed inside backward) and a gradient hook: torch calls that
+    run inside ``backward()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = _SquareWithBackward.apply(self.a(x))
+        h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=True)
+        h.register_hook(lambda g: torch.clamp(g, -1, 1))
+        return h.sum()
+
+
+def _backward_python_step(net):
+    torch.manual_seed(0)
+    net(torch.randn(3, 4)).backward()
+
+
+def test_calls_made_inside_backward_are_recorded_and_a_fault_there_is_named(tmp_path, monkeypatch):
+    runs = {}
+    for tag, factor in (("a", 2.0), ("b", 2.0), ("c", 2.5)):
+        monkeypatch.setattr(_SquareWithBackward, "factor", factor)
+        torch.manual_seed(0)
+        runs[tag] = dump_run(tmp_path, tag, _BackwardPythonNet(), step=_backward_python_step)
+    got = names(runs["a"])
+    # the hook's clamp, the checkpoint's recomputed forward (with its backward) and the custom backward's calls
+    for name in ("Torch_clamp_0_forward", "Functional_linear_2_forward", "Functional_linear_2_backward",
+                 "Torch_mul_0_forward", "Tensor_mul_1_forward"):
+        assert name in got, got
+    assert torch.is_grad_enabled() and not torch.overrides._get_current_function_mode_stack()
+    assert _root_causes(compare_two(runs["a"], runs["b"], tmp_path / "ab")) == []
+    assert _root_causes(compare_two(runs["a"], runs["c"], tmp_path / "ac")) == ["Tensor_mul_1_forward"]
