@@ -881,5 +881,6 @@ def test_calls_made_inside_backward_are_recorded_and_a_fault_there_is_named(tmp_
                  "Torch_mul_0_forward", "Tensor_mul_1_forward"):
         assert name in got, got
     assert torch.is_grad_enabled() and not torch.overrides._get_current_function_mode_stack()
+    assert torch.autograd._engine_run_backward is torch.autograd.graph._engine_run_backward  # the patch is gone
     assert _root_causes(compare_two(runs["a"], runs["b"], tmp_path / "ab")) == []
     assert _root_causes(compare_two(runs["a"], runs["c"], tmp_path / "ac")) == ["Tensor_mul_1_forward"]
