@@ -235,3 +235,26 @@ def same_training(a, b) -> bool:
     (pa, sa), (pb, sb) = a, b
     return all(torch.equal(x, y) for x, y in zip(pa, pb)) and all(
         sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(sa, sb))
+
+
+def _relu_grad_too_large(gm, example_inputs):
+    """The backward graph's relu gradient (``threshold_backward``) computed 1.5x too large."""
+    from determ_backend import _torch_compat
+
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.threshold_backward.default:
+            with g.inserting_after(n):
+                scaled = g.call_function(torch.ops.aten.mul.Tensor, (n, 1.5))
+            n.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+    gm.recompile()
+    return _torch_compat.boxed_nop(gm, example_inputs)
+
+
+def relu_grad_wrong(gm, example_inputs):
+    """A training compiler (AOT, graphs run as they are) whose only fault is in the backward: relu's gradient is
+    1.5x too large.  Forward outputs are right; only gradients diverge."""
+    from determ_backend import _torch_compat
+
+    return _torch_compat.aot_eager(gm, example_inputs, fw_compiler=_torch_compat.boxed_nop,
+                                   bw_compiler=_relu_grad_too_large)

@@ -235,7 +235,7 @@ def minify(gm: fx.GraphModule, inputs: Sequence[Any], spec: OracleSpec, *, runne
     Raises :class:`OracleError` when the input graph does not fail, :class:`ConfigError` when the
     compiler does not resolve or ``out_dir`` holds an earlier minification and ``resume`` is false.
     """
-    view = GraphView(gm, inputs)
+    view = GraphView(gm, inputs, grads=spec.grads)
     if spec.kind == "batch_invariance" and not spec.cuts:
         spec = spec.replace(cuts=batch_cuts_of(gm, inputs, view.ref, spec.batch, spec.batch_dim,
                                                given_cuts(batch_cuts, len(inputs))))
@@ -328,8 +328,9 @@ def _start(s: _Session, start: Candidate, gm0: fx.GraphModule, in0: List[Any], b
         v = s.runner.check(s.spec, gm0, in0)
     if not v.fails:
         accuracy = s.spec.kind == "accuracy" and not (v.detail or "").startswith("candidate raised")
+        forward_only = accuracy and not s.spec.grads and s.meta.get("after") != "aot"
         hint = ("; the accuracy oracle compares forward outputs: a divergence only in gradients is minified on the "
-                "backward graph after AOT (REPRO_AFTER=aot)") if accuracy and s.meta.get("after") != "aot" else ""
+                "backward graph after AOT (REPRO_AFTER=aot)") if forward_only else ""
         within = f", tol={s.spec.tol:g}" if accuracy else ""  # the tolerance the outputs were found to match within
         raise OracleError(f"input graph does not fail the {s.spec.kind} oracle ({v.detail or 'no failure'}{within}); "
                           f"nothing to minify{hint}")

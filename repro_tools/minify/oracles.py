@@ -56,6 +56,7 @@ from determ_backend.devices import parse_device_spec
 from determ_backend.errors import ConfigError, ReproError, first_line
 from determ_backend.fingerprint.core import hash_tensors
 from determ_backend.backends.retarget import converter, moved_graph
+from repro_tools.minify.accuracy import same_two_models
 
 from repro_tools.minify.compilers import (Compiler, call_compiled, compile_graph, compiler_name, config_patch, flat_tensors, resolve_compiler)
 from repro_tools.minify.inductor_values import SUPPORTED, BufferValues
@@ -109,6 +110,10 @@ class OracleSpec:
     """Accuracy: compiled error vs fp64 may be this multiple of eager's."""
     strict: bool = False
     """Accuracy / cross-device: non-float outputs count too (with ``tol == 0``: everything bitwise)."""
+    grads: bool = False
+    """Accuracy: judge the gradients too -- of a scalar loss over the outputs, with respect to the inputs that
+    require grad and the parameters -- as the after-dynamo check judged a training graph (a compiler whose fault
+    is in the backward alone leaves the forward outputs right)."""
     devices: Tuple[str, ...] = ("cpu", "cpu:float64")
     """Cross-device: the two device specs compared."""
     runs: int = 2
@@ -318,6 +323,8 @@ def _raised(e: BaseException) -> str:
 
 def _oracle_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
                     compile_fn: Callable = compile_graph) -> Verdict:
+    if spec.grads:
+        return _oracle_accuracy_grads(spec, gm, inputs, compile_fn)
     try:
         res = _compile_run(spec, gm, inputs, compile_fn=compile_fn)[0]
     except Exception as e:  # a candidate that errors is a different failure, not this one
@@ -331,6 +338,30 @@ def _oracle_accuracy(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any]
         if leaf_differs(e, r, ref64[i] if ref64 else None, spec):
             return Verdict(True, Signature("accuracy", "", f"output {i} differs from eager beyond tolerance"))
     return Verdict(False, None, "outputs match eager")
+
+
+def _oracle_accuracy_grads(spec: OracleSpec, gm: fx.GraphModule, inputs: Sequence[Any],
+                           compile_fn: Callable = compile_graph) -> Verdict:
+    """The accuracy oracle over outputs and gradients: the after-dynamo check's own judgement
+    (:func:`~repro_tools.minify.accuracy.same_two_models`), with the compiled copy sharing ``gm``'s parameters
+    (their gradients are compared)."""
+    shared = {id(t): t for t in list(gm.parameters()) + list(gm.buffers())}
+    try:
+        with config_patch(_config(spec)):
+            fn = compile_fn(spec.compiler, copy.deepcopy(gm, memo=dict(shared)), clone_inputs(inputs))
+    except Exception as e:  # a candidate that errors is a different failure, not this one
+        return Verdict(False, _error_signature("compile/run", e), _raised(e))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        with config_patch(_config(spec)):
+            r = same_two_models(gm, lambda *args: call_compiled(fn, list(args)), inputs, only_fwd=False,
+                                tol=spec.tol, multiplier=spec.multiplier, strict=spec.strict)
+    if r.status == "diverged":
+        return Verdict(True, Signature("accuracy", "", f"{r.detail.split(':')[0]} differs from eager beyond "
+                                                       f"tolerance"))
+    if r.status == "compiled_error":
+        return Verdict(False, _error_signature("compile/run", r.error), _raised(r.error))
+    return Verdict(False, None, r.detail or "outputs and gradients match eager")
 
 
 def leaf_differs(expected: Any, actual: Any, ref64: Any, spec: OracleSpec) -> bool:

@@ -102,6 +102,8 @@ def spec_from_meta(meta: Dict[str, Any], **overrides: Any) -> OracleSpec:
         base["config"] = meta["config"]
     if meta.get("devices"):
         base["devices"] = tuple(meta["devices"])
+    if kind == "accuracy" and meta.get("after") == "dynamo" and meta.get("only_fwd") is False:
+        base["grads"] = True  # the after-dynamo check judged the training graph's gradients too
     base.update({k: v for k, v in overrides.items() if v is not None})
     if isinstance(base.get("devices"), str):
         base["devices"] = tuple(x.strip() for x in base["devices"].split(",") if x.strip())

@@ -24,7 +24,7 @@ import hashlib
 import logging
 import operator
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -106,7 +106,9 @@ def source_line(node: Optional[fx.Node]) -> Optional[str]:
 class GraphView:
     """The original graph with its recorded values; builds and keys candidates."""
 
-    def __init__(self, gm: fx.GraphModule, inputs: Sequence[Any]):
+    def __init__(self, gm: fx.GraphModule, inputs: Sequence[Any], grads: bool = False):
+        """``grads``: candidates are judged by their gradients too, so an input a candidate is cut at requires grad
+        where its value did in the whole graph's run with autograd (:meth:`_needs_grad`)."""
         self.gm = gm
         self.nodes = list(gm.graph.nodes)
         self.by_name = {n.name: n for n in self.nodes}
@@ -117,6 +119,7 @@ class GraphView:
         if not self.compute:
             raise ReproError("graph has no compute nodes: nothing to minify")
         self.ref, self.eager_error = record_values(gm, inputs)
+        self.grad_names = self._needs_grad(inputs) if grads else frozenset()
         self.value_maps: Dict[str, Dict[str, Any]] = {"ref": self.ref}
         self._fp_memo: Dict[int, Tuple[Any, int]] = {}
         self._interp: Optional[EagerInterpreter] = None
@@ -225,7 +228,31 @@ class GraphView:
         """The candidate as a runnable ``(GraphModule, inputs)`` returning a flat tuple."""
         values = collections.ChainMap(self.value_maps[cand.values], self.ref)
         merge = self._merge_key if cand.merge_inputs else None
-        return self.cut([n for n in self.compute if n in cand.keep], self.outputs_of(cand), values, merge)
+        gm, inputs = self.cut([n for n in self.compute if n in cand.keep], self.outputs_of(cand), values, merge)
+        if self.grad_names:
+            places = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            inputs = [v.detach().requires_grad_(True) if name in self.grad_names and isinstance(v, torch.Tensor)
+                      and not v.requires_grad else v for name, v in zip(places, inputs)]
+        return gm, inputs
+
+    def _needs_grad(self, inputs: Sequence[Any]) -> FrozenSet[str]:
+        """The nodes whose values require grad in a run of the whole graph with autograd on: the floating-point
+        values computed from an input or a parameter that requires grad (recorded values are taken without
+        autograd)."""
+        need: Set[str] = set()
+        args = iter(inputs)
+        for n in self.nodes:
+            v = self.ref.get(n.name)
+            if n.op == "placeholder":
+                x = next(args, None)
+                hit = isinstance(x, torch.Tensor) and x.requires_grad
+            elif n.op == "get_attr":
+                hit = isinstance(v, torch.Tensor) and v.requires_grad
+            else:
+                hit = any(a.name in need for a in n.all_input_nodes)
+            if hit and (not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex()):
+                need.add(n.name)  # a tuple of a multi-output op passes it to its getitems
+        return frozenset(need)
 
     def cut(self, names: Sequence[str], outputs: Sequence[str], values: Mapping[str, Any],
             merge_key: Optional[Callable[[Any], Any]] = None) -> Tuple[fx.GraphModule, List[Any]]:

@@ -368,3 +368,17 @@ print("ROOT", root.level, len(root.handlers))
     r = run_code(code, tmp_path)
     assert "ROOT 30 0" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
     assert (tmp_path / "repro.py").is_file()  # it did minify, in this process
+
+
+def test_level4_minifies_a_divergence_only_in_gradients(tmp_path, capsys):
+    """A compiler whose only fault is in the backward (relu's gradient): the dynamo graph's forward outputs
+    match, its gradients do not; the minifier judges gradients too, and shrinks the graph to the relu."""
+    err = compile_and_fail(determ_backend.wrap_backend(repro_helpers.relu_grad_wrong, repro_config(tmp_path, 4)),
+                           model_inputs(requires_grad=True))
+    assert "gradient" in str(err) and "less accurate than eager" in str(err)
+    stderr = capsys.readouterr().err
+    assert "NOT minified" not in stderr, stderr[-3000:]
+    assert last_stderr_line(stderr) == str(tmp_path / "repro.py")
+    assert read_meta(tmp_path / "repro.py")["only_fwd"] is False
+    assert_reproduces(tmp_path / "repro.py", "accuracy", "torch.relu(")
+    assert " @ " not in forward_source(tmp_path / "repro.py")  # minimal: the relu alone
