@@ -83,8 +83,10 @@ def _walk(roots: List[Any], edges: InputEdges, in_nodes: set, min_seq: Optional[
 class _Pending:
     """Gradients of one call, collected as its nodes fire."""
 
-    def __init__(self, name: str, expected: int, flusher: "BackwardFlusher", emit: Callable):
+    def __init__(self, name: str, expected: int, flusher: "BackwardFlusher", emit: Callable,
+                 on_start: Optional[Callable[[], None]] = None):
         self.name, self.expected, self.flusher, self.emit = name, expected, flusher, emit
+        self.on_start = on_start
         self.fired = 0
         self.grad_out: Dict[str, torch.Tensor] = {}
         self.grad_in: Dict[str, List[torch.Tensor]] = {}
@@ -93,6 +95,8 @@ class _Pending:
     def fire(self) -> None:
         if self.fired == 0:
             self.flusher.started(self)
+            if self.on_start is not None:
+                self.on_start()
         self.fired += 1
         if self.fired >= self.expected:
             self.finish()
@@ -138,8 +142,10 @@ def _backward_name(fwd_name: str, prefix: str) -> str:
 
 
 def attach(name: str, edges: InputEdges, in_nodes: set, outputs: Sequence[Tuple[str, Any]],
-           flusher: BackwardFlusher, emit: Callable, guard: Callable, min_seq: Optional[int] = None) -> bool:
-    """After the call: hook the call's autograd nodes so ``emit(name, grad_ins, grad_outs)`` runs in backward."""
+           flusher: BackwardFlusher, emit: Callable, guard: Callable, min_seq: Optional[int] = None,
+           on_start: Optional[Callable[[], None]] = None) -> bool:
+    """After the call: hook the call's autograd nodes so ``emit(name, grad_ins, grad_outs)`` runs in backward;
+    ``on_start()`` runs when the first of them fires (the call's backward begins: its outputs' gradients arrive)."""
     outs = [(n, t) for n, t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not outs or not edges:
         return False
@@ -155,7 +161,7 @@ def attach(name: str, edges: InputEdges, in_nodes: set, outputs: Sequence[Tuple[
     by_node: Dict[int, Tuple[Any, List[Tuple[int, List[str]]]]] = {}
     for node, j, names in into:
         by_node.setdefault(id(node), (node, []))[1].append((j, [_backward_name(x, "output") for x in names]))
-    p = _Pending(name, len(by_root) + len(by_node), flusher, emit)
+    p = _Pending(name, len(by_root) + len(by_node), flusher, emit, on_start)
 
     def make_pre(slots):
         def pre(grad_outputs):

@@ -186,12 +186,14 @@ class ApiRecorder:
         return out
 
     def _attach(self, call: str, info: ApiInfo, edges, outs, source, stack, min_seq,
-                extra: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
-        """Arrange the backward record of ``call``; ``extra()`` gives its additional fields when it is written."""
+                extra: Optional[Callable[[], Dict[str, Any]]] = None,
+                on_start: Optional[Callable[[], None]] = None) -> None:
+        """Arrange the backward record of ``call``; ``extra()`` gives its additional fields when it is written;
+        ``on_start()`` runs when its backward begins."""
         def emit(_name: str, grad_ins, grad_outs) -> None:
             self.emit_backward(call, info, grad_ins, grad_outs, source, stack, **(extra() if extra else {}))
 
-        bw.attach(call, edges[0], edges[1], outs, self.flusher, emit, guard, min_seq)
+        bw.attach(call, edges[0], edges[1], outs, self.flusher, emit, guard, min_seq, on_start)
 
     def emit_backward(self, call: str, info: ApiInfo, grad_ins, grad_outs, source, stack, **extra: Any) -> None:
         if not self.active or self.session.closed:

@@ -153,8 +153,18 @@ class Regions:
                     extra["first"] = state.first
                 rec.write(region.call, region.info, "forward", ins, outs_e, state.source, state.stack, **extra)
             if state.edges and state.edges[0]:
+                began: Dict[str, int] = {}  # ``seq`` when the region's backward began: its gradients arrived
+
+                def backward_extra() -> Dict[str, Any]:
+                    extra = region.extra("backward")
+                    # a module boundary around the backward entries of its inner calls, as its forward entry is
+                    first = began.get("seq")
+                    if extra.get("module") and first is not None and rec.session.seq > first:
+                        extra["first"] = first
+                    return extra
+
                 rec._attach(region.call, region.info, state.edges, outs, state.source, state.stack, state.min_seq,
-                            extra=lambda: region.extra("backward"))
+                            extra=backward_extra, on_start=lambda: began.setdefault("seq", rec.session.seq))
 
     def close(self) -> None:
         """Leave the regions still open in this thread (a dump switched off inside a region)."""

@@ -237,7 +237,8 @@ class InputsRule:
     * A parameter or gradient read-out (``Parameter.*``) depends on everything before it.
     * A backward call's inputs do not agree when its forward's did not.
     * A module boundary whose ``first`` inner call (by ``seq``) came before the last divergent call is explained by
-      it (entries without ``seq`` leave this rule out).
+      it (entries without ``seq`` leave this rule out); so is a module's backward entry, whose ``first`` is the
+      first entry written once its outputs' gradients arrived.
 
     ``remembered``: how many forward calls' verdicts are kept for their backward (None: all)."""
 
@@ -254,11 +255,11 @@ class InputsRule:
         name = str(entry.get("name", ""))
         if str(entry.get("op", "")).startswith("Parameter."):
             return not self.diverged_before
-        if entry.get("dir") == "backward":
-            return ins and self._forward.get(name[: -len("backward")] + "forward", True)
         first = entry.get("first")
         if isinstance(first, int) and self._last_diverged is not None and self._last_diverged >= first:
             ins = False
+        if entry.get("dir") == "backward":
+            return ins and self._forward.get(name[: -len("backward")] + "forward", True)
         self._forward[name] = ins
         if self._remembered is not None and len(self._forward) > self._remembered:
             for k in list(self._forward)[: self._remembered // 2]:

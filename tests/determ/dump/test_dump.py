@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 
@@ -884,3 +885,54 @@ def test_calls_made_inside_backward_are_recorded_and_a_fault_there_is_named(tmp_
     assert torch.autograd._engine_run_backward is torch.autograd.graph._engine_run_backward  # the patch is gone
     assert _root_causes(compare_two(runs["a"], runs["b"], tmp_path / "ab")) == []
     assert _root_causes(compare_two(runs["a"], runs["c"], tmp_path / "ac")) == ["Tensor_mul_1_forward"]
+
+
+class _GradOff(torch.autograd.Function):
+    """Identity forward; the gradient 0.1% off: a faulty backward kernel of the call it wraps."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.001
+
+
+class _SiluBackwardOff(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return _GradOff.apply(out) if func is F.silu else out
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.act, self.down = torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(x)))
+
+
+class _Nested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.head = torch.nn.Linear(8, 16), _Block(), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.block(self.inp(x)))
+
+
+@pytest.mark.parametrize("level, culprit", [("L0", "Module_block.act.SiLU_0_backward"),
+                                            ("mix", "Functional_silu_0_backward")])
+def test_a_fault_in_a_backward_blames_no_module_around_it(tmp_path, level, culprit):
+    def step(net):
+        net(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+
+    runs = []
+    for tag, broken in (("good", False), ("bad", True)):
+        torch.manual_seed(0)
+        net = _Nested()
+        with (_SiluBackwardOff() if broken else contextlib.nullcontext()):
+            runs.append(dump_run(tmp_path, tag, net, step=step, level=level))
+    assert _root_causes(compare_two(runs[1], runs[0], tmp_path / "cmp")) == [culprit]
