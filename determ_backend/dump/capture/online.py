@@ -126,7 +126,7 @@ class OnlineBaseline:
                 continue
             if t.get("hash") is None and t.get("stats") is None:
                 continue  # stack-only records: nothing to judge
-            out.append(judge_records(tensor_record(t), tensor_record(r), self._tol(t, r))[0])
+            out.append(judge_records(tensor_record(t), tensor_record(r), self._tol(t, r), scaled=True)[0])
         return out
 
     def _failed(self, e: BaseException) -> None:

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from determ_backend.compare import DEFAULT_TOL, Pair, align, dtype_tol, find_roots, judge, judge_records
+from determ_backend.compare import (DEFAULT_TOL, Pair, align, close_to_scale, dtype_tol, find_roots, is_float, judge,
+                                    judge_records)
 from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.stream import Record, atomic_write_text
 from determ_backend.dump.comparison import compiled as cc
@@ -78,6 +79,9 @@ class ApiPair:
     """For a compiled region: the pairs of its FX-node entries (they precede it in ``DumpComparison.pairs``)."""
     errors: Dict[str, List[float]] = field(default_factory=dict)
     """Relative errors (:func:`_relative_error`) of its computed ``inputs`` and of its diverging ``outputs``."""
+    explained: Optional[str] = None
+    """Why a call whose inputs agree within the tolerance is no root cause although its output diverges: the
+    precision its inputs carry, or a discrete result they may flip."""
 
     @property
     def name(self) -> str:
@@ -183,12 +187,13 @@ def _tensor_row(name_a: Optional[str], name_b: Optional[str], ta, tb, da: Dump, 
     if pair is not None:
         va, vb = pair
         m.update(payload_metrics(va, vb))
-        verdict = judge(vb, va, tol=tol_ or 0.0, strict=True, bitwise=exact)
+        close = None if exact else close_to_scale(vb, va, tol_ or 0.0)  # relative to the value's size
+        verdict = close if close is not None else judge(vb, va, tol=tol_ or 0.0, strict=True, bitwise=exact)
     else:
         if "hash" in ta and "hash" in tb:
             row["Err_message"] = "statistics only"
-        verdict = (judge_records(tensor_record(ta), tensor_record(tb), tol_)[0] if (ta.get("hash") or ta.get("stats"))
-                   else None)
+        verdict = (judge_records(tensor_record(ta), tensor_record(tb), tol_, scaled=True)[0]
+                   if (ta.get("hash") or ta.get("stats")) else None)
     for key, col in (("cosine", "Cosine"), ("max_abs", "MaxAbsErr"), ("max_rel", "MaxRelativeErr"),
                      ("one", "One Thousandth Err Ratio"), ("five", "Five Thousandths Err Ratio"),
                      ("max_diff", "Max diff"), ("min_diff", "Min diff"), ("mean_diff", "Mean diff"),
@@ -301,7 +306,7 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> D
     api_exact = exact and all(ta is None or tb is None or ta.get("dtype") == tb.get("dtype")
                               for _, _, ta, tb, _ in found)
     verdicts: Dict[str, List[Optional[bool]]] = {"inputs": [], "given": [], "outputs": []}
-    pa.errors = {"inputs": [], "outputs": []}
+    pa.errors = {f"{io_}{kind}": [] for io_ in ("inputs", "outputs") for kind in ("", "_abs", "_size")}
     for io_, n, ta, tb, given in found:
         row, m, v = _tensor_row(f"{pa.a['name']}_{n}" if ta is not None else None,
                                 f"{pa.b['name']}_{n}" if tb is not None else None, ta, tb, da, db, api_exact, tol)
@@ -312,6 +317,12 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> D
         err = _relative_error(m, ta, tb)
         if err is not None and (kind == "inputs" or (kind == "outputs" and v is False)):
             pa.errors[kind].append(err)
+        err = _absolute_error(m)
+        if err is not None and (kind == "inputs" or (kind == "outputs" and v is False)):
+            pa.errors[f"{kind}_abs"].append(err)
+        size = _largest_magnitude(ta, tb)
+        if size is not None and (kind == "inputs" or (kind == "outputs" and v is False)):
+            pa.errors[f"{kind}_size"].append(size)
     return verdicts
 
 
@@ -334,11 +345,51 @@ def _relative_error(m: Optional[Dict[str, Any]], ta, tb) -> Optional[float]:
     return abs(la - lb) / lb if lb else (0.0 if la == lb else math.inf)
 
 
-def _error_carried(pa: ApiPair) -> bool:
+def _absolute_error(m: Optional[Dict[str, Any]]) -> Optional[float]:
+    """A tensor pair's largest absolute difference (stored tensors), else the largest difference of their minima
+    and maxima (statistics, a lower bound)."""
+    if not m:
+        return None
+    if isinstance(m.get("max_abs"), float):
+        return m["max_abs"]
+    diffs = [abs(m[k]) for k in ("max_diff", "min_diff") if isinstance(m.get(k), (int, float)) and math.isfinite(m[k])]
+    return max(diffs) if diffs else None
+
+
+def _largest_magnitude(ta: Optional[Dict[str, Any]], tb: Optional[Dict[str, Any]]) -> Optional[float]:
+    """The largest magnitude either side of a tensor pair holds, by its statistics (None without them)."""
+    sizes = [abs(float(v)) for t in (ta, tb) for k in ("max", "min")
+             for v in [((t or {}).get("stats") or {}).get(k)]
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return max(sizes) if sizes else None
+
+
+def _error_carried(pa: ApiPair, tol: float) -> bool:
     """Within a tolerance: whether the call's computed inputs already carry an error comparable to its diverging
-    output's (:data:`_GROWTH`), so the call is no root cause even where each input passes the tolerance."""
-    ins, outs = pa.errors.get("inputs") or [], pa.errors.get("outputs") or []
-    return bool(ins and outs) and max(ins) * _GROWTH >= max(outs)
+    output's (:data:`_GROWTH`), so the call is no root cause even where each input passes the tolerance -- relative
+    to each tensor's size, or in absolute terms: an output much smaller than the values it is computed from (a
+    bias gradient, the sum of rows that nearly cancel) carries their rounding as an error large for its own size.
+    So does an output that, on both sides, lies within ``tol`` of its inputs' largest magnitude: a value that is
+    zero at the precision it was computed from (the bias gradient of a layer before a normalization)."""
+    for kind in ("", "_abs"):
+        ins, outs = pa.errors.get(f"inputs{kind}") or [], pa.errors.get(f"outputs{kind}") or []
+        if ins and outs and max(ins) * _GROWTH >= max(outs):
+            return True
+    ins, outs = pa.errors.get("inputs_size") or [], pa.errors.get("outputs_size") or []
+    return bool(ins and outs) and max(outs) <= tol * max(ins)
+
+
+def _choice_flipped(pa: ApiPair) -> bool:
+    """Within a tolerance: whether every diverging output of the call is a discrete value (integers, booleans:
+    ``topk``'s indices, ``argmax``, a comparison), judged exactly, while some computed floating input differs at
+    all, within the tolerance: a near tie that the input's rounding flips, which the call need not have computed
+    wrong.  Inputs the same bit for bit leave no such excuse."""
+    outs = [r for r in pa.rows if r["_io"] == "outputs" and r["_match"] is False]
+    if not outs or any(is_float(r.get("NPU Tensor Dtype")) or is_float(r.get("Bench Tensor Dtype"))
+                       or r.get("NPU Tensor Dtype") in (None, "N/A") for r in outs):
+        return False
+    return any(r["_io"] == "inputs" and r["_match"] is True and r.get("Bitwise Equal") != "Yes"
+               and is_float(r.get("Bench Tensor Dtype")) for r in pa.rows)
 
 
 def check_tol(tol: Any, what: str = "tol") -> float:
@@ -390,12 +441,16 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         pa.output_diverges = any(x is False for x in v["outputs"])
         judged_any = judged_any or any(x is not None for x in v["outputs"])
         rule.output_judged(pa.a, pa.output_diverges)
-        carried = not exact and ins and pa.output_diverges and _error_carried(pa)
-        if carried:
+        carried = not exact and ins and pa.output_diverges and _error_carried(pa, tol)
+        flipped = not exact and ins and pa.output_diverges and not carried and _choice_flipped(pa)
+        if carried or flipped:
+            note = ("its inputs already carry an error of this size (precision carried along, not made here)"
+                    if carried else "a discrete result (indices, a comparison) that inputs differing within the "
+                                    "tolerance may flip (a near tie), not shown to be computed wrong here")
             for r in pa.rows:
                 if r["_io"] == "outputs" and r["_match"] is False:
-                    note = "its inputs already carry an error of this size (precision carried along, not made here)"
                     r["Err_message"] = f"{r['Err_message']}; {note}" if r["Err_message"] else note
+            pa.explained, carried = note, True
         # a compiled region whose own FX nodes diverge is explained by them: its inputs do not agree
         p = Pair(_to_record(pa.a, "a", 0), _to_record(pa.b, "b", 0), equal=not pa.output_diverges,
                  inputs_equal=ins and not carried and not cc.explained_by_nodes(pa.nodes))
@@ -530,14 +585,16 @@ def analysis(cmp: DumpComparison) -> str:
             lines.append(f"  ({len(roots) - 1} more root-cause APIs in the CSV)")
     elif cmp.first_divergence is not None:
         p = cmp.first_divergence
-        lines = [f"first divergence: {p.name}, but its inputs already differ: no root cause among the paired APIs",
+        why = (f"its inputs agree within the tolerance, but {p.explained}" if p.explained
+               else "but its inputs already differ")
+        lines = [f"first divergence: {p.name}, {why}: no root cause among the paired APIs",
                  f"  at {(p.a or {}).get('source') or '?'}"]
         i = cmp.pairs.index(p)
         extra = [q for q in cmp.pairs[max(0, i - 5): i] if q.a is None or q.b is None]
         if extra:
             lines.append("  unpaired calls just before it (present in one dump only; a likely culprit): " +
                          ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'})" for q in extra))
-        else:
+        elif not p.explained:
             lines.append("  (the model inputs differ, or the culprit was not dumped)")
     elif not cmp.paired:
         lines = [f"no call of one dump pairs with a call of the other ({cmp.unpaired} calls in one dump only): the "

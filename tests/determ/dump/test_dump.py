@@ -936,3 +936,65 @@ def test_a_fault_in_a_backward_blames_no_module_around_it(tmp_path, level, culpr
         with (_SiluBackwardOff() if broken else contextlib.nullcontext()):
             runs.append(dump_run(tmp_path, tag, net, step=step, level=level))
     assert _root_causes(compare_two(runs[1], runs[0], tmp_path / "cmp")) == [culprit]
+
+
+class _GradTwice(torch.autograd.Function):
+    """Identity forward; twice the gradient: a grossly faulty backward kernel of the call it wraps."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class _SiluBackwardTwice(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return _GradTwice.apply(out) if func is F.silu else out
+
+
+@pytest.mark.parametrize("summary_only", [False, True])
+def test_a_gross_gradient_fault_is_found_against_another_dtype(tmp_path, summary_only):
+    """bf16 against fp32: the tolerance widens to bf16's, relative to each value's size -- as an absolute
+    tolerance it passed every gradient smaller than it, a 2x one included."""
+    def step(net):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)).to(next(net.parameters()).dtype)
+        net(x).float().pow(2).mean().backward()
+
+    runs = {}
+    for tag, dtype, broken in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, True),
+                               ("bf16-healthy", torch.bfloat16, False)):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.SiLU(), torch.nn.Linear(64, 8)).to(dtype)
+        with (_SiluBackwardTwice() if broken else contextlib.nullcontext()):
+            runs[tag] = dump_run(tmp_path, tag, net, step=step, summary_only=summary_only)
+    assert _root_causes(compare_two(runs["bf16"], runs["fp32"], tmp_path / "cmp")) == ["Functional_silu_0_backward"]
+    assert _root_causes(compare_two(runs["bf16-healthy"], runs["fp32"], tmp_path / "healthy")) == []
+
+
+class _Router(torch.nn.Module):
+    """A healthy MoE router whose two best experts' scores round to one bf16 value."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(1, 4, bias=False)
+        with torch.no_grad():
+            self.gate.weight.copy_(torch.tensor([[1.001], [1.0], [0.5], [0.2]]))
+
+    def forward(self, x):
+        return torch.topk(F.softmax(self.gate(x).float(), dim=-1), 1, dim=-1)
+
+
+def test_indices_flipped_by_a_near_tie_in_another_dtype_blame_no_call(tmp_path):
+    runs, picks = [], []
+    for tag, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        net = _Router().to(dtype)
+        step = lambda n: picks.append(int(n(torch.ones(3, 1, dtype=dtype))[1][0]))  # noqa: E731
+        runs.append(dump_run(tmp_path, tag, net, step=step))
+    assert picks[0] != picks[1]  # the near tie does flip
+    cmp = compare_two(runs[1], runs[0], tmp_path / "cmp")
+    assert _root_causes(cmp) == [] and cmp.first_divergence.name == "Torch_topk_0_forward"
+    assert "may flip" in cmp.analysis
