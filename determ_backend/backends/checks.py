@@ -257,7 +257,7 @@ class _Confirmation:
                 continue
             if not strict and not is_float(exp):
                 continue
-            if self.ex._judge(exp, replayed[key], self.ref64.get(key)) is False:
+            if self.ex._judge(exp, replayed[key], self.ref64.get(key), key) is False:
                 return True
         return False
 
@@ -713,15 +713,41 @@ class GraphExec:
             return None
         return node if isinstance(node, fx.Node) else None
 
-    def _judge(self, exp: Any, got: Any, e64: Any) -> Optional[bool]:
-        """Accuracy verdict on one value: the configured criterion, non-floating values exactly (whether
-        they count as a symptom at an output is the root-cause rule's business).  Without a float64 reference
-        a bfloat16 or float16 value is held to a few units in its last place, not to ``tol``: eager rounds it
-        in other places than a fused kernel does, and only the reference could say which is closer."""
+    def _judge(self, exp: Any, got: Any, e64: Any, name: Optional[str] = None) -> Optional[bool]:
+        """Accuracy verdict on one value (node ``name`` of the reference graph, or ``output.K``): the configured
+        criterion, non-floating values exactly (whether they count as a symptom at an output is the root-cause
+        rule's business).  Without a float64 reference a value computed from bfloat16 or float16 values is held to
+        a few units in the last place of the narrowest of them, not to ``tol``: eager rounds them in other places
+        than a fused kernel does (a float32 RMSNorm scale of a bf16 residual that inductor keeps in float32), and
+        only the reference could say which is closer."""
         tol = self.config.tol
         if not isinstance(e64, torch.Tensor) and isinstance(exp, torch.Tensor) and isinstance(got, torch.Tensor):
-            tol = dtype_tol(tol, exp.dtype, got.dtype)
+            narrowest = self._computed_from.get(name) if name is not None else None
+            tol = dtype_tol(tol, exp.dtype, got.dtype, *([narrowest] if narrowest is not None else []))
         return judge(exp, got, e64, tol=tol, fp64_multiplier=self.config.fp64_multiplier, strict=True)
+
+    @functools.cached_property
+    def _computed_from(self) -> Dict[str, torch.dtype]:
+        """Node name (and ``output.K``) -> the narrowest floating dtype among the values it is computed from, itself
+        included (by the reference graph's traced values)."""
+        out: Dict[str, torch.dtype] = {}
+        if self.reference_gm is None:
+            return out
+        for n in self.reference_gm.graph.nodes:
+            if n.op == "output":
+                rets = n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
+                for k, r in enumerate(rets):
+                    if isinstance(r, fx.Node) and r.name in out:
+                        out[f"output.{k}"] = out[r.name]
+                continue
+            found = [out[a.name] for a in n.all_input_nodes if a.name in out]
+            v = _torch_compat.example_value(n)
+            for x in (v if isinstance(v, (tuple, list)) else [v]):
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    found.append(x.dtype)
+            if found:
+                out[n.name] = max(found, key=lambda d: torch.finfo(d).eps)
+        return out
 
     def _accuracy_pairs(self, result: CallResult, ref: Dict[str, torch.Tensor], ref64: Dict[str, torch.Tensor]) -> List[Pair]:
         pairs: List[Pair] = []
@@ -742,7 +768,7 @@ class GraphExec:
                     continue
                 exp = exp.reshape(got.shape)
                 e64 = e64.reshape(got.shape) if e64 is not None else None
-            p.equal = self._judge(exp, got, e64)
+            p.equal = self._judge(exp, got, e64, name)
             if p.equal is False:
                 p.metrics = _accuracy_metrics(got, exp, e64)
             if got.is_floating_point() and exp.is_floating_point():  # every node's error, for the report's error plot

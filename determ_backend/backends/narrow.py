@@ -39,7 +39,7 @@ from determ_backend.backends.extract import MissingValue, Step, extract, walk_ba
 from determ_backend.backends.instrument import is_view, node_source, op_name
 from determ_backend.trace.stream import dtype_name
 from determ_backend.clones import clone_inputs
-from determ_backend.modes.ops import call_draws_random
+from determ_backend.modes.ops import call_draws_random, uninitialized
 
 __all__ = ["region_of", "region_module", "narrow_root", "Narrowed", "CannotNarrow", "MAX_REGION"]
 
@@ -135,6 +135,11 @@ class Narrowed:
                 "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
 
 
+def _allocates(n: fx.Node) -> bool:
+    """Whether node ``n`` returns memory as allocated (``empty``, ``empty_like``...), whose values mean nothing."""
+    return n.op == "call_function" and _torch_compat.is_op_overload(n.target) and 0 in uninitialized(n.target)
+
+
 def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, Any], ref64: Dict[str, Any],
                 compile_region: Callable[[fx.GraphModule, List[Any]], Callable], judge: Judge) -> Optional[Narrowed]:
     """The first node of ``node``'s fused region (in graph order) whose compiled value fails ``judge``
@@ -159,8 +164,10 @@ def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, 
     names = [n.name for n in region]
     for n in region:
         # a view computes nothing: its value is its input's memory, which the region may write in place later (a
-        # slice of an input that ``add_`` updates) -- never the culprit
-        if n.name in got and not is_view(n) and judge(ref[n.name], got[n.name], ref64.get(n.name)) is False:
+        # slice of an input that ``add_`` updates) -- never the culprit; nor is memory as allocated (``empty_like``
+        # that a later ``index_put`` fills: two runs' garbage)
+        if n.name in got and not is_view(n) and not _allocates(n) \
+                and judge(ref[n.name], got[n.name], ref64.get(n.name)) is False:
             return Narrowed(n, got[n.name], names)
     log.info("determ accuracy: no node of %s's fused region diverges compiled alone", node)
     return Narrowed(None, None, names)

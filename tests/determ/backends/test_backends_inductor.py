@@ -302,6 +302,29 @@ def test_without_a_float64_reference_bfloat16_rounding_is_no_divergence_and_a_bu
     assert "no fp64 reference" in report["findings"][0]["mode"], report["findings"][0].get("mode")
 
 
+class _GroupedNormBf16(torch.nn.Module):
+    """A bfloat16 residual add after an op without a float64 kernel, then a float32 RMS scale of it: eager
+    rounds the sum to bfloat16 before the upcast, inductor's fused kernel keeps it in float32."""
+
+    def forward(self, x, w, offs, r):
+        h = torch._grouped_mm(x, w, offs=offs) + r
+        return h.float().reshape(64, 16, 2).pow(2).mean(-1).add(1e-6).rsqrt()
+
+
+def test_without_a_float64_reference_a_float32_value_of_bfloat16_data_is_judged_at_bfloat16(tmp_path):
+    """The float32 scale carries the bfloat16 rounding of the data it is computed from: held to 1e-3, a healthy
+    bfloat16 RMSNorm was a divergence (a bf16 Mixtral's router path)."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not in this torch")
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(64, 32, generator=g).bfloat16(), torch.randn(2, 32, 32, generator=g).bfloat16(),
+            torch.tensor([32, 64], dtype=torch.int32), torch.randn(64, 32, generator=g).bfloat16())
+    with torch.no_grad():
+        compile_run(_GroupedNormBf16(), args, "determ_inductor", tmp_path, "norm", check="accuracy")
+    _, report = load(tmp_path / "norm")
+    assert not report["divergent"] and report["checker_errors"] == [], report["first_divergence"]
+
+
 _WRITES_BACK_SCRIPT = textwrap.dedent("""
     import sys, torch
     import torch._inductor.config as ic

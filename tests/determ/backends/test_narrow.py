@@ -130,3 +130,41 @@ def test_the_region_compiles_on_its_own_thread_under_the_callers_config():
     with ic.patch({"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"}):
         narrow.narrow_root(gm, "tanh", {"mm"}, ref, ref64, spy, _judge)
     assert seen == ["accuracy"]
+
+
+def _graph_with_allocation() -> fx.GraphModule:
+    """x -> mm -> mul, an ``empty`` buffer that ``copy`` fills with it, relu, tanh: the buffer as allocated holds
+    garbage (MoE code's ``inv_perm = torch.empty_like(perm)`` filled by ``index_put``)."""
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+
+    def op(target, args, name, **kwargs):
+        n = g.call_function(target, args, kwargs)
+        n.name = name
+        return n
+
+    mm = op(aten.mm.default, (x, w), "mm")
+    mul = op(aten.mul.Tensor, (mm, 2.0), "mul")
+    buf = op(aten.empty.memory_format, ([3, 5],), "empty", dtype=torch.float32)
+    filled = op(aten.copy.default, (buf, mul), "copy")
+    relu = op(aten.relu.default, (filled,), "relu")
+    tanh = op(aten.tanh.default, (relu,), "tanh")
+    g.output((tanh,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _garbage_allocations(gm: fx.GraphModule, inputs):
+    """An honest compiler whose allocations hold other garbage than eager's (NaN, as fresh memory may)."""
+    for n in gm.graph.nodes:
+        if n.target is aten.empty.memory_format:
+            n.target = aten.full.default
+            n.args = (n.args[0], float("nan"))
+    gm.recompile()
+    return gm.forward
+
+
+def test_memory_as_allocated_is_never_the_node_narrowing_names():
+    gm = _graph_with_allocation()
+    ref, ref64 = _values(gm)
+    found = narrow.narrow_root(gm, "tanh", {"mm"}, ref, ref64, _garbage_allocations, _judge)
+    assert found is not None and "empty" in found.region and found.node is None
