@@ -240,7 +240,7 @@ class InputsRule:
       may be its consequence (an optimizer step updated the weight from a differing gradient, an argument came from
       a differing ``.item()``): then it is an input that differs like any other.
     * A parameter or gradient read-out (``Parameter.*``) depends on everything before it.
-    * A backward call's inputs do not agree when its forward's did not.
+    * A backward call's inputs do not agree when its forward's did not, weights and arguments included.
     * A module boundary whose ``first`` inner call (by ``seq``) came before the last divergent call is explained by
       it (entries without ``seq`` leave this rule out); so is a module's backward entry, whose ``first`` is the
       first entry written once its outputs' gradients arrived.
@@ -265,7 +265,9 @@ class InputsRule:
             ins = False
         if entry.get("dir") == "backward":
             return ins and self._forward.get(name[: -len("backward")] + "forward", True)
-        self._forward[name] = ins
+        # its backward computes from what the forward was given too (the weight it multiplies the gradient by): a
+        # weight that differs blames the forward call, and its backward inherits the difference
+        self._forward[name] = ins and not any(x is False for x in given)
         if self._remembered is not None and len(self._forward) > self._remembered:
             for k in list(self._forward)[: self._remembered // 2]:
                 del self._forward[k]

@@ -998,3 +998,23 @@ def test_indices_flipped_by_a_near_tie_in_another_dtype_blame_no_call(tmp_path):
     cmp = compare_two(runs[1], runs[0], tmp_path / "cmp")
     assert _root_causes(cmp) == [] and cmp.first_divergence.name == "Torch_topk_0_forward"
     assert "may flip" in cmp.analysis
+
+
+def test_a_perturbed_last_layer_blames_its_forward_not_its_backward(tmp_path):
+    """The backward entry of the perturbed Linear records the gradient it is given (the same in both runs), not the
+    weight it multiplies it by: the gradient it sends back differs, and it had been a second root cause."""
+    def net(perturb: bool):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        if perturb:
+            with torch.no_grad():
+                m[2].weight[0, 0] += 1e-2
+        return m
+
+    def step(m):
+        m(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
+
+    a, b = dump_run(tmp_path, "a", net(False), step=step), dump_run(tmp_path, "b", net(True), step=step)
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Functional_linear_1_forward"]
+    assert next(p for p in cmp.pairs if p.name == "Functional_linear_1_backward").output_diverges
