@@ -53,8 +53,9 @@ import torch.fx as fx
 from determ_backend import _torch_compat, devices
 from determ_backend.backends import flows, narrow
 from determ_backend.backends.extract import node_draws
-from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, dtype_tol,
-                                    find_roots, is_float, is_output, judge, rmse, sub_batches, tensor_metrics)
+from determ_backend.compare import (Comparison, Pair, align, batch_rows, close_to_scale, compare_traces,
+                                    dtype_tol, find_roots, is_float, is_output, judge, rmse, sub_batches,
+                                    tensor_metrics)
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, first_line
@@ -655,7 +656,7 @@ class GraphExec:
             kernels.add(kernel)
             try:
                 found = narrow.narrow_root(self.reference_gm, name, judged, ref, ref64, self.compile_region,
-                                           self._judge)
+                                           self._judge, self._computed_alike)
             except Exception as e:  # the region could not be compiled or run alone: the buffer stays the answer
                 self.run.add_checker_error("accuracy", f"narrowing {rec.node} inside {kernel} failed: "
                                                        f"{type(e).__name__}: {first_line(e)}")
@@ -725,6 +726,14 @@ class GraphExec:
             narrowest = self._computed_from.get(name) if name is not None else None
             tol = dtype_tol(tol, exp.dtype, got.dtype, *([narrowest] if narrowest is not None else []))
         return judge(exp, got, e64, tol=tol, fp64_multiplier=self.config.fp64_multiplier, strict=True)
+
+    def _computed_alike(self, exp: Any, got: Any, name: str) -> Optional[bool]:
+        """Whether ``got`` (a node's compiled value) is ``exp`` (eager's value of that node on the same inputs)
+        within the tolerance relative to its size, widened to the value's float dtype: the same inputs leave only
+        the kernel's own rounding apart."""
+        if not (isinstance(exp, torch.Tensor) and isinstance(got, torch.Tensor)):
+            return None
+        return close_to_scale(exp, got, dtype_tol(self.config.tol, exp.dtype, got.dtype))
 
     @functools.cached_property
     def _computed_from(self) -> Dict[str, torch.dtype]:

@@ -25,6 +25,7 @@ come from :mod:`determ_backend.backends.eager`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import operator
 import threading
@@ -34,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
-from determ_backend.backends.eager import holds_collectives
+from determ_backend.backends.eager import EagerInterpreter, holds_collectives
 from determ_backend.backends.extract import MissingValue, Step, extract, walk_back
 from determ_backend.backends.instrument import is_view, node_source, op_name
 from determ_backend.trace.stream import dtype_name
@@ -141,12 +142,19 @@ def _allocates(n: fx.Node) -> bool:
 
 
 def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, Any], ref64: Dict[str, Any],
-                compile_region: Callable[[fx.GraphModule, List[Any]], Callable], judge: Judge) -> Optional[Narrowed]:
+                compile_region: Callable[[fx.GraphModule, List[Any]], Callable], judge: Judge,
+                local: Optional[Callable[[Any, Any, str], Optional[bool]]] = None) -> Optional[Narrowed]:
     """The first node of ``node``'s fused region (in graph order) whose compiled value fails ``judge``
     when the region is compiled alone; a :class:`Narrowed` with no node when none does; None when there
     is nothing to narrow (a region of one op; one holding collectives, which this rank alone would run, when
     several ranks run).  :class:`CannotNarrow` and the compiler's own errors
-    propagate to the caller."""
+    propagate to the caller.
+
+    ``local(expected, compiled, name)``: whether a node's compiled value is what eager computes from the node's
+    own compiled inputs (relative to its size).  A first failing node that passes it computes correctly from
+    inputs that already carried the error, within ``judge``'s absolute tolerance (a 1% wrong ``mean`` of small
+    squares, which ``rsqrt`` scales up): the culprit is then the first of its producers in the region that fails
+    it (:func:`_computes_wrongly`)."""
     region = region_of(gm, node, judged)
     if sum(1 for n in region if n.target is not operator.getitem) < 2:
         return None
@@ -168,6 +176,40 @@ def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, 
         # that a later ``index_put`` fills: two runs' garbage)
         if n.name in got and not is_view(n) and not _allocates(n) \
                 and judge(ref[n.name], got[n.name], ref64.get(n.name)) is False:
-            return Narrowed(n, got[n.name], names)
+            culprit = _computes_wrongly(gm, region, n, got, ref, local) if local is not None else n
+            return Narrowed(culprit, got[culprit.name], names)
     log.info("determ accuracy: no node of %s's fused region diverges compiled alone", node)
     return Narrowed(None, None, names)
+
+
+def _computes_wrongly(gm: fx.GraphModule, region: List[fx.Node], symptom: fx.Node, got: Dict[str, Any],
+                      ref: Dict[str, Any], local: Callable[[Any, Any, str], Optional[bool]]) -> fx.Node:
+    """``symptom``, unless it computes its compiled value from its compiled inputs: then the first of its producers
+    in ``region`` (graph order) that does not -- run eagerly on the compiled values of its own inputs (the region's
+    frontier on the eager ones), its value is not the compiled one; ``symptom`` when none is found."""
+    interp = EagerInterpreter(gm, garbage_collect_values=False)
+    values = collections.ChainMap(got, ref)
+
+    def wrong(n: fx.Node) -> bool:
+        if n.name not in got or is_view(n) or _allocates(n) or not _standalone(n):
+            return False
+        try:
+            with torch.no_grad():
+                mine = interp.run_nodes([n], values)
+        except Exception:  # cannot tell
+            return False
+        return local(mine, got[n.name], n.name) is False
+
+    if wrong(symptom):
+        return symptom
+    inside = {n.name for n in region}
+    ancestors, stack = set(), [symptom]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a.name in inside and a.name not in ancestors:
+                ancestors.add(a.name)
+                stack.append(a)
+    for n in region:
+        if n.name in ancestors and wrong(n):
+            return n
+    return symptom

@@ -168,3 +168,51 @@ def test_memory_as_allocated_is_never_the_node_narrowing_names():
     ref, ref64 = _values(gm)
     found = narrow.narrow_root(gm, "tanh", {"mm"}, ref, ref64, _garbage_allocations, _judge)
     assert found is not None and "empty" in found.region and found.node is None
+
+
+def _rms_graph() -> fx.GraphModule:
+    """x -> pow -> mean -> add -> rsqrt -> mul: an RMSNorm, as AOT traces it."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+
+    def op(target, args, name):
+        n = g.call_function(target, args)
+        n.name = name
+        return n
+
+    sq = op(aten.pow.Tensor_Scalar, (x, 2), "pow")
+    mean = op(aten.mean.dim, (sq, [-1], True), "mean")
+    eps = op(aten.add.Tensor, (mean, 1e-6), "add")
+    r = op(aten.rsqrt.default, (eps,), "rsqrt")
+    out = op(aten.mul.Tensor, (x, r), "mul")
+    g.output((out,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _mean_one_percent_high(gm: fx.GraphModule, inputs):
+    """A faulty compiler: every mean comes out 1% too large (a wrong divisor)."""
+    for n in list(gm.graph.nodes):
+        if n.target is aten.mean.dim:
+            with gm.graph.inserting_after(n):
+                wrong = gm.graph.call_function(aten.mul.Tensor, (n, 1.01))
+            n.replace_all_uses_with(wrong, delete_user_cb=lambda u: u is not wrong)
+    gm.recompile()
+    return gm.forward
+
+
+def test_a_small_wrong_value_is_named_not_the_consumer_that_scales_it_past_the_tolerance():
+    """The mean of LLM-scale squares (~4e-4) 1% off passes the absolute tolerance; rsqrt scales the error past it
+    but computes its value correctly from the wrong mean: the mean is the culprit."""
+    gm = _rms_graph()
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0)) * 0.02
+    ref, ref64 = eager_node_values(gm, [x]), eager_node_values(gm, [x.double()])
+    local = lambda exp, got, name: judge_close(exp, got)  # noqa: E731
+    found = narrow.narrow_root(gm, "mul", set(), ref, ref64, _mean_one_percent_high, _judge, local)
+    assert found.node.name == "mean"
+    assert narrow.narrow_root(gm, "mul", set(), ref, ref64, _mean_one_percent_high, _judge).node.name == "rsqrt"
+
+
+def judge_close(exp, got):
+    from determ_backend.compare import close_to_scale
+
+    return close_to_scale(exp, got, 1e-3)
