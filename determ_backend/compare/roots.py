@@ -240,18 +240,22 @@ class _Graph:
         key = id(p)
         if key in self._eff:
             return self._eff[key]
-        seen = set() if seen is None else seen
-        seen.add(key)
+        seen = set() if seen is None else seen  # the records on the path walked to here: a cycle stops the walk,
+        seen.add(key)                           # a value reached again along another path (a diamond) does not
         out: List[Optional[bool]] = []
-        for q in self.inputs(p):
-            if q is None:
-                out.append(None)
-            elif q.equal is not None or not q.rec.inputs:
-                out.append(q.equal if q.equal is not None else (True if q.rec.kind in ("input", "param") else None))
-            elif id(q) in seen:
-                out.append(None)
-            else:
-                out.extend(self.effective(q, seen))
+        try:
+            for q in self.inputs(p):
+                if q is None:
+                    out.append(None)
+                elif q.equal is not None or not q.rec.inputs:
+                    out.append(q.equal if q.equal is not None else (True if q.rec.kind in ("input", "param")
+                                                                    else None))
+                elif id(q) in seen:
+                    out.append(None)
+                else:
+                    out.extend(self.effective(q, seen))
+        finally:
+            seen.discard(key)
         self._eff[key] = out
         return out
 

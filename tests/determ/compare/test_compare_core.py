@@ -151,6 +151,14 @@ def test_unjudged_records_are_transparent():
     assert _names(find_roots(pairs, "t").root_causes) == ["a"]
 
 
+def test_an_unjudged_value_reached_along_two_paths_is_looked_through_on_both():
+    # rotate_half: neg reads the unjudged mm and an unjudged slice of it (a diamond, not a cycle): both paths lead
+    # back to agreeing values, so neg's inputs agree and it is the root
+    pairs = _pairs([("x", (), True, "input"), ("mm", ("x",), None), ("slice", ("mm",), None),
+                    ("neg", ("mm", "slice"), False), ("out", ("neg",), False, "output")])
+    assert _names(find_roots(pairs, "t").root_causes) == ["neg"]
+
+
 def test_without_dependency_information_every_divergence_counts():
     pairs = _pairs([("a", (), True), ("b", (), False), ("c", (), False)])
     for p in pairs:
