@@ -64,6 +64,7 @@ TENSORS_DIR = "tensors"
 _SUFFIX = ".safetensors"
 _LEGACY_SUFFIX = ".pt"
 _CHECKSUM_LEN = 40
+_FINGERPRINT_META = "determ_fingerprint"  # a loose file's metadata: the fingerprint of the data written
 _MAX_HEADER = 100 << 20
 _KEY = re.compile(r"[0-9a-f]{8,64}")
 
@@ -276,7 +277,9 @@ class TensorStore:
         """Store ``t`` under ``key`` as a loose file (atomically), unless the key is stored already."""
         p = self.path(key)
         if not (p.is_file() or p.with_suffix(_LEGACY_SUFFIX).is_file()):
-            _write_file(p, [(key, t)])
+            # the fingerprint of the bytes written, checked when they are read: a key is not always the fingerprint
+            # of the tensor stored under it (a trace record's hash may be derived, not read)
+            _write_file(p, [(key, t)], {_FINGERPRINT_META: fingerprint_key(t)})
         return key
 
     def __contains__(self, key: Any) -> bool:
@@ -290,11 +293,16 @@ class TensorStore:
         p = self.path(key)
         if p.is_file():
             with open(p, "rb") as f:
-                entries, _, _ = _read_shard(f, p, 0, os.fstat(f.fileno()).st_size)
+                entries, meta, _ = _read_shard(f, p, 0, os.fstat(f.fileno()).st_size)
                 e = entries.get(key) or (next(iter(entries.values())) if len(entries) == 1 else None)
                 if e is None:
                     raise _corrupt(p, f"it holds no tensor {key!r}")
-                return _load(f, e, device)
+                t = _load(f, e, "cpu")
+            written = meta.get(_FINGERPRINT_META)
+            if written is not None and t.numel() and fingerprint_key(t) != written:
+                raise _corrupt(p, f"its data does not match the fingerprint {written} written with it (the file was "
+                                  f"changed or damaged)")
+            return t if str(device) == "cpu" else t.to(device)
         legacy = p.with_suffix(_LEGACY_SUFFIX)
         if legacy.is_file():
             try:

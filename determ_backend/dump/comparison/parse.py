@@ -33,7 +33,7 @@ from determ_backend.trace.stream import TRACE_NAME, rank_subdirs
 from determ_backend.dump.capture.session import INDEX_SUFFIX
 from determ_backend.dump.capture.writer import DUMP_STREAM, PAYLOAD_FILE
 from determ_backend.trace import jsonl
-from determ_backend.trace.store import TensorStore
+from determ_backend.trace.store import TensorStore, fingerprint_key
 
 __all__ = ["Dump", "read_dump", "open_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank",
            "read_header", "data_dir_of", "holds_index"]
@@ -83,7 +83,18 @@ class Dump:
         if "dtype" not in t or not isinstance(t.get("shape"), list):
             raise TraceFormatError(f"{self.path}: {t.get('name', 'a tensor')} has a payload but no dtype and shape")
         store = TensorStore(self.data_dir, pack=PAYLOAD_FILE)
-        return store.read_span(t["payload"], _dtype_from_str(t["dtype"]), t["shape"], t.get("name", "a tensor"))
+        name = t.get("name", "a tensor")
+        v = store.read_span(t["payload"], _dtype_from_str(t["dtype"]), t["shape"], name)
+        recorded = t.get("hash")
+        # the payload was written from the snapshot its fingerprint was taken of: bytes changed since (a damaged or
+        # edited file) would otherwise be compared as the run's values
+        if isinstance(recorded, str) and v.numel() and fingerprint_key(v) != recorded:
+            call = next((e.get("name") for e in self.entries
+                         if any(x is t for x in (e.get("inputs") or []) + (e.get("outputs") or []))), None)
+            where = f"{call} {name}" if call else name
+            raise TraceFormatError(f"{store.pack_path}: the stored payload of {where} does not match its recorded "
+                                   f"fingerprint {recorded} (the file was changed or damaged)")
+        return v
 
     def by_name(self, name: str) -> Optional[Dict[str, Any]]:
         return next((e for e in self.entries if e.get("name") == name), None)

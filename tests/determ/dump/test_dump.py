@@ -1018,3 +1018,20 @@ def test_a_perturbed_last_layer_blames_its_forward_not_its_backward(tmp_path):
     cmp = compare_two(b, a, tmp_path / "out")
     assert _root_causes(cmp) == ["Functional_linear_1_forward"]
     assert next(p for p in cmp.pairs if p.name == "Functional_linear_1_backward").output_diverges
+
+
+def test_a_payload_changed_on_disk_is_an_error_naming_the_file_not_a_verdict(tmp_path):
+    a = dump_run(tmp_path, "a", make_net())
+    b_dir = tmp_path / "b"
+    import shutil
+
+    shutil.copytree(a.parent, b_dir)
+    entry = next(t for e in dump.read_dump(a).entries for t in e["outputs"] if t.get("payload"))
+    pack = b_dir / "dump" / "tensors.bin"
+    data = bytearray(pack.read_bytes())
+    off, n = entry["payload"]
+    for i in range(off, off + min(n, 64)):
+        data[i] ^= 0x55  # same size: only the fingerprint can tell
+    pack.write_bytes(bytes(data))
+    with pytest.raises(TraceFormatError, match=r"tensors\.bin: the stored payload of \w+ output.* does not match"):
+        compare_two(b_dir / "dump.pkl", a, tmp_path / "out")

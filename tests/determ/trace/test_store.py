@@ -118,6 +118,11 @@ def test_missing_and_corrupt_files_are_one_line_errors(tmp_path):
     s.path(key).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!" + raw[-80:])
     with pytest.raises(TraceFormatError, match="corrupt tensor store file"):
         s.get(key)
+    flipped = bytearray(raw)
+    flipped[-3] ^= 0x55  # same size, a readable header: only the fingerprint written with the data tells
+    s.path(key).write_bytes(bytes(flipped))
+    with pytest.raises(TraceFormatError, match="does not match the fingerprint .* written with it"):
+        s.get(key)
 
 
 # -- packs: many small tensors, one shard per batch -------------------------------------------------------
