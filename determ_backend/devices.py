@@ -167,6 +167,9 @@ def parse_device_spec(spec: str) -> Tuple[str, Optional[torch.dtype]]:
         dtype = getattr(torch, m.group(3), None)
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"bad dtype {m.group(3)!r} in device spec {spec!r}")
+        if not dtype.is_floating_point:  # the dtype floating values are cast to: an integer one computes nothing alike
+            raise ConfigError(f"device spec {spec!r}: expected a floating-point dtype (e.g. float32, float64, "
+                              f"bfloat16), got {m.group(3)}")
     return dev, dtype
 
 

@@ -81,10 +81,10 @@ def _devices(text: Optional[str], needed: bool) -> Tuple[str, ...]:
     if len(specs) != 2:
         raise ConfigError(f"--devices {text!r}: expected exactly two device specs separated by a comma")
     for s in specs:
-        dev, dtype = parse_device_spec(s)
-        if dtype is not None and not dtype.is_floating_point:
-            raise ConfigError(f"--devices {text!r}: {s}: expected a floating-point dtype (e.g. float32, float64, "
-                              f"bfloat16), got {str(dtype).replace('torch.', '')}")
+        try:
+            dev, _ = parse_device_spec(s)
+        except ConfigError as e:
+            raise ConfigError(f"--devices {text!r}: {e}") from None
         require(dev)
     return specs
 

@@ -111,6 +111,13 @@ def test_parse_device_spec_rejects_bad_specs(spec):
         devices.parse_device_spec(spec)
 
 
+@pytest.mark.parametrize("spec", ["cpu:int32", "cpu:bool", "cuda:0:int64", "cpu:complex64"])
+def test_a_device_spec_casts_to_floating_dtypes_only(spec):
+    """DETERM_DEVICE=cpu:int32 ran the graph in int32 and the program's backward died inside torch."""
+    with pytest.raises(ConfigError, match="expected a floating-point dtype"):
+        devices.parse_device_spec(spec)
+
+
 def test_cpu_is_always_available_and_rng_state_roundtrips():
     assert devices.is_available("cpu") and "cpu" in devices.available_devices()
     assert devices.device_module("cpu") is None and devices.device_count("cpu") == 1

@@ -213,8 +213,8 @@ def test_trace_pair_localizes_the_cancellation(script_runs, capsys, form):
     (["--devices", "cpu,npu:1"], "device 'npu:1' is not available"),
     (["--devices", "cpu,cpu:notadtype"], "bad dtype 'notadtype'"),
     (["--devices", "cpu"], "expected exactly two device specs"),
-    (["--devices", "cpu,cpu:int8"], "cpu:int8: expected a floating-point dtype"),
-    (["--devices", "cpu:bool,cpu"], "cpu:bool: expected a floating-point dtype"),
+    (["--devices", "cpu,cpu:int8"], "'cpu:int8': expected a floating-point dtype"),
+    (["--devices", "cpu:bool,cpu"], "'cpu:bool': expected a floating-point dtype"),
     (["--devices", DEVICES, "--limit", "-1"], "--limit must be >= 0"),
     ([], "--devices: expected two device specs"),
 ])
