@@ -199,9 +199,33 @@ def _minify_dirs(run_dir: Path, repro_dir: Optional[str]) -> List[Path]:
     return sorted(q.parent for q in p.glob("**/" + STATE_FILE)) if p.is_dir() else []
 
 
+# report.json's fields the page reads, and the types they must have (None always allowed)
+_REPORT_FIELDS = {"findings": list, "checks": list, "checker_errors": list, "divergent": bool, "graphs": int,
+                  "run": str, "rank": int}
+
+
+def _run_report(p: Path) -> Dict[str, Any]:
+    """``report.json`` of a run directory, checked for the shape the page reads: a one-line
+    :class:`TraceFormatError` naming the file for valid JSON of another kind (a minify summary copied in)."""
+    rep = _read_json(p)
+    if not isinstance(rep, dict):
+        raise TraceFormatError(f"{p}: expected determ's report.json (a JSON object), got a JSON "
+                               f"{type(rep).__name__}")
+    for key, kind in _REPORT_FIELDS.items():
+        v = rep.get(key)
+        if v is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+            raise TraceFormatError(f"{p}: field {key!r}: expected {kind.__name__}, got {type(v).__name__}; not "
+                                   f"determ's report.json")
+    if not all(isinstance(f, dict) for f in rep.get("findings") or []):
+        raise TraceFormatError(f"{p}: field 'findings' holds something other than objects; not determ's report.json")
+    if "divergent" not in rep and "findings" not in rep:
+        raise TraceFormatError(f"{p}: neither 'divergent' nor 'findings' is there; not determ's report.json")
+    return rep
+
+
 def _load_run(paths: List[str]) -> Report:
     d = Path(paths[0])
-    rep_json = _read_json(d / "report.json")
+    rep_json = _run_report(d / "report.json")
     findings = rep_json.get("findings") or []
     checks = rep_json.get("checks") or []
     first = findings[0] if findings else {}

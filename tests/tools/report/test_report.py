@@ -175,6 +175,24 @@ def test_a_dump_pair_and_its_compare_output(dumps, tmp_path):
         assert "NPU Name" in render(rep)
 
 
+def _run_dir_with(p, content):
+    (p / "run").mkdir()
+    (p / "run" / "report.json").write_text(json.dumps(content))
+    return p / "run"
+
+
+@pytest.mark.parametrize("content, needle", [
+    ([1, 2], "expected determ's report.json (a JSON object), got a JSON list"),
+    ({"divergent": "yes", "findings": 3}, "field 'findings': expected list, got int"),
+    ({"divergent": True, "findings": [3]}, "field 'findings' holds something other than objects"),
+    ({"queries": 12, "seconds": 3.5}, "neither 'divergent' nor 'findings' is there"),  # a minify summary copied in
+])
+def test_a_report_json_of_another_shape_is_one_line_and_exit_2(tmp_path, capsys, content, needle):
+    assert main(["report", str(_run_dir_with(tmp_path, content)), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and not (tmp_path / "r.html").exists()
+
+
 @pytest.mark.parametrize("make, needle", [
     (lambda p: p / "missing", "no such file or directory"),
     (lambda p: p, "not a determ result"),
