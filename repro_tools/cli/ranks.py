@@ -53,8 +53,11 @@ def run_ranks(args: argparse.Namespace) -> int:
         print(d.line())
     if len(report.disagreements) > args.limit:
         print(f"... {len(report.disagreements) - args.limit} more")
+    if report.cut:
+        print(f"cut short (a killed job): rank{'s' if len(report.cut) > 1 else ''} "
+              f"{', '.join(map(str, sorted(report.cut)))}; the records after the end of a rank's dump are not compared")
     if report.ok:
-        print("all replicas agree")
+        print("all replicas agree" + (" on the records every rank holds" if report.cut else ""))
         return 0
     print(f"first disagreement: rank {report.first.rank} at {report.first.name}")
     return 1

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from determ_backend.errors import TraceFormatError
-from determ_backend.dump.comparison.parse import Dump, check_rank, find_index, rank_dirs, read_dump
+from determ_backend.dump.comparison.parse import Dump, check_rank, find_index, open_dump, rank_dirs
 
 __all__ = ["check_replicas", "ReplicaReport", "Disagreement", "INVARIANT_COLLECTIVES"]
 
@@ -43,6 +43,8 @@ class ReplicaReport:
     ranks: List[int]
     checked: int
     disagreements: List[Disagreement] = field(default_factory=list)
+    cut: set = field(default_factory=set)
+    """Ranks whose dump ends before records other ranks hold (a killed job): those records are not compared."""
 
     @property
     def ok(self) -> bool:
@@ -53,7 +55,7 @@ class ReplicaReport:
         return self.disagreements[0] if self.disagreements else None
 
     def summary(self) -> Dict[str, Any]:
-        return {"ranks": self.ranks, "checked": self.checked, "agree": self.ok,
+        return {"ranks": self.ranks, "checked": self.checked, "agree": self.ok, "cut_short": sorted(self.cut),
                 "first": self.first.__dict__ if self.first else None,
                 "disagreements": [d.__dict__ for d in self.disagreements]}
 
@@ -89,7 +91,8 @@ def _load(root: Union[str, Path], index: Optional[str]) -> Dict[int, Dump]:
     if len(dirs) < 2:
         raise TraceFormatError(f"{root}: found {len(dirs)} rank<N> directories; a replica check needs at least two "
                                f"(the <fpath>/<dump_tag> directory of a multi-rank dump)")
-    dumps = {r: read_dump(d / index if index else find_index(d)) for r, d in dirs.items()}
+    # a killed job's dumps (no end line) are read up to their last whole entry, as compare reads them
+    dumps = {r: open_dump(d / index if index else find_index(d)) for r, d in dirs.items()}
     for r, d in dumps.items():
         check_rank(d.path, d.header, r)
     return dumps
@@ -104,11 +107,14 @@ def check_replicas(root: Union[str, Path], everything: bool = False, index: Opti
     for r in ranks[1:]:
         order += [n for n in by_rank[r] if n not in by_rank[ranks[0]]]
     report = ReplicaReport(ranks, len(order))
+    report.cut = {r for r, d in dumps.items() if d.partial or d.cut}
     for name in order:
         present = {r: by_rank[r].get(name) for r in ranks}
         missing = [r for r, e in present.items() if e is None]
         have = [r for r in ranks if present[r] is not None]
         for r in missing:
+            if r in report.cut:  # its writer stopped before this record: nothing to say
+                continue
             report.disagreements.append(Disagreement(name, r, have[0], f"record missing on rank {r}"))
         votes = collections.Counter(_outputs(present[r]) for r in have)
         if len(votes) <= 1:

@@ -168,3 +168,20 @@ def test_a_rank_dump_copied_into_another_ranks_folder_is_refused(ddp_dumps, tmp_
     assert "header says rank 0, but it is in folder rank1" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(TraceFormatError, match="header says rank 0, but it is in folder rank1"):
         dump.compare_distributed(tmp_path / "copied", ddp_dumps / "agree", tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_ranks_reads_a_killed_jobs_dumps_up_to_each_ranks_last_entry(ddp_dumps, tmp_path, capsys):
+    """A killed or hung job is when a replica check is wanted: every line but the end line, and rank 1 cut
+    earlier than rank 0; the records both hold are compared, the rest are not called missing."""
+    import shutil
+
+    root = tmp_path / "killed"
+    shutil.copytree(ddp_dumps / "agree", root)
+    for rank in (0, 1):
+        index = root / f"rank{rank}" / "api_stack_dump.pkl"
+        lines = index.read_text().splitlines(True)
+        index.write_text("".join(lines[:-1] if rank == 0 else lines[: len(lines) // 2]))
+    assert cli_main(["ranks", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "cut short (a killed job): ranks 0, 1" in out and "all replicas agree on the records every rank holds" in out
