@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["tol_arg"]
+__all__ = ["tol_arg", "seconds_arg"]
 
 
 def tol_arg(text: str) -> float:
@@ -16,4 +16,15 @@ def tol_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}") from None
     if not math.isfinite(v) or v < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def seconds_arg(text: str) -> float:
+    """``--timeout``: a finite number of seconds > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return v

@@ -40,6 +40,7 @@ import copy
 import dataclasses
 import difflib
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -150,6 +151,9 @@ class OracleSpec:
             raise ConfigError(f"oracle runs must be >= 2, got {self.runs}")
         if not 0.0 <= self.similarity <= 1.0:
             raise ConfigError(f"oracle similarity must be within [0, 1], got {self.similarity}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
+                or not math.isfinite(self.timeout) or self.timeout <= 0:
+            raise ConfigError(f"oracle timeout must be a positive number of seconds, got {self.timeout!r}")
         if isinstance(self.config, dict):
             object.__setattr__(self, "config", tuple(sorted(self.config.items())))
         object.__setattr__(self, "cuts", tuple((int(b), tuple((str(n), None if d is None else int(d), int(r))

@@ -232,6 +232,21 @@ def test_cli_cross_device_on_a_device_this_machine_lacks_is_bad_input(tmp_path, 
     assert not (repro / "minify").exists()
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--timeout", "-5"], "argument --timeout: expected a positive number of seconds, got '-5'"),
+    (["--timeout", "0"], "argument --timeout: expected a positive number of seconds, got '0'"),
+    (["--kind", "cross_device", "--devices", "cpu,cpu:int32", "--compiler", "eager"],
+     "'cpu:int32': expected a floating-point dtype"),
+])
+def test_cli_bad_flag_values_are_refused_before_any_query(tmp_path, capsys, argv, needle):
+    """A timeout of -5 s was reported as "input graph does not fail ... (no answer within -5 s)"; an integer
+    dtype minified to a view op."""
+    repro = _write(tmp_path, "compile_error", "minifier_helpers:erf_compile_error", layers=1)
+    assert main(["minify", str(repro), *argv, "--no-progress"]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (repro / "minify").exists()
+
+
 def test_api_compiler_that_does_not_resolve_is_never_the_failure():
     gm, inputs = H.mlp_graph(layers=1)
     with pytest.raises(ConfigError, match="determ_no_such_backend"):
