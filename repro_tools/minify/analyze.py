@@ -40,7 +40,8 @@ from determ_backend.backends.extract import lift_random_draws
 from determ_backend.clones import clone_inputs
 from determ_backend.config import CHECKS
 from determ_backend.compare import metrics_text
-from determ_backend.errors import DetermError
+from determ_backend.errors import ConfigError, DetermError
+from determ_backend.trace.stream import dir_problem
 
 from repro_tools.cli.args import tol_arg
 from repro_tools.minify.accuracy import call_maybe_boxed, flatten, same_two_models
@@ -281,6 +282,9 @@ def _print(r: Dict[str, Any], full_traceback: bool = False) -> None:
 
 def run(args: argparse.Namespace) -> int:
     checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
+    problem = dir_problem(args.out) if args.out else None
+    if problem:  # the flag the user gave, not the DETERM_DIR the trace is written through
+        raise ConfigError(f"--out {args.out}: {problem}")
     r = analyze_repro(args.repro, checks, args.tol, args.out)
     if args.json:
         print(json.dumps(r, indent=1, default=str))

@@ -107,9 +107,10 @@ def check_path(value: Any, what: str) -> Path:
     return Path(value)
 
 
-def find_index(path: Union[str, Path]) -> Path:
+def find_index(path: Union[str, Path], several: str = "pass the index file itself") -> Path:
     """An index file, or a rank directory holding exactly one ``*.pkl`` file: the index may be named after the
-    user's file (``myDump.pkl``, ``Overflow_info_<time>.pkl``), so any ``.pkl`` there is a candidate."""
+    user's file (``myDump.pkl``, ``Overflow_info_<time>.pkl``), so any ``.pkl`` there is a candidate.
+    ``several``: how the caller's user names one when a directory holds several."""
     p = check_path(path, "dump index path")
     if not p.exists():
         raise TraceFormatError(f"{path}: no such dump index or directory")
@@ -127,8 +128,7 @@ def find_index(path: Union[str, Path]) -> Path:
                 hint = (f"; the indexes below it are in its step/rank folders ({', '.join(inner)}): pass one of "
                         f"those, or the folder holding it" if inner else "; pass the index file itself")
                 raise TraceFormatError(f"{path}: no *{INDEX_SUFFIX} index{hint}")
-            raise TraceFormatError(f"{path}: several indexes ({', '.join(f.name for f in found)}); pass the index "
-                                   f"file itself")
+            raise TraceFormatError(f"{path}: several indexes ({', '.join(f.name for f in found)}); {several}")
         p = found[0]
     return p
 

@@ -92,7 +92,8 @@ def _load(root: Union[str, Path], index: Optional[str]) -> Dict[int, Dump]:
         raise TraceFormatError(f"{root}: found {len(dirs)} rank<N> directories; a replica check needs at least two "
                                f"(the <fpath>/<dump_tag> directory of a multi-rank dump)")
     # a killed job's dumps (no end line) are read up to their last whole entry, as compare reads them
-    dumps = {r: open_dump(d / index if index else find_index(d)) for r, d in dirs.items()}
+    several = "name the one to check (repro-tools ranks --index NAME; index= in Python)"
+    dumps = {r: open_dump(d / index if index else find_index(d, several)) for r, d in dirs.items()}
     for r, d in dumps.items():
         check_rank(d.path, d.header, r)
     return dumps

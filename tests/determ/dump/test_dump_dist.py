@@ -185,3 +185,16 @@ def test_ranks_reads_a_killed_jobs_dumps_up_to_each_ranks_last_entry(ddp_dumps, 
     assert cli_main(["ranks", str(root)]) == 0
     out = capsys.readouterr().out
     assert "cut short (a killed job): ranks 0, 1" in out and "all replicas agree on the records every rank holds" in out
+
+
+@pytest.mark.slow
+def test_ranks_with_several_indexes_in_a_rank_folder_names_its_index_flag(ddp_dumps, tmp_path, capsys):
+    import shutil
+
+    root = tmp_path / "two"
+    shutil.copytree(ddp_dumps / "agree", root)
+    shutil.copy(root / "rank0" / "api_stack_dump.pkl", root / "rank0" / "other.pkl")
+    assert cli_main(["ranks", str(root)]) == 2
+    assert "several indexes (api_stack_dump.pkl, other.pkl); name the one to check (repro-tools ranks --index NAME" \
+        in capsys.readouterr().err
+    assert cli_main(["ranks", str(root), "--index", "api_stack_dump.pkl"]) == 0

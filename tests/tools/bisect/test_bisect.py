@@ -112,6 +112,7 @@ def test_healthy_command(tmp_path, capsys):
     (["--", "determ-no-such-command"], "'determ-no-such-command' not found"),
     (["--timeout", "0", "--", sys.executable], "--timeout must be a positive number"),
     (["{script}"], "a Python script runs as: repro-tools bisect -- python {script}"),
+    (["--workdir", "{script}", "--", sys.executable], "--workdir {script}: {script} is a file, not a directory"),
 ])
 def test_usage_errors_exit_2(capsys, argv, needle, tmp_path):
     script = tmp_path / "repro.py"

@@ -75,6 +75,16 @@ def test_bad_checks_are_a_clear_error(tmp_path):
         analyze.analyze_repro(path, ("speed",))
 
 
+def test_an_out_that_is_a_file_names_the_flag(tmp_path):
+    """It named DETERM_DIR, which the user never set (the trace is written through it)."""
+    path = _write(tmp_path, plain_graph, [torch.randn(2)])
+    (tmp_path / "afile").write_text("x")
+    ns = argparse.Namespace(repro=str(path), checks="accuracy", tol=None, out=str(tmp_path / "afile"), json=False,
+                            traceback=False)
+    with pytest.raises(ConfigError, match=r"^--out .*afile: .*afile is a file, not a directory$"):
+        analyze.run(ns)
+
+
 @pytest.mark.slow
 def test_inductor_injected_accuracy_bug_is_located_at_the_relu(tmp_path):
     import torch._inductor.config as icfg
