@@ -48,6 +48,8 @@ def _size(text: str):
         w, h = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise ConfigError(f"--size {text!r}: expected WIDTHxHEIGHT in pixels, e.g. 1100x1180") from None
+    if w <= 0 or h <= 0:  # refused before the page is written, not after
+        raise ConfigError(f"--size {text!r}: expected two positive integers, e.g. 1100x1180")
     return w, h
 
 

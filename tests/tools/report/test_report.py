@@ -324,3 +324,11 @@ def test_the_report_of_an_xdevice_output_exits_as_xdevice_does(tmp_path):
                 y = y * 1.0
             y.sum()
     assert main(["report", str(tmp_path / "x"), "-o", str(tmp_path / "x.html")]) == 0
+
+
+@pytest.mark.parametrize("size", ["0x0", "abc", "100x-5"])
+def test_a_bad_screenshot_size_is_refused_before_the_page_is_written(tmp_path, capsys, size):
+    run = _run_dir_with(tmp_path, {"divergent": False, "findings": []})
+    page = tmp_path / "r.html"
+    assert main(["report", str(run), "-o", str(page), "--screenshot", str(tmp_path / "p.png"), "--size", size]) == 2
+    assert f"--size {size!r}" in capsys.readouterr().err and not page.exists()
