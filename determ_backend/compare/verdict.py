@@ -152,8 +152,8 @@ def tensor_metrics(a: torch.Tensor, b: torch.Tensor, ref64: Optional[torch.Tenso
     out["max_abs"] = float(d.max())
     out["max_rel"] = float((d / (y.abs() + EPS)).max())
     nx, ny = float(torch.linalg.vector_norm(x)), float(torch.linalg.vector_norm(y))
-    if nx == 0 and ny == 0:
-        out["cosine"] = 1.0
+    if (nx == 0 and ny == 0) or (out["max_abs"] == 0.0 and math.isfinite(nx)):  # the same values: exactly 1, not
+        out["cosine"] = 1.0                                                       # 1 less a rounding (0.99999...97)
     elif nx == 0 or ny == 0 or not (math.isfinite(nx) and math.isfinite(ny)):
         out["cosine"] = float("nan") if not (math.isfinite(nx) and math.isfinite(ny)) else 0.0
     else:
