@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,18 @@ def make_net(seed: int = 0, extra: bool = False, perturb: Optional[str] = None, 
         with torch.no_grad():
             w.add_(scale * torch.randn(w.shape, generator=torch.Generator().manual_seed(7)))
     return net.to(dtype)
+
+
+def sequential(perturb: Optional[Tuple[int, int, float]] = None) -> nn.Module:
+    """Linear(16, 32) -> ReLU -> Linear(32, 4) (seed 0); ``perturb=(row, col, delta)`` adds ``delta`` to that weight of
+    the last Linear."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if perturb:
+        row, col, delta = perturb
+        with torch.no_grad():
+            model[2].weight[row, col] += delta
+    return model
 
 
 def batch(dtype: torch.dtype = torch.float32, seed: int = 1):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from determ_backend import dump
 from determ_backend.dump.capture import hooks as dump_hooks
 from determ_backend.errors import ConfigError, DetermError, DeviceUnavailableError, TraceFormatError
-from dump_helpers import batch, compare_two, dump_run, make_net, names, overflow_index, train_step
+from dump_helpers import batch, compare_two, dump_run, make_net, names, overflow_index, sequential, train_step
 
 
 @pytest.fixture(autouse=True)
@@ -887,22 +887,29 @@ def test_calls_made_inside_backward_are_recorded_and_a_fault_there_is_named(tmp_
     assert _root_causes(compare_two(runs["a"], runs["c"], tmp_path / "ac")) == ["Tensor_mul_1_forward"]
 
 
-class _GradOff(torch.autograd.Function):
-    """Identity forward; the gradient 0.1% off: a faulty backward kernel of the call it wraps."""
+class _ScaledGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``factor``: a faulty backward kernel of the call it wraps."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, factor):
+        ctx.factor = factor
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        return g * 1.001
+        return g * ctx.factor, None
 
 
-class _SiluBackwardOff(torch.overrides.TorchFunctionMode):
+class _SiluBackwardScaled(torch.overrides.TorchFunctionMode):
+    """silu's backward returns ``factor`` times the gradient."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        return _GradOff.apply(out) if func is F.silu else out
+        return _ScaledGrad.apply(out, self.factor) if func is F.silu else out
 
 
 class _Block(torch.nn.Module):
@@ -933,27 +940,9 @@ def test_a_fault_in_a_backward_blames_no_module_around_it(tmp_path, level, culpr
     for tag, broken in (("good", False), ("bad", True)):
         torch.manual_seed(0)
         net = _Nested()
-        with (_SiluBackwardOff() if broken else contextlib.nullcontext()):
+        with (_SiluBackwardScaled(1.001) if broken else contextlib.nullcontext()):
             runs.append(dump_run(tmp_path, tag, net, step=step, level=level))
     assert _root_causes(compare_two(runs[1], runs[0], tmp_path / "cmp")) == [culprit]
-
-
-class _GradTwice(torch.autograd.Function):
-    """Identity forward; twice the gradient: a grossly faulty backward kernel of the call it wraps."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
-
-
-class _SiluBackwardTwice(torch.overrides.TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        return _GradTwice.apply(out) if func is F.silu else out
 
 
 @pytest.mark.parametrize("summary_only", [False, True])
@@ -969,7 +958,7 @@ def test_a_gross_gradient_fault_is_found_against_another_dtype(tmp_path, summary
                                ("bf16-healthy", torch.bfloat16, False)):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.SiLU(), torch.nn.Linear(64, 8)).to(dtype)
-        with (_SiluBackwardTwice() if broken else contextlib.nullcontext()):
+        with (_SiluBackwardScaled(2.0) if broken else contextlib.nullcontext()):
             runs[tag] = dump_run(tmp_path, tag, net, step=step, summary_only=summary_only)
     assert _root_causes(compare_two(runs["bf16"], runs["fp32"], tmp_path / "cmp")) == ["Functional_silu_0_backward"]
     assert _root_causes(compare_two(runs["bf16-healthy"], runs["fp32"], tmp_path / "healthy")) == []
@@ -1003,18 +992,11 @@ def test_indices_flipped_by_a_near_tie_in_another_dtype_blame_no_call(tmp_path):
 def test_a_perturbed_last_layer_blames_its_forward_not_its_backward(tmp_path):
     """The backward entry of the perturbed Linear records the gradient it is given (the same in both runs), not the
     weight it multiplies it by: the gradient it sends back differs, and it had been a second root cause."""
-    def net(perturb: bool):
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        if perturb:
-            with torch.no_grad():
-                m[2].weight[0, 0] += 1e-2
-        return m
-
     def step(m):
         m(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
 
-    a, b = dump_run(tmp_path, "a", net(False), step=step), dump_run(tmp_path, "b", net(True), step=step)
+    a = dump_run(tmp_path, "a", sequential(), step=step)
+    b = dump_run(tmp_path, "b", sequential((0, 0, 1e-2)), step=step)
     cmp = compare_two(b, a, tmp_path / "out")
     assert _root_causes(cmp) == ["Functional_linear_1_forward"]
     assert next(p for p in cmp.pairs if p.name == "Functional_linear_1_backward").output_diverges

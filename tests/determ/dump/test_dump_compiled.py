@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from determ_backend import _torch_compat, dump
 from determ_backend.dump.capture import hooks as dump_hooks
-from dump_helpers import batch, compare_two, dump_run, make_net, names, overflow_index
+from dump_helpers import batch, compare_two, dump_run, make_net, names, overflow_index, sequential
 
 REGION = "Compiled_Net_0"  # named by the compiled module's class, not OptimizedModule
 
@@ -176,18 +176,10 @@ def test_without_dynamos_entry_point_nodes_still_appear_and_determ_internals_do_
     assert not any(n.startswith(("Torch_cat", "Tensor___xor__", "Torch_repeat_interleave")) for n in got)
 
 
-def _sequential(perturb: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    if perturb:
-        with torch.no_grad():
-            model[2].weight[1, 3] += 1e-3
-    return model
-
-
 def _dump_sequential(tmp_path, tag, perturb, backend="determ_aot_eager"):
     torch._dynamo.reset()
-    model = torch.compile(_sequential(perturb), backend=backend, options=_options(tmp_path, backend))
+    model = torch.compile(sequential((1, 3, 1e-3) if perturb else None), backend=backend,
+                          options=_options(tmp_path, backend))
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     return dump_run(tmp_path, tag, model, step=lambda m: F.cross_entropy(m(x), y).backward())  # call site
 
