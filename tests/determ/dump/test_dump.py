@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from determ_backend import dump
 from determ_backend.dump.capture import hooks as dump_hooks
 from determ_backend.errors import ConfigError, DetermError, DeviceUnavailableError, TraceFormatError
+import real_models
 from dump_helpers import batch, compare_two, dump_run, make_net, names, overflow_index, sequential, train_step
 
 
@@ -965,7 +966,7 @@ def test_a_gross_gradient_fault_is_found_against_another_dtype(tmp_path, summary
 
 
 class _Router(torch.nn.Module):
-    """A healthy MoE router whose two best experts' scores round to one bf16 value."""
+    """A healthy MoE router whose two best experts' scores round to one bf16 value for a token of value 1."""
 
     def __init__(self):
         super().__init__()
@@ -981,7 +982,8 @@ def test_indices_flipped_by_a_near_tie_in_another_dtype_blame_no_call(tmp_path):
     runs, picks = [], []
     for tag, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         net = _Router().to(dtype)
-        step = lambda n: picks.append(int(n(torch.ones(3, 1, dtype=dtype))[1][0]))  # noqa: E731
+        rows = torch.tensor([[1.0], [-1.0], [-2.0], [-3.0], [-0.5]], dtype=dtype)  # the first row's two best tie
+        step = lambda n: picks.append(int(n(rows)[1][0]))  # noqa: E731
         runs.append(dump_run(tmp_path, tag, net, step=step))
     assert picks[0] != picks[1]  # the near tie does flip
     cmp = compare_two(runs[1], runs[0], tmp_path / "cmp")
@@ -1017,3 +1019,61 @@ def test_a_payload_changed_on_disk_is_an_error_naming_the_file_not_a_verdict(tmp
     pack.write_bytes(bytes(data))
     with pytest.raises(TraceFormatError, match=r"tensors\.bin: the stored payload of \w+ output.* does not match"):
         compare_two(b_dir / "dump.pkl", a, tmp_path / "out")
+
+
+class _ArgmaxZero(torch.overrides.TorchFunctionMode):
+    """A faulty argmax kernel: index 0 for every row."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return torch.zeros_like(out) if func is torch.argmax else out
+
+
+def test_a_wrong_discrete_result_is_blamed_against_another_dtype(tmp_path):
+    """No near tie: most rows' indices move, which a bf16 rounding of the scores cannot do."""
+    def step(net):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)).to(net.weight.dtype)
+        torch.argmax(net(x), dim=-1)
+
+    runs = {}
+    for tag, dtype, broken in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, True)):
+        torch.manual_seed(0)
+        with (_ArgmaxZero() if broken else contextlib.nullcontext()):
+            runs[tag] = dump_run(tmp_path, tag, torch.nn.Linear(8, 6).to(dtype), step=step)
+    assert _root_causes(compare_two(runs["bf16"], runs["fp32"], tmp_path / "cmp")) == ["Torch_argmax_0_forward"]
+
+
+class _SiluAfterSubmodule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.up, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(F.silu(self.up(self.inp(x))))  # silu: the model's own code, no module of its own
+
+
+def test_at_L0_a_module_whose_own_code_diverges_is_named_not_excused_by_its_submodule(tmp_path):
+    """silu's backward is 2x wrong inside the model's own forward, after its submodule ``up``: ``up``'s backward
+    diverges only because the gradient it is given does (no root itself), so it explains no module around it."""
+    def step(net):
+        net(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+
+    runs = []
+    for tag, broken in (("good", False), ("bad", True)):
+        torch.manual_seed(0)
+        with (_SiluBackwardScaled(2.0) if broken else contextlib.nullcontext()):
+            runs.append(dump_run(tmp_path, tag, _SiluAfterSubmodule(), step=step, level="L0"))
+    assert _root_causes(compare_two(runs[1], runs[0], tmp_path / "cmp")) == ["Module__SiluAfterSubmodule_0_backward"]
+
+
+@pytest.mark.skipif(not real_models.available(), reason="transformers is not installed")
+def test_a_healthy_relu_model_in_bf16_against_fp32_blames_nothing(tmp_path):
+    """OPT's relu gradient differs from fp32's at the few elements whose forward value rounds to the other side of 0
+    in bf16 (a mask flip): apart there, the gradient is no root cause."""
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model, inputs = real_models.build("opt", seq=8)
+        runs[dtype] = dump_run(tmp_path, str(dtype)[6:], model.to(dtype),
+                               step=lambda m: real_models.loss_of(m(**inputs)).backward())
+    assert _root_causes(compare_two(runs[torch.bfloat16], runs[torch.float32], tmp_path / "cmp")) == []
