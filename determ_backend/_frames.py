@@ -16,11 +16,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sysconfig
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["FrameFilter", "user_frames", "called_from_determ", "in_torch"]
+__all__ = ["FrameFilter", "user_frames", "called_from_determ", "in_torch", "caller_outside_torch"]
 
 _TORCH_ROOT = os.path.join(os.path.dirname(torch.__file__), "")
 _DETERM_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
@@ -119,3 +119,15 @@ def called_from_determ(frame) -> bool:
         frame = frame.f_back
     return (frame is not None and frame.f_code.co_filename.startswith(_DETERM_ROOT)
             and frame.f_code.co_filename not in _USER_MODELS)
+
+
+def caller_outside_torch(frame, stdlib: bool = False) -> Optional[str]:
+    """The file of the first frame from ``frame`` outwards that is not torch's (nor the standard library's, with
+    ``stdlib``: a ``with`` block of torch's own runs through ``contextlib``), ``"<determ>"`` when it is determ's own
+    code (the demo model excepted), None when there is none."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_TORCH_ROOT) or (stdlib and path.startswith(_STDLIB_ROOTS))):
+            return "<determ>" if path.startswith(_DETERM_ROOT) and path not in _USER_MODELS else path
+        frame = frame.f_back
+    return None

@@ -22,7 +22,9 @@ decided by :mod:`determ_backend._frames`, as for the eager modes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -31,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from determ_backend import _torch_compat as _compat
-from determ_backend._frames import FrameFilter, called_from_determ
+from determ_backend._frames import FrameFilter, called_from_determ, caller_outside_torch
 from determ_backend.compare.nonfinite import creates, nonfinite
 from determ_backend.dump.capture import backward as bw
 from determ_backend.dump.capture.apis import ApiInfo, api_table, is_inplace
@@ -270,7 +272,42 @@ class DumpMode(TorchFunctionMode):
                 # this mode is off while its handler runs: back on around the engine's run, it sees the calls made
                 # by custom Function backwards, tensor hooks and checkpoints' recomputations (the backward call itself
                 # is not an API of the table; the engine's own formulas call no Python)
-                with _compat.engine_runs_within(lambda: self):
+                with _compat.engine_runs_within(lambda: _in_backward(self)):
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
+        if getattr(_tls, "backward", False) and _generated(sys._getframe(1)):
+            return func(*args, **kwargs)  # a compiled region's backward: opaque, as its forward is
         return self.recorder.api_call(info, func, args, kwargs)
+
+
+@contextlib.contextmanager
+def _in_backward(mode: "DumpMode") -> Iterator[None]:
+    """``mode`` on again around a backward pass, which it marks as such (:func:`_generated` applies there)."""
+    prev = getattr(_tls, "backward", False)
+    _tls.backward = True
+    try:
+        with mode:
+            yield
+    finally:
+        _tls.backward = prev
+
+
+@functools.lru_cache(maxsize=1)
+def _generated_roots() -> tuple:
+    """Where code a compiler generated lives: inductor's output modules (its cache), determ's instrumented copies of
+    them and FX's evaluated graph code."""
+    roots = ["<determ instrumented", "<eval_with_key"]
+    try:
+        roots.append(os.path.join(_compat.inductor_cache_dir(), ""))
+    except Exception:  # no inductor here: nothing of it runs either
+        pass
+    return tuple(roots)
+
+
+def _generated(frame) -> bool:
+    """Whether, inside a backward pass, the first frame from ``frame`` outwards that is neither torch's nor the
+    standard library's is code a compiler generated (a compiled graph's backward calling ``torch.mm`` through
+    inductor's ``extern_kernels``) or determ's own (the engine entry it runs the pass through: torch's own calls,
+    such as a backward graph compiled on first use), which the dump does not open."""
+    path = caller_outside_torch(frame, stdlib=True)
+    return path is None or path == "<determ>" or path.startswith(_generated_roots())

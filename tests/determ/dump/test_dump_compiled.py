@@ -122,6 +122,14 @@ def test_plain_backend_region_is_opaque_and_the_advice_says_how_to_see_inside(tm
     assert "opaque torch.compile region" in row["Err_message"]
 
 
+def test_a_compiled_regions_backward_is_opaque_as_its_forward(tmp_path):
+    """Calls inside backward() are recorded, but not those of a compiled graph's generated backward code
+    (inductor's ``extern_kernels.mm`` is ``torch.mm``)."""
+    got = names(dump_compiled(tmp_path, "a", make_net(), backend="inductor"))
+    assert [n for n in got if n.startswith("Compiled")] == [f"{REGION}_forward", f"{REGION}_backward"]
+    assert not [n for n in got if n.startswith(("Torch_", "Tensor_")) and not n.startswith("Tensor_flatten")]
+
+
 def test_the_dump_does_not_make_dynamo_recompile(tmp_path):
     compiles = []
 
