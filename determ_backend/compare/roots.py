@@ -236,7 +236,7 @@ class _Graph:
         return [p for p in self.pairs if p.rec.node not in consumed]  # sinks stand for the outputs
 
     def effective(self, p: Pair, seen: Optional[set] = None) -> List[Optional[bool]]:
-        """Verdicts of ``p``'s inputs, looking through unjudged records to the nearest judged ones."""
+        """The distinct verdicts of ``p``'s inputs, looking through unjudged records to the nearest judged ones."""
         key = id(p)
         if key in self._eff:
             return self._eff[key]
@@ -256,6 +256,7 @@ class _Graph:
                     out.extend(self.effective(q, seen))
         finally:
             seen.discard(key)
+        out = list(dict.fromkeys(out))  # which verdicts occur is all that counts: a chain of diamonds stays small
         self._eff[key] = out
         return out
 

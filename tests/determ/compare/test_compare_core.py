@@ -384,3 +384,14 @@ def test_the_same_allocation_made_at_another_moment_pairs_by_name():
     other = [dict(vars(r)) for r in alloc]  # another allocation's fingerprint (another shape or dtype): not the same
     moved = [Record(**dict(other[0], hash="E")), Record(**dict(other[1], hash="E"))]
     assert not compare_traces(alloc + work, work[:2] + moved + work[2:]).identical
+
+
+def test_a_chain_of_unjudged_diamonds_is_walked_in_linear_time():
+    """Each diamond doubled the verdicts a record's inputs were looked through to: 2**n of them for n diamonds."""
+    spec = [("x", (), True, "input")]
+    prev = "x"
+    for i in range(40):
+        spec += [(f"l{i}", (prev,), None), (f"r{i}", (prev,), None), (f"j{i}", (f"l{i}", f"r{i}"), None)]
+        prev = f"j{i}"
+    spec += [("end", (prev,), False), ("out", ("end",), False, "output")]
+    assert _names(find_roots(_pairs(spec), "t").root_causes) == ["end"]
