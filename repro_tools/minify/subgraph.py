@@ -69,6 +69,18 @@ def record_values(gm: fx.GraphModule, inputs: Sequence[Any]) -> Tuple[Dict[str, 
     return interp.values, None
 
 
+_DETACHES = frozenset({"detach", "detach_"})
+
+
+def _stops_gradient(n: fx.Node) -> bool:
+    """Whether node ``n`` cuts its value off from autograd (``x.detach()``, ``torch.detach``, ``aten.detach``)."""
+    t = n.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    if tc.is_op_overload(t):
+        name = tc.op_overload_name(t)[1]
+    return name in _DETACHES
+
+
 def _flat_nodes(arg: Any) -> List[fx.Node]:
     out: List[fx.Node] = []
     fx.node.map_arg(arg, out.append)
@@ -241,15 +253,22 @@ class GraphView:
         autograd)."""
         need: Set[str] = set()
         args = iter(inputs)
+        grad_on = True  # a dynamo graph's ``with torch.no_grad()`` is a pair of _set_grad_enabled calls
         for n in self.nodes:
             v = self.ref.get(n.name)
+            traced = tc.example_value(n)  # what the graph's tracer saw, where it kept that: authoritative
             if n.op == "placeholder":
                 x = next(args, None)
                 hit = isinstance(x, torch.Tensor) and x.requires_grad
+            elif n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+                grad_on = bool(n.args[0]) if n.args else grad_on
+                continue
             elif n.op == "get_attr":
                 hit = isinstance(v, torch.Tensor) and v.requires_grad
+            elif isinstance(traced, torch.Tensor):
+                hit = traced.requires_grad
             else:
-                hit = any(a.name in need for a in n.all_input_nodes)
+                hit = grad_on and not _stops_gradient(n) and any(a.name in need for a in n.all_input_nodes)
             if hit and (not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex()):
                 need.add(n.name)  # a tuple of a multi-output op passes it to its getitems
         return frozenset(need)

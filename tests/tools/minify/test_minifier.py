@@ -443,3 +443,22 @@ def test_cli_out_that_cannot_become_a_directory_fails_before_any_query(tmp_path,
     assert main(["minify", str(repro), "--out", str(out), "--no-progress"]) == 2
     _one_line_error(capsys, expect)
     assert not (tmp_path / "not_mounted").exists()
+
+
+def test_grads_candidates_need_no_gradient_where_the_graph_cut_it_off():
+    """A value the graph detaches, or computes under no_grad (dynamo's pair of _set_grad_enabled calls), gets no
+    gradient in the program: a candidate cut there is fed an input that does not require grad either."""
+    from repro_tools.minify.subgraph import GraphView
+
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    sin = g.call_function(torch.sin, (g.call_method("detach", (x,)),))
+    g.call_function(torch._C._set_grad_enabled, (False,))
+    cos = g.call_function(torch.cos, (x,))
+    g.call_function(torch._C._set_grad_enabled, (True,))
+    out = g.call_function(torch.add, (g.call_function(torch.mul, (sin, w)), cos))
+    g.output((out,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    x_, w_ = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    need = GraphView(gm, [x_, w_], grads=True).grad_names
+    assert {"x", "w", "mul", "add"} <= need and not need & {"detach", "sin", "cos"}
