@@ -56,6 +56,10 @@ def run_ranks(args: argparse.Namespace) -> int:
     if report.cut:
         print(f"cut short (a killed job): rank{'s' if len(report.cut) > 1 else ''} "
               f"{', '.join(map(str, sorted(report.cut)))}; the records after the end of a rank's dump are not compared")
+        first = report.stopped_first
+        if first is not None:  # a hung job: the rank that stopped before the others is the one to look at
+            name, holder = report.ends_before[first]
+            print(f"rank {first} stopped first: its dump ends before {name}, which rank {holder} recorded")
     if report.ok:
         print("all replicas agree" + (" on the records every rank holds" if report.cut else ""))
         return 0

@@ -45,6 +45,17 @@ class ReplicaReport:
     disagreements: List[Disagreement] = field(default_factory=list)
     cut: set = field(default_factory=set)
     """Ranks whose dump ends before records other ranks hold (a killed job): those records are not compared."""
+    ends_before: Dict[int, Tuple[str, int]] = field(default_factory=dict)
+    """Cut rank -> ``(the first record it lacks that another rank holds, that rank)``: where it stopped (a hung rank
+    stops before a collective the others entered)."""
+
+    @property
+    def stopped_first(self) -> Optional[int]:
+        """The cut rank that stopped earliest in the records' order (None when no cut rank lacks a record)."""
+        return min(self.ends_before, key=lambda r: self._order.index(self.ends_before[r][0])) \
+            if self.ends_before else None
+
+    _order: List[str] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -56,6 +67,8 @@ class ReplicaReport:
 
     def summary(self) -> Dict[str, Any]:
         return {"ranks": self.ranks, "checked": self.checked, "agree": self.ok, "cut_short": sorted(self.cut),
+                "ends_before": {r: name for r, (name, _) in sorted(self.ends_before.items())},
+                "stopped_first": self.stopped_first,
                 "first": self.first.__dict__ if self.first else None,
                 "disagreements": [d.__dict__ for d in self.disagreements]}
 
@@ -109,12 +122,14 @@ def check_replicas(root: Union[str, Path], everything: bool = False, index: Opti
         order += [n for n in by_rank[r] if n not in by_rank[ranks[0]]]
     report = ReplicaReport(ranks, len(order))
     report.cut = {r for r, d in dumps.items() if d.partial or d.cut}
+    report._order = order
     for name in order:
         present = {r: by_rank[r].get(name) for r in ranks}
         missing = [r for r, e in present.items() if e is None]
         have = [r for r in ranks if present[r] is not None]
         for r in missing:
-            if r in report.cut:  # its writer stopped before this record: nothing to say
+            if r in report.cut:  # its writer stopped before this record: where it stopped, not a disagreement
+                report.ends_before.setdefault(r, (name, have[0]))
                 continue
             report.disagreements.append(Disagreement(name, r, have[0], f"record missing on rank {r}"))
         votes = collections.Counter(_outputs(present[r]) for r in have)

@@ -185,6 +185,7 @@ def test_ranks_reads_a_killed_jobs_dumps_up_to_each_ranks_last_entry(ddp_dumps, 
     assert cli_main(["ranks", str(root)]) == 0
     out = capsys.readouterr().out
     assert "cut short (a killed job): ranks 0, 1" in out and "all replicas agree on the records every rank holds" in out
+    assert "rank 1 stopped first: its dump ends before " in out and "which rank 0 recorded" in out
 
 
 @pytest.mark.slow
