@@ -867,6 +867,13 @@ def observe_compiled_calls(on_enter: Callable[[Any, tuple, dict], Any],
     return undo
 
 
+def current_function_mode() -> Optional[Any]:
+    """The torch function mode on top of this thread's stack (None when there is none)."""
+    from torch.overrides import _get_current_function_mode
+
+    return _get_current_function_mode()
+
+
 def suspend_function_mode(mode) -> bool:
     """Take ``mode`` off this thread's torch function mode stack if it is on top (True if it was)."""
     from torch.overrides import _get_current_function_mode, _pop_mode

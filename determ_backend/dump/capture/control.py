@@ -41,7 +41,7 @@ from determ_backend import devices
 from determ_backend.errors import ConfigError, DeviceUnavailableError
 from determ_backend.seed import seed_all as _seed_all
 from determ_backend.trace.stream import dir_problem
-from determ_backend.dump.capture.hooks import ApiRecorder
+from determ_backend.dump.capture.hooks import ApiRecorder, purge_retired_modes
 from determ_backend.dump.capture.modules import Installation
 from determ_backend.dump.capture.overflow import OverflowCounter
 from determ_backend.dump.capture.session import INDEX_SUFFIX, DumpSession, default_header
@@ -382,6 +382,7 @@ def records_written() -> int:
 def remove_hooks() -> None:
     """Switch everything off, close the dumps and forget registered models (a clean slate)."""
     _STATE.switch_off()
+    purge_retired_modes()
     _STATE.models.clear()
     _STATE.regions.clear()
     _STATE.overflow = None

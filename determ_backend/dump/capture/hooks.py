@@ -44,7 +44,7 @@ from determ_backend.dump.capture.session import DumpSession
 from determ_backend.dump.capture.switch import DumpSettings, Selector
 
 __all__ = ["DumpMode", "ApiRecorder", "guard", "busy", "passthrough", "enter_opaque", "exit_opaque", "user_source",
-           "user_stack"]
+           "user_stack", "purge_retired_modes"]
 
 log = logging.getLogger(__name__)
 
@@ -257,10 +257,11 @@ class DumpMode(TorchFunctionMode):
         super().__init__()
         self.recorder = recorder
         self.table = api_table()
+        self.retired = False  # switched off: every call passes through until the mode is off the stack
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling() or passthrough():
+        if self.retired or torch.compiler.is_compiling() or passthrough():
             return func(*args, **kwargs)
         try:
             info = self.table.get(func)
@@ -282,14 +283,25 @@ class DumpMode(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _in_backward(mode: "DumpMode") -> Iterator[None]:
-    """``mode`` on again around a backward pass, which it marks as such (:func:`_generated` applies there)."""
+    """``mode`` on again around a backward pass, which it marks as such (:func:`_generated` applies there).  Taken
+    off after only if it is still on top: a hook that switched the dump off inside the pass took it off already."""
     prev = getattr(_tls, "backward", False)
     _tls.backward = True
+    _compat.resume_function_mode(mode)
     try:
-        with mode:
-            yield
+        yield
     finally:
         _tls.backward = prev
+        _compat.suspend_function_mode(mode)
+
+
+def purge_retired_modes() -> None:
+    """Take the dump modes switched off while torch held them off the stack (a gradient hook that switched the dump
+    off inside ``backward()``, whose handler torch puts the mode back after) off the top of this thread's stack."""
+    while True:
+        top = _compat.current_function_mode()
+        if not (isinstance(top, DumpMode) and top.retired) or not _compat.suspend_function_mode(top):
+            return
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,7 +37,8 @@ from determ_backend import _torch_compat
 from determ_backend.dump.capture.apis import DISTRIBUTED_APIS, ApiInfo
 from determ_backend.dump.capture.compiled import CompiledGraphs
 from determ_backend.dump.capture.entries import call_items, flatten, output_items
-from determ_backend.dump.capture.hooks import DumpMode, ApiRecorder, guard, passthrough, user_source
+from determ_backend.dump.capture.hooks import (DumpMode, ApiRecorder, guard, passthrough, purge_retired_modes,
+                                               user_source)
 from determ_backend.dump.capture.regions import OPAQUE_NOTE, ModuleRegion, Regions
 
 __all__ = ["Installation", "compiled_modules", "OPAQUE_NOTE"]
@@ -124,6 +125,7 @@ class Installation:
             # counters: no fingerprint taken before a step stands for a tensor after it
             self._handles.append(register_optimizer_step_post_hook(self._after_step))
             if apis:
+                purge_retired_modes()
                 self._mode = DumpMode(recorder)
                 self._mode.__enter__()
                 self.regions.mode = self._mode
@@ -205,10 +207,11 @@ class Installation:
         """Undo everything (safe to call twice)."""
         self.regions.close()  # first: it puts the dump's mode back on the stack if a region took it off
         if self._mode is not None:
-            try:
-                self._mode.__exit__(None, None, None)
-            finally:
-                self._mode = None
+            mode, self._mode = self._mode, None
+            mode.retired = True
+            # off the stack if it is on top; inside backward() torch may hold it off and put it back later
+            _torch_compat.suspend_function_mode(mode)
+            purge_retired_modes()
         if self._unobserve is not None:
             self._unobserve()
             self._unobserve = None

@@ -1077,3 +1077,17 @@ def test_a_healthy_relu_model_in_bf16_against_fp32_blames_nothing(tmp_path):
         runs[dtype] = dump_run(tmp_path, str(dtype)[6:], model.to(dtype),
                                step=lambda m: real_models.loss_of(m(**inputs)).backward())
     assert _root_causes(compare_two(runs[torch.bfloat16], runs[torch.float32], tmp_path / "cmp")) == []
+
+
+def test_switching_the_dump_off_in_a_gradient_hook_leaves_no_mode_behind(tmp_path):
+    net = torch.nn.Linear(4, 4)
+    dump.set_dump_path(tmp_path, dump_tag="o")
+    dump.register_hook(net, dump.acc_cmp_dump)
+    dump.set_dump_switch("ON")
+    y = net(torch.randn(2, 4, requires_grad=True))
+    y.register_hook(lambda g: dump.set_dump_switch("OFF"))
+    y.sum().backward()  # torch holds the mode off the stack while its handler of backward runs, then puts it back
+    torch.relu(torch.ones(1))
+    dump.remove_hooks()
+    assert not torch.overrides._get_current_function_mode_stack()
+    assert "Torch_relu_0_forward" not in names(tmp_path / "o" / "rank0" / "dump.pkl")
