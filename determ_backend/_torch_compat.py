@@ -867,6 +867,11 @@ def observe_compiled_calls(on_enter: Callable[[Any, tuple, dict], Any],
     return undo
 
 
+def is_set_grad_enabled(target) -> bool:
+    """Whether an FX node's target is ``torch._C._set_grad_enabled`` (how a dynamo graph writes ``torch.no_grad()``)."""
+    return target is getattr(torch._C, "_set_grad_enabled", None)
+
+
 def current_function_mode() -> Optional[Any]:
     """The torch function mode on top of this thread's stack (None when there is none)."""
     from torch.overrides import _get_current_function_mode

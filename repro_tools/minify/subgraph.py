@@ -260,7 +260,7 @@ class GraphView:
             if n.op == "placeholder":
                 x = next(args, None)
                 hit = isinstance(x, torch.Tensor) and x.requires_grad
-            elif n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            elif n.op == "call_function" and tc.is_set_grad_enabled(n.target):
                 grad_on = bool(n.args[0]) if n.args else grad_on
                 continue
             elif n.op == "get_attr":
