@@ -151,10 +151,10 @@ def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, 
     propagate to the caller.
 
     ``local(expected, compiled, name, inputs)``: whether a node's compiled value is what eager computes from the
-    node's own compiled ``inputs`` (relative to their size and its own).  A first failing node that passes it computes correctly from
-    inputs that already carried the error, within ``judge``'s absolute tolerance (a 1% wrong ``mean`` of small
-    squares, which ``rsqrt`` scales up): the culprit is then the first of its producers in the region that fails
-    it (:func:`_computes_wrongly`)."""
+    node's own compiled ``inputs`` (up to the kernel's rounding).  A first failing node that passes it computes
+    correctly from inputs that already carried the error, within ``judge``'s absolute tolerance (a 1% wrong
+    ``mean`` of small squares, which ``rsqrt`` scales up): the culprit is then the first of its producers in the
+    region that fails it (:func:`_computes_wrongly`)."""
     region = region_of(gm, node, judged)
     if sum(1 for n in region if n.target is not operator.getitem) < 2:
         return None

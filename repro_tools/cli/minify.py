@@ -81,7 +81,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", help="cross_device: two device specs, e.g. cuda,cpu or cpu,cpu:float64")
     p.add_argument("--tol", type=tol_arg, help="accuracy / cross-device tolerance (default 1e-3)")
     p.add_argument("--strict", action="store_true", default=None, help="accuracy: demand bitwise equality")
-    p.add_argument("--timeout", type=seconds_arg, help="seconds before an isolated query counts as a hang (default 300)")
+    p.add_argument("--timeout", type=seconds_arg,
+                   help="seconds before an isolated query counts as a hang (default 300)")
     p.add_argument("--similarity", type=float, help="errors: minimum message similarity 0..1 (default 0.5)")
     p.add_argument("--max-queries", type=int, default=500, help="query budget (default 500)")
     p.add_argument("--no-localize", action="store_true", help="skip localization; use the general reducer only")

@@ -250,8 +250,8 @@ class InputsRule:
     * A parameter or gradient read-out (``Parameter.*``) depends on everything before it.
     * A backward call's inputs do not agree when its forward's did not, weights and arguments included.
     * A module boundary whose ``first`` inner call (by ``seq``) came before the last call whose output diverged from
-      agreeing inputs is explained by it (entries without ``seq`` leave this rule out); so is a module's backward entry, whose ``first`` is the
-      first entry written once its outputs' gradients arrived.
+      agreeing inputs is explained by it (entries without ``seq`` leave this rule out); so is a module's backward
+      entry, whose ``first`` is the first entry written once its outputs' gradients arrived.
 
     ``remembered``: how many forward calls' verdicts are kept for their backward (None: all)."""
 
