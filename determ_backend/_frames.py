@@ -115,10 +115,7 @@ def in_torch(path: str) -> bool:
 def called_from_determ(frame) -> bool:
     """Whether the first frame from ``frame`` outwards that is not torch's is determ's own code
     (a backend's recorder hashing a compiled graph's tensors, a check), the demo model excepted."""
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_ROOT):
-        frame = frame.f_back
-    return (frame is not None and frame.f_code.co_filename.startswith(_DETERM_ROOT)
-            and frame.f_code.co_filename not in _USER_MODELS)
+    return caller_outside_torch(frame) == "<determ>"
 
 
 def caller_outside_torch(frame, stdlib: bool = False) -> Optional[str]:

@@ -54,7 +54,8 @@ from determ_backend import _torch_compat, devices
 from determ_backend.backends import flows, narrow
 from determ_backend.backends.extract import node_draws
 from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, dtype_tol, find_roots,
-                                    is_float, is_output, judge, rmse, sub_batches, tensor_metrics)
+                                    is_float, is_output, judge, largest_magnitude, rmse, sub_batches,
+                                    tensor_metrics)
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, first_line
@@ -170,9 +171,9 @@ def _kernel_of(node: str, records) -> Optional[str]:
 
 
 _MAX_NARROW = 4
-_LOCAL_ULPS = 16  # units in the last place a kernel may round one node apart from eager on the same inputs
 """Fused kernels narrowed into per graph call (one compile per root in them).  A backward graph recomputes a
 forward op in each kernel that needs it (a relu per expert of a mixture): every such kernel's root is one."""
+_LOCAL_ULPS = 16  # units in the last place a kernel may round one node apart from eager on the same inputs
 
 
 def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.Tensor]) -> Dict[str, Any]:
@@ -741,8 +742,7 @@ class GraphExec:
                   and x.numel()]
         e, g = exp.detach().double(), got.detach().double()
         k = max([x.numel() for x in floats] + [1]) / max(e.numel(), 1)
-        scale = max([float(x.abs().nan_to_num(posinf=0.0, neginf=0.0).max()) for x in floats + [e] if x.numel()],
-                    default=0.0)
+        scale = max(largest_magnitude(x) for x in floats + [e])
         return bool(torch.allclose(e, g, atol=ulps * max(k, 1.0) * scale, rtol=ulps, equal_nan=True))
 
     @functools.cached_property

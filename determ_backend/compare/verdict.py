@@ -36,7 +36,7 @@ from determ_backend.fingerprint.core import hash_tensor, hash_tensors
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 
-__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "close_to_scale", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows", "sub_batches",
+__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "close_to_scale", "largest_magnitude", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows", "sub_batches",
            "stats_metrics", "judge_records", "dtype_tol", "metrics_text"]
 
 DEFAULT_TOL = 1e-3
@@ -123,6 +123,11 @@ def judge(expected: Any, actual: Any, ref64: Any = None, *, tol: float = DEFAULT
     return err_c <= fp64_multiplier * err_e + tol / 10.0
 
 
+def largest_magnitude(t: torch.Tensor) -> float:
+    """The largest finite magnitude ``t`` holds (0 for an empty tensor): the size a tolerance is taken relative to."""
+    return float(t.detach().abs().double().nan_to_num(posinf=0.0, neginf=0.0).max()) if t.numel() else 0.0
+
+
 def close_to_scale(exp: Any, got: Any, tol: float) -> Optional[bool]:
     """``got`` within ``tol`` of ``exp`` relative to ``exp``'s largest magnitude (an absolute tolerance passes any
     two tensors that are small enough); None when they are not two floating tensors of one shape."""
@@ -131,8 +136,7 @@ def close_to_scale(exp: Any, got: Any, tol: float) -> Optional[bool]:
     if not (exp.is_floating_point() and got.is_floating_point()):
         return None
     e, g = exp.detach().double().cpu(), got.detach().double().cpu()
-    scale = float(e.abs().nan_to_num(posinf=0.0, neginf=0.0).max()) if e.numel() else 0.0
-    return bool(torch.allclose(e, g, atol=tol * scale, rtol=tol, equal_nan=True))
+    return bool(torch.allclose(e, g, atol=tol * largest_magnitude(e), rtol=tol, equal_nan=True))
 
 
 def tensor_metrics(a: torch.Tensor, b: torch.Tensor, ref64: Optional[torch.Tensor] = None) -> Dict[str, Any]:
@@ -200,20 +204,21 @@ def stats_metrics(a: Record, b: Record) -> Dict[str, Any]:
     return out
 
 
-def _stats_close(m: Dict[str, Any], b: Record, tol: float, scaled: bool = False) -> bool:
+def _stats_close(m: Dict[str, Any], b: Record, tol: float) -> bool:
     if "nan_counts" in m or "inf_counts" in m:
         return False
-    st = b.stats or {}
-    if scaled:
-        return _stats_close_to_scale(m, b, st, tol)
-    scale = max((abs(v) for v in st.values() if isinstance(v, float) and math.isfinite(v)), default=1.0)
+    scale = max((abs(v) for v in (b.stats or {}).values() if isinstance(v, float) and math.isfinite(v)), default=1.0)
     return all(m.get(k, 0.0) <= tol * (1.0 + scale) for k in _STAT_DELTAS)
 
 
-def _stats_close_to_scale(m: Dict[str, Any], b: Record, st: Dict[str, Any], tol: float) -> bool:
+def _stats_close_to_scale(m: Dict[str, Any], b: Record, tol: float) -> bool:
     """The statistics' side of :func:`close_to_scale`: what two tensors within ``tol`` of ``b``'s largest magnitude
     (element-wise, ``atol = tol * amax``, ``rtol = tol``) can differ by in each statistic -- ``2 tol amax`` in the
     min, max and mean, ``tol (amax sqrt(n) + l2)`` in the L2 norm -- and no more."""
+    if "nan_counts" in m or "inf_counts" in m:
+        return False
+    st = b.stats or {}
+
     def finite(k: str) -> float:
         v = st.get(k)
         return abs(float(v)) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
@@ -254,7 +259,7 @@ def judge_records(a: Record, b: Record, tol: Optional[float], store_a: Optional[
         return False, m
     if not any(k in m for k in _STAT_DELTAS):  # fingerprints alone: they differ, by how much nothing says
         return None, dict(m, unjudged="no statistics or stored values to judge a tolerance by")
-    return _stats_close(m, b, tol, scaled), m
+    return (_stats_close_to_scale(m, b, tol) if scaled else _stats_close(m, b, tol)), m
 
 
 def sub_batches(batch: int) -> List[int]:

@@ -48,9 +48,9 @@ from determ_backend import _torch_compat as tc
 from determ_backend import devices
 from determ_backend.config import STAGES
 from determ_backend.errors import ConfigError
-from determ_backend.trace.stream import dir_problem
 
 from repro_tools.bisect.runs import CommandRunner
+from repro_tools.cli.args import check_writable_dir
 
 __all__ = ["register", "run", "bisect_command", "Verdict", "config_knobs"]
 
@@ -305,9 +305,8 @@ def _print_text(v: Verdict, cmd: Sequence[str] = ()) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cmd = _command(args)
-    problem = dir_problem(args.workdir) if args.workdir else None
-    if problem:
-        raise ConfigError(f"--workdir {args.workdir}: {problem}")
+    if args.workdir:
+        check_writable_dir(args.workdir, "--workdir")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="determ-bisect-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:

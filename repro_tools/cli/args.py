@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
+from typing import Union
 
-__all__ = ["tol_arg", "seconds_arg"]
+from determ_backend.errors import ConfigError
+from determ_backend.trace.stream import dir_problem
+
+__all__ = ["tol_arg", "seconds_arg", "check_writable_dir"]
 
 
 def tol_arg(text: str) -> float:
@@ -28,3 +33,12 @@ def seconds_arg(text: str) -> float:
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return v
+
+
+def check_writable_dir(out: Union[str, Path], what: str) -> None:
+    """``out`` is, or can become, a directory (:func:`~determ_backend.trace.stream.dir_problem`), else a one-line
+    :class:`ConfigError` naming the flag ``what``: checked before any work, so that a bad directory is not found
+    when the first result is written."""
+    problem = dir_problem(out)
+    if problem is not None:
+        raise ConfigError(f"{what} {out}: {problem}; expected a directory (new or existing)")

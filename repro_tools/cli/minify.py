@@ -25,9 +25,8 @@ from typing import Any, Dict, List, Optional
 
 from determ_backend import _torch_compat as tc
 from determ_backend.errors import ConfigError, ReproError
-from determ_backend.trace.stream import dir_problem
 
-from repro_tools.cli.args import seconds_arg, tol_arg
+from repro_tools.cli.args import check_writable_dir, seconds_arg, tol_arg
 from repro_tools.minify.minifier import STATE_FILE, minify_repro
 from repro_tools.minify.oracles import KINDS
 
@@ -107,14 +106,6 @@ def _print_text(s: Dict[str, Any]) -> None:
     print(f"repro: {s['repro_path']}")
 
 
-def _check_writable_dir(out: Path, what: str) -> None:
-    """``out`` is, or can become, a directory (:func:`~determ_backend.trace.stream.dir_problem`): checked before
-    any query, so that a bad ``--out`` is not found when the first result is written."""
-    problem = dir_problem(out)
-    if problem is not None:
-        raise ConfigError(f"{what} {out}: {problem}; expected a directory (new or existing)")
-
-
 def out_dir_for(src: Path, given: Optional[str], resume: Optional[bool] = None, name: str = "minify",
                 what: str = "--out") -> Path:
     """``given`` (checked), or ``NAME``, ``NAME-2``, ... next to the repro: a new one per run, the latest on
@@ -122,7 +113,7 @@ def out_dir_for(src: Path, given: Optional[str], resume: Optional[bool] = None, 
     None: the caller offers no resuming)."""
     if given:
         out = Path(given)
-        _check_writable_dir(out, what)
+        check_writable_dir(out, what)
         if not resume and (out / STATE_FILE).exists():
             hint = "pass --resume or another" if resume is not None else "delete it or pass another"
             raise ConfigError(f"{what} {out}: holds an earlier minification; {hint} {what}")
@@ -135,7 +126,7 @@ def out_dir_for(src: Path, given: Optional[str], resume: Optional[bool] = None, 
     out = next((d for d in taken if not d.exists()), None)
     if out is None:
         raise ConfigError(f"{base.parent}: {name} .. {name}-999 all exist; pass {what}")
-    _check_writable_dir(out, what)
+    check_writable_dir(out, what)
     return out
 
 

@@ -40,10 +40,9 @@ from determ_backend.backends.extract import lift_random_draws
 from determ_backend.clones import clone_inputs
 from determ_backend.config import CHECKS
 from determ_backend.compare import metrics_text
-from determ_backend.errors import ConfigError, DetermError
-from determ_backend.trace.stream import dir_problem
+from determ_backend.errors import DetermError
 
-from repro_tools.cli.args import tol_arg
+from repro_tools.cli.args import check_writable_dir, tol_arg
 from repro_tools.minify.accuracy import call_maybe_boxed, flatten, same_two_models
 from repro_tools.minify.repro_files import regenerated_note
 from repro_tools.repro.script import add_sys_path, load_repro, repro_class_span
@@ -282,9 +281,8 @@ def _print(r: Dict[str, Any], full_traceback: bool = False) -> None:
 
 def run(args: argparse.Namespace) -> int:
     checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
-    problem = dir_problem(args.out) if args.out else None
-    if problem:  # the flag the user gave, not the DETERM_DIR the trace is written through
-        raise ConfigError(f"--out {args.out}: {problem}")
+    if args.out:  # the flag the user gave, not the DETERM_DIR the trace is written through
+        check_writable_dir(args.out, "--out")
     r = analyze_repro(args.repro, checks, args.tol, args.out)
     if args.json:
         print(json.dumps(r, indent=1, default=str))

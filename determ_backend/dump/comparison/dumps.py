@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from determ_backend.compare import (DEFAULT_TOL, Pair, align, close_to_scale, dtype_tol, find_roots, is_float, judge,
-                                    judge_records)
+                                    judge_records, largest_magnitude)
 from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.stream import Record, atomic_write_text
 from determ_backend.dump.comparison import compiled as cc
@@ -331,19 +331,13 @@ def _pair_tensors(pa: ApiPair, da: Dump, db: Dump, exact: bool, tol: float) -> D
         pa.rows.append(row)
         kind = "given" if io_ == "inputs" and given else io_
         verdicts[kind].append(v)
-        err = _relative_error(m, ta, tb)
-        if err is not None and (kind == "inputs" or (kind == "outputs" and v is False)):
-            pa.errors[kind].append(err)
-        err = _absolute_error(m)
-        if err is not None and (kind == "inputs" or (kind == "outputs" and v is False)):
-            pa.errors[f"{kind}_abs"].append(err)
-        size = _largest_magnitude(ta, tb)
-        if size is not None and (kind == "inputs" or (kind == "outputs" and v is False)):
-            pa.errors[f"{kind}_size"].append(size)
-        shape = (tb or ta or {}).get("shape")
-        if isinstance(shape, list) and all(isinstance(d, int) for d in shape) and \
-                (kind == "inputs" or (kind == "outputs" and v is False)):
-            pa.errors[f"{kind}_numel"].append(math.prod(shape))
+        if kind == "inputs" or (kind == "outputs" and v is False):  # what a call was given, and what it got wrong
+            shape = (tb or ta or {}).get("shape")
+            numel = math.prod(shape) if isinstance(shape, list) and all(isinstance(d, int) for d in shape) else None
+            for suffix, value in (("", _relative_error(m, ta, tb)), ("_abs", _absolute_error(m)),
+                                  ("_size", _largest_magnitude(ta, tb)), ("_numel", numel)):
+                if value is not None:
+                    pa.errors[f"{kind}{suffix}"].append(value)
     return verdicts
 
 
@@ -372,8 +366,7 @@ def _far_share(a: torch.Tensor, b: torch.Tensor, tol: float) -> float:
     x, y = a.detach().double().cpu().reshape(-1), b.detach().double().cpu().reshape(-1)
     if not y.numel():
         return 0.0
-    scale = float(y.abs().nan_to_num(posinf=0.0, neginf=0.0).max())
-    far = (x - y).abs() > tol * scale + tol * y.abs()
+    far = (x - y).abs() > tol * largest_magnitude(y) + tol * y.abs()
     return float(far.double().mean())
 
 
@@ -446,6 +439,21 @@ def _choice_flipped(pa: ApiPair) -> bool:
                and is_float(r.get("Bench Tensor Dtype")) for r in pa.rows)
 
 
+def _excuse(pa: ApiPair, tol: float) -> Optional[str]:
+    """Within a tolerance, for a call whose inputs agree and whose output diverges: why it is no root cause (the
+    precision its inputs carry, a near tie its discrete result flips, a gradient mask its saved values flip), or
+    None when nothing explains it."""
+    if _error_carried(pa, tol):
+        return "its inputs already carry an error of this size (precision carried along, not made here)"
+    if _choice_flipped(pa):
+        return ("a discrete result (indices, a comparison) that inputs differing within the tolerance may flip (a "
+                "near tie), not shown to be computed wrong here")
+    if _mask_flipped(pa):
+        return ("a gradient apart at a few elements only, where a mask of its saved forward values (agreeing within "
+                "the tolerance) flipped, not shown to be computed wrong")
+    return None
+
+
 _FEW = 0.25  # a near tie flips some entries of a discrete result, not most of them
 
 
@@ -512,19 +520,13 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         pa.output_diverges = any(x is False for x in v["outputs"])
         judged_any = judged_any or any(x is not None for x in v["outputs"])
         rule.output_judged(pa.a, pa.output_diverges)
-        carried = not exact and ins and pa.output_diverges and _error_carried(pa, tol)
-        flipped = not exact and ins and pa.output_diverges and not carried and _choice_flipped(pa)
-        masked = not exact and ins and pa.output_diverges and not carried and not flipped and _mask_flipped(pa)
-        if carried or flipped or masked:
-            note = ("its inputs already carry an error of this size (precision carried along, not made here)"
-                    if carried else "a discrete result (indices, a comparison) that inputs differing within the "
-                                    "tolerance may flip (a near tie), not shown to be computed wrong here"
-                    if flipped else "a gradient apart at a few elements only, where a mask of its saved forward "
-                                    "values (agreeing within the tolerance) flipped, not shown to be computed wrong")
+        note = _excuse(pa, tol) if not exact and ins and pa.output_diverges else None
+        carried = note is not None
+        if carried:
             for r in pa.rows:
                 if r["_io"] == "outputs" and r["_match"] is False:
                     r["Err_message"] = f"{r['Err_message']}; {note}" if r["Err_message"] else note
-            pa.explained, carried = note, True
+            pa.explained = note
         # a compiled region whose own FX nodes diverge is explained by them: its inputs do not agree
         p = Pair(_to_record(pa.a, "a", 0), _to_record(pa.b, "b", 0), equal=not pa.output_diverges,
                  inputs_equal=ins and not carried and not cc.explained_by_nodes(pa.nodes))

@@ -81,7 +81,8 @@ def test_an_out_that_is_a_file_names_the_flag(tmp_path):
     (tmp_path / "afile").write_text("x")
     ns = argparse.Namespace(repro=str(path), checks="accuracy", tol=None, out=str(tmp_path / "afile"), json=False,
                             traceback=False)
-    with pytest.raises(ConfigError, match=r"^--out .*afile: .*afile is a file, not a directory$"):
+    with pytest.raises(ConfigError, match=r"^--out .*afile: .*afile is a file, not a directory; expected a directory "
+                                          r"\(new or existing\)$"):
         analyze.run(ns)
 
 
