@@ -54,6 +54,12 @@ class FrameFilter:
         self._walk: Any = ...  # the native walk past frames known to be internal; looked up at the first use
 
     @property
+    def cache(self) -> Dict[int, bool]:
+        """``id(code) -> internal?`` for the codes classified so far (cleared in place when full): what a walk in C
+        reads, asking :meth:`internal` for a code it does not find."""
+        return self._cache
+
+    @property
     def roots(self) -> tuple:
         """The path prefixes of code that is not the user's: a frame whose file starts with one is skipped."""
         return self._roots

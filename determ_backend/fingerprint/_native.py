@@ -155,6 +155,7 @@ class _Loaded(NamedTuple):
     call: _Call
     walk: Optional[Callable]  # first_listed_not(frame, internal) of the extension module; None through ctypes
     lines: Optional[Callable] = None  # trace_lines(call, rows) of the extension module; None through ctypes
+    recorder: Optional[tuple] = None  # (setup_recorder, op_begin, op_end) of the extension module; None through ctypes
 
 
 def _load(path: Path) -> _Loaded:
@@ -179,7 +180,9 @@ def _load(path: Path) -> _Loaded:
     except ImportError as e:
         log.info("native kernel %s does not import as a module (%s); calling it through ctypes", path, e)
         return _Loaded(_ctypes_call(lib), None)
-    return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None), getattr(module, "trace_lines", None))
+    recorder = (module.setup_recorder, module.op_begin, module.op_end) if hasattr(module, "op_begin") else None
+    return _Loaded(module.fingerprint, getattr(module, "first_listed_not", None), getattr(module, "trace_lines", None),
+                   recorder)
 
 
 def _build_and_load(path: Path) -> Optional[_Loaded]:
@@ -257,6 +260,14 @@ def frame_walker() -> Optional[Callable]:
     kernel is off, not built, or loaded through ctypes (then walk in Python)."""
     loaded = _loaded()
     return None if loaded is None else loaded.walk
+
+
+def recorder_ops() -> Optional[tuple]:
+    """``(setup_recorder, op_begin, op_end)``: the eager modes' per-op recorder for its common case, in C
+    (:func:`determ_backend.modes._record.recorder_ops` sets it up and says what it does); None when the kernel is
+    off, not built, or loaded through ctypes (then the recorder is all Python)."""
+    loaded = _loaded()
+    return None if loaded is None else loaded.recorder
 
 
 def available() -> bool:

@@ -17,10 +17,11 @@
  *
  * Built on first use by determ_backend/fingerprint/_native.py with the system C
  * compiler.  Built with DETERM_PYEXT it is also a CPython extension module
- * (determ_fp.fingerprint: one call of a few hundred nanoseconds; with it two
- * loops of the tracing hot path: the user-frame walk and a graph call's trace
- * lines); without Python's headers it is loaded with ctypes; without a
- * compiler determ uses the torch path (and Python for the two loops).
+ * (determ_fp.fingerprint: one call of a few hundred nanoseconds; with it the
+ * loops of the tracing hot path: the user-frame walk, a graph call's trace
+ * lines, and the eager modes' per-op recorder in its common case); without
+ * Python's headers it is loaded with ctypes; without a compiler determ uses the
+ * torch path (and Python for those loops).
  */
 #include <math.h>
 #include <stdint.h>
@@ -813,6 +814,851 @@ fail:
     return NULL;
 }
 
+/* ---- the eager modes' per-op recorder, its common case ------------------------------------------
+ * op_begin(recorder, func, args, kwargs, frame, compiled) -> context
+ * op_end(recorder, context, result, args, kwargs, nondeterministic) -> [Record]
+ * OpRecorder.begin and OpRecorder.end (determ_backend/modes/_record.py) for an op whose every step is the
+ * common one, with the same tables, the same records and the same names; every branch they take for anything
+ * else (a first-seen input, an input found by its memory, a view's or a copy's fingerprint, a collective, an
+ * out= argument, the text log's argument descriptions, a flush...) calls the Python method that does it, and
+ * an op that needs more than that is handed to OpRecorder.begin / OpRecorder.end whole, before anything
+ * changed.  setup_recorder(names) gives the module the Python objects it works with, once. */
+
+static PyObject *RS = NULL; /* the setup dict: keeps every object below alive */
+static PyObject *R_Tensor, *R_Parameter, *R_Size, *R_Record, *R_OpEvent, *R_strided, *R_fwd_key, *R_infos, *R_op_info,
+    *R_lines, *R_frames, *R_frames_cache, *R_engine, *R_dtype_names, *R_dtype_name, *R_node_getter, *R_grad_enabled,
+    *R_written_tensors, *R_supported, *R_key, *R_is_zero, *R_stats_dict, *R_host_batch, *R_flush_bytes, *R_weak_storage,
+    *R_storage_expired, *R_storage_release;
+static PyObject *S_eager, *S_node_kind, *S_bw, *S_unknown, *S_stack, *S_backward, *S_compiled_region, *S_empty_str,
+    *S_empty_tuple, *S_zero, *S_one;
+
+#define NAMES(X)                                                                                                   \
+    X(_unsettled) X(_settle) X(_by_object) X(_producer_by_memory) X(_input_record) X(_tag_grad_fn) X(_where)      \
+    X(begin) X(end) X(describe_args) X(stack_depth) X(_silent) X(_version) X(requires_grad) X(grad_fn)          \
+    X(metadata) X(name) X(_counts) X(seq) X(rank) X(run) X(_capture) X(_hash_output) X(_hashes) X(_items)        \
+    X(nbytes) X(_batch) X(_looked_up) X(_kernel) X(_want) X(_max_first) X(_out) X(threads) X(dtype) X(shape)    \
+    X(is_nested) X(layout) X(is_meta) X(is_cpu) X(is_quantized) X(is_conj) X(is_neg) X(numel) X(is_contiguous) \
+    X(data_ptr) X(_base) X(_written_through_view) X(compiled_ops) X(_events) X(batch) X(flush) X(on_host)        \
+    X(internal) X(node) X(_flush_due) X(stats) X(_producers) X(set_producer) X(stride) X(device)
+#define DECLARE(n) static PyObject *N_##n;
+NAMES(DECLARE)
+#undef DECLARE
+
+static int intern_names(void) {
+#define INTERN(n) if (!(N_##n = PyUnicode_InternFromString(#n))) return -1;
+    NAMES(INTERN)
+#undef INTERN
+    return 0;
+}
+
+static PyObject *setup_item(PyObject *d, const char *k) {
+    PyObject *v = PyDict_GetItemString(d, k);
+    if (!v) PyErr_Format(PyExc_KeyError, "setup_recorder: %s missing", k);
+    return v;
+}
+
+/* setup_recorder(names: dict) */
+static PyObject *py_setup_recorder(PyObject *self, PyObject *d) {
+    (void)self;
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "setup_recorder(dict)");
+        return NULL;
+    }
+    if (!N__unsettled && intern_names() < 0) return NULL;
+#define ITEM(var, key) if (!(var = setup_item(d, key))) return NULL;
+    ITEM(R_Tensor, "Tensor") ITEM(R_Parameter, "Parameter") ITEM(R_Size, "Size") ITEM(R_Record, "Record")
+    ITEM(R_OpEvent, "OpEvent") ITEM(R_strided, "strided") ITEM(R_fwd_key, "FORWARD_KEY") ITEM(R_infos, "OP_INFO")
+    ITEM(R_op_info, "op_info") ITEM(R_lines, "LINES") ITEM(R_frames, "FRAMES") ITEM(R_frames_cache, "FRAMES_CACHE")
+    ITEM(R_engine, "engine") ITEM(R_dtype_names, "DTYPE_NAMES") ITEM(R_dtype_name, "dtype_name")
+    ITEM(R_node_getter, "autograd_node") ITEM(R_grad_enabled, "is_grad_enabled")
+    ITEM(R_written_tensors, "written_tensors") ITEM(R_supported, "SUPPORTED") ITEM(R_key, "key")
+    ITEM(R_is_zero, "is_zero_tensor") ITEM(R_stats_dict, "stats_dict") ITEM(R_host_batch, "HOST_BATCH")
+    ITEM(R_flush_bytes, "FLUSH_BYTES") ITEM(R_weak_storage, "storage_weak_ref") ITEM(R_storage_expired, "storage_expired")
+    ITEM(R_storage_release, "storage_release")
+#undef ITEM
+    if (!S_eager) {
+        if (!(S_eager = PyUnicode_InternFromString("eager")) || !(S_node_kind = PyUnicode_InternFromString("node")) ||
+            !(S_bw = PyUnicode_InternFromString("/bw")) || !(S_unknown = PyUnicode_InternFromString("?")) ||
+            !(S_stack = PyUnicode_InternFromString("stack")) ||
+            !(S_backward = PyUnicode_InternFromString("backward")) ||
+            !(S_compiled_region = PyUnicode_InternFromString("compiled_region")) ||
+            !(S_empty_str = PyUnicode_FromString("")) || !(S_empty_tuple = PyTuple_New(0)) ||
+            !(S_zero = PyLong_FromLong(0)) || !(S_one = PyLong_FromLong(1)))
+            return NULL;
+    }
+    Py_INCREF(d);
+    PyObject *old = RS;
+    RS = d;
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
+/* 1 when code is not the user's (FrameFilter.internal, its cache read here), 0 when it is, -1 on error */
+static int code_internal(PyCodeObject *code) {
+    PyObject *k = PyLong_FromVoidPtr(code);
+    if (!k) return -1;
+    PyObject *v = PyDict_GetItemWithError(R_frames_cache, k);
+    Py_DECREF(k);
+    if (v) return v == Py_True;
+    if (PyErr_Occurred()) return -1;
+    PyObject *r = PyObject_CallMethodOneArg(R_frames, N_internal, (PyObject *)code);
+    if (!r) return -1;
+    int out = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return out;
+}
+
+/* OpRecorder._run_by_user: 1, 0, or -1 on error */
+static int run_by_user(PyObject *frame) {
+    if (frame == Py_None) return 0;
+    PyFrameObject *f = (PyFrameObject *)frame;
+    Py_INCREF(f);
+    while (f) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        if ((PyObject *)code == R_engine) {
+            Py_DECREF(code);
+            Py_DECREF(f);
+            return 0;
+        }
+        int internal = code_internal(code);
+        Py_DECREF(code);
+        if (internal <= 0) {
+            Py_DECREF(f);
+            return internal < 0 ? -1 : 1;
+        }
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    return 0;
+}
+
+/* OpRecorder._where for one frame kept: (source, location) as new references; 0, or -1 on error */
+static int where(PyObject *rec, PyObject *frame, PyObject **source, PyObject **loc) {
+    PyFrameObject *f = frame == Py_None ? NULL : (PyFrameObject *)frame;
+    Py_XINCREF(f);
+    PyCodeObject *code = NULL;
+    while (f) {
+        code = PyFrame_GetCode(f);
+        int internal = code_internal(code);
+        if (internal < 0) {
+            Py_DECREF(code);
+            Py_DECREF(f);
+            return -1;
+        }
+        if (!internal) break;
+        Py_DECREF(code);
+        code = NULL;
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    if (!f) {
+        Py_INCREF(Py_None);
+        Py_INCREF(S_unknown);
+        *source = Py_None;
+        *loc = S_unknown;
+        return 0;
+    }
+    PyObject *key = Py_BuildValue("(Ni)", PyLong_FromVoidPtr(code), PyFrame_GetLineNumber(f));
+    Py_DECREF(f);
+    if (!key) {
+        Py_DECREF(code);
+        return -1;
+    }
+    PyObject *w = PyDict_GetItemWithError(R_lines, key);
+    Py_DECREF(key);
+    if (w && PyTuple_Check(w) && PyTuple_GET_SIZE(w) == 3 && PyTuple_GET_ITEM(w, 2) == (PyObject *)code) {
+        Py_DECREF(code);
+        *source = Py_NewRef(PyTuple_GET_ITEM(w, 0));
+        *loc = Py_NewRef(PyTuple_GET_ITEM(w, 1));
+        return 0;
+    }
+    Py_DECREF(code);
+    if (PyErr_Occurred()) return -1;
+    PyObject *r = PyObject_CallMethodOneArg(rec, N__where, frame); /* enters the line */
+    if (!r) return -1;
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 2) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_TypeError, "OpRecorder._where: expected a tuple");
+        return -1;
+    }
+    *source = Py_NewRef(PyTuple_GET_ITEM(r, 0));
+    *loc = Py_NewRef(PyTuple_GET_ITEM(r, 1));
+    Py_DECREF(r);
+    return 0;
+}
+
+/* tensor_args (determ_backend/modes/ops.py) of one argument, appended to out */
+static int collect_tensors(PyObject *a, PyObject *out) {
+    if (PyLong_CheckExact(a) || PyFloat_CheckExact(a) || a == Py_None || PyBool_Check(a)) return 0;
+    int is = PyObject_IsInstance(a, R_Tensor);
+    if (is < 0) return -1;
+    if (is) return PyList_Append(out, a);
+    if ((PyList_Check(a) || PyTuple_Check(a)) && PySequence_Size(a) > 0) {
+        int size = PyObject_IsInstance(a, R_Size);
+        if (size < 0) return -1;
+        if (size) return 0;
+        PyObject *seq = PySequence_Fast(a, "");
+        if (!seq) return -1;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (collect_tensors(PySequence_Fast_GET_ITEM(seq, i), out) < 0) {
+                Py_DECREF(seq);
+                return -1;
+            }
+        }
+        Py_DECREF(seq);
+    }
+    return 0;
+}
+
+/* the op's facts (determ_backend.modes._record.op_info), a new reference */
+static PyObject *op_facts(PyObject *func) {
+    PyObject *k = PyLong_FromVoidPtr(func);
+    if (!k) return NULL;
+    PyObject *info = PyDict_GetItemWithError(R_infos, k);
+    Py_DECREF(k);
+    if (info && PyTuple_Check(info) && PyTuple_GET_SIZE(info) >= 9 && PyTuple_GET_ITEM(info, 5) == func)
+        return Py_NewRef(info);
+    if (PyErr_Occurred()) return NULL;
+    info = PyObject_CallOneArg(R_op_info, func);
+    if (info && (!PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 9)) {
+        Py_DECREF(info);
+        PyErr_SetString(PyExc_TypeError, "op_info: expected a 9-tuple");
+        return NULL;
+    }
+    return info;
+}
+
+static int attr_true(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+static Py_ssize_t attr_len(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    Py_ssize_t r = PyObject_Length(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* a tensor's version counter, -1 for an inference tensor (it has none); -2 on error */
+static long long tensor_version(PyObject *t) {
+    PyObject *v = PyObject_GetAttr(t, N__version);
+    if (!v) {
+        if (PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+            PyErr_Clear();
+            return -1;
+        }
+        return -2;
+    }
+    long long out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return out == -1 && PyErr_Occurred() ? -2 : out;
+}
+
+/* OpRecorder.set_producer for a tensor whose memory no live entry holds (none, or a freed storage's at the same
+ * address): 1 when done, 0 when the caller takes set_producer, -1 on error */
+static int enter_producer(PyObject *rec, PyObject *producers, PyObject *by_object, PyObject *t, PyObject *r,
+                          PyObject *view) {
+    int rc = -1;
+    PyObject *ptr = NULL, *dtype = NULL, *shape = NULL, *stride = NULL, *device = NULL, *key = NULL, *expired = NULL,
+             *ref = NULL, *entry = NULL, *id = NULL, *released = NULL, *wr = NULL, *obj_entry = NULL, *vo = NULL;
+    long long v = tensor_version(t);
+    if (v == -2) return -1;
+    if (!(ptr = PyObject_CallMethodNoArgs(t, N_data_ptr)) || !(dtype = PyObject_GetAttr(t, N_dtype)) ||
+        !(shape = PyObject_GetAttr(t, N_shape)) || !(stride = PyObject_CallMethodNoArgs(t, N_stride)) ||
+        !(device = PyObject_GetAttr(t, N_device)) || !(key = PyTuple_Pack(5, ptr, dtype, shape, stride, device))) {
+        if (PyErr_ExceptionMatches(PyExc_RuntimeError)) { /* no memory key (no storage, a nested tensor's sizes) */
+            PyErr_Clear();
+            rc = 0;
+        }
+        goto done;
+    }
+    PyObject *ent = PyDict_GetItemWithError(producers, key); /* borrowed */
+    if (!ent && PyErr_Occurred()) goto done;
+    if (ent) {
+        if (view != Py_False || !PyTuple_Check(ent) || PyTuple_GET_SIZE(ent) != 4) {
+            rc = 0;
+            goto done;
+        }
+        if (!(expired = PyObject_CallOneArg(R_storage_expired, PyTuple_GET_ITEM(ent, 0)))) goto done;
+        if (expired != Py_True) { /* live memory written again: set_producer's bookkeeping of aliases */
+            rc = 0;
+            goto done;
+        }
+        Py_INCREF(ent); /* kept until its storage reference is given back, after it is out of the table */
+    }
+    if (!(ref = PyObject_CallOneArg(R_weak_storage, t)) || !(id = PyLong_FromVoidPtr(t)) ||
+        !(vo = PyLong_FromLongLong(v)) || !(entry = PyTuple_Pack(4, ref, r, vo, id)) ||
+        PyDict_SetItem(producers, key, entry) < 0) {
+        Py_XDECREF(ent);
+        goto done;
+    }
+    if (ent) {
+        released = PyObject_CallOneArg(R_storage_release, PyTuple_GET_ITEM(ent, 0));
+        Py_DECREF(ent);
+        if (!released) goto done;
+    }
+    if (!(wr = PyWeakref_NewRef(t, NULL))) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) goto done;
+        PyErr_Clear(); /* a tensor subclass without weak references: the memory key alone */
+    } else if (!(obj_entry = PyTuple_Pack(3, wr, r, vo)) || PyDict_SetItem(by_object, id, obj_entry) < 0) {
+        goto done;
+    }
+    rc = 1;
+done:
+    Py_XDECREF(ptr); Py_XDECREF(dtype); Py_XDECREF(shape); Py_XDECREF(stride); Py_XDECREF(device); Py_XDECREF(key);
+    Py_XDECREF(expired); Py_XDECREF(ref); Py_XDECREF(entry); Py_XDECREF(id); Py_XDECREF(released); Py_XDECREF(wr);
+    Py_XDECREF(obj_entry); Py_XDECREF(vo);
+    return rc;
+}
+
+/* OpRecorder._settle: register the last op's outputs; 0, or -1 on error */
+static int settle(PyObject *rec) {
+    PyObject *unsettled = PyObject_GetAttr(rec, N__unsettled), *fresh = PyList_New(0), *producers = NULL,
+             *by_object = NULL;
+    int rc = -1;
+    if (!unsettled || !fresh || PyObject_SetAttr(rec, N__unsettled, fresh) < 0) goto done;
+    if (!PyList_Check(unsettled)) {
+        PyErr_SetString(PyExc_TypeError, "OpRecorder._unsettled: expected a list");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(unsettled); i++) {
+        PyObject *u = PyList_GET_ITEM(unsettled, i);
+        if (!PyTuple_Check(u) || PyTuple_GET_SIZE(u) != 3) {
+            PyErr_SetString(PyExc_TypeError, "OpRecorder._unsettled: expected (tensor, record, view) items");
+            goto done;
+        }
+        /* looked up per item: set_producer may replace the identity table */
+        Py_XDECREF(producers);
+        Py_XDECREF(by_object);
+        if (!(producers = PyObject_GetAttr(rec, N__producers)) || !(by_object = PyObject_GetAttr(rec, N__by_object)))
+            goto done;
+        int done_here = PyDict_CheckExact(producers) && PyDict_CheckExact(by_object)
+            ? enter_producer(rec, producers, by_object, PyTuple_GET_ITEM(u, 0), PyTuple_GET_ITEM(u, 1),
+                             PyTuple_GET_ITEM(u, 2))
+            : 0;
+        if (done_here < 0) goto done;
+        if (!done_here) {
+            PyObject *got = PyObject_CallMethodObjArgs(rec, N_set_producer, PyTuple_GET_ITEM(u, 0),
+                                                       PyTuple_GET_ITEM(u, 1), PyTuple_GET_ITEM(u, 2), NULL);
+            if (!got) goto done;
+            Py_DECREF(got);
+        }
+    }
+    rc = 0;
+done:
+    Py_XDECREF(unsettled);
+    Py_XDECREF(fresh);
+    Py_XDECREF(producers);
+    Py_XDECREF(by_object);
+    return rc;
+}
+
+static PyObject *py_op_begin(PyObject *self, PyObject *const *a, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6 || !RS) {
+        PyErr_SetString(PyExc_TypeError, "op_begin(recorder, func, args, kwargs, frame, compiled) after setup_recorder");
+        return NULL;
+    }
+    PyObject *rec = a[0], *func = a[1], *args = a[2], *kwargs = a[3], *frame = a[4], *compiled = a[5];
+    PyObject *info = NULL, *node = NULL, *backward = NULL, *fwd = NULL, *source = NULL, *loc = NULL, *in_recs = NULL,
+             *events = NULL, *tensors = NULL, *by_object = NULL, *out = NULL;
+    /* handed to OpRecorder.begin whole: the text log's argument descriptions, several frames a record, a
+     * torch.distributed write seen before, out= arguments, a collective */
+    int whole = attr_true(rec, N_describe_args);
+    if (whole < 0) return NULL;
+    if (!whole) {
+        PyObject *depth = PyObject_GetAttr(rec, N_stack_depth);
+        if (!depth) return NULL;
+        long d = PyLong_AsLong(depth);
+        Py_DECREF(depth);
+        if (d == -1 && PyErr_Occurred()) return NULL;
+        Py_ssize_t silent = attr_len(rec, N__silent);
+        if (silent < 0) return NULL;
+        whole = d != 1 || silent > 0 || !PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs));
+    }
+    if (!whole) {
+        if (!(info = op_facts(func))) return NULL;
+        PyObject *outs = PyTuple_GET_ITEM(info, 7);
+        whole = PyTuple_GET_ITEM(info, 6) == Py_True || !PyTuple_Check(outs) || PyTuple_GET_SIZE(outs) > 0;
+    }
+    if (whole) {
+        Py_XDECREF(info);
+        PyObject *argv[] = {rec, func, args, kwargs, frame, compiled};
+        return PyObject_VectorcallMethod(N_begin, argv, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    Py_ssize_t unsettled = attr_len(rec, N__unsettled);
+    if (unsettled < 0) goto fail;
+    if (unsettled > 0 && settle(rec) < 0) goto fail;
+    if (!(node = PyObject_CallNoArgs(R_node_getter))) goto fail;
+    if (node != Py_None) {
+        if (!(backward = PyObject_CallMethodNoArgs(node, N_name))) goto fail;
+        int user = run_by_user(frame);
+        if (user < 0) goto fail;
+        if (!user) {
+            PyObject *md = PyObject_GetAttr(node, N_metadata);
+            if (!md) goto fail;
+            fwd = PyObject_CallMethod(md, "get", "O", R_fwd_key);
+            Py_DECREF(md);
+            if (!fwd) goto fail;
+            if (fwd == Py_None) Py_CLEAR(fwd);
+        }
+    } else {
+        backward = Py_NewRef(Py_None);
+    }
+    if (fwd) { /* named after the forward line that made its autograd node */
+        if (!PyTuple_Check(fwd) || PyTuple_GET_SIZE(fwd) != 2) {
+            PyErr_SetString(PyExc_TypeError, "op_begin: a node's forward source is (source, location)");
+            goto fail;
+        }
+        source = Py_NewRef(PyTuple_GET_ITEM(fwd, 0));
+        loc = Py_NewRef(PyTuple_GET_ITEM(fwd, 1));
+    } else if (where(rec, frame, &source, &loc) < 0) {
+        goto fail;
+    }
+    int grad_on = 0;
+    if (node == Py_None) {
+        PyObject *g = PyObject_CallNoArgs(R_grad_enabled);
+        if (!g) goto fail;
+        grad_on = g == Py_True;
+        Py_DECREF(g);
+    }
+    if (!(in_recs = PyList_New(0)) || !(events = PyList_New(0)) || !(tensors = PyList_New(0))) goto fail;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++)
+        if (collect_tensors(PyTuple_GET_ITEM(args, i), tensors) < 0) goto fail;
+    if (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
+        PyObject *k, *v;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwargs, &pos, &k, &v))
+            if (collect_tensors(v, tensors) < 0) goto fail;
+    }
+    if (!(by_object = PyObject_GetAttr(rec, N__by_object))) goto fail;
+    if (!PyDict_Check(by_object)) {
+        PyErr_SetString(PyExc_TypeError, "OpRecorder._by_object: expected a dict");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors); i++) {
+        PyObject *t = PyList_GET_ITEM(tensors, i);
+        long long v = tensor_version(t);
+        if (v == -2) goto fail;
+        PyObject *k = PyLong_FromVoidPtr(t);
+        if (!k) goto fail;
+        PyObject *ent = PyDict_GetItemWithError(by_object, k);
+        Py_DECREF(k);
+        if (!ent && PyErr_Occurred()) goto fail;
+        PyObject *r = NULL; /* new reference */
+        if (ent && PyTuple_Check(ent) && PyTuple_GET_SIZE(ent) == 3 && PyLong_Check(PyTuple_GET_ITEM(ent, 2)) &&
+            PyLong_AsLongLong(PyTuple_GET_ITEM(ent, 2)) == v &&
+            PyWeakref_GetObject(PyTuple_GET_ITEM(ent, 0)) == t) {
+            r = Py_NewRef(PyTuple_GET_ITEM(ent, 1));
+        } else {
+            if (PyErr_Occurred()) goto fail;
+            PyObject *pv = PyLong_FromLongLong(v);
+            if (!pv) goto fail;
+            r = PyObject_CallMethodObjArgs(rec, N__producer_by_memory, t, pv, NULL);
+            Py_DECREF(pv);
+            if (!r) goto fail;
+            if (r == Py_None) {
+                Py_DECREF(r);
+                r = PyObject_CallMethodObjArgs(rec, N__input_record, t, source, loc, events, Py_False, Py_False, NULL);
+                if (!r) goto fail;
+                int rc = PyList_Append(in_recs, r);
+                Py_DECREF(r);
+                if (rc < 0) goto fail;
+                continue;
+            }
+        }
+        if (grad_on) {
+            int rg = attr_true(t, N_requires_grad);
+            if (rg < 0) {
+                Py_DECREF(r);
+                goto fail;
+            }
+            if (rg) { /* OpRecorder._tag_grad_fn, called once per autograd node */
+                PyObject *gf = PyObject_GetAttr(t, N_grad_fn);
+                int tagged = 1;
+                if (gf && gf != Py_None) {
+                    PyObject *md = PyObject_GetAttr(gf, N_metadata);
+                    tagged = md ? PySequence_Contains(md, R_fwd_key) : -1;
+                    Py_XDECREF(md);
+                }
+                Py_XDECREF(gf);
+                PyObject *done = tagged == 0 ? PyObject_CallMethodObjArgs(rec, N__tag_grad_fn, t, r, NULL) : NULL;
+                Py_XDECREF(done);
+                if (!gf || tagged < 0 || (tagged == 0 && !done)) {
+                    Py_DECREF(r);
+                    goto fail;
+                }
+            }
+        }
+        int rc = PyList_Append(in_recs, r);
+        Py_DECREF(r);
+        if (rc < 0) goto fail;
+    }
+    out = PyTuple_Pack(9, info, source, loc, Py_None, backward, compiled, in_recs, S_empty_tuple, events);
+fail:
+    Py_XDECREF(info);
+    Py_XDECREF(node);
+    Py_XDECREF(backward);
+    Py_XDECREF(fwd);
+    Py_XDECREF(source);
+    Py_XDECREF(loc);
+    Py_XDECREF(in_recs);
+    Py_XDECREF(events);
+    Py_XDECREF(tensors);
+    Py_XDECREF(by_object);
+    return out;
+}
+
+/* OpRecorder._name: "<op>@<location><suffix>#<k>", the k-th of that base; a new reference */
+static PyObject *op_name(PyObject *rec, PyObject *op, PyObject *loc, PyObject *suffix) {
+    PyObject *counts = PyObject_GetAttr(rec, N__counts);
+    if (!counts) return NULL;
+    PyObject *base = PyUnicode_FromFormat("%U@%U%U", op, loc, suffix);
+    PyObject *out = NULL;
+    if (base && PyDict_Check(counts)) {
+        PyObject *c = PyDict_GetItemWithError(counts, base);
+        long long k = c ? PyLong_AsLongLong(c) : 0;
+        if (!PyErr_Occurred()) {
+            PyObject *next = PyLong_FromLongLong(k + 1);
+            if (next && PyDict_SetItem(counts, base, next) == 0) out = PyUnicode_FromFormat("%U#%lld", base, k);
+            Py_XDECREF(next);
+        }
+    } else if (base) {
+        PyErr_SetString(PyExc_TypeError, "OpRecorder._counts: expected a dict");
+    }
+    Py_XDECREF(base);
+    Py_DECREF(counts);
+    return out;
+}
+
+/* OpRecorder._record(node, op, "node", source, t, inputs, extra); a new reference */
+static PyObject *new_record(PyObject *rec, PyObject *node, PyObject *op, PyObject *source, PyObject *t, PyObject *inputs,
+                            PyObject *extra, int is_tensor) {
+    PyObject *seq = PyObject_GetAttr(rec, N_seq), *dtype = NULL, *shape = NULL, *names = NULL, *in_hashes = NULL,
+             *rank = NULL, *run = NULL, *out = NULL;
+    if (!seq) return NULL;
+    PyObject *next = PyNumber_Add(seq, S_one);
+    if (!next || PyObject_SetAttr(rec, N_seq, next) < 0) goto done;
+    if (is_tensor) {
+        PyObject *dt = PyObject_GetAttr(t, N_dtype);
+        if (!dt) goto done;
+        dtype = PyDict_GetItemWithError(R_dtype_names, dt);
+        if (dtype) Py_INCREF(dtype);
+        else if (!PyErr_Occurred()) dtype = PyObject_CallOneArg(R_dtype_name, dt);
+        Py_DECREF(dt);
+        if (!dtype) goto done;
+        int nested = attr_true(t, N_is_nested);
+        if (nested < 0) goto done;
+        if (nested) {
+            shape = PyList_New(0);
+        } else {
+            PyObject *s = PyObject_GetAttr(t, N_shape);
+            shape = s ? PySequence_List(s) : NULL;
+            Py_XDECREF(s);
+        }
+    } else {
+        PyObject *tn = PyType_GetName(Py_TYPE(t));
+        dtype = tn ? PyUnicode_FromFormat("py_%U", tn) : NULL;
+        Py_XDECREF(tn);
+        shape = PyList_New(0);
+    }
+    if (!dtype || !shape) goto done;
+    Py_ssize_t n = PyList_GET_SIZE(inputs);
+    if (!(names = PyList_New(n))) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *nm = PyObject_GetAttr(PyList_GET_ITEM(inputs, i), N_node);
+        if (!nm) goto done;
+        PyList_SET_ITEM(names, i, nm);
+    }
+    if (!(in_hashes = PyList_New(0)) || !(rank = PyObject_GetAttr(rec, N_rank)) || !(run = PyObject_GetAttr(rec, N_run)))
+        goto done;
+    /* graph, stage, node, op, kind, call, seq, source, dtype, shape, hash, stats, inputs, in_hashes, rank, run,
+     * payload, extra */
+    PyObject *argv[] = {S_eager, S_eager, node, op, S_node_kind, S_zero, seq, source, dtype, shape,
+                        Py_None, Py_None, names, in_hashes, rank, run, Py_None, extra};
+    out = PyObject_Vectorcall(R_Record, argv, 18, NULL);
+done:
+    Py_DECREF(seq);
+    Py_XDECREF(next);
+    Py_XDECREF(dtype);
+    Py_XDECREF(shape);
+    Py_XDECREF(names);
+    Py_XDECREF(in_hashes);
+    Py_XDECREF(rank);
+    Py_XDECREF(run);
+    return out;
+}
+
+/* PendingHashes.add through FingerprintBatch.add_now for a plain contiguous CPU tensor the kernel reads right
+ * now: 1 when done, 0 when that does not apply (the caller takes OpRecorder._capture), -1 on error */
+static int capture_now(PyObject *rec, PyObject *r, PyObject *t) {
+    if (Py_TYPE(t) != (PyTypeObject *)R_Tensor && Py_TYPE(t) != (PyTypeObject *)R_Parameter) return 0;
+    int ok = 0, rc = -1;
+    PyObject *hashes = NULL, *batch = NULL, *kernel = NULL, *layout = NULL, *dtype = NULL, *kind_o = NULL,
+             *key = NULL, *shape = NULL, *threads = NULL, *numel = NULL, *ptr_o = NULL, *nbytes_o = NULL,
+             *zero = NULL, *entry = NULL, *stats = NULL, *outl = NULL, *items = NULL, *item = NULL, *pos = NULL,
+             *total = NULL, *want_o = NULL;
+    if (!(layout = PyObject_GetAttr(t, N_layout))) goto done;
+    if (layout != R_strided) goto no;
+    int b;
+    if ((b = attr_true(t, N_is_meta)) != 0 || (b = attr_true(t, N_is_nested)) != 0) goto maybe;
+    if ((b = attr_true(t, N_is_cpu)) != 1) goto maybe;
+    if ((b = attr_true(t, N_is_quantized)) != 0) goto maybe;
+    if (!(hashes = PyObject_GetAttr(rec, N__hashes)) || !(batch = PyObject_GetAttr(hashes, N__batch))) goto done;
+    if ((b = attr_true(batch, N__looked_up)) != 1) goto maybe;
+    if (!(kernel = PyObject_GetAttr(batch, N__kernel))) goto done;
+    if (kernel == Py_None) goto no;
+    PyObject *m;
+    if (!(m = PyObject_CallMethodNoArgs(t, N_is_conj))) goto done;
+    b = m == Py_True; Py_DECREF(m);
+    if (b) goto no;
+    if (!(m = PyObject_CallMethodNoArgs(t, N_is_neg))) goto done;
+    b = m == Py_True; Py_DECREF(m);
+    if (b) goto no;
+    if (!(zero = PyObject_CallOneArg(R_is_zero, t))) goto done;
+    if (zero != Py_False) goto no;
+    if (!(m = PyObject_CallMethodNoArgs(t, N_is_contiguous))) goto done;
+    b = m == Py_True; Py_DECREF(m);
+    if (!b) goto no;
+    if (!(want_o = PyObject_GetAttr(batch, N__want))) goto done;
+    int want = want_o == Py_True;
+    if (!(dtype = PyObject_GetAttr(t, N_dtype))) goto done;
+    kind_o = PyDict_GetItemWithError(R_supported, dtype);
+    if (!kind_o && PyErr_Occurred()) goto done;
+    long kind = kind_o ? PyLong_AsLong(kind_o) : 0;
+    kind_o = NULL;
+    if (want && !kind) goto no;
+    if (!(numel = PyObject_CallMethodNoArgs(t, N_numel)) || !(nbytes_o = PyObject_GetAttr(t, N_nbytes))) goto done;
+    long long n = PyLong_AsLongLong(numel), nbytes = PyLong_AsLongLong(nbytes_o);
+    if (PyErr_Occurred()) goto done;
+    unsigned long long ptr = 0;
+    if (n) {
+        if (!(ptr_o = PyObject_CallMethodNoArgs(t, N_data_ptr))) goto done;
+        ptr = PyLong_AsUnsignedLongLongMask(ptr_o);
+    }
+    if (!(shape = PyObject_GetAttr(t, N_shape)) || !(key = PyObject_CallFunctionObjArgs(R_key, dtype, shape, NULL)) ||
+        !(threads = PyObject_GetAttr(kernel, N_threads)))
+        goto done;
+    unsigned long long k = PyLong_AsUnsignedLongLongMask(key);
+    long nthreads = PyLong_AsLong(threads);
+    if (PyErr_Occurred() || nbytes < 0 || n < 0) goto done;
+    uint64_t h = 0;
+    double v[7];
+    int krc;
+    const void *data = (const void *)(uintptr_t)ptr;
+    if (nbytes >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        krc = determ_fp(data, nbytes, (int)kind, n, k, (int)nthreads, &h, want ? v : NULL);
+        Py_END_ALLOW_THREADS
+    } else {
+        krc = determ_fp(data, nbytes, (int)kind, n, k, (int)nthreads, &h, want ? v : NULL);
+    }
+    if (krc != 0) goto no; /* not initialized, or no scratch memory: the Python path says so */
+    if (want) {
+        PyObject *vec = Py_BuildValue("(ddddddd)", v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
+        PyObject *first = vec ? PyObject_GetAttr(batch, N__max_first) : NULL;
+        stats = first ? PyObject_CallFunctionObjArgs(R_stats_dict, vec, first, NULL) : NULL;
+        Py_XDECREF(vec);
+        Py_XDECREF(first);
+        if (!stats) goto done;
+    } else {
+        stats = Py_NewRef(Py_None);
+    }
+    if (!(entry = Py_BuildValue("(KO)", (unsigned long long)h, stats)) || !(outl = PyObject_GetAttr(batch, N__out)) ||
+        PyList_Append(outl, entry) < 0)
+        goto done;
+    if (!(pos = PyLong_FromSsize_t(PyList_GET_SIZE(outl) - 1)) || !(item = PyTuple_Pack(2, r, pos)) ||
+        !(items = PyObject_GetAttr(hashes, N__items)) || PyList_Append(items, item) < 0)
+        goto done;
+    PyObject *had = PyObject_GetAttr(hashes, N_nbytes);
+    if (!had) goto done;
+    total = PyNumber_Add(had, nbytes_o);
+    Py_DECREF(had);
+    if (!total || PyObject_SetAttr(hashes, N_nbytes, total) < 0) goto done;
+    ok = 1;
+no:
+    rc = ok;
+    goto done;
+maybe:
+    rc = b < 0 ? -1 : 0;
+done:
+    Py_XDECREF(hashes); Py_XDECREF(batch); Py_XDECREF(kernel); Py_XDECREF(layout); Py_XDECREF(dtype);
+    Py_XDECREF(key); Py_XDECREF(shape); Py_XDECREF(threads); Py_XDECREF(numel); Py_XDECREF(ptr_o);
+    Py_XDECREF(nbytes_o); Py_XDECREF(zero); Py_XDECREF(entry); Py_XDECREF(stats); Py_XDECREF(outl);
+    Py_XDECREF(items); Py_XDECREF(item); Py_XDECREF(pos); Py_XDECREF(total); Py_XDECREF(want_o);
+    return rc;
+}
+
+static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6 || !RS || !PyTuple_Check(a[1]) || PyTuple_GET_SIZE(a[1]) != 9) {
+        PyErr_SetString(PyExc_TypeError, "op_end(recorder, context, result, args, kwargs, nondeterministic)");
+        return NULL;
+    }
+    PyObject *rec = a[0], *ctx = a[1], *result = a[2], *args = a[3], *kwargs = a[4], *nondet = a[5];
+    PyObject *info = PyTuple_GET_ITEM(ctx, 0), *source = PyTuple_GET_ITEM(ctx, 1), *loc = PyTuple_GET_ITEM(ctx, 2),
+             *stack = PyTuple_GET_ITEM(ctx, 3), *backward = PyTuple_GET_ITEM(ctx, 4),
+             *compiled = PyTuple_GET_ITEM(ctx, 5), *in_recs = PyTuple_GET_ITEM(ctx, 6),
+             *arg_desc = PyTuple_GET_ITEM(ctx, 7), *events = PyTuple_GET_ITEM(ctx, 8);
+    /* handed to OpRecorder.end whole: memory taken from elsewhere, memory that holds garbage, values that may
+     * have been substituted, a collective, the text log */
+    int whole = !PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 9 || PyObject_IsTrue(PyTuple_GET_ITEM(info, 8)) ||
+                PyObject_IsTrue(PyTuple_GET_ITEM(info, 6)) || nondet != Py_False || !PyList_Check(in_recs) ||
+                !PyList_Check(events) || !PyTuple_Check(arg_desc) || PyTuple_GET_SIZE(arg_desc) > 0;
+    if (!whole) {
+        PyObject *uninit = PyTuple_GET_ITEM(info, 2); /* outputs that hold garbage: none, as an empty frozenset */
+        whole = !PyFrozenSet_CheckExact(uninit) || PySet_GET_SIZE(uninit) != 0;
+        if (!whole) {
+            int describe = attr_true(rec, N_describe_args);
+            if (describe < 0) return NULL;
+            whole = describe;
+        }
+    }
+    if (PyErr_Occurred()) return NULL;
+    if (whole) {
+        PyObject *argv[] = {rec, ctx, result, args, kwargs, nondet};
+        return PyObject_VectorcallMethod(N_end, argv, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    PyObject *writes = PyTuple_GET_ITEM(info, 0), *is_view = PyTuple_GET_ITEM(info, 1),
+             *copy_arg = PyTuple_GET_ITEM(info, 3), *op = PyTuple_GET_ITEM(info, 4);
+    PyObject *outs = NULL, *base = NULL, *extra = NULL, *recs = NULL, *unsettled = NULL, *ev = NULL,
+             *all_events = NULL, *ret = NULL;
+    int nwrites = PyObject_IsTrue(writes);
+    if (nwrites < 0) return NULL;
+    int result_tensor = PyObject_IsInstance(result, R_Tensor);
+    if (result_tensor < 0) return NULL;
+    if (!nwrites && result_tensor) {
+        outs = PyList_New(1);
+        if (!outs) return NULL;
+        PyList_SET_ITEM(outs, 0, Py_NewRef(result));
+    } else {
+        outs = PyObject_CallFunctionObjArgs(R_written_tensors, result, writes, args, kwargs, NULL);
+        if (!outs) return NULL;
+        if (!PyList_Check(outs)) {
+            PyErr_SetString(PyExc_TypeError, "written_tensors: expected a list");
+            goto done;
+        }
+    }
+    if (!(base = op_name(rec, op, loc, backward != Py_None ? S_bw : S_empty_str))) goto done;
+    int has_stack = PyObject_IsTrue(stack), has_bw = PyObject_IsTrue(backward), has_c = PyObject_IsTrue(compiled);
+    if (has_stack < 0 || has_bw < 0 || has_c < 0) goto done;
+    if (has_stack || has_bw || has_c) { /* OpRecorder._extra, in its key order */
+        if (!(extra = PyDict_New())) goto done;
+        if ((has_stack && PyDict_SetItem(extra, S_stack, stack) < 0) ||
+            (has_bw && PyDict_SetItem(extra, S_backward, backward) < 0) ||
+            (has_c && PyDict_SetItem(extra, S_compiled_region, S_eager) < 0))
+            goto done;
+    } else {
+        extra = Py_NewRef(Py_None);
+    }
+    Py_ssize_t n = PyList_GET_SIZE(outs);
+    if (!(recs = PyList_New(0)) || !(unsettled = PyObject_GetAttr(rec, N__unsettled))) goto done;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *t = PyList_GET_ITEM(outs, j);
+        int is_tensor = PyObject_IsInstance(t, R_Tensor);
+        if (is_tensor < 0) goto done;
+        PyObject *nm = n == 1 ? Py_NewRef(base) : PyUnicode_FromFormat("%U.%zd", base, j);
+        if (!nm) goto done;
+        PyObject *r = new_record(rec, nm, op, source, t, in_recs, extra, is_tensor);
+        Py_DECREF(nm);
+        if (!r) goto done;
+        int rc = PyList_Append(recs, r);
+        Py_DECREF(r);
+        if (rc < 0) goto done;
+        /* OpRecorder._hash_output: most ops make new values, read here; copies and views take their source's */
+        int captured = copy_arg == Py_None && is_view == Py_False ? capture_now(rec, r, t) : 0;
+        if (captured < 0) goto done;
+        if (!captured) {
+            PyObject *got = copy_arg == Py_None && is_view == Py_False
+                ? PyObject_CallMethodObjArgs(rec, N__capture, r, t, NULL)
+                : PyObject_CallMethodObjArgs(rec, N__hash_output, r, t, is_view, copy_arg, args, in_recs, NULL);
+            if (!got) goto done;
+            Py_DECREF(got);
+        }
+        if (is_tensor) {
+            PyObject *u = PyTuple_Pack(3, t, r, is_view);
+            if (!u) goto done;
+            rc = PyList_Append(unsettled, u);
+            Py_DECREF(u);
+            if (rc < 0) goto done;
+        }
+    }
+    if (nwrites) { /* OpRecorder._written_through_view, when a view among the outputs was written */
+        for (Py_ssize_t j = 0; j < n; j++) {
+            PyObject *t = PyList_GET_ITEM(outs, j);
+            int is_tensor = PyObject_IsInstance(t, R_Tensor);
+            if (is_tensor < 0) goto done;
+            if (!is_tensor) continue;
+            PyObject *b = PyObject_GetAttr(t, N__base);
+            if (!b) goto done;
+            int view = b != Py_None;
+            Py_DECREF(b);
+            if (view) {
+                PyObject *got = PyObject_CallMethodOneArg(rec, N__written_through_view, outs);
+                if (!got) goto done;
+                Py_DECREF(got);
+                break;
+            }
+        }
+    }
+    if (has_c) {
+        PyObject *c = PyObject_GetAttr(rec, N_compiled_ops);
+        PyObject *c1 = c ? PyNumber_Add(c, S_one) : NULL;
+        int rc = c1 ? PyObject_SetAttr(rec, N_compiled_ops, c1) : -1;
+        Py_XDECREF(c);
+        Py_XDECREF(c1);
+        if (rc < 0) goto done;
+    }
+    PyObject *argv[] = {op, source, stack, arg_desc, recs, S_empty_tuple, in_recs, backward, compiled};
+    if (!(ev = PyObject_Vectorcall(R_OpEvent, argv, 9, NULL)) || PyList_Append(events, ev) < 0) goto done;
+    if (!(all_events = PyObject_GetAttr(rec, N__events))) goto done;
+    if (!PyList_Check(all_events) ||
+        PyList_SetSlice(all_events, PyList_GET_SIZE(all_events), PyList_GET_SIZE(all_events), events) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "OpRecorder._events: expected a list");
+        goto done;
+    }
+    { /* the flush OpRecorder.end asks for, when it is due */
+        PyObject *hashes = PyObject_GetAttr(rec, N__hashes);
+        if (!hashes) goto done;
+        Py_ssize_t pending = attr_len(hashes, N__items);
+        PyObject *nb = pending >= 0 ? PyObject_GetAttr(hashes, N_nbytes) : NULL;
+        Py_DECREF(hashes);
+        PyObject *bo = nb ? PyObject_GetAttr(rec, N_batch) : NULL;
+        if (!bo) {
+            Py_XDECREF(nb);
+            goto done;
+        }
+        long long nbytes = PyLong_AsLongLong(nb), batch = PyLong_AsLongLong(bo);
+        Py_DECREF(nb);
+        Py_DECREF(bo);
+        if (PyErr_Occurred()) goto done;
+        if (pending >= PyLong_AsLongLong(R_host_batch) || pending >= batch ||
+            nbytes >= PyLong_AsLongLong(R_flush_bytes)) {
+            PyObject *got = PyObject_CallMethodNoArgs(rec, N__flush_due);
+            if (!got) goto done;
+            Py_DECREF(got);
+        }
+    }
+    ret = Py_NewRef(recs);
+done:
+    Py_XDECREF(outs);
+    Py_XDECREF(base);
+    Py_XDECREF(extra);
+    Py_XDECREF(recs);
+    Py_XDECREF(unsettled);
+    Py_XDECREF(ev);
+    Py_XDECREF(all_events);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"first_listed_not", (PyCFunction)(void (*)(void))py_first_listed_not, METH_FASTCALL,
      "first_listed_not(frame, internal)"},
@@ -820,6 +1666,11 @@ static PyMethodDef methods[] = {
      "fingerprint(data_ptr, nbytes, kind, numel, key, nthreads, stats)"},
     {"init", py_init, METH_O, "init(weights_ptr)"},
     {"trace_lines", (PyCFunction)(void (*)(void))py_trace_lines, METH_FASTCALL, "trace_lines(call, rows, dumps)"},
+    {"setup_recorder", py_setup_recorder, METH_O, "setup_recorder(names)"},
+    {"op_begin", (PyCFunction)(void (*)(void))py_op_begin, METH_FASTCALL,
+     "op_begin(recorder, func, args, kwargs, frame, compiled)"},
+    {"op_end", (PyCFunction)(void (*)(void))py_op_end, METH_FASTCALL,
+     "op_end(recorder, context, result, args, kwargs, nondeterministic)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -313,7 +313,7 @@ def _stats_vector(t: torch.Tensor) -> torch.Tensor:
         t = t.dequantize()
     n = t.numel()
     dev = t.device
-    if n == 0 or t.dtype in _NO_ARITHMETIC:  # numel slot 0 or -1: _stats_dict reports None
+    if n == 0 or t.dtype in _NO_ARITHMETIC:  # numel slot 0 or -1: stats_dict reports None
         return torch.tensor([math.nan, math.nan, math.nan, 0.0 if n == 0 else math.nan, 0.0, 0.0,
                              0.0 if n == 0 else -1.0], dtype=torch.float64, device=dev)
     if t.is_complex():
@@ -372,7 +372,7 @@ def _segment_vectors(tensors: List[torch.Tensor], dev: torch.device) -> torch.Te
     return torch.stack([mn, mx, total / n.clamp(min=1), l2, nan, inf, n], 1)
 
 
-def _stats_dict(v: Sequence[float], max_first: bool = False) -> dict:
+def stats_dict(v: Sequence[float], max_first: bool = False) -> dict:
     """The statistics of a ``[min, max, mean, l2, nan, inf, numel]`` vector (numel 0: empty, -1: no arithmetic)."""
     if v[6] <= 0:  # empty (0) or a storage-only dtype (-1)
         return _fast_dict((None, None, None, v[3] if v[6] == 0 else None), int(v[4]), int(v[5]), max_first)
@@ -490,7 +490,7 @@ class FingerprintBatch:
         nat = fingerprint_now(t, want, self._kernel, copy)
         if nat is None:
             return None
-        self._out.append((nat[0], _stats_dict(nat[1], self._max_first) if want else None))  # hash and statistics
+        self._out.append((nat[0], stats_dict(nat[1], self._max_first) if want else None))  # hash and statistics
         return len(self._out) - 1
 
     def add_known(self, hash: int, stats: Optional[dict] = None) -> int:
@@ -551,10 +551,10 @@ class FingerprintBatch:
             if how == _NONE:
                 st = None
             elif how == _SEGMENT:
-                st = _stats_dict(vals[seg_pos: seg_pos + 7], self._max_first)
+                st = stats_dict(vals[seg_pos: seg_pos + 7], self._max_first)
                 seg_pos += 7
             elif how == _VECTOR:
-                st = _stats_dict(vals[pos: pos + 7], self._max_first)
+                st = stats_dict(vals[pos: pos + 7], self._max_first)
                 pos += 7
             else:
                 v = vals[pos: pos + 4]
@@ -588,4 +588,4 @@ def tensor_stats(t: torch.Tensor) -> dict:
     """
     check_tensor(t, "tensor_stats")
     nat = fingerprint_now(t, stats=True)
-    return _stats_dict(nat[1] if nat is not None else _stats_vector(t).cpu().tolist())
+    return stats_dict(nat[1] if nat is not None else _stats_vector(t).cpu().tolist())

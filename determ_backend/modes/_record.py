@@ -25,6 +25,7 @@ torch (operator schemas, the running autograd node) is reached through
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -38,9 +39,9 @@ from determ_backend._frames import FrameFilter
 from determ_backend.modes.ops import (COPIES, adopts_storage, byte_span, iter_args, mem_key, out_args, out_tensor_ids,
                                       returns_view, same_layout, schema_writes, storage_start, tensor_args,
                                       uninitialized, uninitialized_hash, version, written_tensors)
-from determ_backend.trace.stream import Record, dtype_name, shape_of
+from determ_backend.trace.stream import DTYPE_NAMES, Record, dtype_name, shape_of
 
-__all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY", "op_info"]
+__all__ = ["OpRecorder", "OpEvent", "FORWARD_KEY", "op_info", "recorder_ops"]
 
 _version = _compat.tensor_version  # a C attribute getter: the hot paths call it per tensor without a Python frame
 _storage_weak_ref, _storage_release = _compat.storage_weak_ref, _compat.storage_release
@@ -76,6 +77,38 @@ def op_info(func) -> tuple:
                                      str(getattr(func, "namespace", "")) == "c10d", out_args(func),
                                      adopts_storage(func))
     return info
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(setup: Callable) -> None:
+    """Give the C recorder the objects it works with (once per loaded module)."""
+    from determ_backend.fingerprint import _native
+    from determ_backend.fingerprint._words import key
+    from determ_backend.fingerprint.core import stats_dict
+
+    setup({"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "Size": torch.Size, "Record": Record,
+           "OpEvent": OpEvent, "strided": torch.strided, "FORWARD_KEY": FORWARD_KEY, "OP_INFO": _OP_INFO,
+           "op_info": op_info, "LINES": _LINES, "FRAMES": _FRAMES, "FRAMES_CACHE": _FRAMES.cache,
+           "engine": _compat.autograd_engine_entry(), "DTYPE_NAMES": DTYPE_NAMES, "dtype_name": dtype_name,
+           "autograd_node": _compat.current_autograd_node_getter(), "is_grad_enabled": torch.is_grad_enabled,
+           "written_tensors": written_tensors, "SUPPORTED": _native.SUPPORTED, "key": key,
+           "is_zero_tensor": _compat.is_zero_tensor, "stats_dict": stats_dict, "HOST_BATCH": _HOST_BATCH,
+           "FLUSH_BYTES": _FLUSH_BYTES, "storage_weak_ref": _storage_weak_ref,
+           "storage_expired": _compat.storage_expired, "storage_release": _storage_release})
+
+
+def recorder_ops() -> Tuple[Callable, Callable]:
+    """``(begin, end)``, called as ``begin(recorder, ...)`` and ``end(recorder, ...)`` with the arguments of
+    :meth:`OpRecorder.begin` and :meth:`OpRecorder.end`: the native module's, which do the common case of an op in C
+    with the same tables and give the same records (any other case, whole or in part, through these methods), when
+    it is loaded as an extension module; else those methods.  Read when a mode is made (``DETERM_NATIVE``)."""
+    from determ_backend.fingerprint import _native
+
+    ops = _native.recorder_ops()
+    if ops is None:
+        return OpRecorder.begin, OpRecorder.end
+    _setup(ops[0])
+    return ops[1], ops[2]
 
 
 def _release_storages(producers: Dict[tuple, tuple]) -> None:
@@ -558,12 +591,16 @@ class OpRecorder:
         devices = [str(t.device) if isinstance(t, torch.Tensor) else "host" for t in outs] if self.describe_args else ()
         events.append(OpEvent(op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled))
         self._events.extend(events)
+        self._flush_due()
+        return recs
+
+    def _flush_due(self) -> None:
+        """The flush an op's end asks for: a whole batch, or a host batch handed on early (see ``_HOST_BATCH``)."""
         pending = len(self._hashes)
         if pending >= self.batch or self._hashes.nbytes >= _FLUSH_BYTES:
             self.flush()
         elif pending >= _HOST_BATCH and self._hashes.on_host:
             self.flush(prune=self.seq - self._pruned_at >= self.batch, early=True)
-        return recs
 
     @staticmethod
     def _extra(stack, backward, compiled, nondeterministic) -> Optional[dict]:

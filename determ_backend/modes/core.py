@@ -36,7 +36,7 @@ import torch
 from determ_backend import _torch_compat as _compat
 from determ_backend.modes._bitwise import BitwiseEquivalenceMode
 from determ_backend.modes.log import LogWriter, read_hash_log, read_hash_log_file
-from determ_backend.modes._record import OpEvent, OpRecorder
+from determ_backend.modes._record import OpEvent, OpRecorder, recorder_ops
 from determ_backend.modes.ops import wait_collective
 from determ_backend.args import check_bool as _check_bool, check_count as _check_count, check_path as _check_path
 from determ_backend.errors import ConfigError
@@ -138,6 +138,7 @@ class HashMode(_compat.TorchDispatchMode):
         self.output_hook: Optional[Callable] = None  # (func, result, recorder ctx) -> (result, non_deterministic)
         self._recorder = OpRecorder(_weak_sink(self), run=run, stats=stats, stack_depth=stack_depth,
                                     names=_tensor_names(module), describe_args=_describe_args, batch=batch)
+        self._begin, self._end = recorder_ops()
         self._set_eval_frame = _compat.eval_frame_setter()
         self._writer: Optional[TraceWriter] = None
         self._held: List[bytes] = []  # trace lines of batches handed on early, not written yet
@@ -162,7 +163,7 @@ class HashMode(_compat.TorchDispatchMode):
                 return func(*args, **kwargs)
             rec = self._recorder
             with rec.lock:
-                ctx = rec.begin(func, args, kwargs, sys._getframe(1), prior is not None and prior is not False)
+                ctx = self._begin(rec, func, args, kwargs, sys._getframe(1), prior is not None and prior is not False)
             out = func(*args, **kwargs)
             if ctx[0][6]:  # the op's facts (op_info): a torch.distributed op, whose outputs (read below) are final
                 # only once its work is done
@@ -171,7 +172,7 @@ class HashMode(_compat.TorchDispatchMode):
             if self.output_hook is not None:
                 out, nondet = self.output_hook(func, out, args, kwargs)
             with rec.lock:
-                rec.end(ctx, out, args, kwargs, nondet)
+                self._end(rec, ctx, out, args, kwargs, nondet)
             return out
         finally:
             self._set_eval_frame(prior)

@@ -48,14 +48,14 @@ TRACE_NAME = "trace.jsonl"
 TRACE_FORMAT = StreamFormat("determ-trace", 1, "trace", "records", "the producing process may have died")
 
 
-_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+DTYPE_NAMES: Dict[torch.dtype, str] = {}  # dtype_name's memo (the native recorder reads it too)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """A record's ``dtype`` field: ``float32`` for ``torch.float32`` (memoized: the hot paths spell one per tensor)."""
-    name = _DTYPE_NAMES.get(dtype)
+    name = DTYPE_NAMES.get(dtype)
     if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+        name = DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     return name
 
 

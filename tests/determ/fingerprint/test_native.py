@@ -51,7 +51,7 @@ def test_hash_equals_torch_path_and_stats_agree(dtype, n, monkeypatch):
     t = _sample(dtype, n, seed=n)
     (h, vec), (ref_h, ref_st) = _both(t, monkeypatch)
     assert h == ref_h
-    st = fp._stats_dict(vec)
+    st = fp.stats_dict(vec)
     assert (st["nan"], st["inf"]) == (ref_st["nan"], ref_st["inf"]) == (0, 0)
     for k in ("min", "max"):
         assert st[k] == ref_st[k]
@@ -67,12 +67,12 @@ def test_nan_and_inf_are_counted_exactly(dtype, n, monkeypatch):
     t[2] = math.inf
     t[3] = -math.inf
     (h, vec), (ref_h, ref_st) = _both(t, monkeypatch)
-    st = fp._stats_dict(vec)
+    st = fp.stats_dict(vec)
     assert h == ref_h
     assert (st["nan"], st["inf"]) == (ref_st["nan"], ref_st["inf"]) == (2, 2)
     assert all(math.isnan(st[k]) and math.isnan(ref_st[k]) for k in ("min", "max", "mean", "l2"))
     t[[1, n - 1]] = 0.0
-    st = fp._stats_dict(fp.fingerprint_now(t, True)[1])
+    st = fp.stats_dict(fp.fingerprint_now(t, True)[1])
     assert (st["min"], st["max"], st["nan"], st["inf"]) == (-math.inf, math.inf, 0, 2)
 
 
@@ -83,7 +83,7 @@ def test_views_hash_their_logical_elements(view, monkeypatch):
          "expand": base[0].expand(5, 129)}[view]
     (h, vec), (ref_h, ref_st) = _both(t, monkeypatch)
     assert h == ref_h == fp.hash_tensor(t.contiguous())
-    assert fp._stats_dict(vec)["max"] == ref_st["max"]
+    assert fp.stats_dict(vec)["max"] == ref_st["max"]
 
 
 def test_misaligned_and_odd_byte_counts(monkeypatch):
@@ -97,7 +97,7 @@ def test_empty_and_zero_dim(monkeypatch):
     for t in (torch.empty(0), torch.empty(3, 0, dtype=torch.int32), torch.tensor(2.5)):
         (h, vec), (ref_h, ref_st) = _both(t, monkeypatch)
         assert h == ref_h
-        assert fp._stats_dict(vec) == pytest.approx(ref_st, nan_ok=True)
+        assert fp.stats_dict(vec) == pytest.approx(ref_st, nan_ok=True)
 
 
 def test_dtypes_without_statistics_still_hash_natively(monkeypatch):
@@ -227,7 +227,7 @@ def test_sums_out_of_float32_square_range_are_redone_in_float64(dtype, scale, mo
     t = torch.full((5000,), scale, dtype=dtype)
     t[7] = -3 * scale
     (h, vec), (ref_h, ref_st) = _both(t, monkeypatch)
-    st = fp._stats_dict(vec)
+    st = fp.stats_dict(vec)
     assert h == ref_h and (st["nan"], st["inf"]) == (0, 0)
     assert math.isfinite(st["l2"]) and st["l2"] == pytest.approx(ref_st["l2"], rel=1e-6)
     assert st["mean"] == pytest.approx(ref_st["mean"], rel=1e-6)
@@ -236,7 +236,7 @@ def test_sums_out_of_float32_square_range_are_redone_in_float64(dtype, scale, mo
 def test_subnormal_halves_and_signed_zeros(monkeypatch):
     t = torch.tensor([6e-8, -6e-8, 1e-5, -0.0, 0.0, 65504.0] * 700, dtype=torch.float16)
     (h, vec), (ref_h, ref_st) = _both(t, monkeypatch)
-    st = fp._stats_dict(vec)
+    st = fp.stats_dict(vec)
     assert h == ref_h and (st["min"], st["max"]) == (ref_st["min"], ref_st["max"])
     assert st["l2"] == pytest.approx(ref_st["l2"], rel=1e-6)
 

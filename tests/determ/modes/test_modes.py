@@ -1194,3 +1194,65 @@ def test_a_weight_written_through_its_data_alias_is_read_as_that_write(tmp_path,
     cmp = compare_traces(read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl"))
     assert [(p.rec.op, p.rec.source) for p in cmp.root_causes] == \
         [("aten.mul_.Tensor", f"{__file__}:{_lineno_of('# the write through .data')}")]
+
+
+def _records_of(fn, **kwargs) -> list:
+    """Every field of every record ``fn`` makes under a HashMode (with the mode's own options)."""
+    torch.manual_seed(0)
+    with HashMode(**kwargs) as m:
+        fn()
+    return [vars(r) for r in m.records]
+
+
+def _edge_ops():
+    """Views, in-place writes through views, out=, a multi-output op, a Python scalar, a dtype cast, a nested list
+    argument, an uninitialized buffer, an inference tensor and a leaf updated under no_grad, forward and backward."""
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    x = torch.randn(3, 6)
+    h = (x @ w).relu()
+    a, b = h.split(2, dim=1)
+    buf = torch.empty(3, 2)
+    torch.mul(a.detach(), 2, out=buf)
+    v = buf.view(6)
+    v[1:3] += 1
+    s = torch.stack([a, b, buf]).sum()
+    s.item()
+    (s.to(torch.float64) * 1.5).backward()
+    with torch.no_grad():
+        w.sub_(w.grad * 0.1)
+    with torch.inference_mode():
+        torch.ones(3) * 2
+
+
+@pytest.mark.parametrize("options", [{}, {"stats": True, "stack_depth": 2}, {"batch": 1}])
+def test_the_native_recorder_makes_the_records_the_python_one_makes(monkeypatch, options):
+    """The recorder's common case runs in C when the native module is loaded: every field of every record is the
+    one the Python recorder gives, on a real model's training step and on the edge cases of the op stream."""
+    from determ_backend.fingerprint import _native
+    import real_models
+
+    if _native.recorder_ops() is None:
+        pytest.skip("the native module is not built here")
+    if not real_models.available():
+        pytest.skip("transformers is not installed")
+    model, inputs = real_models.build("llama")
+
+    def step():
+        real_models.loss_of(model(**inputs)).backward()
+        _edge_ops()
+
+    from determ_backend.modes._record import OpRecorder
+
+    whole = []  # ops the native recorder handed to the Python one whole
+    python_begin = OpRecorder.begin
+    monkeypatch.setattr(OpRecorder, "begin", lambda *a: whole.append(a[1]) or python_begin(*a))
+    native = _records_of(step, module=model, **options)
+    monkeypatch.setattr(OpRecorder, "begin", python_begin)
+    ops = sum(r["kind"] == "node" for r in native)
+    assert len(whole) < (ops if options.get("stack_depth", 1) > 1 else ops / 10)
+    monkeypatch.setattr(_native, "recorder_ops", lambda: None)  # the fingerprint kernel stays on
+    model.zero_grad(set_to_none=True)
+    python = _records_of(step, module=model, **options)
+    assert len(native) == len(python) > 500
+    for a, b in zip(native, python):
+        assert a == b
