@@ -1319,6 +1319,10 @@ fail:
 
 /* OpRecorder._name: "<op>@<location><suffix>#<k>", the k-th of that base; a new reference */
 static PyObject *op_name(PyObject *rec, PyObject *op, PyObject *loc, PyObject *suffix) {
+    if (!PyUnicode_Check(op) || !PyUnicode_Check(loc) || !PyUnicode_Check(suffix)) {
+        PyErr_SetString(PyExc_TypeError, "op_end: an op's name and location are strings");
+        return NULL;
+    }
     PyObject *counts = PyObject_GetAttr(rec, N__counts);
     if (!counts) return NULL;
     PyObject *base = PyUnicode_FromFormat("%U@%U%U", op, loc, suffix);
