@@ -814,6 +814,7 @@ fail:
     return NULL;
 }
 
+#if PY_VERSION_HEX >= 0x030B0000 /* Python 3.11 and later: older ones record in Python */
 /* ---- the eager modes' per-op recorder, its common case ------------------------------------------
  * op_begin(recorder, func, args, kwargs, frame, compiled) -> context
  * op_end(recorder, context, result, args, kwargs, nondeterministic) -> [Record]
@@ -839,7 +840,7 @@ static PyObject *S_eager, *S_node_kind, *S_bw, *S_unknown, *S_stack, *S_backward
     X(nbytes) X(_batch) X(_looked_up) X(_kernel) X(_want) X(_max_first) X(_out) X(threads) X(dtype) X(shape)    \
     X(is_nested) X(layout) X(is_meta) X(is_cpu) X(is_quantized) X(is_conj) X(is_neg) X(numel) X(is_contiguous) \
     X(data_ptr) X(_base) X(_written_through_view) X(compiled_ops) X(_events) X(batch) X(flush) X(on_host)        \
-    X(internal) X(node) X(_flush_due) X(stats) X(_producers) X(set_producer) X(stride) X(device)
+    X(internal) X(node) X(_flush_due) X(stats) X(_producers) X(set_producer) X(stride) X(device) X(get)
 #define DECLARE(n) static PyObject *N_##n;
 NAMES(DECLARE)
 #undef DECLARE
@@ -1047,6 +1048,22 @@ static Py_ssize_t attr_len(PyObject *o, PyObject *name) {
     return r;
 }
 
+/* whether weak reference ref points at o */
+static int weak_is(PyObject *ref, PyObject *o) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *target = NULL;
+    if (PyWeakref_GetRef(ref, &target) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    int same = target == o;
+    Py_XDECREF(target);
+    return same;
+#else
+    return PyWeakref_GetObject(ref) == o;
+#endif
+}
+
 /* a tensor's version counter, -1 for an inference tensor (it has none); -2 on error */
 static long long tensor_version(PyObject *t) {
     PyObject *v = PyObject_GetAttr(t, N__version);
@@ -1161,6 +1178,93 @@ done:
     return rc;
 }
 
+/* OpRecorder._input for a tensor argument: its record (a new reference), or NULL on error */
+static PyObject *input_record(PyObject *rec, PyObject *t, PyObject *source, PyObject *loc, PyObject *events,
+                              PyObject *by_object, int grad_on) {
+    long long v = tensor_version(t);
+    if (v == -2) return NULL;
+    PyObject *k = PyLong_FromVoidPtr(t);
+    if (!k) return NULL;
+    PyObject *ent = PyDict_GetItemWithError(by_object, k);
+    Py_DECREF(k);
+    if (!ent && PyErr_Occurred()) return NULL;
+    PyObject *r = NULL;
+    if (ent && PyTuple_Check(ent) && PyTuple_GET_SIZE(ent) == 3 && PyLong_Check(PyTuple_GET_ITEM(ent, 2)) &&
+        PyLong_AsLongLong(PyTuple_GET_ITEM(ent, 2)) == v && weak_is(PyTuple_GET_ITEM(ent, 0), t)) {
+        r = Py_NewRef(PyTuple_GET_ITEM(ent, 1)); /* an object an earlier op returned, unchanged since */
+    } else {
+        if (PyErr_Occurred()) return NULL;
+        PyObject *pv = PyLong_FromLongLong(v);
+        if (!pv) return NULL;
+        r = PyObject_CallMethodObjArgs(rec, N__producer_by_memory, t, pv, NULL);
+        Py_DECREF(pv);
+        if (!r) return NULL;
+        if (r == Py_None) { /* first seen: an input or parameter record of its own */
+            Py_DECREF(r);
+            return PyObject_CallMethodObjArgs(rec, N__input_record, t, source, loc, events, Py_False, Py_False, NULL);
+        }
+    }
+    if (!grad_on) return r;
+    int rg = attr_true(t, N_requires_grad);
+    if (rg <= 0) {
+        if (rg < 0) Py_CLEAR(r);
+        return r;
+    }
+    /* OpRecorder._tag_grad_fn, called once per autograd node */
+    PyObject *gf = PyObject_GetAttr(t, N_grad_fn);
+    int tagged = 1;
+    if (gf && gf != Py_None) {
+        PyObject *md = PyObject_GetAttr(gf, N_metadata);
+        tagged = md ? PySequence_Contains(md, R_fwd_key) : -1;
+        Py_XDECREF(md);
+    }
+    PyObject *done = gf && tagged == 0 ? PyObject_CallMethodObjArgs(rec, N__tag_grad_fn, t, r, NULL) : NULL;
+    int failed = !gf || tagged < 0 || (tagged == 0 && !done);
+    Py_XDECREF(gf);
+    Py_XDECREF(done);
+    if (failed) Py_CLEAR(r);
+    return r;
+}
+
+/* iter_args (determ_backend/modes/ops.py) of one argument with its path, (path, value) pairs appended to out */
+static int describe_walk(PyObject *path, PyObject *a, PyObject *out) {
+    int is = PyObject_IsInstance(a, R_Tensor);
+    if (is < 0) return -1;
+    int seq = 0;
+    if (!is && (PyList_Check(a) || PyTuple_Check(a)) && PySequence_Size(a) > 0) {
+        int size = PyObject_IsInstance(a, R_Size);
+        if (size < 0) return -1;
+        seq = !size;
+    }
+    if (!seq) {
+        PyObject *pair = PyTuple_Pack(2, path, a);
+        int rc = pair ? PyList_Append(out, pair) : -1;
+        Py_XDECREF(pair);
+        return rc;
+    }
+    PyObject *items = PySequence_Fast(a, "");
+    if (!items) return -1;
+    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(items); j++) {
+        PyObject *p = PyUnicode_FromFormat("%U[%zd]", path, j);
+        int rc = p ? describe_walk(p, PySequence_Fast_GET_ITEM(items, j), out) : -1;
+        Py_XDECREF(p);
+        if (rc < 0) {
+            Py_DECREF(items);
+            return -1;
+        }
+    }
+    Py_DECREF(items);
+    return 0;
+}
+
+static PyObject *device_text(PyObject *t) {
+    PyObject *d = PyObject_GetAttr(t, N_device);
+    if (!d) return NULL;
+    PyObject *s = PyObject_Str(d);
+    Py_DECREF(d);
+    return s;
+}
+
 static PyObject *py_op_begin(PyObject *self, PyObject *const *a, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6 || !RS) {
@@ -1168,22 +1272,19 @@ static PyObject *py_op_begin(PyObject *self, PyObject *const *a, Py_ssize_t narg
         return NULL;
     }
     PyObject *rec = a[0], *func = a[1], *args = a[2], *kwargs = a[3], *frame = a[4], *compiled = a[5];
-    PyObject *info = NULL, *node = NULL, *backward = NULL, *fwd = NULL, *source = NULL, *loc = NULL, *in_recs = NULL,
-             *events = NULL, *tensors = NULL, *by_object = NULL, *out = NULL;
-    /* handed to OpRecorder.begin whole: the text log's argument descriptions, several frames a record, a
-     * torch.distributed write seen before, out= arguments, a collective */
-    int whole = attr_true(rec, N_describe_args);
-    if (whole < 0) return NULL;
-    if (!whole) {
-        PyObject *depth = PyObject_GetAttr(rec, N_stack_depth);
-        if (!depth) return NULL;
-        long d = PyLong_AsLong(depth);
-        Py_DECREF(depth);
-        if (d == -1 && PyErr_Occurred()) return NULL;
-        Py_ssize_t silent = attr_len(rec, N__silent);
-        if (silent < 0) return NULL;
-        whole = d != 1 || silent > 0 || !PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs));
-    }
+    PyObject *info = NULL, *node = NULL, *backward = NULL, *fwd = NULL, *source = NULL, *loc = NULL, *stack = NULL,
+             *in_recs = NULL, *events = NULL, *tensors = NULL, *by_object = NULL, *arg_desc = NULL, *out = NULL;
+    /* handed to OpRecorder.begin whole: a torch.distributed write seen before, out= arguments, a collective */
+    int describe = attr_true(rec, N_describe_args);
+    if (describe < 0) return NULL;
+    PyObject *depth_o = PyObject_GetAttr(rec, N_stack_depth);
+    if (!depth_o) return NULL;
+    long depth = PyLong_AsLong(depth_o);
+    Py_DECREF(depth_o);
+    if (depth == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t silent = attr_len(rec, N__silent);
+    if (silent < 0) return NULL;
+    int whole = silent > 0 || !PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs));
     if (!whole) {
         if (!(info = op_facts(func))) return NULL;
         PyObject *outs = PyTuple_GET_ITEM(info, 7);
@@ -1205,22 +1306,37 @@ static PyObject *py_op_begin(PyObject *self, PyObject *const *a, Py_ssize_t narg
         if (!user) {
             PyObject *md = PyObject_GetAttr(node, N_metadata);
             if (!md) goto fail;
-            fwd = PyObject_CallMethod(md, "get", "O", R_fwd_key);
+            fwd = PyObject_CallMethodOneArg(md, N_get, R_fwd_key);
             Py_DECREF(md);
             if (!fwd) goto fail;
             if (fwd == Py_None) Py_CLEAR(fwd);
+            else if (!PyTuple_Check(fwd) || PyTuple_GET_SIZE(fwd) != 2) {
+                PyErr_SetString(PyExc_TypeError, "op_begin: a node's forward source is (source, location)");
+                goto fail;
+            }
         }
     } else {
         backward = Py_NewRef(Py_None);
     }
-    if (fwd) { /* named after the forward line that made its autograd node */
-        if (!PyTuple_Check(fwd) || PyTuple_GET_SIZE(fwd) != 2) {
-            PyErr_SetString(PyExc_TypeError, "op_begin: a node's forward source is (source, location)");
+    if (depth != 1) { /* several frames a record: OpRecorder._where gives them */
+        PyObject *w = PyObject_CallMethodOneArg(rec, N__where, frame);
+        if (!w) goto fail;
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 3) {
+            Py_DECREF(w);
+            PyErr_SetString(PyExc_TypeError, "OpRecorder._where: expected (source, location, stack)");
             goto fail;
         }
-        source = Py_NewRef(PyTuple_GET_ITEM(fwd, 0));
-        loc = Py_NewRef(PyTuple_GET_ITEM(fwd, 1));
-    } else if (where(rec, frame, &source, &loc) < 0) {
+        source = Py_NewRef(PyTuple_GET_ITEM(w, 0));
+        loc = Py_NewRef(PyTuple_GET_ITEM(w, 1));
+        stack = Py_NewRef(PyTuple_GET_ITEM(w, 2));
+        Py_DECREF(w);
+    } else {
+        stack = Py_NewRef(Py_None);
+    }
+    if (fwd) { /* named after the forward line that made its autograd node */
+        Py_XSETREF(source, Py_NewRef(PyTuple_GET_ITEM(fwd, 0)));
+        Py_XSETREF(loc, Py_NewRef(PyTuple_GET_ITEM(fwd, 1)));
+    } else if (depth == 1 && where(rec, frame, &source, &loc) < 0) {
         goto fail;
     }
     int grad_on = 0;
@@ -1230,79 +1346,69 @@ static PyObject *py_op_begin(PyObject *self, PyObject *const *a, Py_ssize_t narg
         grad_on = g == Py_True;
         Py_DECREF(g);
     }
-    if (!(in_recs = PyList_New(0)) || !(events = PyList_New(0)) || !(tensors = PyList_New(0))) goto fail;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++)
-        if (collect_tensors(PyTuple_GET_ITEM(args, i), tensors) < 0) goto fail;
-    if (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
-        PyObject *k, *v;
-        Py_ssize_t pos = 0;
-        while (PyDict_Next(kwargs, &pos, &k, &v))
-            if (collect_tensors(v, tensors) < 0) goto fail;
-    }
-    if (!(by_object = PyObject_GetAttr(rec, N__by_object))) goto fail;
+    if (!(in_recs = PyList_New(0)) || !(events = PyList_New(0)) || !(by_object = PyObject_GetAttr(rec, N__by_object)))
+        goto fail;
     if (!PyDict_Check(by_object)) {
         PyErr_SetString(PyExc_TypeError, "OpRecorder._by_object: expected a dict");
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors); i++) {
-        PyObject *t = PyList_GET_ITEM(tensors, i);
-        long long v = tensor_version(t);
-        if (v == -2) goto fail;
-        PyObject *k = PyLong_FromVoidPtr(t);
-        if (!k) goto fail;
-        PyObject *ent = PyDict_GetItemWithError(by_object, k);
-        Py_DECREF(k);
-        if (!ent && PyErr_Occurred()) goto fail;
-        PyObject *r = NULL; /* new reference */
-        if (ent && PyTuple_Check(ent) && PyTuple_GET_SIZE(ent) == 3 && PyLong_Check(PyTuple_GET_ITEM(ent, 2)) &&
-            PyLong_AsLongLong(PyTuple_GET_ITEM(ent, 2)) == v &&
-            PyWeakref_GetObject(PyTuple_GET_ITEM(ent, 0)) == t) {
-            r = Py_NewRef(PyTuple_GET_ITEM(ent, 1));
-        } else {
-            if (PyErr_Occurred()) goto fail;
-            PyObject *pv = PyLong_FromLongLong(v);
-            if (!pv) goto fail;
-            r = PyObject_CallMethodObjArgs(rec, N__producer_by_memory, t, pv, NULL);
-            Py_DECREF(pv);
-            if (!r) goto fail;
-            if (r == Py_None) {
-                Py_DECREF(r);
-                r = PyObject_CallMethodObjArgs(rec, N__input_record, t, source, loc, events, Py_False, Py_False, NULL);
-                if (!r) goto fail;
-                int rc = PyList_Append(in_recs, r);
-                Py_DECREF(r);
+    if (describe) { /* the text log's (path, record, value, device) of every argument */
+        if (!(tensors = PyList_New(0)) || !(arg_desc = PyList_New(0))) goto fail;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+            PyObject *p = PyUnicode_FromFormat("args[%zd]", i);
+            int rc = p ? describe_walk(p, PyTuple_GET_ITEM(args, i), tensors) : -1;
+            Py_XDECREF(p);
+            if (rc < 0) goto fail;
+        }
+        if (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
+            PyObject *k, *v;
+            Py_ssize_t pos = 0;
+            while (PyDict_Next(kwargs, &pos, &k, &v)) {
+                PyObject *p = PyUnicode_FromFormat("%S=", k);
+                int rc = p ? describe_walk(p, v, tensors) : -1;
+                Py_XDECREF(p);
                 if (rc < 0) goto fail;
-                continue;
             }
         }
-        if (grad_on) {
-            int rg = attr_true(t, N_requires_grad);
-            if (rg < 0) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors); i++) {
+            PyObject *pair = PyList_GET_ITEM(tensors, i), *path = PyTuple_GET_ITEM(pair, 0),
+                     *t = PyTuple_GET_ITEM(pair, 1), *d;
+            int is = PyObject_IsInstance(t, R_Tensor);
+            if (is < 0) goto fail;
+            if (!is) {
+                d = PyTuple_Pack(4, path, Py_None, t, Py_None);
+            } else {
+                PyObject *r = input_record(rec, t, source, loc, events, by_object, grad_on);
+                if (!r) goto fail;
+                PyObject *dev = PyList_Append(in_recs, r) == 0 ? device_text(t) : NULL;
+                d = dev ? PyTuple_Pack(4, path, r, Py_None, dev) : NULL;
                 Py_DECREF(r);
-                goto fail;
+                Py_XDECREF(dev);
             }
-            if (rg) { /* OpRecorder._tag_grad_fn, called once per autograd node */
-                PyObject *gf = PyObject_GetAttr(t, N_grad_fn);
-                int tagged = 1;
-                if (gf && gf != Py_None) {
-                    PyObject *md = PyObject_GetAttr(gf, N_metadata);
-                    tagged = md ? PySequence_Contains(md, R_fwd_key) : -1;
-                    Py_XDECREF(md);
-                }
-                Py_XDECREF(gf);
-                PyObject *done = tagged == 0 ? PyObject_CallMethodObjArgs(rec, N__tag_grad_fn, t, r, NULL) : NULL;
-                Py_XDECREF(done);
-                if (!gf || tagged < 0 || (tagged == 0 && !done)) {
-                    Py_DECREF(r);
-                    goto fail;
-                }
-            }
+            int rc = d ? PyList_Append(arg_desc, d) : -1;
+            Py_XDECREF(d);
+            if (rc < 0) goto fail;
         }
-        int rc = PyList_Append(in_recs, r);
-        Py_DECREF(r);
-        if (rc < 0) goto fail;
+    } else {
+        arg_desc = Py_NewRef(S_empty_tuple);
+        if (!(tensors = PyList_New(0))) goto fail;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++)
+            if (collect_tensors(PyTuple_GET_ITEM(args, i), tensors) < 0) goto fail;
+        if (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
+            PyObject *k, *v;
+            Py_ssize_t pos = 0;
+            while (PyDict_Next(kwargs, &pos, &k, &v))
+                if (collect_tensors(v, tensors) < 0) goto fail;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors); i++) {
+            PyObject *r = input_record(rec, PyList_GET_ITEM(tensors, i), source, loc, events, by_object, grad_on);
+            if (!r) goto fail;
+            int rc = PyList_Append(in_recs, r);
+            Py_DECREF(r);
+            if (rc < 0) goto fail;
+        }
     }
-    out = PyTuple_Pack(9, info, source, loc, Py_None, backward, compiled, in_recs, S_empty_tuple, events);
+    out = PyTuple_Pack(9, info, source, loc, stack, backward, compiled, in_recs, arg_desc, events);
 fail:
     Py_XDECREF(info);
     Py_XDECREF(node);
@@ -1310,10 +1416,12 @@ fail:
     Py_XDECREF(fwd);
     Py_XDECREF(source);
     Py_XDECREF(loc);
+    Py_XDECREF(stack);
     Py_XDECREF(in_recs);
     Py_XDECREF(events);
     Py_XDECREF(tensors);
     Py_XDECREF(by_object);
+    Py_XDECREF(arg_desc);
     return out;
 }
 
@@ -1513,20 +1621,17 @@ static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
              *compiled = PyTuple_GET_ITEM(ctx, 5), *in_recs = PyTuple_GET_ITEM(ctx, 6),
              *arg_desc = PyTuple_GET_ITEM(ctx, 7), *events = PyTuple_GET_ITEM(ctx, 8);
     /* handed to OpRecorder.end whole: memory taken from elsewhere, memory that holds garbage, values that may
-     * have been substituted, a collective, the text log */
+     * have been substituted, a collective */
     int whole = !PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 9 || PyObject_IsTrue(PyTuple_GET_ITEM(info, 8)) ||
                 PyObject_IsTrue(PyTuple_GET_ITEM(info, 6)) || nondet != Py_False || !PyList_Check(in_recs) ||
-                !PyList_Check(events) || !PyTuple_Check(arg_desc) || PyTuple_GET_SIZE(arg_desc) > 0;
+                !PyList_Check(events);
     if (!whole) {
         PyObject *uninit = PyTuple_GET_ITEM(info, 2); /* outputs that hold garbage: none, as an empty frozenset */
         whole = !PyFrozenSet_CheckExact(uninit) || PySet_GET_SIZE(uninit) != 0;
-        if (!whole) {
-            int describe = attr_true(rec, N_describe_args);
-            if (describe < 0) return NULL;
-            whole = describe;
-        }
     }
     if (PyErr_Occurred()) return NULL;
+    int describe = whole ? 0 : attr_true(rec, N_describe_args);
+    if (describe < 0) return NULL;
     if (whole) {
         PyObject *argv[] = {rec, ctx, result, args, kwargs, nondet};
         return PyObject_VectorcallMethod(N_end, argv, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
@@ -1621,8 +1726,26 @@ static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
         Py_XDECREF(c1);
         if (rc < 0) goto done;
     }
-    PyObject *argv[] = {op, source, stack, arg_desc, recs, S_empty_tuple, in_recs, backward, compiled};
-    if (!(ev = PyObject_Vectorcall(R_OpEvent, argv, 9, NULL)) || PyList_Append(events, ev) < 0) goto done;
+    PyObject *devices = S_empty_tuple; /* the text log's device of each output */
+    Py_INCREF(devices);
+    if (describe) {
+        Py_DECREF(devices);
+        if (!(devices = PyList_New(n))) goto done;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            PyObject *t = PyList_GET_ITEM(outs, j);
+            int is_tensor = PyObject_IsInstance(t, R_Tensor);
+            PyObject *d = is_tensor > 0 ? device_text(t) : is_tensor == 0 ? PyUnicode_FromString("host") : NULL;
+            if (!d) {
+                Py_DECREF(devices);
+                goto done;
+            }
+            PyList_SET_ITEM(devices, j, d);
+        }
+    }
+    PyObject *argv[] = {op, source, stack, arg_desc, recs, devices, in_recs, backward, compiled};
+    ev = PyObject_Vectorcall(R_OpEvent, argv, 9, NULL);
+    Py_DECREF(devices);
+    if (!ev || PyList_Append(events, ev) < 0) goto done;
     if (!(all_events = PyObject_GetAttr(rec, N__events))) goto done;
     if (!PyList_Check(all_events) ||
         PyList_SetSlice(all_events, PyList_GET_SIZE(all_events), PyList_GET_SIZE(all_events), events) < 0) {
@@ -1663,6 +1786,8 @@ done:
     return ret;
 }
 
+#endif /* the recorder */
+
 static PyMethodDef methods[] = {
     {"first_listed_not", (PyCFunction)(void (*)(void))py_first_listed_not, METH_FASTCALL,
      "first_listed_not(frame, internal)"},
@@ -1670,11 +1795,13 @@ static PyMethodDef methods[] = {
      "fingerprint(data_ptr, nbytes, kind, numel, key, nthreads, stats)"},
     {"init", py_init, METH_O, "init(weights_ptr)"},
     {"trace_lines", (PyCFunction)(void (*)(void))py_trace_lines, METH_FASTCALL, "trace_lines(call, rows, dumps)"},
+#if PY_VERSION_HEX >= 0x030B0000
     {"setup_recorder", py_setup_recorder, METH_O, "setup_recorder(names)"},
     {"op_begin", (PyCFunction)(void (*)(void))py_op_begin, METH_FASTCALL,
      "op_begin(recorder, func, args, kwargs, frame, compiled)"},
     {"op_end", (PyCFunction)(void (*)(void))py_op_end, METH_FASTCALL,
      "op_end(recorder, context, result, args, kwargs, nondeterministic)"},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
