@@ -829,9 +829,9 @@ static PyObject *RS = NULL; /* the setup dict: keeps every object below alive */
 static PyObject *R_Tensor, *R_Parameter, *R_Size, *R_Record, *R_OpEvent, *R_strided, *R_fwd_key, *R_infos, *R_op_info,
     *R_lines, *R_frames, *R_frames_cache, *R_engine, *R_dtype_names, *R_dtype_name, *R_node_getter, *R_grad_enabled,
     *R_written_tensors, *R_supported, *R_key, *R_is_zero, *R_stats_dict, *R_host_batch, *R_flush_bytes, *R_weak_storage,
-    *R_storage_expired, *R_storage_release;
+    *R_storage_expired, *R_storage_release, *R_uninitialized_hash;
 static PyObject *S_eager, *S_node_kind, *S_bw, *S_unknown, *S_stack, *S_backward, *S_compiled_region, *S_empty_str,
-    *S_empty_tuple, *S_zero, *S_one;
+    *S_empty_tuple, *S_zero, *S_one, *S_derived_hash;
 
 #define NAMES(X)                                                                                                   \
     X(_unsettled) X(_settle) X(_by_object) X(_producer_by_memory) X(_input_record) X(_tag_grad_fn) X(_where)      \
@@ -840,7 +840,7 @@ static PyObject *S_eager, *S_node_kind, *S_bw, *S_unknown, *S_stack, *S_backward
     X(nbytes) X(_batch) X(_looked_up) X(_kernel) X(_want) X(_max_first) X(_out) X(threads) X(dtype) X(shape)    \
     X(is_nested) X(layout) X(is_meta) X(is_cpu) X(is_quantized) X(is_conj) X(is_neg) X(numel) X(is_contiguous) \
     X(data_ptr) X(_base) X(_written_through_view) X(compiled_ops) X(_events) X(batch) X(flush) X(on_host)        \
-    X(internal) X(node) X(_flush_due) X(stats) X(_producers) X(set_producer) X(stride) X(device) X(get)
+    X(internal) X(node) X(_flush_due) X(stats) X(_producers) X(set_producer) X(stride) X(device) X(get) X(storage_offset) X(element_size) X(extra) X(hash)
 #define DECLARE(n) static PyObject *N_##n;
 NAMES(DECLARE)
 #undef DECLARE
@@ -875,7 +875,7 @@ static PyObject *py_setup_recorder(PyObject *self, PyObject *d) {
     ITEM(R_written_tensors, "written_tensors") ITEM(R_supported, "SUPPORTED") ITEM(R_key, "key")
     ITEM(R_is_zero, "is_zero_tensor") ITEM(R_stats_dict, "stats_dict") ITEM(R_host_batch, "HOST_BATCH")
     ITEM(R_flush_bytes, "FLUSH_BYTES") ITEM(R_weak_storage, "storage_weak_ref") ITEM(R_storage_expired, "storage_expired")
-    ITEM(R_storage_release, "storage_release")
+    ITEM(R_storage_release, "storage_release") ITEM(R_uninitialized_hash, "uninitialized_hash")
 #undef ITEM
     if (!S_eager) {
         if (!(S_eager = PyUnicode_InternFromString("eager")) || !(S_node_kind = PyUnicode_InternFromString("node")) ||
@@ -884,7 +884,8 @@ static PyObject *py_setup_recorder(PyObject *self, PyObject *d) {
             !(S_backward = PyUnicode_InternFromString("backward")) ||
             !(S_compiled_region = PyUnicode_InternFromString("compiled_region")) ||
             !(S_empty_str = PyUnicode_FromString("")) || !(S_empty_tuple = PyTuple_New(0)) ||
-            !(S_zero = PyLong_FromLong(0)) || !(S_one = PyLong_FromLong(1)))
+            !(S_zero = PyLong_FromLong(0)) || !(S_one = PyLong_FromLong(1)) ||
+            !(S_derived_hash = PyUnicode_InternFromString("derived_hash")))
             return NULL;
     }
     Py_INCREF(d);
@@ -1609,6 +1610,104 @@ done:
     return rc;
 }
 
+static PyObject *geometry_of(PyObject *t) { /* (str(dtype), tuple(shape), stride(), bytes before the first element) */
+    PyObject *dtype = PyObject_GetAttr(t, N_dtype), *dtext = dtype ? PyObject_Str(dtype) : NULL;
+    PyObject *shape = dtext ? PyObject_GetAttr(t, N_shape) : NULL, *tshape = shape ? PySequence_Tuple(shape) : NULL;
+    PyObject *stride = tshape ? PyObject_CallMethodNoArgs(t, N_stride) : NULL;
+    PyObject *off = stride ? PyObject_CallMethodNoArgs(t, N_storage_offset) : NULL;
+    PyObject *size = off ? PyObject_CallMethodNoArgs(t, N_element_size) : NULL;
+    PyObject *bytes = size ? PyNumber_Multiply(off, size) : NULL;
+    PyObject *out = bytes ? PyTuple_Pack(4, dtext, tshape, stride, bytes) : NULL;
+    Py_XDECREF(dtype); Py_XDECREF(dtext); Py_XDECREF(shape); Py_XDECREF(tshape); Py_XDECREF(stride); Py_XDECREF(off);
+    Py_XDECREF(size); Py_XDECREF(bytes);
+    return out;
+}
+
+/* OpRecorder._hash_output for a copy or a view (copy_arg, is_view) whose source is a tensor argument with a
+ * record: the source's fingerprint (same values) or one derived from it (PendingHashes.add_same / add_view);
+ * 1 when done, 2 when the output holds values of its own to read, 0 when the caller takes _hash_output, -1 on
+ * error */
+static int hash_from_source(PyObject *rec, PyObject *r, PyObject *t, PyObject *is_view, PyObject *copy_arg,
+                            PyObject *args, PyObject *in_recs) {
+    Py_ssize_t src_i = copy_arg == Py_None ? 0 : PyLong_AsSsize_t(copy_arg);
+    if (src_i == -1 && PyErr_Occurred()) return -1;
+    if (src_i < 0 || !PyTuple_Check(args) || src_i >= PyTuple_GET_SIZE(args) || PyList_GET_SIZE(in_recs) <= src_i)
+        return 0;
+    if (Py_TYPE(t) != (PyTypeObject *)R_Tensor && Py_TYPE(t) != (PyTypeObject *)R_Parameter) return 0;
+    PyObject *src = PyTuple_GET_ITEM(args, src_i);
+    for (Py_ssize_t i = 0; i <= src_i; i++) {
+        int is = PyObject_IsInstance(PyTuple_GET_ITEM(args, i), R_Tensor);
+        if (is <= 0) return is;
+    }
+    PyObject *layout = PyObject_GetAttr(t, N_layout);
+    if (!layout) return -1;
+    int plain = layout == R_strided;
+    Py_DECREF(layout);
+    if (!plain) return 0;
+    int b;
+    if ((b = attr_true(t, N_is_meta)) != 0 || (b = attr_true(t, N_is_nested)) != 0) return b < 0 ? -1 : 0;
+    PyObject *base = PyList_GET_ITEM(in_recs, src_i), *items = NULL, *item = NULL;
+    int rc = -1, same = 0;
+    PyObject *a = PyObject_GetAttr(t, N_dtype), *c = a ? PyObject_GetAttr(src, N_dtype) : NULL;
+    same = c ? PyObject_RichCompareBool(a, c, Py_EQ) : -1;
+    Py_XDECREF(a); Py_XDECREF(c);
+    if (same == 1) {
+        a = PyObject_GetAttr(t, N_shape), c = a ? PyObject_GetAttr(src, N_shape) : NULL;
+        same = c ? PyObject_RichCompareBool(a, c, Py_EQ) : -1;
+        Py_XDECREF(a); Py_XDECREF(c);
+    }
+    if (same == 1 && is_view != Py_False) { /* same_layout */
+        a = PyObject_CallMethodNoArgs(t, N_stride), c = a ? PyObject_CallMethodNoArgs(src, N_stride) : NULL;
+        same = c ? PyObject_RichCompareBool(a, c, Py_EQ) : -1;
+        Py_XDECREF(a); Py_XDECREF(c);
+        if (same == 1) {
+            a = PyObject_CallMethodNoArgs(t, N_storage_offset), c = a ? PyObject_CallMethodNoArgs(src, N_storage_offset) : NULL;
+            same = c ? PyObject_RichCompareBool(a, c, Py_EQ) : -1;
+            Py_XDECREF(a); Py_XDECREF(c);
+        }
+    }
+    if (same < 0) return -1;
+    PyObject *hashes = PyObject_GetAttr(rec, N__hashes);
+    if (!hashes || !(items = PyObject_GetAttr(hashes, N__items))) goto done;
+    if (same) { /* same logical values: same fingerprint */
+        if (!(item = PyTuple_Pack(2, r, base)) || PyList_Append(items, item) < 0) goto done;
+        rc = 1;
+    } else if (is_view != Py_False) { /* PendingHashes.add_view: derived from the base's, by view_geometry */
+        PyObject *gs = geometry_of(src), *go = gs ? geometry_of(t) : NULL, *geom = NULL;
+        if (go) {
+            PyObject *offset = PyNumber_Subtract(PyTuple_GET_ITEM(go, 3), PyTuple_GET_ITEM(gs, 3));
+            if (offset)
+                geom = PyTuple_Pack(7, PyTuple_GET_ITEM(gs, 0), PyTuple_GET_ITEM(gs, 1), PyTuple_GET_ITEM(gs, 2),
+                                    PyTuple_GET_ITEM(go, 0), PyTuple_GET_ITEM(go, 1), PyTuple_GET_ITEM(go, 2), offset);
+            Py_XDECREF(offset);
+        }
+        Py_XDECREF(gs); Py_XDECREF(go);
+        if (!geom) goto done;
+        PyObject *old = PyObject_GetAttr(r, N_extra), *extra = NULL;
+        if (old) {
+            extra = old == Py_None ? PyDict_New() : PyDict_Copy(old); /* dict(rec.extra or {}, derived_hash=True) */
+            if (extra && (PyDict_SetItem(extra, S_derived_hash, Py_True) < 0 || PyObject_SetAttr(r, N_extra, extra) < 0))
+                Py_CLEAR(extra);
+        }
+        Py_XDECREF(old);
+        if (!extra || !(item = PyTuple_Pack(3, r, base, geom)) || PyList_Append(items, item) < 0) {
+            Py_XDECREF(extra);
+            Py_DECREF(geom);
+            goto done;
+        }
+        Py_DECREF(extra);
+        Py_DECREF(geom);
+        rc = 1;
+    } else {
+        rc = 2; /* new values (a copy to another dtype or shape): read them */
+    }
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(items);
+    Py_XDECREF(item);
+    return rc;
+}
+
 static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6 || !RS || !PyTuple_Check(a[1]) || PyTuple_GET_SIZE(a[1]) != 9) {
@@ -1625,10 +1724,6 @@ static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
     int whole = !PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 9 || PyObject_IsTrue(PyTuple_GET_ITEM(info, 8)) ||
                 PyObject_IsTrue(PyTuple_GET_ITEM(info, 6)) || nondet != Py_False || !PyList_Check(in_recs) ||
                 !PyList_Check(events);
-    if (!whole) {
-        PyObject *uninit = PyTuple_GET_ITEM(info, 2); /* outputs that hold garbage: none, as an empty frozenset */
-        whole = !PyFrozenSet_CheckExact(uninit) || PySet_GET_SIZE(uninit) != 0;
-    }
     if (PyErr_Occurred()) return NULL;
     int describe = whole ? 0 : attr_true(rec, N_describe_args);
     if (describe < 0) return NULL;
@@ -1636,6 +1731,8 @@ static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
         PyObject *argv[] = {rec, ctx, result, args, kwargs, nondet};
         return PyObject_VectorcallMethod(N_end, argv, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
+    PyObject *uninit = PyTuple_GET_ITEM(info, 2); /* positions of the outputs that hold garbage memory */
+    int any_garbage = !PyFrozenSet_CheckExact(uninit) || PySet_GET_SIZE(uninit) != 0;
     PyObject *writes = PyTuple_GET_ITEM(info, 0), *is_view = PyTuple_GET_ITEM(info, 1),
              *copy_arg = PyTuple_GET_ITEM(info, 3), *op = PyTuple_GET_ITEM(info, 4);
     PyObject *outs = NULL, *base = NULL, *extra = NULL, *recs = NULL, *unsettled = NULL, *ev = NULL,
@@ -1644,7 +1741,18 @@ static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
     if (nwrites < 0) return NULL;
     int result_tensor = PyObject_IsInstance(result, R_Tensor);
     if (result_tensor < 0) return NULL;
-    if (!nwrites && result_tensor) {
+    int only_result = result_tensor && !nwrites; /* the op returned the one tensor it made or wrote */
+    if (nwrites && result_tensor && PyTuple_Check(writes) && PyTuple_Check(args)) { /* an in-place op */
+        only_result = 1;
+        for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(writes); w++) {
+            PyObject *pos = PyTuple_GET_ITEM(writes, w);
+            Py_ssize_t i = PyTuple_Check(pos) && PyTuple_GET_SIZE(pos) == 2 ? PyLong_AsSsize_t(PyTuple_GET_ITEM(pos, 0))
+                                                                            : -1;
+            if (i == -1 && PyErr_Occurred()) return NULL;
+            if (i < 0 || i >= PyTuple_GET_SIZE(args) || PyTuple_GET_ITEM(args, i) != result) only_result = 0;
+        }
+    }
+    if (only_result) {
         outs = PyList_New(1);
         if (!outs) return NULL;
         PyList_SET_ITEM(outs, 0, Py_NewRef(result));
@@ -1683,10 +1791,29 @@ static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
         Py_DECREF(r);
         if (rc < 0) goto done;
         /* OpRecorder._hash_output: most ops make new values, read here; copies and views take their source's */
-        int captured = copy_arg == Py_None && is_view == Py_False ? capture_now(rec, r, t) : 0;
+        int garbage = 0;
+        if (any_garbage) {
+            PyObject *jo = PyLong_FromSsize_t(j);
+            garbage = jo ? PySequence_Contains(uninit, jo) : -1;
+            Py_XDECREF(jo);
+            if (garbage < 0) goto done;
+        }
+        int fresh = copy_arg == Py_None && is_view == Py_False;
+        int captured = garbage ? 1 : fresh ? capture_now(rec, r, t)
+                                           : hash_from_source(rec, r, t, is_view, copy_arg, args, in_recs);
+        if (garbage) { /* hashed by what is defined: dtype and shape (uninitialized_hash) */
+            PyObject *h = PyObject_CallOneArg(R_uninitialized_hash, r);
+            rc = h ? PyObject_SetAttr(r, N_hash, h) : -1;
+            Py_XDECREF(h);
+            if (rc < 0) goto done;
+        }
+        if (captured == 2) {
+            fresh = 1;
+            captured = capture_now(rec, r, t);
+        }
         if (captured < 0) goto done;
         if (!captured) {
-            PyObject *got = copy_arg == Py_None && is_view == Py_False
+            PyObject *got = fresh
                 ? PyObject_CallMethodObjArgs(rec, N__capture, r, t, NULL)
                 : PyObject_CallMethodObjArgs(rec, N__hash_output, r, t, is_view, copy_arg, args, in_recs, NULL);
             if (!got) goto done;

@@ -94,7 +94,8 @@ def _setup(setup: Callable) -> None:
            "written_tensors": written_tensors, "SUPPORTED": _native.SUPPORTED, "key": key,
            "is_zero_tensor": _compat.is_zero_tensor, "stats_dict": stats_dict, "HOST_BATCH": _HOST_BATCH,
            "FLUSH_BYTES": _FLUSH_BYTES, "storage_weak_ref": _storage_weak_ref,
-           "storage_expired": _compat.storage_expired, "storage_release": _storage_release})
+           "storage_expired": _compat.storage_expired, "storage_release": _storage_release,
+           "uninitialized_hash": uninitialized_hash})
 
 
 def recorder_ops() -> Tuple[Callable, Callable]:
