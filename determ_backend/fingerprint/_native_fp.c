@@ -1285,7 +1285,8 @@ static PyObject *py_op_begin(PyObject *self, PyObject *const *a, Py_ssize_t narg
     if (depth == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t silent = attr_len(rec, N__silent);
     if (silent < 0) return NULL;
-    int whole = silent > 0 || !PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs));
+    int whole = silent > 0 || !PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs)) ||
+                (frame != Py_None && !PyFrame_Check(frame));
     if (!whole) {
         if (!(info = op_facts(func))) return NULL;
         PyObject *outs = PyTuple_GET_ITEM(info, 7);
@@ -1764,9 +1765,9 @@ static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
             goto done;
         }
     }
-    if (!(base = op_name(rec, op, loc, backward != Py_None ? S_bw : S_empty_str))) goto done;
     int has_stack = PyObject_IsTrue(stack), has_bw = PyObject_IsTrue(backward), has_c = PyObject_IsTrue(compiled);
     if (has_stack < 0 || has_bw < 0 || has_c < 0) goto done;
+    if (!(base = op_name(rec, op, loc, has_bw ? S_bw : S_empty_str))) goto done;
     if (has_stack || has_bw || has_c) { /* OpRecorder._extra, in its key order */
         if (!(extra = PyDict_New())) goto done;
         if ((has_stack && PyDict_SetItem(extra, S_stack, stack) < 0) ||

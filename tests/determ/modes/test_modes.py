@@ -1285,3 +1285,25 @@ def test_the_native_recorder_writes_the_log_and_trace_the_python_one_writes(monk
         written.append(run(name))
     native, python = written
     assert native[0].count(b"\n") > 1000 and native == python
+
+
+def test_the_native_recorder_refuses_what_is_not_a_frame():
+    """op_begin walks the caller's frames in C: anything but a frame is refused as the Python recorder refuses it,
+    with an exception, never by the interpreter dying."""
+    code = """if True:
+        import torch
+        from determ_backend.fingerprint import _native
+        from determ_backend.modes.core import HashMode
+        m = HashMode()
+        if _native.recorder_ops() is None:
+            print("skip")
+            raise SystemExit(0)
+        try:
+            m._begin(m._recorder, torch.ops.aten.add.Tensor, (torch.ones(2), torch.ones(2)), {}, object(), False)
+        except TypeError as e:
+            print("TypeError", e)
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    if proc.stdout.strip() == "skip":
+        pytest.skip("the native module is not built here")
+    assert proc.returncode == 0 and proc.stdout.startswith("TypeError"), (proc.returncode, proc.stdout, proc.stderr[-500:])
