@@ -217,7 +217,12 @@ def _dispatch(kind: str, gm, example_inputs, cfg: DetermConfig, opts: Dict[str, 
     if cfg.repro_after == "dynamo":
         after_dynamo = load_flow("dynamo")
         inner = lambda g, i: _run_impl(kind, g, i, cfg.replace(repro_after=None), inductor_opts)
-        return after_dynamo.wrap_backend(inner, cfg, name=f"determ_{kind}")(gm, example_inputs)
+        # the repros name the wrapped backend, torch's own: they run with torch alone, and a repro run or a level-3
+        # minifier's child writes no determ run of its own; the options' inductor config is in force while the flows
+        # take the compile-time config the repros set
+        patched = _torch_compat.inductor_config_patch(inductor_opts) if inductor_opts else contextlib.nullcontext()
+        with patched:
+            return after_dynamo.wrap_backend(inner, cfg, name=kind)(gm, example_inputs)
     return _run_impl(kind, gm, example_inputs, cfg, inductor_opts)
 
 

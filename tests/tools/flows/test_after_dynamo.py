@@ -266,6 +266,62 @@ def test_level4_around_a_determ_backend_minifies_once_not_recursively(tmp_path):
     assert report["checker_errors"] == [] and report["first_divergence"]["op"] == "torch.nn.functional.relu"
 
 
+_DETERM_LEVEL1 = '''
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+try:
+    torch.compile(m, backend="determ_inductor", options={"cpp.inject_relu_bug_TESTING_ONLY": "compile_error"})(
+        torch.randn(3, 8))
+except Exception as e:
+    print("USER ERROR:", type(e).__name__)
+'''
+
+_TORCH_ALONE = '''
+import importlib.abc, runpy, sys
+class NoDeterm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("determ_backend", "repro_tools"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, NoDeterm())
+sys.argv = ["repro.py"]
+runpy.run_path("repro.py", run_name="__main__")
+'''
+
+
+@pytest.mark.slow
+def test_a_determ_backends_repro_after_dynamo_runs_with_torch_alone(tmp_path):
+    """The repro of a determ backend's graph names the backend it wraps (it had named determ_inductor: without
+    determ the repro could not start, and with it every run of the repro made a determ run in the current
+    directory), and holds the inductor config given through ``torch.compile(options=)``."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "user.py").write_text(_DETERM_LEVEL1)
+    env = dict(os.environ, REPRO_AFTER="dynamo", REPRO_LEVEL="1", DETERM_DIR=str(tmp_path / "out"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "user.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert "USER ERROR:" in r.stdout, r.stderr[-2000:]
+    meta = read_meta(tmp_path / "repro.py")
+    assert meta["compiler"] == "inductor" and meta["config"]["cpp.inject_relu_bug_TESTING_ONLY"] == "compile_error"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(tmp_path / "repro.py", elsewhere / "repro.py")
+    if (tmp_path / "repro_store").is_dir():
+        shutil.copytree(tmp_path / "repro_store", elsewhere / "repro_store")
+    (elsewhere / "alone.py").write_text(_TORCH_ALONE)
+    env = {k: v for k, v in env.items() if k not in ("REPRO_AFTER", "REPRO_LEVEL", "DETERM_DIR", "PYTHONPATH")}
+    for script in ("alone.py", "repro.py"):
+        r = subprocess.run([sys.executable, script], cwd=elsewhere, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 1 and "compile_error" in r.stdout + r.stderr, (script, r.stdout[-1000:], r.stderr[-2000:])
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["alone.py", "repro.py"] + (
+        ["repro_store"] if (tmp_path / "repro_store").is_dir() else [])
+
+
 def test_flows_are_suspended_while_determ_compiles_a_candidate(monkeypatch):
     from determ_backend.config import flows_suspended, load_config
 
