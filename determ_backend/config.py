@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, FrozenSet, Iterator, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, Mapping, Optional, Tuple
 
 from determ_backend.devices import parse_device_spec
 from determ_backend.errors import ConfigError
@@ -211,6 +211,7 @@ def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mappi
     ``repro-tools bisect`` (``DETERM_BISECT_DIR`` set) the output directory and run id are bisect's."""
     env = os.environ if env is None else env
     values = {}
+    given_as: Dict[str, Tuple[str, Any]] = {}  # field -> (the options key it came from, the value as given)
     for name, var in _ENV.items():
         if var in env:
             values[name] = _coerce(name, env[var], var)
@@ -219,10 +220,32 @@ def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mappi
         if name not in _ENV:
             raise ConfigError(f"unknown determ option {key!r}; expected one of {', '.join(sorted(_ENV))}")
         values[name] = _coerce(name, value, f"options[{key!r}]")
+        given_as[name] = (f"options[{key!r}]", value)
     if env.get("DETERM_BISECT_DIR"):  # set by repro-tools bisect, which must find each run's report
         values["dir"] = _coerce("dir", env["DETERM_BISECT_DIR"], "DETERM_BISECT_DIR")
+        given_as.pop("dir", None)
         if "DETERM_RUN_ID" in env:
             values["run_id"] = _coerce("run_id", env["DETERM_RUN_ID"], "DETERM_RUN_ID")
+            given_as.pop("run_id", None)
+    try:
+        return _built(values, base)
+    except ConfigError as e:
+        raise ConfigError(_as_given(str(e), given_as)) from None
+
+
+def _as_given(message: str, given_as: Mapping[str, Tuple[str, Any]]) -> str:
+    """A value check's one line (``REPRO_LEVEL='7'; expected ...``) naming the ``options`` key and the value the
+    user gave, when the setting came from ``options`` rather than from the environment variable it names."""
+    for name, (label, value) in given_as.items():
+        var = _ENV[name]
+        if message.startswith(var + "="):
+            rest = message[len(var) + 1:]
+            cut = min((i for i in (rest.find("; "), rest.find(": ")) if i >= 0), default=-1)
+            return f"{label}={value!r}{rest[cut:]}" if cut >= 0 else message
+    return message
+
+
+def _built(values: Dict[str, Any], base: Optional[DetermConfig]) -> DetermConfig:
     base = base or DetermConfig()
     if _FLOWS_OFF[0]:
         values.pop("repro_after", None)

@@ -26,10 +26,15 @@ from determ_backend.backends.run import Run
     ({}, {"REPRO_LEVEL": "4.7"}, "REPRO_LEVEL='4.7': expected an integer"),
     ({}, {"REPRO_LEVEL": "7"}, "REPRO_LEVEL='7'; expected 1, 2, 3 or 4"),
     ({}, {"DETERM_RUN_ID": "../../escape"}, "DETERM_RUN_ID='../../escape'; expected a plain directory name"),
-    ({"run_id": ".."}, {}, "DETERM_RUN_ID='..'"),
+    ({"run_id": ".."}, {}, "options['run_id']='..'; expected a plain directory name"),
     ({}, {"DETERM_TRACE": "2"}, "DETERM_TRACE='2': expected a boolean"),
     ({}, {"DETERM_TOL": "-1"}, "DETERM_TOL='-1.0'; expected a non-negative number"),
-    ({"check": "speed"}, {}, "DETERM_CHECK='speed': unknown check(s) speed"),
+    ({"check": "speed"}, {}, "options['check']='speed': unknown check(s) speed"),
+    # a value out of range names the options key the user gave, not the environment variable (unset)
+    ({"repro_level": 7}, {"REPRO_LEVEL": "2"}, "options['repro_level']=7; expected 1, 2, 3 or 4"),
+    ({"REPRO_AFTER": "foo"}, {}, "options['REPRO_AFTER']='foo'; expected 'dynamo' or 'aot'"),
+    ({"tol": -1}, {}, "options['tol']=-1; expected a non-negative number"),
+    ({"tol": 1e-3}, {"REPRO_LEVEL": "0"}, "REPRO_LEVEL='0'; expected 1, 2, 3 or 4"),
 ])
 def test_bad_settings_are_one_line_quoting_the_value(options, env, needle):
     with pytest.raises(ConfigError) as e:
