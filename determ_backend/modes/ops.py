@@ -132,8 +132,10 @@ def out_tensor_ids(outs: Tuple[Tuple[int, str], ...], args: Sequence, kwargs: Di
 
 
 # ops that return memory only partly written, by output position: FSDP2's ``all_gather_copy_in`` returns the
-# all-gather buffer (``torch.empty``) with only this rank's shard copied in; the all-gather fills the rest
-_PARTLY_WRITTEN = {"fsdp::all_gather_copy_in": frozenset({1})}
+# all-gather buffer (``torch.empty``) with only this rank's shard copied in; the all-gather fills the rest; a
+# ``resize_`` that grows a tensor keeps its elements and adds memory as the allocator left it
+_PARTLY_WRITTEN = {"fsdp::all_gather_copy_in": frozenset({1}), "aten::resize_": frozenset({0}),
+                   "aten::resize_as_": frozenset({0})}
 class _Every(frozenset):
     """Every output position."""
 

@@ -1307,3 +1307,17 @@ def test_the_native_recorder_refuses_what_is_not_a_frame():
     if proc.stdout.strip() == "skip":
         pytest.skip("the native module is not built here")
     assert proc.returncode == 0 and proc.stdout.startswith("TypeError"), (proc.returncode, proc.stdout, proc.stderr[-500:])
+
+
+def test_a_resize_that_grows_a_tensor_is_fingerprinted_by_dtype_and_shape():
+    """The memory a growing ``resize_`` adds holds whatever the allocator left there: read, two identical runs
+    differed at the resize_ (and ``check_nan`` named it a NaN creation when that memory held NaN bits)."""
+    from determ_backend.modes.ops import uninitialized_hash
+
+    with HashMode(stats=True) as m:
+        q = torch.zeros(4)
+        q.resize_(4096)
+        q.fill_(3.0)
+        torch.zeros(2).resize_as_(q)
+    grown = [r for r in m.records if r.op in ("aten.resize_.default", "aten.resize_as_.default")]
+    assert len(grown) == 2 and all(r.hash == uninitialized_hash(r) and r.stats is None for r in grown)
