@@ -1309,7 +1309,7 @@ def test_the_native_recorder_refuses_what_is_not_a_frame():
     assert proc.returncode == 0 and proc.stdout.startswith("TypeError"), (proc.returncode, proc.stdout, proc.stderr[-500:])
 
 
-def test_a_resize_that_grows_a_tensor_is_fingerprinted_by_dtype_and_shape():
+def test_a_resized_tensor_is_fingerprinted_by_dtype_and_shape():
     """The memory a growing ``resize_`` adds holds whatever the allocator left there: read, two identical runs
     differed at the resize_ (and ``check_nan`` named it a NaN creation when that memory held NaN bits)."""
     from determ_backend.modes.ops import uninitialized_hash
