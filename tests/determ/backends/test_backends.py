@@ -351,7 +351,7 @@ def test_diff_missing_file(tmp_path, capsys):
 
 
 def test_config_errors_are_one_line():
-    with pytest.raises(ConfigError, match="DETERM_CHECK"):
+    with pytest.raises(ConfigError, match=r"options\['check'\]='speed': unknown check"):
         load_config({"check": "speed"}, env={})
     with pytest.raises(ConfigError, match="REPRO_LEVEL"):
         load_config(env={"REPRO_LEVEL": "7"})
