@@ -15,7 +15,7 @@ from repro_tools.repro.script import read_meta
 
 import repro_helpers
 from repro_helpers import (assert_reproduces, compile_and_fail, forward_source, last_stderr_line, model, model_inputs,
-                           repro_config, run_code, run_script)
+                           repro_config, run_code, run_script, run_without_determ)
 
 ERRORS = [("compile_error", "relu_compile_error_TESTING_ONLY"), ("runtime_error", "relu_runtime_error_TESTING_ONLY")]
 
@@ -278,18 +278,6 @@ except Exception as e:
     print("USER ERROR:", type(e).__name__)
 '''
 
-_TORCH_ALONE = '''
-import importlib.abc, runpy, sys
-class NoDeterm(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("determ_backend", "repro_tools"):
-            raise ModuleNotFoundError(f"No module named {name!r}")
-sys.meta_path.insert(0, NoDeterm())
-sys.argv = ["repro.py"]
-runpy.run_path("repro.py", run_name="__main__")
-'''
-
-
 @pytest.mark.slow
 def test_a_determ_backends_repro_after_dynamo_runs_with_torch_alone(tmp_path):
     """The repro of a determ backend's graph names the backend it wraps (it had named determ_inductor: without
@@ -312,13 +300,12 @@ def test_a_determ_backends_repro_after_dynamo_runs_with_torch_alone(tmp_path):
     shutil.copy(tmp_path / "repro.py", elsewhere / "repro.py")
     if (tmp_path / "repro_store").is_dir():
         shutil.copytree(tmp_path / "repro_store", elsewhere / "repro_store")
-    (elsewhere / "alone.py").write_text(_TORCH_ALONE)
-    env = {k: v for k, v in env.items() if k not in ("REPRO_AFTER", "REPRO_LEVEL", "DETERM_DIR", "PYTHONPATH")}
-    for script in ("alone.py", "repro.py"):
-        r = subprocess.run([sys.executable, script], cwd=elsewhere, env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 1 and "compile_error" in r.stdout + r.stderr, (script, r.stdout[-1000:], r.stderr[-2000:])
-    assert sorted(p.name for p in elsewhere.iterdir()) == ["alone.py", "repro.py"] + (
+    alone = run_without_determ(elsewhere / "repro.py", "run")
+    assert "reproduced compile_error" in alone.stdout and "exit run 1" in alone.stdout, (alone.stdout,
+                                                                                      alone.stderr[-2000:])
+    proc = run_script(elsewhere / "repro.py")  # determ importable: it must not run determ's backend
+    assert proc.returncode == 1 and "reproduced compile_error" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["repro.py"] + (
         ["repro_store"] if (tmp_path / "repro_store").is_dir() else [])
 
 
