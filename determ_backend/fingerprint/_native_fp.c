@@ -526,6 +526,21 @@ int determ_fp(const void *data, int64_t nbytes, int kind, int64_t numel, uint64_
 
 #define RELEASE_GIL_BYTES (256 * 1024) /* below that, releasing and taking back the GIL costs more */
 
+/* determ_fp called from Python: without the GIL for a buffer large enough that taking it back costs less */
+static int fingerprint_holding(unsigned long long ptr, long long nbytes, int kind, long long numel, unsigned long long key,
+                               int nthreads, uint64_t *h, double *v) {
+    const void *data = (const void *)(uintptr_t)ptr;
+    int rc;
+    if (nbytes >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = determ_fp(data, nbytes, kind, numel, key, nthreads, h, v);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = determ_fp(data, nbytes, kind, numel, key, nthreads, h, v);
+    }
+    return rc;
+}
+
 /* fingerprint(data_ptr, nbytes, kind, numel, key, nthreads, stats) ->
  *   (hash, None) | (hash, (min, max, mean, l2, nan, inf, numel)) | None (scratch memory)
  * The statistics are determ_fp's stats_out. */
@@ -549,15 +564,7 @@ static PyObject *py_fingerprint(PyObject *self, PyObject *const *args, Py_ssize_
     }
     uint64_t h = 0;
     double v[7];
-    int rc;
-    const void *data = (const void *)(uintptr_t)ptr;
-    if (nbytes >= RELEASE_GIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? v : NULL);
-        Py_END_ALLOW_THREADS
-    } else {
-        rc = determ_fp(data, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? v : NULL);
-    }
+    int rc = fingerprint_holding(ptr, nbytes, (int)kind, numel, key, (int)nthreads, &h, want ? v : NULL);
     if (rc == -2) {
         PyErr_SetString(PyExc_RuntimeError, "fingerprint(): init() was not called");
         return NULL;
@@ -910,24 +917,27 @@ static int code_internal(PyCodeObject *code) {
     return out;
 }
 
-/* OpRecorder._run_by_user: 1, 0, or -1 on error */
-static int run_by_user(PyObject *frame) {
-    if (frame == Py_None) return 0;
-    PyFrameObject *f = (PyFrameObject *)frame;
-    Py_INCREF(f);
+/* From frame outwards, the first user frame (a new reference in *found, its code in *code), or none (NULL) when
+ * there is none or the walk reaches the code object stop first; 0, or -1 on error */
+static int first_user_frame(PyObject *frame, PyObject *stop, PyFrameObject **found, PyCodeObject **code) {
+    PyFrameObject *f = frame == Py_None ? NULL : (PyFrameObject *)frame;
+    Py_XINCREF(f);
+    *found = NULL;
+    *code = NULL;
     while (f) {
-        PyCodeObject *code = PyFrame_GetCode(f);
-        if ((PyObject *)code == R_engine) {
-            Py_DECREF(code);
+        PyCodeObject *c = PyFrame_GetCode(f);
+        int internal = (PyObject *)c == stop ? 2 : code_internal(c);
+        if (internal != 1) {
+            if (internal == 0) {
+                *found = f;
+                *code = c;
+                return 0;
+            }
+            Py_DECREF(c);
             Py_DECREF(f);
-            return 0;
+            return internal < 0 ? -1 : 0;
         }
-        int internal = code_internal(code);
-        Py_DECREF(code);
-        if (internal <= 0) {
-            Py_DECREF(f);
-            return internal < 0 ? -1 : 1;
-        }
+        Py_DECREF(c);
         PyFrameObject *back = PyFrame_GetBack(f);
         Py_DECREF(f);
         f = back;
@@ -935,26 +945,21 @@ static int run_by_user(PyObject *frame) {
     return 0;
 }
 
+/* OpRecorder._run_by_user: 1, 0, or -1 on error */
+static int run_by_user(PyObject *frame) {
+    PyFrameObject *f;
+    PyCodeObject *code;
+    if (first_user_frame(frame, R_engine, &f, &code) < 0) return -1;
+    Py_XDECREF(f);
+    Py_XDECREF(code);
+    return f != NULL;
+}
+
 /* OpRecorder._where for one frame kept: (source, location) as new references; 0, or -1 on error */
 static int where(PyObject *rec, PyObject *frame, PyObject **source, PyObject **loc) {
-    PyFrameObject *f = frame == Py_None ? NULL : (PyFrameObject *)frame;
-    Py_XINCREF(f);
-    PyCodeObject *code = NULL;
-    while (f) {
-        code = PyFrame_GetCode(f);
-        int internal = code_internal(code);
-        if (internal < 0) {
-            Py_DECREF(code);
-            Py_DECREF(f);
-            return -1;
-        }
-        if (!internal) break;
-        Py_DECREF(code);
-        code = NULL;
-        PyFrameObject *back = PyFrame_GetBack(f);
-        Py_DECREF(f);
-        f = back;
-    }
+    PyFrameObject *f;
+    PyCodeObject *code;
+    if (first_user_frame(frame, NULL, &f, &code) < 0) return -1;
     if (!f) {
         Py_INCREF(Py_None);
         Py_INCREF(S_unknown);
@@ -1512,44 +1517,42 @@ done:
 }
 
 /* PendingHashes.add through FingerprintBatch.add_now for a plain contiguous CPU tensor the kernel reads right
- * now: 1 when done, 0 when that does not apply (the caller takes OpRecorder._capture), -1 on error */
+ * now: 1 when done, 0 when declined (the caller takes OpRecorder._capture), -1 on error */
 static int capture_now(PyObject *rec, PyObject *r, PyObject *t) {
     if (Py_TYPE(t) != (PyTypeObject *)R_Tensor && Py_TYPE(t) != (PyTypeObject *)R_Parameter) return 0;
-    int ok = 0, rc = -1;
-    PyObject *hashes = NULL, *batch = NULL, *kernel = NULL, *layout = NULL, *dtype = NULL, *kind_o = NULL,
-             *key = NULL, *shape = NULL, *threads = NULL, *numel = NULL, *ptr_o = NULL, *nbytes_o = NULL,
+    int rc = -1;
+    PyObject *hashes = NULL, *batch = NULL, *kernel = NULL, *layout = NULL, *dtype = NULL, *key = NULL, *shape = NULL, *threads = NULL, *numel = NULL, *ptr_o = NULL, *nbytes_o = NULL,
              *zero = NULL, *entry = NULL, *stats = NULL, *outl = NULL, *items = NULL, *item = NULL, *pos = NULL,
              *total = NULL, *want_o = NULL;
     if (!(layout = PyObject_GetAttr(t, N_layout))) goto done;
-    if (layout != R_strided) goto no;
+    if (layout != R_strided) goto decline;
     int b;
-    if ((b = attr_true(t, N_is_meta)) != 0 || (b = attr_true(t, N_is_nested)) != 0) goto maybe;
-    if ((b = attr_true(t, N_is_cpu)) != 1) goto maybe;
-    if ((b = attr_true(t, N_is_quantized)) != 0) goto maybe;
+    if ((b = attr_true(t, N_is_meta)) != 0 || (b = attr_true(t, N_is_nested)) != 0) goto checked;
+    if ((b = attr_true(t, N_is_cpu)) != 1) goto checked;
+    if ((b = attr_true(t, N_is_quantized)) != 0) goto checked;
     if (!(hashes = PyObject_GetAttr(rec, N__hashes)) || !(batch = PyObject_GetAttr(hashes, N__batch))) goto done;
-    if ((b = attr_true(batch, N__looked_up)) != 1) goto maybe;
+    if ((b = attr_true(batch, N__looked_up)) != 1) goto checked;
     if (!(kernel = PyObject_GetAttr(batch, N__kernel))) goto done;
-    if (kernel == Py_None) goto no;
+    if (kernel == Py_None) goto decline;
     PyObject *m;
     if (!(m = PyObject_CallMethodNoArgs(t, N_is_conj))) goto done;
     b = m == Py_True; Py_DECREF(m);
-    if (b) goto no;
+    if (b) goto decline;
     if (!(m = PyObject_CallMethodNoArgs(t, N_is_neg))) goto done;
     b = m == Py_True; Py_DECREF(m);
-    if (b) goto no;
+    if (b) goto decline;
     if (!(zero = PyObject_CallOneArg(R_is_zero, t))) goto done;
-    if (zero != Py_False) goto no;
+    if (zero != Py_False) goto decline;
     if (!(m = PyObject_CallMethodNoArgs(t, N_is_contiguous))) goto done;
     b = m == Py_True; Py_DECREF(m);
-    if (!b) goto no;
+    if (!b) goto decline;
     if (!(want_o = PyObject_GetAttr(batch, N__want))) goto done;
     int want = want_o == Py_True;
     if (!(dtype = PyObject_GetAttr(t, N_dtype))) goto done;
-    kind_o = PyDict_GetItemWithError(R_supported, dtype);
+    PyObject *kind_o = PyDict_GetItemWithError(R_supported, dtype); /* borrowed */
     if (!kind_o && PyErr_Occurred()) goto done;
     long kind = kind_o ? PyLong_AsLong(kind_o) : 0;
-    kind_o = NULL;
-    if (want && !kind) goto no;
+    if (want && !kind) goto decline;
     if (!(numel = PyObject_CallMethodNoArgs(t, N_numel)) || !(nbytes_o = PyObject_GetAttr(t, N_nbytes))) goto done;
     long long n = PyLong_AsLongLong(numel), nbytes = PyLong_AsLongLong(nbytes_o);
     if (PyErr_Occurred()) goto done;
@@ -1566,16 +1569,8 @@ static int capture_now(PyObject *rec, PyObject *r, PyObject *t) {
     if (PyErr_Occurred() || nbytes < 0 || n < 0) goto done;
     uint64_t h = 0;
     double v[7];
-    int krc;
-    const void *data = (const void *)(uintptr_t)ptr;
-    if (nbytes >= RELEASE_GIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        krc = determ_fp(data, nbytes, (int)kind, n, k, (int)nthreads, &h, want ? v : NULL);
-        Py_END_ALLOW_THREADS
-    } else {
-        krc = determ_fp(data, nbytes, (int)kind, n, k, (int)nthreads, &h, want ? v : NULL);
-    }
-    if (krc != 0) goto no; /* not initialized, or no scratch memory: the Python path says so */
+    if (fingerprint_holding(ptr, nbytes, (int)kind, n, k, (int)nthreads, &h, want ? v : NULL) != 0)
+        goto decline; /* not initialized, or no scratch memory: the Python path says so */
     if (want) {
         PyObject *vec = Py_BuildValue("(ddddddd)", v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
         PyObject *first = vec ? PyObject_GetAttr(batch, N__max_first) : NULL;
@@ -1597,12 +1592,12 @@ static int capture_now(PyObject *rec, PyObject *r, PyObject *t) {
     total = PyNumber_Add(had, nbytes_o);
     Py_DECREF(had);
     if (!total || PyObject_SetAttr(hashes, N_nbytes, total) < 0) goto done;
-    ok = 1;
-no:
-    rc = ok;
+    rc = 1;
     goto done;
-maybe:
-    rc = b < 0 ? -1 : 0;
+checked: /* a check that did not pass: declined, or an error */
+    if (b < 0) goto done;
+decline:
+    rc = 0;
 done:
     Py_XDECREF(hashes); Py_XDECREF(batch); Py_XDECREF(kernel); Py_XDECREF(layout); Py_XDECREF(dtype);
     Py_XDECREF(key); Py_XDECREF(shape); Py_XDECREF(threads); Py_XDECREF(numel); Py_XDECREF(ptr_o);
