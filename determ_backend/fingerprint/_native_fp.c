@@ -1715,18 +1715,18 @@ static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
              *stack = PyTuple_GET_ITEM(ctx, 3), *backward = PyTuple_GET_ITEM(ctx, 4),
              *compiled = PyTuple_GET_ITEM(ctx, 5), *in_recs = PyTuple_GET_ITEM(ctx, 6),
              *arg_desc = PyTuple_GET_ITEM(ctx, 7), *events = PyTuple_GET_ITEM(ctx, 8);
-    /* handed to OpRecorder.end whole: memory taken from elsewhere, memory that holds garbage, values that may
-     * have been substituted, a collective */
+    /* handed to OpRecorder.end whole: memory taken from elsewhere, values that may have been substituted, a
+     * collective */
     int whole = !PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 9 || PyObject_IsTrue(PyTuple_GET_ITEM(info, 8)) ||
                 PyObject_IsTrue(PyTuple_GET_ITEM(info, 6)) || nondet != Py_False || !PyList_Check(in_recs) ||
                 !PyList_Check(events);
     if (PyErr_Occurred()) return NULL;
-    int describe = whole ? 0 : attr_true(rec, N_describe_args);
-    if (describe < 0) return NULL;
     if (whole) {
         PyObject *argv[] = {rec, ctx, result, args, kwargs, nondet};
         return PyObject_VectorcallMethod(N_end, argv, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
+    int describe = attr_true(rec, N_describe_args);
+    if (describe < 0) return NULL;
     PyObject *uninit = PyTuple_GET_ITEM(info, 2); /* positions of the outputs that hold garbage memory */
     int any_garbage = !PyFrozenSet_CheckExact(uninit) || PySet_GET_SIZE(uninit) != 0;
     PyObject *writes = PyTuple_GET_ITEM(info, 0), *is_view = PyTuple_GET_ITEM(info, 1),
@@ -1786,34 +1786,32 @@ static PyObject *py_op_end(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
         int rc = PyList_Append(recs, r);
         Py_DECREF(r);
         if (rc < 0) goto done;
-        /* OpRecorder._hash_output: most ops make new values, read here; copies and views take their source's */
-        int garbage = 0;
+        int garbage = 0; /* an output of memory as allocated: hashed by what is defined, dtype and shape */
         if (any_garbage) {
             PyObject *jo = PyLong_FromSsize_t(j);
             garbage = jo ? PySequence_Contains(uninit, jo) : -1;
             Py_XDECREF(jo);
             if (garbage < 0) goto done;
         }
-        int fresh = copy_arg == Py_None && is_view == Py_False;
-        int captured = garbage ? 1 : fresh ? capture_now(rec, r, t)
-                                           : hash_from_source(rec, r, t, is_view, copy_arg, args, in_recs);
-        if (garbage) { /* hashed by what is defined: dtype and shape (uninitialized_hash) */
+        if (garbage) {
             PyObject *h = PyObject_CallOneArg(R_uninitialized_hash, r);
             rc = h ? PyObject_SetAttr(r, N_hash, h) : -1;
             Py_XDECREF(h);
             if (rc < 0) goto done;
-        }
-        if (captured == 2) {
-            fresh = 1;
-            captured = capture_now(rec, r, t);
-        }
-        if (captured < 0) goto done;
-        if (!captured) {
-            PyObject *got = fresh
-                ? PyObject_CallMethodObjArgs(rec, N__capture, r, t, NULL)
-                : PyObject_CallMethodObjArgs(rec, N__hash_output, r, t, is_view, copy_arg, args, in_recs, NULL);
-            if (!got) goto done;
-            Py_DECREF(got);
+        } else { /* OpRecorder._hash_output: most ops make new values (2: read them); copies and views take their
+                  * source's fingerprint */
+            int got = copy_arg == Py_None && is_view == Py_False
+                ? 2 : hash_from_source(rec, r, t, is_view, copy_arg, args, in_recs);
+            int fresh = got == 2;
+            if (fresh) got = capture_now(rec, r, t);
+            if (got < 0) goto done;
+            if (!got) { /* declined: the Python method does it */
+                PyObject *done_py = fresh
+                    ? PyObject_CallMethodObjArgs(rec, N__capture, r, t, NULL)
+                    : PyObject_CallMethodObjArgs(rec, N__hash_output, r, t, is_view, copy_arg, args, in_recs, NULL);
+                if (!done_py) goto done;
+                Py_DECREF(done_py);
+            }
         }
         if (is_tensor) {
             PyObject *u = PyTuple_Pack(3, t, r, is_view);
