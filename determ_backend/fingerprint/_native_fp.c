@@ -955,44 +955,81 @@ static int run_by_user(PyObject *frame) {
     return f != NULL;
 }
 
-/* OpRecorder._where for one frame kept: (source, location) as new references; 0, or -1 on error */
-static int where(PyObject *rec, PyObject *frame, PyObject **source, PyObject **loc) {
+/* "file:line in function" of one frame, as OpRecorder._where writes a stack's entries: a new reference */
+static PyObject *stack_entry(PyFrameObject *f, PyCodeObject *code) {
+    return PyUnicode_FromFormat("%U:%d in %U", code->co_filename, PyFrame_GetLineNumber(f), code->co_name);
+}
+
+/* OpRecorder._where: (source, location) and, when stack is not NULL, the first depth user frames' entries (None when
+ * there is no user frame), as new references; 0, or -1 on error.  A line not in LINES yet is entered there by the
+ * Python method, which then gives the whole answer. */
+static int where(PyObject *rec, PyObject *frame, long depth, PyObject **source, PyObject **loc, PyObject **stack) {
     PyFrameObject *f;
     PyCodeObject *code;
     if (first_user_frame(frame, NULL, &f, &code) < 0) return -1;
     if (!f) {
-        Py_INCREF(Py_None);
-        Py_INCREF(S_unknown);
-        *source = Py_None;
-        *loc = S_unknown;
+        *source = Py_NewRef(Py_None);
+        *loc = Py_NewRef(S_unknown);
+        if (stack) *stack = Py_NewRef(Py_None);
         return 0;
     }
     PyObject *key = Py_BuildValue("(Ni)", PyLong_FromVoidPtr(code), PyFrame_GetLineNumber(f));
-    Py_DECREF(f);
-    if (!key) {
+    PyObject *w = key ? PyDict_GetItemWithError(R_lines, key) : NULL;
+    Py_XDECREF(key);
+    if (!(w && PyTuple_Check(w) && PyTuple_GET_SIZE(w) == 3 && PyTuple_GET_ITEM(w, 2) == (PyObject *)code)) {
+        Py_DECREF(f);
         Py_DECREF(code);
-        return -1;
-    }
-    PyObject *w = PyDict_GetItemWithError(R_lines, key);
-    Py_DECREF(key);
-    if (w && PyTuple_Check(w) && PyTuple_GET_SIZE(w) == 3 && PyTuple_GET_ITEM(w, 2) == (PyObject *)code) {
-        Py_DECREF(code);
-        *source = Py_NewRef(PyTuple_GET_ITEM(w, 0));
-        *loc = Py_NewRef(PyTuple_GET_ITEM(w, 1));
+        if (PyErr_Occurred()) return -1;
+        PyObject *r = PyObject_CallMethodOneArg(rec, N__where, frame); /* enters the line */
+        if (!r) return -1;
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 3) {
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_TypeError, "OpRecorder._where: expected (source, location, stack)");
+            return -1;
+        }
+        *source = Py_NewRef(PyTuple_GET_ITEM(r, 0));
+        *loc = Py_NewRef(PyTuple_GET_ITEM(r, 1));
+        if (stack) *stack = Py_NewRef(PyTuple_GET_ITEM(r, 2));
+        Py_DECREF(r);
         return 0;
     }
-    Py_DECREF(code);
-    if (PyErr_Occurred()) return -1;
-    PyObject *r = PyObject_CallMethodOneArg(rec, N__where, frame); /* enters the line */
-    if (!r) return -1;
-    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 2) {
-        Py_DECREF(r);
-        PyErr_SetString(PyExc_TypeError, "OpRecorder._where: expected a tuple");
+    *source = Py_NewRef(PyTuple_GET_ITEM(w, 0));
+    *loc = Py_NewRef(PyTuple_GET_ITEM(w, 1));
+    if (!stack) {
+        Py_DECREF(f);
+        Py_DECREF(code);
+        return 0;
+    }
+    /* user_frames(frame, depth): at least the first one */
+    PyObject *entries = PyList_New(0);
+    if (!entries) {
+        Py_DECREF(code);
+    }
+    while (entries && f) {
+        PyObject *e = stack_entry(f, code);
+        Py_DECREF(code);
+        if (!e || PyList_Append(entries, e) < 0) {
+            Py_XDECREF(e);
+            Py_CLEAR(entries);
+            break;
+        }
+        Py_DECREF(e);
+        if (PyList_GET_SIZE(entries) >= depth) break;
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = NULL;
+        if (!back) break;
+        int r = first_user_frame((PyObject *)back, NULL, &f, &code);
+        Py_DECREF(back);
+        if (r < 0) Py_CLEAR(entries);
+    }
+    Py_XDECREF(f); /* left by a full list, or by an error making an entry (its code released already) */
+    if (!entries) {
+        Py_CLEAR(*source);
+        Py_CLEAR(*loc);
         return -1;
     }
-    *source = Py_NewRef(PyTuple_GET_ITEM(r, 0));
-    *loc = Py_NewRef(PyTuple_GET_ITEM(r, 1));
-    Py_DECREF(r);
+    *stack = entries;
     return 0;
 }
 
@@ -1263,10 +1300,26 @@ static int describe_walk(PyObject *path, PyObject *a, PyObject *out) {
     return 0;
 }
 
+/* str(t.device), remembered per device (torch.device's str formats through a C++ stream) */
+static PyObject *device_texts;
+
 static PyObject *device_text(PyObject *t) {
     PyObject *d = PyObject_GetAttr(t, N_device);
     if (!d) return NULL;
-    PyObject *s = PyObject_Str(d);
+    if (!device_texts && !(device_texts = PyDict_New())) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    PyObject *s = PyDict_GetItemWithError(device_texts, d);
+    if (s) {
+        Py_DECREF(d);
+        return Py_NewRef(s);
+    }
+    if (PyErr_Occurred() || !(s = PyObject_Str(d)) || (PyDict_GET_SIZE(device_texts) < 64 &&
+                                                        PyDict_SetItem(device_texts, d, s) < 0)) {
+        Py_XDECREF(s);
+        s = NULL;
+    }
     Py_DECREF(d);
     return s;
 }
@@ -1325,25 +1378,15 @@ static PyObject *py_op_begin(PyObject *self, PyObject *const *a, Py_ssize_t narg
     } else {
         backward = Py_NewRef(Py_None);
     }
-    if (depth != 1) { /* several frames a record: OpRecorder._where gives them */
-        PyObject *w = PyObject_CallMethodOneArg(rec, N__where, frame);
-        if (!w) goto fail;
-        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 3) {
-            Py_DECREF(w);
-            PyErr_SetString(PyExc_TypeError, "OpRecorder._where: expected (source, location, stack)");
-            goto fail;
-        }
-        source = Py_NewRef(PyTuple_GET_ITEM(w, 0));
-        loc = Py_NewRef(PyTuple_GET_ITEM(w, 1));
-        stack = Py_NewRef(PyTuple_GET_ITEM(w, 2));
-        Py_DECREF(w);
+    if (depth != 1) { /* several frames a record */
+        if (where(rec, frame, depth, &source, &loc, &stack) < 0) goto fail;
     } else {
         stack = Py_NewRef(Py_None);
     }
     if (fwd) { /* named after the forward line that made its autograd node */
         Py_XSETREF(source, Py_NewRef(PyTuple_GET_ITEM(fwd, 0)));
         Py_XSETREF(loc, Py_NewRef(PyTuple_GET_ITEM(fwd, 1)));
-    } else if (depth == 1 && where(rec, frame, &source, &loc) < 0) {
+    } else if (depth == 1 && where(rec, frame, 1, &source, &loc, NULL) < 0) {
         goto fail;
     }
     int grad_on = 0;
