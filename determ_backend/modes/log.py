@@ -110,6 +110,7 @@ class LogWriter:
 
     def write(self, events, flush: bool = False) -> None:
         lines: List[str] = []
+        values: dict = {}  # the events hold their records: an id is not reused while this lives
         for ev in events:
             if self.max_ops is not None and self.ops >= self.max_ops:
                 if not self.limited:
@@ -118,13 +119,15 @@ class LogWriter:
                 break
             self.ops += 1
             self.records += len(ev.outs)
-            lines.extend(self._block(ev))
+            lines.extend(self._block(ev, values))
         if lines:
             self._emit(lines)
         if flush:
             self._flush()
 
-    def _block(self, ev) -> List[str]:
+    def _block(self, ev, values: dict) -> List[str]:
+        """The lines of one op; ``values``: the ``_value`` texts of this batch's records by ``id`` (a record is read
+        by several ops: a weight forward and backward)."""
         out = [f"[{self.ops:06d}] {ev.op}", f"    source: {ev.source or '?'}"]
         if ev.stack:
             out.append("    stack: " + " <- ".join(ev.stack))
@@ -136,12 +139,18 @@ class LogWriter:
             if rec is None:
                 out.append(f"    arg {path} = {_short(value)}")
             else:
-                out.append(f"    in  {path} = {_value(rec, device)} <- {rec.node}")
+                key = (id(rec), device)
+                text = values.get(key)
+                if text is None:
+                    text = values[key] = _value(rec, device)
+                out.append(f"    in  {path} = {text} <- {rec.node}")
         for r, device in zip(ev.outs, ev.devices or ["?"] * len(ev.outs)):
-            line = f"    out {r.node} = {_value(r, device)} kind={r.kind}"
-            for key in _RECORD_FLAGS:
-                if r.extra and key in r.extra:
-                    line += f" {key}={encode(r.extra[key]).decode()}"
+            text = values[(id(r), device)] = _value(r, device)
+            line = f"    out {r.node} = {text} kind={r.kind}"
+            if r.extra:
+                for key in _RECORD_FLAGS:
+                    if key in r.extra:
+                        line += f" {key}={encode(r.extra[key]).decode()}"
             if r.stats:
                 line += " stats=" + encode(r.stats).decode()
             out.append(line)
