@@ -332,14 +332,18 @@ class HashMode(_compat.TorchDispatchMode):
         return self._nan_watch.masked if self._nan_watch is not None else []
 
     def summary(self) -> List[str]:
-        lines = [f"records: {self._recorder.seq}"]
-        if self._nan_watch is not None:
-            first = self.nan_creations[0].record if self.nan_creations else None
-            lines.append(f"NaN/Inf created by {len(self.nan_creations)} op(s)" +
-                         (f"; first: {first.node} ({first.op}) at {first.source}" if first else ""))
-            if self.masked_creations:
-                lines.append(f"{len(self.masked_creations)} op(s) created an Inf no NaN came of (masked, not named)")
-        return lines + self._notes()
+        return [f"records: {self._recorder.seq}"] + self._nan_lines() + self._notes()
+
+    def _nan_lines(self) -> List[str]:
+        """``check_nan``: how many ops created a NaN/Inf, the first of them, and the masked ones."""
+        if self._nan_watch is None:
+            return []
+        first = self.nan_creations[0].record if self.nan_creations else None
+        lines = [f"NaN/Inf created by {len(self.nan_creations)} op(s)" +
+                 (f"; first: {first.node} ({first.op}) at {first.source}" if first else "")]
+        if self.masked_creations:
+            lines.append(f"{len(self.masked_creations)} op(s) created an Inf no NaN came of (masked, not named)")
+        return lines
 
     def _notes(self) -> List[str]:
         if self.compiled_ops:
@@ -363,7 +367,8 @@ class HashDebugTrace(HashMode):
             limit).  The JSONL trace stays complete; ``repro-tools diff`` of limited logs compares
             the logged ops only and never reports them identical.
         jsonl_path: the trace (default: ``log_path`` with suffix ``.jsonl``).
-        stats, module, stack_depth: as for :class:`HashMode` (stats on, two frames by default).
+        stats, module, stack_depth, keep_records, check_nan: as for :class:`HashMode` (stats on, two frames, records
+            not kept by default); with ``check_nan`` the log's footer also says which op created the first NaN/Inf.
         auto_flush: flush the text log after every batch of ops (default on).
         track_gradients, include_timestamp, show_exec_time: accepted for compatibility with the
             original ``HashDebugTrace``; backward ops are always traced, and the log holds no
@@ -374,7 +379,8 @@ class HashDebugTrace(HashMode):
                  max_ops_logged: Optional[int] = None, jsonl_path: Union[str, Path, None] = None,
                  run: Optional[str] = None, stats: bool = True, module: Optional[torch.nn.Module] = None,
                  stack_depth: int = 2, batch: int = 512, auto_flush: bool = True, track_gradients: bool = True,
-                 include_timestamp: bool = False, show_exec_time: bool = False):
+                 include_timestamp: bool = False, show_exec_time: bool = False, keep_records: bool = False,
+                 check_nan: bool = False):
         log_path = _check_path("log_path", log_path)
         jsonl_path = _check_path("jsonl_path", jsonl_path, optional=True)
         _check_count("max_ops_logged", max_ops_logged, 0, optional=True)
@@ -388,7 +394,8 @@ class HashDebugTrace(HashMode):
         if _same_file(jsonl_path, log_path):
             raise ConfigError(f"jsonl_path: must differ from log_path ({log_path})")
         super().__init__(trace_path=jsonl_path, run=run or log_path.stem, stats=stats, module=module,
-                         stack_depth=stack_depth, keep_records=False, batch=batch, _describe_args=True)
+                         stack_depth=stack_depth, keep_records=keep_records, batch=batch, check_nan=check_nan,
+                         _describe_args=True)
         self.log_path = log_path
         self.jsonl_path = jsonl_path
         self.verbose, self.max_ops_logged, self.auto_flush = verbose, max_ops_logged, auto_flush
@@ -408,5 +415,5 @@ class HashDebugTrace(HashMode):
     def _finish(self, aborted: Optional[str] = None) -> None:
         super()._finish(aborted)
         if self._log is not None:
-            self._log.close(self._recorder.seq, self._notes(), aborted)
+            self._log.close(self._recorder.seq, self._nan_lines() + self._notes(), aborted)
             self._log = None

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from determ_backend.errors import ConfigError
-from determ_backend.modes import HashMode
+from determ_backend.modes import HashDebugTrace, HashMode, read_hash_log
 
 
 def test_hashmode_names_forward_and_backward_creators_once(caplog):
@@ -83,3 +83,22 @@ def test_an_inf_mask_is_named_only_once_a_nan_comes_of_it(caplog):
     assert out.isnan().any()
     assert [(c.record.op, c.inf > 0, c.nan) for c in m.nan_creations] == [("aten.masked_fill.Scalar", True, 0)]
     assert m.masked_creations == []
+
+
+def test_hashdebugtrace_takes_check_nan_and_keep_records_and_says_the_creator_in_its_footer(tmp_path):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    log_path = tmp_path / "run.log"
+    with HashDebugTrace(log_path=log_path, check_nan=True, keep_records=True) as m:
+        torch.log(lin(x) - 0.2).sum()
+    assert [c.record.op for c in m.nan_creations] == ["aten.log.default"]
+    assert m.records and m.records[-1].op == "aten.sum.default"  # kept
+    footer = [line for line in log_path.read_text().splitlines() if line.startswith("# NaN/Inf created by")]
+    assert len(footer) == 1 and "aten.log.default" in footer[0], footer
+    assert len(read_hash_log(log_path)) == len(m.records)  # the footer line leaves the log readable
+    with HashDebugTrace(log_path=tmp_path / "healthy.log") as quiet:  # by default: no records kept, no footer line
+        torch.sqrt(torch.rand(4) + 1)
+    assert quiet.records == [] and "NaN/Inf" not in (tmp_path / "healthy.log").read_text()
+    with pytest.raises(ConfigError, match="check_nan"):
+        HashDebugTrace(log_path=tmp_path / "bad.log", check_nan="yes")
