@@ -296,9 +296,12 @@ def _mismatch(ref: Optional[Record], cur: Optional[Record], root: bool,
               metrics: Optional[dict] = None) -> Dict[str, Any]:
     """One mismatch; ``ref`` or ``cur`` is None for a record only the other run has (``only_in`` says which)."""
     one = cur if cur is not None else ref
+    metrics = dict(metrics or {})
+    if "only_in" in metrics:  # the comparison's sides, a and b, are the reference and this run
+        metrics["only_in"] = {"a": "reference", "b": "current"}.get(metrics["only_in"], metrics["only_in"])
     out = {"name": one.node, "reference_name": ref.node if ref is not None else None, "op": one.op, "kind": one.kind,
            "current": cur.hash if cur is not None else None, "reference": ref.hash if ref is not None else None,
-           "root_cause": root, "metrics": metrics or {},
+           "root_cause": root, "metrics": metrics,
            "current_source": cur.source if cur is not None else None,
            "reference_source": ref.source if ref is not None else None,
            "current_stack": _stack(cur) if cur is not None else [],

@@ -215,5 +215,6 @@ def test_an_op_only_the_checked_run_ran_is_the_root_cause(tmp_path):
     obs = _noisy_run(tmp_path, "chk", ref=tmp_path / "ref.jsonl", noise=True)
     roots = [m for m in obs.mismatches if m["root_cause"]]
     assert [m["op"] for m in roots] == ["aten.rand.default"] and roots[0]["only_in"] == "current"
+    assert roots[0]["metrics"].get("only_in", "current") == "current"  # the metrics say the same side, in its words
     with pytest.raises(NondeterminismError, match=r"first root cause aten\.rand\.default@.*\(only this run ran it\)"):
         _noisy_run(tmp_path, "chk2", ref=tmp_path / "ref.jsonl", noise=True, raise_on_mismatch=True)
