@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -26,17 +27,34 @@ def check_count(name: str, v, minimum: int, optional: bool = False) -> None:
 
 
 def check_path(name: str, v, optional: bool = False) -> Optional[Path]:
+    """``v`` as a :class:`~pathlib.Path` naming a file that can be made: not a directory, and its nearest existing
+    ancestor a directory (missing ones are made when it is written).  One ``stat`` for a file that exists (a trace
+    written again each step), two for a new file in an existing directory."""
     if optional and v is None:
         return None
     if not isinstance(v, (str, os.PathLike)) or not str(v):
         raise ConfigError(f"{name}={v!r}: expected a file name (str or path)")
     p = Path(v)
-    if os.path.isdir(v):
-        raise ConfigError(f"{name}={str(v)!r}: is a directory; expected a file name")
-    for parent in p.parents:  # the nearest existing ancestor must be a directory (missing ones are made)
-        if os.path.lexists(parent):
-            if not os.path.isdir(parent):
+    found = _stat(p)
+    if found is not None:
+        if stat.S_ISDIR(found.st_mode):
+            raise ConfigError(f"{name}={str(v)!r}: is a directory; expected a file name")
+        return p  # a file that exists sits in a directory
+    parent = p.parent
+    while True:
+        found = _stat(parent)
+        if found is not None or os.path.lexists(parent):  # a link to nothing exists, and is no directory
+            if found is None or not stat.S_ISDIR(found.st_mode):
                 raise ConfigError(f"{name}={str(v)!r}: {str(parent)!r} is not a directory; expected a file name "
                                   f"in a directory")
-            break
-    return p
+            return p
+        if parent == parent.parent:
+            return p
+        parent = parent.parent
+
+
+def _stat(p: Path) -> Optional[os.stat_result]:
+    try:
+        return os.stat(p)
+    except (OSError, ValueError):  # missing, unreadable, or a name the system cannot hold (a NUL in it)
+        return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +279,24 @@ def test_the_minifiers_compiles_are_neither_traced_nor_checked():
     with flows_suspended():  # a repro script checks the backend it runs: its checks stay
         assert load_config(env=env).check == ("accuracy",)
     assert load_config(env=env).check == ("accuracy",) and load_config(env=env).trace
+
+
+def test_a_file_name_argument_is_checked_in_one_line(tmp_path):
+    from determ_backend.args import check_path
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert check_path("log_path", str(afile)) == afile  # exists: written again
+    assert check_path("log_path", tmp_path / "new" / "deeper" / "run.log") == tmp_path / "new" / "deeper" / "run.log"
+    assert check_path("log_path", "relative.log") == Path("relative.log")
+    assert check_path("trace_path", None, optional=True) is None
+    bad = [(tmp_path, "is a directory; expected a file name"),
+           (afile / "run.log", f"{str(afile)!r} is not a directory"),
+           (afile / "sub" / "run.log", f"{str(afile)!r} is not a directory"),
+           (tmp_path / "dangling" / "run.log", "dangling' is not a directory"),
+           ("", "expected a file name"), (3, "expected a file name")]
+    for value, needle in bad:
+        with pytest.raises(ConfigError) as e:
+            check_path("log_path", value)
+        assert str(e.value).startswith("log_path=") and needle in str(e.value) and "\n" not in str(e.value), e.value
