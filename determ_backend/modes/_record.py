@@ -105,11 +105,17 @@ def recorder_ops() -> Tuple[Callable, Callable]:
     it is loaded as an extension module; else those methods.  Read when a mode is made (``DETERM_NATIVE``)."""
     from determ_backend.fingerprint import _native
 
+    global _SET_UP
     ops = _native.recorder_ops()
     if ops is None:
         return OpRecorder.begin, OpRecorder.end
-    _setup(ops[0])
+    if ops[0] is not _SET_UP:  # the objects it is given live as long as this module, and are changed in place
+        _setup(ops[0])
+        _SET_UP = ops[0]
     return ops[1], ops[2]
+
+
+_SET_UP: Optional[Callable] = None  # the native setup_recorder last called
 
 
 def _release_storages(producers: Dict[tuple, tuple]) -> None:
