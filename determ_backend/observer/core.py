@@ -272,16 +272,35 @@ class Observer:
                           "current_only": [p.b.node for p in cmp.pairs if p.a is None]}
 
     def report_mismatches(self) -> bool:
-        """Log the mismatches (root causes first); True when there are none."""
-        if not self.mismatches:
+        """Log the mismatches (root causes first) and the records only one run has; True when there are none
+        of either (a run that stopped a step short, or ran one more, is not shown to match)."""
+        unpaired = self.unpaired_summary()
+        if not self.mismatches and unpaired is None:
             logger.info("observer %s: no mismatches with the reference run", self.name)
             return True
+        if unpaired is not None:
+            logger.warning("observer %s: %s", self.name, unpaired)
+        if not self.mismatches:
+            return False
         ordered = sorted(self.mismatches, key=lambda m: not m["root_cause"])
         logger.warning("observer %s: %d records differ from the reference run", self.name, len(ordered))
         for m in ordered[:20]:
             logger.warning("  %s%s (%s) at %s; reference at %s", "[root cause] " if m["root_cause"] else "",
                            m["name"], m["op"], m["current_source"] or "?", m["reference_source"] or "?")
         return False
+
+    def unpaired_summary(self) -> Optional[str]:
+        """One line on the records only one run has (:attr:`unmatched`), or None when every record paired."""
+        ref_only, cur_only = self.unmatched.get("reference_only", []), self.unmatched.get("current_only", [])
+        if not ref_only and not cur_only:
+            return None
+        parts = []
+        if ref_only:
+            parts.append(f"{len(ref_only)} records of the reference have no counterpart in this run (first: "
+                         f"{ref_only[0]})")
+        if cur_only:
+            parts.append(f"{len(cur_only)} records of this run have none in the reference (first: {cur_only[0]})")
+        return "; ".join(parts) + "; the runs did not run the same ops, so they are not shown to match"
 
 
 def _nondet(r: Record) -> bool:
@@ -336,6 +355,9 @@ class ObserverContext:
             _CURRENT.reset(self._token)
         if obs.reference is not None and exc_type is None:
             obs.report_mismatches()
+            unpaired = obs.unpaired_summary()
+            if obs.raise_on_mismatch and not obs.mismatches and unpaired is not None:
+                raise NondeterminismError(f"observer {obs.name}: {unpaired}")
             if obs.raise_on_mismatch and obs.mismatches:
                 roots = [m for m in obs.mismatches if m["root_cause"]]
                 first = (roots or obs.mismatches)[0]

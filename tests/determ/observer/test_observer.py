@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import struct
@@ -218,3 +219,35 @@ def test_an_op_only_the_checked_run_ran_is_the_root_cause(tmp_path):
     assert roots[0]["metrics"].get("only_in", "current") == "current"  # the metrics say the same side, in its words
     with pytest.raises(NondeterminismError, match=r"first root cause aten\.rand\.default@.*\(only this run ran it\)"):
         _noisy_run(tmp_path, "chk2", ref=tmp_path / "ref.jsonl", noise=True, raise_on_mismatch=True)
+
+
+def _steps(tmp_path, name, steps, ref=None, raise_on_mismatch=False):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with db.ObserverContext(tmp_path, name, reference_hash_file=ref, raise_on_mismatch=raise_on_mismatch) as obs:
+        for _ in range(steps):
+            db.enable_mode()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            db.disable_mode()
+            db.observe("weight", model.weight.detach())
+    return obs
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_run_a_step_short_or_long_is_not_shown_to_match(tmp_path, caplog, steps):
+    _steps(tmp_path, "ref", 2)
+    ref = tmp_path / "ref.jsonl"
+    same = _steps(tmp_path, "same", 2, ref=ref, raise_on_mismatch=True)
+    assert same.mismatches == [] and same.unpaired_summary() is None and same.report_mismatches()
+    with caplog.at_level(logging.WARNING, logger="determ_backend.observer.core"):
+        obs = _steps(tmp_path, "other", steps, ref=ref)
+    side = "of the reference have no counterpart in this run" if steps < 2 else "of this run have none in the reference"
+    assert obs.mismatches == [] and side in (obs.unpaired_summary() or "")
+    assert any(side in r.getMessage() for r in caplog.records)
+    assert obs.report_mismatches() is False
+    with pytest.raises(NondeterminismError, match="not shown to match"):
+        _steps(tmp_path, "raised", steps, ref=ref, raise_on_mismatch=True)
