@@ -18,13 +18,30 @@ __all__ = [
     "OracleError",
     "NondeterminismError",
     "first_line",
+    "exception_line",
 ]
+
+import re as _re
+
+# the last line of a Python traceback: ``[module.]Name: message`` (or the name alone) of an exception class
+_EXCEPTION_LINE = _re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Failed|Failure|Interrupt|Exit)(?::\s.*)?$")
 
 
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (a checker error is one line), or "" when it has none."""
     text = str(e).strip()
     return text.splitlines()[0] if text else ""
+
+
+def exception_line(stderr: str) -> str:
+    """The line of a failed Python program's ``stderr`` that says what went wrong: the last line naming an exception
+    (``RuntimeError: ...``; torch's compile errors end with advice to set ``TORCHDYNAMO_VERBOSE``, and a chained one
+    with the error that ended the program), else the last non-empty line, else ""."""
+    lines = [line.rstrip() for line in stderr.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    return lines[-1] if lines else ""
 
 
 class DetermError(Exception):

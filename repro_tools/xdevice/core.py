@@ -21,6 +21,8 @@ Exit 0: the devices agree within tolerance; 1: they diverge (root cause reported
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import os
@@ -32,11 +34,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 from tqdm import tqdm
 
 from determ_backend.compare import Comparison, compare_traces, metrics_text
 from determ_backend.devices import parse_device_spec, require
-from determ_backend.errors import ConfigError, ReproError
+from determ_backend.errors import ConfigError, DetermError, ReproError, exception_line, first_line
 from determ_backend.trace.store import store_for
 
 from repro_tools.cli.args import tol_arg
@@ -97,7 +100,7 @@ def compare_repro(path: str, specs: Tuple[str, ...], tol: float
     the inputs may not be the program's (:func:`~repro_tools.minify.repro_files.regenerated_note`), or None."""
     from repro_tools.minify.repro_files import load_repro_any, regenerated_note
     from repro_tools.repro.script import load_repro
-    from repro_tools.xdevice.trace import compare_devices, move_roots_upstream, reference_spec, trace_on_device
+    from repro_tools.xdevice.trace import compare_devices, move_roots_upstream, reference_spec
 
     # a repro recorded on an accelerator loads on the CPU here; each side moves it where it runs
     gm, inputs, meta = load_repro(path, device="cpu") if Path(path).is_file() else load_repro_any(path)
@@ -105,10 +108,51 @@ def compare_repro(path: str, specs: Tuple[str, ...], tol: float
     sides = []
     for s in tqdm(list(specs) + ([ref] if ref else []), desc="xdevice", unit="device", file=sys.stderr,
                   disable=len(gm.graph.nodes) < 200):
-        sides.append(trace_on_device(gm, inputs, s))
+        sides.append(_on_side(gm, inputs, s, path))
     cmp = compare_devices(sides[0], sides[1], tol, sides[2] if ref else None)
     move_roots_upstream(cmp, gm, inputs, specs[1], sides[0], sides[1], tol, sides[2] if ref else None)
     return cmp, gm, inputs, regenerated_note(meta or {})
+
+
+def _on_side(gm, inputs, spec: str, path: str):
+    """:func:`~repro_tools.xdevice.trace.trace_on_device`; a graph that fails there is one line (exit 2), not a
+    traceback read as a divergence."""
+    from repro_tools.xdevice.trace import trace_on_device
+
+    held = io.StringIO()  # what the run writes to stderr: FX prints the generated code of a graph that raises
+    try:
+        with contextlib.redirect_stderr(held):
+            result = trace_on_device(gm, inputs, spec)
+    except DetermError:
+        sys.stderr.write(held.getvalue())
+        raise
+    except Exception as e:  # the graph itself fails on that side (a dtype it cannot run in, an op the device lacks)
+        log.debug("%s on %s: %s", path, spec, held.getvalue())
+        what = f"{type(e).__name__}: {first_line(e)}"
+        raise ReproError(f"{path}: the graph fails on {spec} ({what}){_narrower_hint(spec, what)}") from None
+    sys.stderr.write(held.getvalue())
+    return result
+
+
+_DTYPE_CLASH = re.compile(r"dtype|scalar type|should be the same", re.IGNORECASE)
+
+
+def _narrower_hint(spec: str, error: str) -> str:
+    """Why a side of a floating dtype narrower than float32 fails with ``error``, a clash of dtypes, where the model
+    itself runs in that dtype; "" for any other side or error."""
+    if not _DTYPE_CLASH.search(error):
+        return ""
+    try:
+        dtype = parse_device_spec(spec)[1]
+    except ConfigError:
+        return ""
+    if dtype is None or not dtype.is_floating_point or torch.finfo(dtype).bits >= 32:
+        return ""
+    name = str(dtype).replace("torch.", "")
+    return (f"; on a {name} side the float32 the graph names stays float32 (its casts and the dtype= of tensors it "
+            f"makes are only widened), so a value the model meant to follow x.dtype, float32 where the graph was "
+            f"traced, can meet {name} in an op that does not promote: compare against cpu:float64, or run the model "
+            f"itself in {name} on both sides")
 
 
 def compare_trace_pair(a: str, b: str, tol: float) -> Comparison:
@@ -141,8 +185,9 @@ def _run_script(script: str, script_args: List[str], spec: str, out: Path, backe
                               stdin=subprocess.DEVNULL).returncode
     log.info("%s on %s: exit %d (%.1f s)", script, spec, code, time.perf_counter() - t0)
     if code != 0:
-        tail = "; ".join((out / "stderr.txt").read_text(errors="replace").strip().splitlines()[-1:])
-        raise ReproError(f"{script} exited with status {code} on {spec} ({tail}); log: {out / 'stderr.txt'}")
+        what = exception_line((out / "stderr.txt").read_text(errors="replace"))
+        raise ReproError(f"{script} exited with status {code} on {spec} ({what}){_narrower_hint(spec, what)}; log: "
+                         f"{out / 'stderr.txt'}")
     if not (out / "trace.jsonl").is_file():
         if backend:  # the backend was swapped in, yet nothing compiled: the script never calls torch.compile
             raise ReproError(f"{script} wrote no determ trace on {spec} with --backend {backend}: it never calls "
@@ -158,8 +203,11 @@ def compare_script(script: str, script_args: List[str], specs: Tuple[str, ...], 
     """Run a user script once per device and compare the two traces."""
     if not Path(script).is_file():
         raise ConfigError(f"{script}: no such script")
-    dirs = [_run_script(script, script_args, s, out / _label(i, s), backend)
-            for i, s in enumerate(tqdm(specs, desc="xdevice", unit="device", file=sys.stderr))]
+    dirs = []
+    with tqdm(total=len(specs), desc="xdevice", unit="device", file=sys.stderr) as bar:  # closed before an error
+        for i, s in enumerate(specs):
+            dirs.append(_run_script(script, script_args, s, out / _label(i, s), backend))
+            bar.update(1)
     return compare_trace_pair(str(dirs[0]), str(dirs[1]), tol)
 
 

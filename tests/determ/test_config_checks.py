@@ -300,3 +300,18 @@ def test_a_file_name_argument_is_checked_in_one_line(tmp_path):
         with pytest.raises(ConfigError) as e:
             check_path("log_path", value)
         assert str(e.value).startswith("log_path=") and needle in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_the_error_line_of_a_failed_program_names_its_exception():
+    from determ_backend.errors import exception_line
+
+    dynamo = ("Traceback (most recent call last):\n  File \"x.py\", line 3, in <module>\n"
+              "torch._dynamo.exc.BackendCompilerFailed: backend='determ_aot_eager' raised:\n"
+              "RuntimeError: Expected query, key, and value to have the same dtype\n\n"
+              "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace (please do this especially if you're reporting "
+              "a bug to PyTorch). For even more developer context, set TORCH_LOGS=\"+dynamo\"\n")
+    assert exception_line(dynamo) == "RuntimeError: Expected query, key, and value to have the same dtype"
+    assert exception_line("Traceback ...\n  raise ValueError('boom')\nValueError: boom\n") == "ValueError: boom"
+    assert exception_line("Traceback ...\nKeyboardInterrupt\n") == "KeyboardInterrupt"
+    assert exception_line("killed: out of memory\n\n") == "killed: out of memory"  # no exception: the last line
+    assert exception_line("") == ""

@@ -454,3 +454,58 @@ def test_a_script_that_never_compiles_is_told_to_trace_with_hashmode_when_a_back
                  "--backend", "determ_aot_eager"]) == 2
     err = capsys.readouterr().err
     assert "never calls torch.compile" in err and "HashMode" in err and "or pass --backend" not in err
+
+
+class _PosScale(torch.nn.Module):
+    """Llama's rotary table in small: integer positions cast to float32, then to the input's dtype (a no-op where
+    the graph is traced in float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, position_ids):
+        pos = position_ids.float() / 8.0
+        return self.lin(x * pos.to(x.dtype))
+
+
+def test_a_graph_that_fails_on_a_narrower_side_is_one_line_with_exit_2(tmp_path, capsys):
+    """The float32 cast stays on a bfloat16 side, meets bfloat16 weights in the linear, and the graph raises there:
+    that is bad input (exit 2, one line saying why), not a traceback read as a divergence (exit 1)."""
+    paths = []
+
+    def capture(gm, example_inputs):
+        paths.append(write_repro(gm, example_inputs, tmp_path / "repro.py", meta={"kind": "cross_device",
+                                                                                  "compiler": "eager"}))
+        return gm.forward
+
+    torch.manual_seed(0)
+    torch.compile(_PosScale(), backend=capture)(torch.randn(4, 8), torch.arange(8))
+    assert main(["xdevice", str(paths[0]), "--devices", "cpu:bfloat16,cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the graph fails on cpu:bfloat16 (RuntimeError:" in err, err
+    assert "compare against cpu:float64" in err
+
+
+SDPA_CACHE_SCRIPT = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+
+    def attend(q):
+        cache = torch.zeros(2, 0, 8, dtype=q.dtype)  # an empty key cache made in q's dtype, as transformers' is
+        k = torch.cat([cache, q], dim=1)
+        return F.scaled_dot_product_attention(q, k, k)
+
+    torch.compile(attend, backend="determ_aot_eager")(torch.randn(2, 4, 8)).sum()
+""")
+
+
+def test_a_side_whose_compile_fails_is_told_by_its_error_not_by_torchs_advice(tmp_path, capsys):
+    (tmp_path / "attend.py").write_text(SDPA_CACHE_SCRIPT)
+    assert main(["xdevice", str(tmp_path / "attend.py"), "--devices", "cpu:bfloat16,cpu", "--out",
+                 str(tmp_path / "out")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "xdevice: error:" in line]
+    assert len(lines) == 1 and lines[0].startswith("repro-tools xdevice: error:"), lines  # not after the bar
+    err = lines[0]
+    assert "(RuntimeError: Expected query, key, and value" in err, err
+    assert "TORCHDYNAMO_VERBOSE" not in err and "compare against cpu:float64" in err
