@@ -81,6 +81,14 @@ class ApiInfo:
         return f"{self.prefix}.{self.name}" if self.prefix else self.name
 
 
+_PRIVATE_APIS: Mapping[str, ApiInfo] = {"_grouped_mm": ApiInfo("Functional", "grouped_mm"),  # as the user calls it
+                                        "_scaled_mm": ApiInfo("Torch", "_scaled_mm"),
+                                        "_scaled_grouped_mm": ApiInfo("Torch", "_scaled_grouped_mm")}
+"""``torch`` callables with a private name that carry a model's numbers, reached through a public API that
+``__torch_function__`` does not see: ``F.grouped_mm`` (every expert matmul of transformers' mixture-of-experts
+layers) calls ``torch._grouped_mm``; fp8 linears call ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``."""
+
+
 def _short_name(func: Any) -> str:
     name = getattr(func, "__name__", None) or str(func)
     return name
@@ -96,10 +104,14 @@ def api_table() -> Mapping[Callable, ApiInfo]:
             name = _short_name(func)
             if name in _SKIP_NAMES or (name.startswith("_") and not name.startswith("__")):
                 continue
-            try:
-                table[func] = ApiInfo(prefix, extra + name)
+            try:  # torch.special.erf's own name is already special_erf
+                table[func] = ApiInfo(prefix, name if name.startswith(extra) else extra + name)
             except TypeError:  # an unhashable descriptor: not a callable API
                 continue
+    for name, info in _PRIVATE_APIS.items():
+        func = getattr(torch, name, None)
+        if func is not None and func not in table:
+            table[func] = info
     for name in _FACTORIES:
         func = getattr(torch, name, None)
         if func is not None and func not in table:

@@ -1091,3 +1091,32 @@ def test_switching_the_dump_off_in_a_gradient_hook_leaves_no_mode_behind(tmp_pat
     dump.remove_hooks()
     assert not torch.overrides._get_current_function_mode_stack()
     assert "Torch_relu_0_forward" not in names(tmp_path / "o" / "rank0" / "dump.pkl")
+
+
+class _Experts(torch.nn.Module):
+    """A mixture-of-experts layer as transformers writes it: every expert's matmul in one F.grouped_mm."""
+
+    def __init__(self, perturb: float = 0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(2, 8, 4))
+        with torch.no_grad():
+            self.w[1, 0, 0] += perturb
+
+    def forward(self, x):
+        offs = torch.tensor([3, 6], dtype=torch.int32)  # rows 0-2 to expert 0, rows 3-5 to expert 1
+        return torch.special.erf(torch.relu(F.grouped_mm(x, self.w, offs=offs)))
+
+
+def _experts_step(net):
+    torch.manual_seed(1)
+    net(torch.randn(6, 8, requires_grad=True)).sum().backward()
+
+
+def test_a_grouped_matmul_is_dumped_and_blamed_and_namespaced_apis_are_named_once(tmp_path):
+    """F.grouped_mm is invisible to __torch_function__; the torch._grouped_mm it calls is dumped under its name."""
+    a = dump_run(tmp_path, "a", _Experts(), step=_experts_step)
+    b = dump_run(tmp_path, "b", _Experts(perturb=1e-3), step=_experts_step)
+    assert "Functional_grouped_mm_0_forward" in names(a) and "Functional_grouped_mm_0_backward" in names(a)
+    assert "Torch_special_erf_0_forward" in names(a)  # not Torch_special_special_erf
+    assert _root_causes(compare_two(b, a, tmp_path / "out")) == ["Functional_grouped_mm_0_forward"]
