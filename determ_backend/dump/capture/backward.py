@@ -20,6 +20,7 @@ Forward recording lives in :mod:`.hooks`.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -41,22 +42,47 @@ def sequence_probe() -> int:
         return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr()
 
 
-def prepare(items: Sequence[Tuple[str, Any]]) -> Tuple[InputEdges, set, List[Any]]:
-    """Before the call: ``({(id(node), output_nr): [input names]}, {id(node)}, keep-alive nodes)``."""
+def _whole_view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The base of ``t`` when ``t`` is a view of all of it, element for element (a reshape: ``linear``'s output for
+    3-D input is a view of its ``addmm``'s), and the base has an autograd node; else None.  An in-place op on such
+    a view (``h.relu_()``, ``y += x``) takes the view's node out of the graph, while the base's stays in it: the
+    gradient of the view's values, before and after the op, is the base's, reshaped."""
+    base = _torch_compat.view_base(t)
+    if (base is None or base.grad_fn is None or base.numel() != t.numel() or not t.is_contiguous()
+            or not base.is_contiguous()):
+        return None
+    return base
+
+
+def prepare(items: Sequence[Tuple[str, Any]], inplace: bool = False) -> Tuple[InputEdges, set, List[Any], dict]:
+    """Before the call: ``({(id(node), output_nr): [input names]}, {id(node)}, keep-alive nodes, reshapes)``.
+    ``inplace``: the call may write its inputs; an input that is a view of all of its base is also found where the
+    gradient reaches the base (the write replaces the view's node), read in the input's shape (``reshapes``:
+    ``{(id(node), output_nr): shape}``)."""
     edges: InputEdges = {}
     nodes: set = set()
     alive: List[Any] = []
+    reshapes: Dict[Tuple[int, int], Tuple[int, ...]] = {}
     for name, v in items:
         if isinstance(v, torch.Tensor) and v.requires_grad:
             e = get_gradient_edge(v)
             edges.setdefault((id(e.node), e.output_nr), []).append(name)
             nodes.add(id(e.node))
             alive.append(e.node)
-    return edges, nodes, alive
+            base = _whole_view_base(v) if inplace else None
+            if base is not None:
+                key = (id(base.grad_fn), base.output_nr)
+                if key not in edges:  # an edge of an input of its own wins
+                    edges[key] = [name]
+                    reshapes[key] = tuple(v.shape)
+                    nodes.add(key[0])
+                    alive.append(base.grad_fn)
+    return edges, nodes, alive, reshapes
 
 
 def _walk(roots: List[Any], edges: InputEdges, in_nodes: set, min_seq: Optional[int]):
-    """Nodes created by the call and their edges into inputs: ``[(node, j, [input names])]``."""
+    """Nodes created by the call and their edges into inputs: ``([(node, j, (id(next node), its output_nr))],
+    {id(node): node} of the nodes walked)``, or None past ``_MAX_NODES``."""
     seen: Dict[int, Any] = {}
     into_inputs: List[Tuple[Any, int, List[str]]] = []
     stack = [r for r in roots if id(r) not in in_nodes]
@@ -72,12 +98,11 @@ def _walk(roots: List[Any], edges: InputEdges, in_nodes: set, min_seq: Optional[
         for j, (nxt, nr) in enumerate(node.next_functions):
             if nxt is None:
                 continue
-            hit = edges.get((id(nxt), nr))
-            if hit is not None:
-                into_inputs.append((node, j, hit))
+            if (id(nxt), nr) in edges:
+                into_inputs.append((node, j, (id(nxt), nr)))
             elif id(nxt) not in in_nodes:
                 stack.append(nxt)
-    return into_inputs
+    return into_inputs, seen
 
 
 class _Pending:
@@ -141,46 +166,61 @@ def _backward_name(fwd_name: str, prefix: str) -> str:
     return f"{prefix}.{rest}"
 
 
+def _in_shape(g: torch.Tensor, shape: Optional[Tuple[int, ...]]) -> torch.Tensor:
+    """A base's gradient ``g`` as that of the view of all of it (``shape``); ``g`` itself when no shape is given."""
+    return g.reshape(shape) if shape is not None and tuple(g.shape) != shape and g.numel() == math.prod(shape) else g
+
+
 def attach(name: str, edges: InputEdges, in_nodes: set, outputs: Sequence[Tuple[str, Any]],
            flusher: BackwardFlusher, emit: Callable, guard: Callable, min_seq: Optional[int] = None,
-           on_start: Optional[Callable[[], None]] = None) -> bool:
+           on_start: Optional[Callable[[], None]] = None, reshapes: Optional[dict] = None) -> bool:
     """After the call: hook the call's autograd nodes so ``emit(name, grad_ins, grad_outs)`` runs in backward;
-    ``on_start()`` runs when the first of them fires (the call's backward begins: its outputs' gradients arrive)."""
+    ``on_start()`` runs when the first of them fires (the call's backward begins: its outputs' gradients arrive).
+    ``reshapes``: from :func:`prepare`."""
     outs = [(n, t) for n, t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not outs or not edges:
         return False
     roots = [t.grad_fn for _, t in outs]
-    into = _walk(roots, edges, in_nodes, min_seq)
-    if not into:
+    walked = _walk(roots, edges, in_nodes, min_seq)
+    if not walked or not walked[0]:
         return False
-    by_root: Dict[int, Tuple[Any, List[Tuple[int, str]]]] = {}
+    into, made = walked
+    out_ids = {id(t) for _, t in outs}
+    by_root: Dict[int, Tuple[Any, List[Tuple[int, str, Optional[Tuple[int, ...]]]]]] = {}
     for n, t in outs:
         if id(t.grad_fn) in in_nodes:  # the output is (a view of) an input: no gradient of its own
             continue
-        by_root.setdefault(id(t.grad_fn), (t.grad_fn, []))[1].append((t.output_nr, _backward_name(n, "input")))
-    by_node: Dict[int, Tuple[Any, List[Tuple[int, List[str]]]]] = {}
-    for node, j, names in into:
-        by_node.setdefault(id(node), (node, []))[1].append((j, [_backward_name(x, "output") for x in names]))
+        node, nr, shape = t.grad_fn, t.output_nr, None
+        base = _whole_view_base(t)
+        # a view of all of a tensor the call made and does not return: its gradient is the base's, read at the
+        # base's node, which stays in the graph when the program writes the view in place later
+        if base is not None and id(base.grad_fn) in made and id(base) not in out_ids:
+            node, nr, shape = base.grad_fn, base.output_nr, tuple(t.shape)
+        by_root.setdefault(id(node), (node, []))[1].append((nr, _backward_name(n, "input"), shape))
+    by_node: Dict[int, Tuple[Any, List[Tuple[int, List[str], Optional[Tuple[int, ...]]]]]] = {}
+    for node, j, key in into:
+        by_node.setdefault(id(node), (node, []))[1].append(
+            (j, [_backward_name(x, "output") for x in edges[key]], (reshapes or {}).get(key)))
     p = _Pending(name, len(by_root) + len(by_node), flusher, emit, on_start)
 
     def make_pre(slots):
         def pre(grad_outputs):
             with guard():
-                for nr, bname in slots:
+                for nr, bname, shape in slots:
                     g = grad_outputs[nr] if nr < len(grad_outputs) else None
                     if g is not None:
-                        p.grad_out[bname] = g
+                        p.grad_out[bname] = _in_shape(g, shape)
                 p.fire()
         return pre
 
     def make_post(slots):
         def post(grad_inputs, grad_outputs):
             with guard():
-                for j, bnames in slots:
+                for j, bnames, shape in slots:
                     g = grad_inputs[j]
                     if g is not None:
                         for b in bnames:
-                            p.grad_in.setdefault(b, []).append(g)
+                            p.grad_in.setdefault(b, []).append(_in_shape(g, shape))
                 p.fire()
         return post
 

@@ -168,7 +168,7 @@ class ApiRecorder:
             items = call_items(args, kwargs)
             inplace = is_inplace(info, kwargs)
             pre = self.describe(items, "input") if fwd and inplace else None
-            edges = bw.prepare(items) if bwd else None
+            edges = bw.prepare(items, inplace) if bwd else None
             min_seq = bw.sequence_probe() if edges and edges[0] and inplace else None
             source = user_source()
             stack = user_stack() if self.settings.with_stack else None
@@ -195,7 +195,7 @@ class ApiRecorder:
         def emit(_name: str, grad_ins, grad_outs) -> None:
             self.emit_backward(call, info, grad_ins, grad_outs, source, stack, **(extra() if extra else {}))
 
-        bw.attach(call, edges[0], edges[1], outs, self.flusher, emit, guard, min_seq, on_start)
+        bw.attach(call, edges[0], edges[1], outs, self.flusher, emit, guard, min_seq, on_start, edges[3])
 
     def emit_backward(self, call: str, info: ApiInfo, grad_ins, grad_outs, source, stack, **extra: Any) -> None:
         if not self.active or self.session.closed:
@@ -220,7 +220,7 @@ class ApiRecorder:
             before = None
             if inplace:  # keep the pre-call values: the call overwrites them
                 before = [(n, v.detach().clone() if isinstance(v, torch.Tensor) else v) for n, v in items]
-            edges = bw.prepare(items) if torch.is_grad_enabled() else None
+            edges = bw.prepare(items, inplace) if torch.is_grad_enabled() else None
             min_seq = bw.sequence_probe() if edges and edges[0] and inplace else None
         out = func(*args, **kwargs)
         with guard():

@@ -1120,3 +1120,54 @@ def test_a_grouped_matmul_is_dumped_and_blamed_and_namespaced_apis_are_named_onc
     assert "Functional_grouped_mm_0_forward" in names(a) and "Functional_grouped_mm_0_backward" in names(a)
     assert "Torch_special_erf_0_forward" in names(a)  # not Torch_special_special_erf
     assert _root_causes(compare_two(b, a, tmp_path / "out")) == ["Functional_grouped_mm_0_forward"]
+
+
+class _WrittenAfterLinear(torch.nn.Module):
+    """A linear on [batch, seq, hidden] (its output a view of its addmm), then that output written in place."""
+
+    def __init__(self, idiom: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.lin, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+        self.idiom = idiom
+
+    def forward(self, ids, inplace: bool = True):
+        e = self.emb(ids)
+        h = self.lin(e)
+        if self.idiom == "relu_":
+            h = h.relu_() if inplace else h.relu()
+        elif self.idiom == "ReLU(inplace=True)":
+            h = torch.nn.ReLU(inplace=inplace)(h)
+        else:  # the residual idiom
+            if inplace:
+                h += e
+            else:
+                h = h + e
+        return self.head(h * 2.0)
+
+
+@pytest.mark.parametrize("idiom", ["relu_", "ReLU(inplace=True)", "residual"])
+def test_a_call_whose_output_is_written_in_place_records_its_gradients_in_order(tmp_path, idiom):
+    ids = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(1))
+    net = _WrittenAfterLinear(idiom)
+    idx = dump_run(tmp_path, "a", net, step=lambda m: m(ids).sum().backward())
+    d = dump.read_dump(idx)
+    order = names(idx)
+    assert order.index("Functional_linear_0_backward") < order.index("Functional_embedding_0_backward")
+    lin_b = d.by_name("Functional_linear_0_backward")
+    (g_out,) = [t for t in lin_b["inputs"] if t["name"] == "input.0"]
+    grad_w = next(t for t in lin_b["outputs"] if t["name"] == "output.1")
+    assert torch.equal(d.tensor(grad_w), net.lin.weight.grad)
+    # the gradient the linear was given: that of its output before the write, taken from an out-of-place twin
+    twin = _WrittenAfterLinear(idiom)
+    h0 = twin.lin(twin.emb(ids))
+    h0.retain_grad()
+    out = twin.head((h0.relu() if idiom != "residual" else h0 + twin.emb(ids)) * 2.0)
+    out.sum().backward()
+    assert g_out["shape"] == [4, 3, 8] and torch.allclose(d.tensor(g_out), h0.grad)
+    written = {"relu_": "Tensor_relu__0_backward", "ReLU(inplace=True)": "Functional_relu_0_backward",
+               "residual": "Tensor_add__0_backward"}[idiom]
+    assert written in order, order  # the in-place call has a backward entry of its own
+    w = d.by_name(written)
+    grad_in = next(t for t in w["outputs"] if t["name"] == "output.0")  # the gradient of what it overwrote
+    assert grad_in["shape"] == [4, 3, 8] and torch.allclose(d.tensor(grad_in), h0.grad)
