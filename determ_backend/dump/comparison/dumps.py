@@ -139,11 +139,13 @@ class DumpComparison:
 
 
 def _to_record(e: Dict[str, Any], side: str, i: int) -> Record:
-    # the signature the calls align by holds the argument shapes too (None for a scalar): an extra ``x + 1e-3``
-    # must not pair with the residual ``x + y`` next to it
+    # the signature the calls align by holds the tensor arguments' shapes too: an extra ``x + 1e-3`` must not pair
+    # with the residual ``x + y`` next to it.  Not the other arguments, which filter_switch="OFF" dumps: a call
+    # given a keyword the other run's leaves to its default (``gelu(x, approximate="tanh")``, ``gelu(x)``) is
+    # the same call, told apart by that argument's value once paired
     # by tensor name: autograd hands a Linear's gradients over in another order under autocast
     ins, outs = (sorted(e.get(io, []), key=lambda t: str(t.get("name"))) for io in ("inputs", "outputs"))
-    shapes = [[t.get("shape") for t in ins], [t.get("shape") for t in outs if "shape" in t]]
+    shapes = [[t["shape"] for t in ins if "shape" in t], [t["shape"] for t in outs if "shape" in t]]
     return Record(graph=side, stage="api", node=e["name"], op=f"{e.get('op')}.{e.get('dir')}", kind=e.get("dir", "node"),
                   shape=shapes, extra={"i": i})
 
