@@ -84,6 +84,9 @@ class ApiPair:
     explained: Optional[str] = None
     """Why a call whose inputs agree within the tolerance is no root cause although its output diverges: the
     precision its inputs carry, or a discrete result they may flip."""
+    negligible: bool = False
+    """Explained, and its diverging output zero at the precision it was computed in on both sides (a gradient that
+    is zero in exact arithmetic): no divergence of the runs on its own account."""
 
     @property
     def name(self) -> str:
@@ -119,7 +122,10 @@ class DumpComparison:
 
     @property
     def divergent(self) -> bool:
-        return self.first_divergence is not None
+        """Some paired call's output diverges, other than a ``negligible`` one: within a tolerance, a gradient that
+        is zero at the precision of either run (BERT's attention key bias), apart only in its rounding noise.  A call
+        that takes such a value in and diverges from it is a divergence like any other."""
+        return any(p.output_diverges and not p.negligible for p in self.pairs)
 
     @property
     def unpaired(self) -> int:
@@ -424,8 +430,14 @@ def _error_carried(pa: ApiPair, tol: float) -> bool:
         ins, outs = pa.errors.get(f"inputs{kind}") or [], pa.errors.get(f"outputs{kind}") or []
         if ins and outs and max(ins) * growth >= max(outs):
             return True
+    return _zero_at_precision(pa, tol)
+
+
+def _zero_at_precision(pa: ApiPair, tol: float) -> bool:
+    """A backward call whose diverging outputs lie, on both sides, within ``tol`` of its inputs' largest magnitude:
+    gradients that are zero at the precision they were computed from."""
     ins, outs = pa.errors.get("inputs_size") or [], pa.errors.get("outputs_size") or []
-    return backward and bool(ins and outs) and max(outs) <= tol * max(ins)
+    return (pa.a or {}).get("dir") == "backward" and bool(ins and outs) and max(outs) <= tol * max(ins)
 
 
 def _choice_flipped(pa: ApiPair) -> bool:
@@ -529,6 +541,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
                 if r["_io"] == "outputs" and r["_match"] is False:
                     r["Err_message"] = f"{r['Err_message']}; {note}" if r["Err_message"] else note
             pa.explained = note
+            pa.negligible = _zero_at_precision(pa, tol)
         # a compiled region whose own FX nodes diverge is explained by them: its inputs do not agree
         p = Pair(_to_record(pa.a, "a", 0), _to_record(pa.b, "b", 0), equal=not pa.output_diverges,
                  inputs_equal=ins and not carried and not cc.explained_by_nodes(pa.nodes))
@@ -661,6 +674,12 @@ def analysis(cmp: DumpComparison) -> str:
         lines += [f"    {s}" for s in p.a.get("stack") or []]
         if len(roots) > 1:
             lines.append(f"  ({len(roots) - 1} more root-cause APIs in the CSV)")
+    elif cmp.first_divergence is not None and not cmp.divergent:
+        p = cmp.first_divergence
+        lines = [f"no divergence beyond the dtypes' precision: {p.name} differs, but only where its gradients are "
+                 f"zero at the precision they were computed in ({p.explained}); every other paired API agrees "
+                 f"({cmp.unpaired} unpaired calls)",
+                 f"  at {(p.a or {}).get('source') or '?'}"]
     elif cmp.first_divergence is not None:
         p = cmp.first_divergence
         why = (f"its inputs agree within the tolerance, but {p.explained}" if p.explained

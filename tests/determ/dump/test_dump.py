@@ -1176,3 +1176,40 @@ def test_a_call_whose_output_is_written_in_place_records_its_gradients_in_order(
     w = d.by_name(written)
     grad_in = next(t for t in w["outputs"] if t["name"] == "output.0")  # the gradient of what it overwrote
     assert grad_in["shape"] == [4, 3, 8] and torch.allclose(d.tensor(grad_in), h0.grad)
+
+
+def _bert_step(autocast: bool):
+    def run(model):
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids).logits
+        logits.float().pow(2).mean().backward()
+    return run
+
+
+def _tiny_bert():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def test_a_gradient_zero_at_either_precision_is_no_divergence_of_a_mixed_precision_run(tmp_path, capsys):
+    """BERT's attention key bias has a gradient that is zero in exact arithmetic (softmax ignores a shift shared by
+    every key): float32 and bfloat16 autocast leave it at their own rounding, far apart for its size.  That call is
+    excused (precision carried along) and nothing diverges from it: the runs agree, exit 0, and the text says why."""
+    a = dump_run(tmp_path, "a", _tiny_bert(), step=_bert_step(False), summary_only=True)
+    b = dump_run(tmp_path, "b", _tiny_bert(), step=_bert_step(True), summary_only=True)
+    cmp = compare_two(b, a, tmp_path / "out")
+    first = cmp.first_divergence
+    assert first is not None and first.explained and "precision carried along" in first.explained
+    assert not cmp.divergent and cmp.shown_to_agree and _root_causes(cmp) == []
+    assert f"no divergence beyond the dtypes' precision: {first.name} differs" in capsys.readouterr().out
+    broken = _tiny_bert()  # a real fault in the same comparison is still one
+    with torch.no_grad():
+        broken.bert.encoder.layer[0].intermediate.dense.weight.mul_(1.05)
+    c = dump_run(tmp_path, "c", broken, step=_bert_step(True), summary_only=True)
+    assert compare_two(c, a, tmp_path / "out2").divergent
