@@ -82,8 +82,9 @@ def prepare(items: Sequence[Tuple[str, Any]], inplace: bool = False) -> Tuple[In
 
 def _walk(roots: List[Any], edges: InputEdges, in_nodes: set, min_seq: Optional[int]):
     """Nodes created by the call and their edges into inputs: ``([(node, j, (id(next node), its output_nr))],
-    {id(node): node} of the nodes walked)``, or None past ``_MAX_NODES``."""
+    {id(node): {id of each walked node with an edge to it}})``, or None past ``_MAX_NODES``."""
     seen: Dict[int, Any] = {}
+    users: Dict[int, set] = {}
     into_inputs: List[Tuple[Any, int, List[str]]] = []
     stack = [r for r in roots if id(r) not in in_nodes]
     while stack:
@@ -98,11 +99,12 @@ def _walk(roots: List[Any], edges: InputEdges, in_nodes: set, min_seq: Optional[
         for j, (nxt, nr) in enumerate(node.next_functions):
             if nxt is None:
                 continue
+            users.setdefault(id(nxt), set()).add(id(node))
             if (id(nxt), nr) in edges:
                 into_inputs.append((node, j, (id(nxt), nr)))
             elif id(nxt) not in in_nodes:
                 stack.append(nxt)
-    return into_inputs, seen
+    return into_inputs, {k: users.get(k, set()) for k in seen}
 
 
 class _Pending:
@@ -185,16 +187,18 @@ def attach(name: str, edges: InputEdges, in_nodes: set, outputs: Sequence[Tuple[
     if not walked or not walked[0]:
         return False
     into, made = walked
-    out_ids = {id(t) for _, t in outs}
+    roots_ids = {id(r) for r in roots}  # a node an output's gradient arrives at directly
     by_root: Dict[int, Tuple[Any, List[Tuple[int, str, Optional[Tuple[int, ...]]]]]] = {}
     for n, t in outs:
         if id(t.grad_fn) in in_nodes:  # the output is (a view of) an input: no gradient of its own
             continue
         node, nr, shape = t.grad_fn, t.output_nr, None
         base = _whole_view_base(t)
-        # a view of all of a tensor the call made and does not return: its gradient is the base's, read at the
-        # base's node, which stays in the graph when the program writes the view in place later
-        if base is not None and id(base.grad_fn) in made and id(base) not in out_ids:
+        # a view of all of a tensor the call made and used for nothing else (the base's node has the view's for
+        # its only user, and is no output's: multi_head_attention's weights are a view of the softmax its bmm also
+        # reads): its gradient is the base's, read at the base's node, which stays in the graph when the program
+        # writes the view in place
+        if base is not None and made.get(id(base.grad_fn)) == {id(t.grad_fn)} and id(base.grad_fn) not in roots_ids:
             node, nr, shape = base.grad_fn, base.output_nr, tuple(t.shape)
         by_root.setdefault(id(node), (node, []))[1].append((nr, _backward_name(n, "input"), shape))
     by_node: Dict[int, Tuple[Any, List[Tuple[int, List[str], Optional[Tuple[int, ...]]]]]] = {}
