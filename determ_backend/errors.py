@@ -23,8 +23,10 @@ __all__ = [
 
 import re as _re
 
-# the last line of a Python traceback: ``[module.]Name: message`` (or the name alone) of an exception class
-_EXCEPTION_LINE = _re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Failed|Failure|Interrupt|Exit)(?::\s.*)?$")
+# the last line of a Python traceback: ``[module.]Name: message`` of an exception class (``RuntimeError: ...``,
+# ``torch._dynamo.exc.Unsupported: ...``), or an exception's name alone (``KeyboardInterrupt``)
+_EXCEPTION_LINE = _re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*:\s.*$"
+                              r"|^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Failed|Failure|Interrupt|Exit)$")
 
 
 def first_line(e: BaseException) -> str:

@@ -295,7 +295,7 @@ def test_a_file_name_argument_is_checked_in_one_line(tmp_path):
            (afile / "run.log", f"{str(afile)!r} is not a directory"),
            (afile / "sub" / "run.log", f"{str(afile)!r} is not a directory"),
            (tmp_path / "dangling" / "run.log", "dangling' is not a directory"),
-           ("", "expected a file name"), (3, "expected a file name")]
+           ("", "expected a file name"), (3, "expected a file name"), ("a\0b.log", "holds a NUL character")]
     for value, needle in bad:
         with pytest.raises(ConfigError) as e:
             check_path("log_path", value)
@@ -313,5 +313,9 @@ def test_the_error_line_of_a_failed_program_names_its_exception():
     assert exception_line(dynamo) == "RuntimeError: Expected query, key, and value to have the same dtype"
     assert exception_line("Traceback ...\n  raise ValueError('boom')\nValueError: boom\n") == "ValueError: boom"
     assert exception_line("Traceback ...\nKeyboardInterrupt\n") == "KeyboardInterrupt"
+    unsupported = ("torch._dynamo.exc.Unsupported: Data-dependent branching\n  Explanation: Detected data-dependent "
+                   "branching\n\nfrom user code:\n   File \"u.py\", line 4\n\nSet TORCHDYNAMO_VERBOSE=1 for the "
+                   "internal stack trace\n")
+    assert exception_line(unsupported) == "torch._dynamo.exc.Unsupported: Data-dependent branching"
     assert exception_line("killed: out of memory\n\n") == "killed: out of memory"  # no exception: the last line
     assert exception_line("") == ""
