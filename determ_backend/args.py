@@ -34,6 +34,8 @@ def check_path(name: str, v, optional: bool = False) -> Optional[Path]:
         return None
     if not isinstance(v, (str, os.PathLike)) or not str(v):
         raise ConfigError(f"{name}={v!r}: expected a file name (str or path)")
+    if "\0" in str(v):
+        raise ConfigError(f"{name}={str(v)!r}: holds a NUL character; expected a file name")
     p = Path(v)
     found = _stat(p)
     if found is not None:
@@ -56,5 +58,5 @@ def check_path(name: str, v, optional: bool = False) -> Optional[Path]:
 def _stat(p: Path) -> Optional[os.stat_result]:
     try:
         return os.stat(p)
-    except (OSError, ValueError):  # missing, unreadable, or a name the system cannot hold (a NUL in it)
+    except OSError:  # missing, or not readable
         return None
