@@ -134,14 +134,14 @@ def _on_side(gm, inputs, spec: str, path: str):
     return result
 
 
-_DTYPE_CLASH = re.compile(r"dtype|scalar type|should be the same", re.IGNORECASE)
+_DTYPE_CLASH = re.compile(r"same dtype|scalar type|should be the same", re.IGNORECASE)
+_NAMES = {torch.bfloat16: ("BFloat16", "bfloat16"), torch.float16: ("Half", "float16")}  # as torch's errors spell them
 
 
 def _narrower_hint(spec: str, error: str) -> str:
-    """Why a side of a floating dtype narrower than float32 fails with ``error``, a clash of dtypes, where the model
-    itself runs in that dtype; "" for any other side or error."""
-    if not _DTYPE_CLASH.search(error):
-        return ""
+    """Why a side of a floating dtype narrower than float32 fails with ``error``, a clash of dtypes that names the
+    side's dtype (``mat1 and mat2 must have the same dtype, but got Float and BFloat16``), where the model itself
+    runs in that dtype; "" for any other side or error."""
     try:
         dtype = parse_device_spec(spec)[1]
     except ConfigError:
@@ -149,6 +149,8 @@ def _narrower_hint(spec: str, error: str) -> str:
     if dtype is None or not dtype.is_floating_point or torch.finfo(dtype).bits >= 32:
         return ""
     name = str(dtype).replace("torch.", "")
+    if not _DTYPE_CLASH.search(error) or not any(n in error for n in _NAMES.get(dtype, (name,))):
+        return ""
     return (f"; on a {name} side the float32 the graph names stays float32 (its casts and the dtype= of tensors it "
             f"makes are only widened), so a value the model meant to follow x.dtype, float32 where the graph was "
             f"traced, can meet {name} in an op that does not promote: compare against cpu:float64, or run the model "

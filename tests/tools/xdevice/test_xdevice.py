@@ -509,3 +509,16 @@ def test_a_side_whose_compile_fails_is_told_by_its_error_not_by_torchs_advice(tm
     err = lines[0]
     assert "(RuntimeError: Expected query, key, and value" in err, err
     assert "TORCHDYNAMO_VERBOSE" not in err and "compare against cpu:float64" in err
+
+
+def test_the_narrower_side_hint_is_given_for_a_clash_of_its_dtype_only():
+    from repro_tools.xdevice.core import _narrower_hint
+
+    clash = "RuntimeError: mat1 and mat2 must have the same dtype, but got Float and BFloat16"
+    assert "compare against cpu:float64" in _narrower_hint("cpu:bfloat16", clash)
+    assert _narrower_hint("cpu:float64", clash) == "" and _narrower_hint("cpu", clash) == ""
+    for other in ("KeyError: 'torch_dtype'",  # names a dtype, clashes with nothing
+                  "RuntimeError: Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be "
+                  "the same"):  # a clash of devices
+        assert _narrower_hint("cpu:bfloat16", other) == "", other
+    assert _narrower_hint("cpu:float16", "RuntimeError: expected scalar type Half but found Float") != ""
