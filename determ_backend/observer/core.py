@@ -364,9 +364,11 @@ class ObserverContext:
                 what = "first root cause" if roots else "no root cause found; first differing record"
                 only = {"current": " (only this run ran it)", "reference": " (only the reference ran it)"}.get(
                     first.get("only_in"), "")
+                # with no root cause, the records only one run has may be where it lies (an extra op)
+                also = f"; also, {unpaired}" if not roots and unpaired is not None else ""
                 raise NondeterminismError(f"observer {obs.name}: {len(obs.mismatches)} records differ from the "
                                           f"reference; {what} {first['name']}{only} at "
-                                          f"{first['current_source'] or first['reference_source'] or '?'}")
+                                          f"{first['current_source'] or first['reference_source'] or '?'}{also}")
 
 
 def current_observer() -> Optional[Observer]:

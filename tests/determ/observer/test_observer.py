@@ -251,3 +251,29 @@ def test_a_run_a_step_short_or_long_is_not_shown_to_match(tmp_path, caplog, step
     assert obs.report_mismatches() is False
     with pytest.raises(NondeterminismError, match="not shown to match"):
         _steps(tmp_path, "raised", steps, ref=ref, raise_on_mismatch=True)
+
+
+def test_with_no_root_cause_the_error_names_the_ops_only_one_run_ran(tmp_path):
+    """An extra ``h * 1.0`` keeps the values but moves the backward's records: no root cause among the mismatches,
+    and the raised line says which records only this run has."""
+    def train(name, extra, ref=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        x = torch.randn(4, 8)
+        with db.ObserverContext(tmp_path, name, reference_hash_file=ref, raise_on_mismatch=ref is not None):
+            db.observe("input", x)
+            db.enable_mode()
+            h = model(x)
+            if extra:
+                h = h * 1.0
+            h.sum().backward()
+            db.disable_mode()
+
+    train("ref", False)
+    try:
+        train("chk", True, ref=tmp_path / "ref.jsonl")
+    except NondeterminismError as e:
+        msg = str(e)
+    else:
+        pytest.fail("an extra op was not reported")
+    assert "no root cause found" in msg and "of this run have none in the reference (first: aten.mul.Tensor" in msg, msg
