@@ -7,6 +7,8 @@ code 2) can tell our diagnostics apart from bugs.
 
 from __future__ import annotations
 
+import re as _re
+
 __all__ = [
     "DetermError",
     "ConfigError",
@@ -20,8 +22,6 @@ __all__ = [
     "first_line",
     "exception_line",
 ]
-
-import re as _re
 
 # the last line of a Python traceback: ``[module.]Name: message`` of an exception class (``RuntimeError: ...``,
 # ``torch._dynamo.exc.Unsupported: ...``), or an exception's name alone (``KeyboardInterrupt``)

@@ -85,7 +85,7 @@ def _walk(roots: List[Any], edges: InputEdges, in_nodes: set, min_seq: Optional[
     {id(node): {id of each walked node with an edge to it}})``, or None past ``_MAX_NODES``."""
     seen: Dict[int, Any] = {}
     users: Dict[int, set] = {}
-    into_inputs: List[Tuple[Any, int, List[str]]] = []
+    into_inputs: List[Tuple[Any, int, Tuple[int, int]]] = []
     stack = [r for r in roots if id(r) not in in_nodes]
     while stack:
         node = stack.pop()
@@ -186,7 +186,7 @@ def attach(name: str, edges: InputEdges, in_nodes: set, outputs: Sequence[Tuple[
     walked = _walk(roots, edges, in_nodes, min_seq)
     if not walked or not walked[0]:
         return False
-    into, made = walked
+    into, users = walked
     roots_ids = {id(r) for r in roots}  # a node an output's gradient arrives at directly
     by_root: Dict[int, Tuple[Any, List[Tuple[int, str, Optional[Tuple[int, ...]]]]]] = {}
     for n, t in outs:
@@ -198,7 +198,7 @@ def attach(name: str, edges: InputEdges, in_nodes: set, outputs: Sequence[Tuple[
         # its only user, and is no output's: multi_head_attention's weights are a view of the softmax its bmm also
         # reads): its gradient is the base's, read at the base's node, which stays in the graph when the program
         # writes the view in place
-        if base is not None and made.get(id(base.grad_fn)) == {id(t.grad_fn)} and id(base.grad_fn) not in roots_ids:
+        if base is not None and users.get(id(base.grad_fn)) == {id(t.grad_fn)} and id(base.grad_fn) not in roots_ids:
             node, nr, shape = base.grad_fn, base.output_nr, tuple(t.shape)
         by_root.setdefault(id(node), (node, []))[1].append((nr, _backward_name(n, "input"), shape))
     by_node: Dict[int, Tuple[Any, List[Tuple[int, List[str], Optional[Tuple[int, ...]]]]]] = {}

@@ -85,8 +85,8 @@ class ApiPair:
     """Why a call whose inputs agree within the tolerance is no root cause although its output diverges: the
     precision its inputs carry, or a discrete result they may flip."""
     negligible: bool = False
-    """Explained, and its diverging output zero at the precision it was computed in on both sides (a gradient that
-    is zero in exact arithmetic): no divergence of the runs on its own account."""
+    """Explained as a gradient zero in exact arithmetic (:func:`_zero_at_precision`): no divergence of the runs on
+    its own account."""
 
     @property
     def name(self) -> str:
@@ -122,9 +122,9 @@ class DumpComparison:
 
     @property
     def divergent(self) -> bool:
-        """Some paired call's output diverges, other than a ``negligible`` one: within a tolerance, a gradient that
-        is zero at the precision of either run (BERT's attention key bias), apart only in its rounding noise.  A call
-        that takes such a value in and diverges from it is a divergence like any other."""
+        """Some paired call's output diverges, other than a ``negligible`` one (a gradient zero in exact arithmetic,
+        the two runs apart only in its rounding noise: BERT's attention key bias).  A call that takes such a value in
+        and diverges from it is a divergence like any other."""
         return any(p.output_diverges and not p.negligible for p in self.pairs)
 
     @property
@@ -452,17 +452,20 @@ def _growth(pa: ApiPair) -> float:
     return _GROWTH * math.sqrt(max(1.0, max(n_in) / max(1, min(n_out)))) if n_in and n_out else _GROWTH
 
 
-def _zero_at_precision(pa: ApiPair, fine: Optional[float]) -> bool:
+def _zero_at_precision(pa: ApiPair, tol: float, fine: Optional[float]) -> bool:
     """Of a comparison between runs of two dtypes (``fine``: the eps of the finer one, else None): a backward call
-    whose diverging outputs are, in the run that holds them smaller, no larger than that dtype's rounding of its
-    inputs' largest magnitude (times :func:`_growth`) -- gradients zero in exact arithmetic, each run's value its own
-    rounding noise (BERT's attention key bias: 2.4e-13 in float32, 3.7e-9 under bf16 autocast).  A gradient that
-    one run computes above its rounding is a value, however small next to its inputs: not this."""
+    whose diverging outputs are, in both runs, within ``tol`` of its inputs' largest magnitude and, in the run that
+    holds them smaller, within the finer dtype's rounding of it (times :func:`_growth`) -- gradients zero in exact
+    arithmetic, each run's value its own rounding noise (BERT's attention key bias: 2.4e-13 in float32, 3.7e-9 under
+    bf16 autocast).  A gradient that one run computes above its rounding is a value, however small next to its
+    inputs: not this."""
     if fine is None or (pa.a or {}).get("dir") != "backward":
         return False
-    ins, smaller = pa.errors.get("inputs_size") or [], pa.errors.get("outputs_smaller") or []
-    n_diverging = len(pa.errors.get("outputs") or [])
-    return bool(ins and smaller) and len(smaller) == n_diverging and max(smaller) <= _growth(pa) * fine * max(ins)
+    ins, outs = pa.errors.get("inputs_size") or [], pa.errors.get("outputs_size") or []
+    smaller = pa.errors.get("outputs_smaller") or []
+    if not (ins and outs and smaller) or len(smaller) != len(pa.errors.get("outputs") or []):
+        return False
+    return max(outs) <= tol * max(ins) and max(smaller) <= _growth(pa) * fine * max(ins)
 
 
 def _choice_flipped(pa: ApiPair) -> bool:
@@ -563,7 +566,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         rule.output_judged(pa.a, pa.output_diverges)
         note = _excuse(pa, tol) if not exact and ins and pa.output_diverges else None
         carried = note is not None
-        if carried and _zero_at_precision(pa, fine):
+        if carried and _zero_at_precision(pa, tol, fine):
             pa.negligible = True
             note = ("a gradient zero in exact arithmetic: one run holds it within its finer dtype's rounding of the "
                     "gradients the call was given, the other within the tolerance (apart only in rounding noise)")
@@ -713,8 +716,8 @@ def analysis(cmp: DumpComparison) -> str:
             lines.append(f"  ({len(roots) - 1} more root-cause APIs in the CSV)")
     elif cmp.first_divergence is not None and not cmp.divergent:
         p = cmp.first_divergence
-        lines = [f"no divergence beyond the dtypes' precision: {p.name} differs, but {p.explained}; every other "
-                 f"paired API agrees ({cmp.unpaired} unpaired calls)",
+        lines = [f"no divergence beyond the dtypes' precision: {p.name} differs, but {p.explained}; nothing else "
+                 f"diverges ({cmp.unpaired} unpaired calls)",
                  f"  at {(p.a or {}).get('source') or '?'}"]
     elif cmp.first_divergence is not None:
         p = cmp.first_divergence

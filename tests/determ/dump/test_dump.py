@@ -1200,7 +1200,8 @@ def _tiny_bert():
 def test_a_gradient_zero_at_either_precision_is_no_divergence_of_a_mixed_precision_run(tmp_path, capsys):
     """BERT's attention key bias has a gradient that is zero in exact arithmetic (softmax ignores a shift shared by
     every key): float32 and bfloat16 autocast leave it at their own rounding, far apart for its size.  That call is
-    excused (precision carried along) and nothing diverges from it: the runs agree, exit 0, and the text says why."""
+    excused as a gradient zero in exact arithmetic and nothing diverges from it: the runs agree, exit 0, and the text
+    says why."""
     a = dump_run(tmp_path, "a", _tiny_bert(), step=_bert_step(False), summary_only=True)
     b = dump_run(tmp_path, "b", _tiny_bert(), step=_bert_step(True), summary_only=True)
     cmp = compare_two(b, a, tmp_path / "out")
