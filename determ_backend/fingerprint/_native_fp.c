@@ -956,8 +956,11 @@ static int run_by_user(PyObject *frame) {
 }
 
 /* "file:line in function" of one frame, as OpRecorder._where writes a stack's entries: a new reference */
-static PyObject *stack_entry(PyFrameObject *f, PyCodeObject *code) {
-    return PyUnicode_FromFormat("%U:%d in %U", code->co_filename, PyFrame_GetLineNumber(f), code->co_name);
+static PyObject *stack_entry(PyFrameObject *f) {
+    PyCodeObject *code = PyFrame_GetCode(f);
+    PyObject *e = PyUnicode_FromFormat("%U:%d in %U", code->co_filename, PyFrame_GetLineNumber(f), code->co_name);
+    Py_DECREF(code);
+    return e;
 }
 
 /* OpRecorder._where: (source, location) and, when stack is not NULL, the first depth user frames' entries (None when
@@ -976,9 +979,10 @@ static int where(PyObject *rec, PyObject *frame, long depth, PyObject **source, 
     PyObject *key = Py_BuildValue("(Ni)", PyLong_FromVoidPtr(code), PyFrame_GetLineNumber(f));
     PyObject *w = key ? PyDict_GetItemWithError(R_lines, key) : NULL;
     Py_XDECREF(key);
-    if (!(w && PyTuple_Check(w) && PyTuple_GET_SIZE(w) == 3 && PyTuple_GET_ITEM(w, 2) == (PyObject *)code)) {
+    int known = w && PyTuple_Check(w) && PyTuple_GET_SIZE(w) == 3 && PyTuple_GET_ITEM(w, 2) == (PyObject *)code;
+    Py_DECREF(code); /* only compared by identity: the frame f keeps it alive */
+    if (!known) {
         Py_DECREF(f);
-        Py_DECREF(code);
         if (PyErr_Occurred()) return -1;
         PyObject *r = PyObject_CallMethodOneArg(rec, N__where, frame); /* enters the line */
         if (!r) return -1;
@@ -997,17 +1001,12 @@ static int where(PyObject *rec, PyObject *frame, long depth, PyObject **source, 
     *loc = Py_NewRef(PyTuple_GET_ITEM(w, 1));
     if (!stack) {
         Py_DECREF(f);
-        Py_DECREF(code);
         return 0;
     }
     /* user_frames(frame, depth): at least the first one */
     PyObject *entries = PyList_New(0);
-    if (!entries) {
-        Py_DECREF(code);
-    }
     while (entries && f) {
-        PyObject *e = stack_entry(f, code);
-        Py_DECREF(code);
+        PyObject *e = stack_entry(f);
         if (!e || PyList_Append(entries, e) < 0) {
             Py_XDECREF(e);
             Py_CLEAR(entries);
@@ -1021,9 +1020,10 @@ static int where(PyObject *rec, PyObject *frame, long depth, PyObject **source, 
         if (!back) break;
         int r = first_user_frame((PyObject *)back, NULL, &f, &code);
         Py_DECREF(back);
+        Py_XDECREF(code);
         if (r < 0) Py_CLEAR(entries);
     }
-    Py_XDECREF(f); /* left by a full list, or by an error making an entry (its code released already) */
+    Py_XDECREF(f); /* left by a full list, or by an error making an entry */
     if (!entries) {
         Py_CLEAR(*source);
         Py_CLEAR(*loc);
