@@ -440,8 +440,13 @@ def _error_carried(pa: ApiPair, tol: float) -> bool:
         ins, outs = pa.errors.get(f"inputs{kind}") or [], pa.errors.get(f"outputs{kind}") or []
         if ins and outs and max(ins) * growth >= max(outs):
             return True
+    return backward and _within_tol_of_inputs(pa, tol)
+
+
+def _within_tol_of_inputs(pa: ApiPair, tol: float) -> bool:
+    """Whether the call's diverging outputs lie, in both runs, within ``tol`` of its inputs' largest magnitude."""
     ins, outs = pa.errors.get("inputs_size") or [], pa.errors.get("outputs_size") or []
-    return backward and bool(ins and outs) and max(outs) <= tol * max(ins)
+    return bool(ins and outs) and max(outs) <= tol * max(ins)
 
 
 def _growth(pa: ApiPair) -> float:
@@ -461,11 +466,10 @@ def _zero_at_precision(pa: ApiPair, tol: float, fine: Optional[float]) -> bool:
     inputs: not this."""
     if fine is None or (pa.a or {}).get("dir") != "backward":
         return False
-    ins, outs = pa.errors.get("inputs_size") or [], pa.errors.get("outputs_size") or []
     smaller = pa.errors.get("outputs_smaller") or []
-    if not (ins and outs and smaller) or len(smaller) != len(pa.errors.get("outputs") or []):
+    if not smaller or len(smaller) != len(pa.errors.get("outputs") or []) or not _within_tol_of_inputs(pa, tol):
         return False
-    return max(outs) <= tol * max(ins) and max(smaller) <= _growth(pa) * fine * max(ins)
+    return max(smaller) <= _growth(pa) * fine * max(pa.errors["inputs_size"])
 
 
 def _choice_flipped(pa: ApiPair) -> bool:
