@@ -108,14 +108,10 @@ def api_table() -> Mapping[Callable, ApiInfo]:
                 table[func] = ApiInfo(prefix, name if name.startswith(extra) else extra + name)
             except TypeError:  # an unhashable descriptor: not a callable API
                 continue
-    for name, info in _PRIVATE_APIS.items():
+    for name, info in {**_PRIVATE_APIS, **{n: ApiInfo("Torch", n) for n in _FACTORIES}}.items():
         func = getattr(torch, name, None)
         if func is not None and func not in table:
             table[func] = info
-    for name in _FACTORIES:
-        func = getattr(torch, name, None)
-        if func is not None and func not in table:
-            table[func] = ApiInfo("Torch", name)
     return table
 
 
