@@ -1136,18 +1136,15 @@ class _WrittenAfterLinear(torch.nn.Module):
         self.emb, self.lin, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
         self.idiom = idiom
 
-    def forward(self, ids, inplace: bool = True):
+    def forward(self, ids):
         e = self.emb(ids)
         h = self.lin(e)
         if self.idiom == "relu_":
-            h = h.relu_() if inplace else h.relu()
+            h = h.relu_()
         elif self.idiom == "ReLU(inplace=True)":
-            h = torch.nn.ReLU(inplace=inplace)(h)
+            h = torch.nn.ReLU(inplace=True)(h)
         else:  # the residual idiom
-            if inplace:
-                h += e
-            else:
-                h = h + e
+            h += e
         return self.head(h * 2.0)
 
 
