@@ -11,7 +11,9 @@ yields an :class:`Observer`.  Inside it:
   ``with marking_non_deterministic(): ...`` mark values known to vary from run to run:
   the reference run saves them, later runs substitute the saved values (exactly, with
   their strides; gradients flow through unchanged), so everything downstream stays
-  comparable.  Marked records never count as mismatches.
+  comparable.  Marked records never count as mismatches, except a value the reference run did
+  not save (or saved with another shape or dtype): it is not replayed, keeps this run's value and
+  is compared as any record (:attr:`Observer.unreplayed`).
 
 On exit the run is written to ``<dump_dir>/<name>.jsonl`` (a trace ``repro-tools
 diff`` reads) plus ``<name>.safetensors`` for saved tensors -- no pickles -- and,
@@ -90,6 +92,7 @@ class Observer:
         self.raise_on_mismatch = raise_on_mismatch
         self.mismatches: List[Dict[str, Any]] = []
         self.unmatched: Dict[str, List[str]] = {"reference_only": [], "current_only": []}
+        self.unreplayed: List[Dict[str, str]] = []  # marked values the reference saved none of (name, why)
         self.mode = HashMode(run=name, stack_depth=stack_depth)
         self.mode.output_hook = self._output_hook
         self._rec = self.mode._recorder
@@ -184,32 +187,49 @@ class Observer:
                     continue
                 key = f"{name}#{k}.{i}"
                 producer = self._rec.producer(x)
-                if producer is not None:
-                    producer.extra = dict(producer.extra or {}, non_deterministic=True)
                 y = self._substitute(key, x)
-                self._rec.add_external(key, "observe_non_deterministic", "nondet", y, source, stack,
-                                       extra={"non_deterministic": True}, inputs=[producer] if producer else [])
-                out.append(y)
+                replayed = y is not None
+                if producer is not None and replayed:
+                    producer.extra = dict(producer.extra or {}, non_deterministic=True)
+                self._rec.add_external(key, "observe_non_deterministic", "nondet", y if replayed else x, source, stack,
+                                       extra={"non_deterministic": True} if replayed else {"not_replayed": True},
+                                       inputs=[producer] if producer else [])
+                out.append(y if replayed else x)
         return _torch_compat.tree_unflatten(out, spec)
 
-    def _saved_value(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        if self._ref_tensors is None:
+    def _saved_value(self, key: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """The reference's saved value for ``key``; None (with a warning, and ``key`` in :attr:`unreplayed`) when this
+        run marked a value the reference did not save, or one of another shape or dtype: the runs went different ways
+        there, which the comparison then shows (a record only this run has, or one that differs), and the run goes on
+        with its own value."""
+        if self._ref_tensors is None:  # a reference of an earlier release: no word on whether it saved any
             raise TraceFormatError(f"{self._ref_tensor_path}: no such file, so no saved tensor {key!r} (the reference "
                                    f"run marked nothing non-deterministic, or this file was not kept next to its trace)")
-        if key not in self._ref_tensors:
-            raise TraceFormatError(f"{self._ref_tensor_path}: no saved tensor {key!r} (the reference run did not "
-                                   f"mark this value non-deterministic, or marked different ops)")
-        saved = self._ref_tensors[key]
-        if saved.shape != like.shape or saved.dtype != like.dtype:
-            raise TraceFormatError(f"{self._ref_tensor_path}: saved tensor {key!r} is {saved.dtype}"
-                                   f"{list(saved.shape)}, this run has {like.dtype}{list(like.shape)}")
-        return saved
+        saved = self._ref_tensors.get(key)
+        if saved is None:
+            why = "the reference run saved no such value (it marked fewer values, or other ops)"
+        elif saved.shape != like.shape or saved.dtype != like.dtype:
+            why = (f"the reference saved {str(saved.dtype).replace('torch.', '')}{list(saved.shape)}, this run has "
+                   f"{str(like.dtype).replace('torch.', '')}{list(like.shape)}")
+        else:
+            return saved
+        self.unreplayed.append({"name": key, "why": why})
+        if len(self.unreplayed) == 1:  # one line per run: a loop that marks one value too many would repeat it
+            logger.warning("observer %s: marked value %s is not replayed: %s; it keeps this run's value and is "
+                           "compared as an ordinary record (obs.unreplayed lists every such value)", self.name, key,
+                           why)
+        return None
 
-    def _substitute(self, key: str, x: torch.Tensor) -> torch.Tensor:
+    def _substitute(self, key: str, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``x``'s stand-in: itself (saved) in a reference run, the saved value in a verification run; None when a
+        verification run has no saved value for it (:meth:`_saved_value`)."""
         if not self.is_verification_run:
             self._saved[key] = x.detach().cpu().clone()
             return _Substitute.apply(x, x.detach())
         saved = self._saved_value(key, x)
+        if saved is None:
+            self._saved[key] = x.detach().cpu().clone()
+            return None
         self._saved[key] = saved
         return _Substitute.apply(x, saved.to(x.device))
 
@@ -237,17 +257,19 @@ class Observer:
         region[1] += 1
         if returns_view(func):
             return out, True  # a view of its input: nothing of its own to substitute
+        replayed = True
         for i, t in enumerate(written_tensors(out, schema_writes(func), args, kwargs)):
             if not isinstance(t, torch.Tensor):
                 continue
             key = f"{region[0]}/{j}.{i}"
-            if self.is_verification_run:
-                saved = self._saved_value(key, t)
+            saved = self._saved_value(key, t) if self.is_verification_run else None
+            if saved is not None:
                 t.copy_(saved)
                 self._saved[key] = saved
-            else:
+            else:  # a reference run's value, or one a verification run cannot replay: compared as it is
+                replayed = replayed and not self.is_verification_run
                 self._saved[key] = t.detach().cpu().clone()
-        return out, True
+        return out, replayed
 
     # -- end of run ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -124,10 +124,48 @@ def test_pickle_reference_is_refused_without_unpickling(tmp_path):
     assert not marker.exists()
 
 
-def test_missing_saved_tensor_is_a_clear_error(tmp_path):
+def test_a_value_the_reference_did_not_save_is_compared_not_replayed(tmp_path, caplog):
+    """A run that marks a value the reference run did not save (the reference marked nothing, or fewer values)
+    went another way than the reference: no error out of the user's op, the run keeps its own value, and the
+    comparison shows the difference."""
     observed_run(tmp_path, "ref")  # nothing marked, so nothing saved
-    with pytest.raises(TraceFormatError, match="no saved tensor 'rowsum#0.0'"):
-        observed_run(tmp_path, "run2", reference="ref", marking="value")
+    with caplog.at_level(logging.WARNING, logger="determ_backend.observer.core"):
+        obs = observed_run(tmp_path, "run2", reference="ref", marking="value")
+    assert [u["name"] for u in obs.unreplayed] == ["rowsum#0.0"] and "saved no such value" in obs.unreplayed[0]["why"]
+    assert any("marked value rowsum#0.0 is not replayed" in r.getMessage() for r in caplog.records)
+    assert obs.mismatches and obs.report_mismatches() is False
+    with pytest.raises(NondeterminismError):
+        observed_run(tmp_path, "run3", reference="ref", marking="value", raise_on_mismatch=True)
+
+
+def test_a_marked_step_more_than_the_reference_keeps_the_run_going(tmp_path, caplog):
+    """The checked run marks one more value than the reference (a loop one step longer): the saved values are
+    replayed, the extra one is the run's own, the run finishes and is not shown to match."""
+    def train(name, steps, ref=None, **kw):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        x = torch.randn(4, 8)
+        with db.ObserverContext(tmp_path, name, reference_hash_file=ref, **kw) as obs:
+            db.enable_mode()
+            h = model(x)
+            for _ in range(steps):
+                with db.marking_non_deterministic("noise"):
+                    h = h + torch.rand(h.shape, generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+            h.sum().backward()
+            db.disable_mode()
+            db.observe("grad", model.weight.grad)
+        return obs
+
+    train("ref", 1)
+    ref = tmp_path / "ref.jsonl"
+    assert train("same", 1, ref=ref).mismatches == []
+    with caplog.at_level(logging.WARNING, logger="determ_backend.observer.core"):
+        obs = train("longer", 2, ref=ref)
+    assert obs.unreplayed[0]["name"] == "noise#1/0.0" and all(u["name"].startswith("noise#1/") for u in obs.unreplayed)
+    assert obs.report_mismatches() is False and obs.unmatched["current_only"]
+    assert any("noise#1/0.0 is not replayed" in r.getMessage() for r in caplog.records)
+    with pytest.raises(NondeterminismError, match="records differ from the reference.*none in the reference"):
+        train("raised", 2, ref=ref, raise_on_mismatch=True)
 
 
 def test_module_functions_without_an_observer_are_pass_through():
@@ -160,10 +198,13 @@ def test_run_with_the_reference_name_is_refused_before_writing(tmp_path):
 
 
 def test_missing_tensors_file_is_named(tmp_path):
+    """The reference's trace says it saved values: a tensors file not kept next to it is an error when the checked
+    run starts, before any of the user's ops ran."""
     observed_run(tmp_path, "ref", marking="region")
     (tmp_path / "ref.safetensors").unlink()
-    with pytest.raises(TraceFormatError, match=r"ref\.safetensors: no such file, so no saved tensor 'rowsum#0/"):
-        observed_run(tmp_path, "run2", reference="ref", marking="region")
+    with pytest.raises(TraceFormatError, match=r"ref\.safetensors: no such file; the reference run saved 1 marked "
+                                               r"value\(s\) there \(keep it next to its trace ref\.jsonl\)"):
+        db.ObserverContext(tmp_path, "run2", reference_hash_file=tmp_path / "ref.jsonl")
 
 
 @pytest.mark.parametrize("ref,needle", [("missing.jsonl", "no such file"), (".", "not a file")])
@@ -277,3 +318,17 @@ def test_with_no_root_cause_the_error_names_the_ops_only_one_run_ran(tmp_path):
     else:
         pytest.fail("an extra op was not reported")
     assert "no root cause found" in msg and "of this run have none in the reference (first: aten.mul.Tensor" in msg, msg
+
+
+def test_a_marked_value_of_another_shape_than_the_saved_one_is_not_replayed(tmp_path):
+    def run(name, n, ref=None):
+        with db.ObserverContext(tmp_path, name, reference_hash_file=ref) as obs:
+            v = db.observe_non_deterministic("noise", torch.rand(n))
+            db.observe("sum", v.sum())
+        return obs, v
+
+    run("ref", 4)
+    obs, v = run("chk", 5, ref=tmp_path / "ref.jsonl")
+    assert v.shape == (5,)  # the run's own value, not the saved one
+    assert obs.unreplayed == [{"name": "noise#0.0", "why": "the reference saved float32[4], this run has float32[5]"}]
+    assert "noise#0.0" in names(obs) + obs.unmatched["current_only"] and obs.report_mismatches() is False
