@@ -13,7 +13,8 @@ call created, from its outputs back to those edges, and hook them --
 
 When every hooked node has fired the record is complete; records left
 incomplete (an output that did not reach the loss) are flushed when the
-backward pass ends.
+backward pass ends.  Another pass through the same graph (``retain_graph``)
+fires the hooks again and writes a record of its own, under the same name.
 
 Forward recording lives in :mod:`.hooks`.
 """
@@ -119,6 +120,12 @@ class _Pending:
         self.grad_in: Dict[str, List[torch.Tensor]] = {}
         self.done = False
 
+    def renew(self) -> None:
+        """A hook of a finished record fired: another backward pass through the same graph (``retain_graph``)
+        began, which gives a record of its own, collected afresh."""
+        if self.done:
+            self.done, self.fired, self.grad_out, self.grad_in = False, 0, {}, {}
+
     def fire(self) -> None:
         if self.fired == 0:
             self.flusher.started(self)
@@ -210,6 +217,7 @@ def attach(name: str, edges: InputEdges, in_nodes: set, outputs: Sequence[Tuple[
     def make_pre(slots):
         def pre(grad_outputs):
             with guard():
+                p.renew()
                 for nr, bname, shape in slots:
                     g = grad_outputs[nr] if nr < len(grad_outputs) else None
                     if g is not None:
@@ -220,6 +228,7 @@ def attach(name: str, edges: InputEdges, in_nodes: set, outputs: Sequence[Tuple[
     def make_post(slots):
         def post(grad_inputs, grad_outputs):
             with guard():
+                p.renew()
                 for j, bnames, shape in slots:
                     g = grad_inputs[j]
                     if g is not None:

@@ -54,13 +54,18 @@ def dump_sources(path: Union[str, Path]) -> List[Tuple[Optional[int], Path]]:
 
 
 def _stored(d: Dump) -> List[Tuple[str, dict]]:
-    """``[(file stem, tensor entry)]`` of every tensor whose payload the dump stores."""
+    """``[(file stem, tensor entry)]`` of every tensor whose payload the dump stores.  An entry name seen again (a
+    second backward pass through one graph, ``retain_graph``) has its files suffixed ``_<k>`` (its k-th time after
+    the first): no file overwrites another."""
     out = []
+    seen: Dict[str, int] = collections.Counter()
     for e in d.entries:
+        k = seen[e["name"]]
+        seen[e["name"]] += 1
         for io_ in ("inputs", "outputs"):
             for t in e.get(io_, []):
                 if "payload" in t:
-                    out.append((f"{e['name']}_{t.get('name')}".replace("/", "_"), t))
+                    out.append((f"{e['name']}_{t.get('name')}{f'_{k}' if k else ''}".replace("/", "_"), t))
     return out
 
 

@@ -1275,3 +1275,43 @@ def test_a_view_output_whose_base_feeds_another_output_keeps_its_own_gradient(tm
         assert len(got) == 1 and torch.allclose(got[0], grads["w"], atol=1e-6)
     else:
         assert not got or got[0].abs().max().item() == 0
+
+
+def _two_losses(scale: float = 1.0):
+    """Two backward passes through one graph (``retain_graph``): the second loss's weight gradients land on the
+    first's; in the second pass a hook scales the output's gradient by ``scale``."""
+    def run(model):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        out = model(x)
+        out.sum().backward(retain_graph=True)
+        out.register_hook(lambda g: g * scale)
+        out.pow(2).mean().backward()
+    return run
+
+
+def test_a_second_backward_through_one_graph_records_its_own_gradients(tmp_path):
+    """``retain_graph``: each pass through the graph writes the calls' backward entries, in the order backward ran
+    them, holding that pass's gradients; a fault in the second pass alone is found there; the export overwrites
+    no file of the first pass with the second's."""
+    a = dump_run(tmp_path, "a", sequential(), step=_two_losses())
+    order = [n for n in names(a) if n.endswith("_backward")]
+    assert order.count("Functional_linear_0_backward") == 2 and order.count("Functional_linear_1_backward") == 2
+    assert order.index("Tensor_mean_0_backward") < len(order) - 1 - order[::-1].index("Functional_linear_1_backward")
+    # the second pass's weight gradient of the first linear is that of the second loss alone
+    ref = sequential()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    ref(x).pow(2).mean().backward()
+    d = dump.read_dump(a)
+    firsts, seconds = [[e for e in d.entries if e["name"] == "Functional_linear_0_backward"][k] for k in (0, 1)]
+    grad_w = next(t for t in seconds["outputs"] if t["name"] == "output.1")
+    assert torch.allclose(d.tensor(grad_w), ref[0].weight.grad)
+    assert not torch.allclose(d.tensor(next(t for t in firsts["outputs"] if t["name"] == "output.1")),
+                              ref[0].weight.grad)
+    b = dump_run(tmp_path, "b", sequential(), step=_two_losses(scale=1.001))
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Tensor_mul_0_forward"], _root_causes(cmp)  # the hook's product
+    lin = [p for p in cmp.pairs if p.name == "Functional_linear_0_backward"]
+    assert [p.output_diverges for p in lin] == [False, True]  # the first pass agrees, the second does not
+    files = dump.export_npy(a, tmp_path / "npy").files
+    assert len({f.name for f in files}) == len(files)
+    assert (tmp_path / "npy" / "Functional_linear_0_backward_output.1_1.npy").is_file()
