@@ -50,7 +50,7 @@ from determ_backend.dump.capture.writer import PAYLOAD_FILE
 
 __all__ = ["acc_cmp_dump", "overflow_check", "current_rank", "dump_open", "seed_all", "set_dump_path", "register_hook", "set_dump_switch",
            "set_overflow_check_switch", "module_dump", "module_dump_end", "remove_hooks", "dump_parameters",
-           "get_dump_dir", "records_written"]
+           "get_dump_dir", "dump_off"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class _Controller:
         self.sessions: Dict[str, DumpSession] = {}
         self.installation: Optional[Installation] = None
         self.settings: Optional[DumpSettings] = None
+        self.started_at = 0  # the dump's record count when it was last switched on
         self.ring_bytes: Optional[int] = None
         self.written: Set[Path] = set()
         """Index files this process created: only these may be started afresh (never another run's dump)."""
@@ -161,6 +162,7 @@ class _Controller:
         rec = ApiRecorder(session, settings, online=online)
         self.installation = Installation(rec, self.models, self.regions)
         self.settings = settings
+        self.started_at = session.seq
 
     def overflow_on(self) -> None:
         self.switch_off()
@@ -173,9 +175,12 @@ class _Controller:
         session = self.session(self.overflow_name, "overflow_check", "overflow_check")
         rec = ApiRecorder(session, DumpSettings(), overflow=self.overflow)
         self.installation = Installation(rec, self.models, ())
+        self.started_at = session.seq
 
-    def switch_off(self) -> None:
+    def switch_off(self) -> int:
+        """Stop the dump that is on; how many records it wrote since it was switched on."""
         inst, self.installation = self.installation, None
+        written = inst.rec.session.seq - self.started_at if inst is not None else 0
         if inst is not None:
             inst.remove()
             inst.rec.flusher.flush()
@@ -187,6 +192,7 @@ class _Controller:
             if online is not None:  # after the sessions: the writer has judged every entry
                 inst.rec.online = None
                 online.close(inst.rec.session.rank_dir)
+        return written
 
     def close_sessions(self) -> None:
         errors = []
@@ -312,7 +318,12 @@ def set_dump_switch(switch: str, mode: str = "all", scope: Optional[Sequence[str
     if mode == "acl":
         _needs_npu("set_dump_switch(mode='acl')")
     if switch == "OFF":
-        _STATE.switch_off()
+        settings = _STATE.settings if _STATE.installation is not None else None
+        if _STATE.switch_off() == 0 and settings is not None and settings.mode in ("list", "range", "api_list"):
+            named = settings.api_list if settings.mode == "api_list" else settings.scope
+            log.warning("set_dump_switch: mode=%r with %s=%s recorded no call (names look like Functional_linear_0_forward"
+                        "%s)", settings.mode, "api_list" if settings.mode == "api_list" else "scope", list(named),
+                        "; api_list takes fragments like 'linear'" if settings.mode == "api_list" else "")
         return
     if not isinstance(summary_only, bool):
         raise ConfigError(f"set_dump_switch: summary_only must be True or False, got {summary_only!r}")
@@ -373,10 +384,10 @@ def dump_open(index: Union[str, os.PathLike]) -> bool:
     return any(not s.closed and s.index_path.resolve() == target for s in _STATE.sessions.values())
 
 
-def records_written() -> int:
-    """How many records the dump that is on has written so far (0 when no dump is on)."""
-    inst = _STATE.installation
-    return inst.rec.session.seq if inst is not None else 0
+def dump_off() -> int:
+    """Switch the dump off, as ``set_dump_switch("OFF")`` without its warning; how many records it wrote since it was
+    switched on (callers that say themselves what a selection that recorded nothing means)."""
+    return _STATE.switch_off()
 
 
 def remove_hooks() -> None:

@@ -255,8 +255,7 @@ class PrecisionDebugger:
     def stop(self) -> None:
         """Stop dumping and finish this step's files."""
         if self._on:
-            written = control.records_written()
-            control.set_dump_switch("OFF")
+            written = control.dump_off()
             control.remove_hooks()
             self._on = False
             self._warn_if_empty(written)

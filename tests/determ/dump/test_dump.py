@@ -487,6 +487,23 @@ def test_precision_debugger_warns_once_when_its_list_selects_nothing(tmp_path, c
     assert len(warnings) == 1 and "statistics.list=['Functional.linear.9.forward'] selected no API call" in warnings[0]
 
 
+@pytest.mark.parametrize("switch, needle", [
+    ({"mode": "list", "scope": ["Functional_linear_9_forward"]}, "mode='list' with scope=['Functional_linear_9_forward']"),
+    ({"mode": "api_list", "api_list": ["conv3d"]}, "mode='api_list' with api_list=['conv3d']"),
+])
+def test_set_dump_switch_warns_when_its_selection_records_nothing(tmp_path, caplog, switch, needle):
+    """The ptdbg interface, as ``PrecisionDebugger``: a named selection that matched no call is one warning at
+    ``set_dump_switch("OFF")``; one that matched says nothing."""
+    with caplog.at_level("WARNING", logger="determ_backend.dump.capture.control"):
+        dump_run(tmp_path, "none", sequential(), step=_two_losses(), **switch)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "determ_backend.dump.capture.control"]
+    assert len(warnings) == 1 and needle in warnings[0] and "recorded no call" in warnings[0], warnings
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="determ_backend.dump.capture.control"):
+        dump_run(tmp_path, "some", sequential(), step=_two_losses(), mode="list", scope=["Functional_linear_0_forward"])
+    assert not [r for r in caplog.records if r.name == "determ_backend.dump.capture.control"]
+
+
 def test_a_scope_of_fragments_selects_nothing_and_the_warning_says_scope_takes_whole_names(tmp_path, caplog):
     """As in msprobe, scope takes whole call names (list also takes fragments); the warning offered fragments."""
     config = '{"task": "statistics", "dump_path": "OUT", "statistics": {"scope": ["relu"]}}'
