@@ -86,7 +86,10 @@ _PRIVATE_APIS: Mapping[str, ApiInfo] = {"_grouped_mm": ApiInfo("Functional", "gr
                                         "_scaled_grouped_mm": ApiInfo("Torch", "_scaled_grouped_mm")}
 """``torch`` callables with a private name that carry a model's numbers, reached through a public API that
 ``__torch_function__`` does not see: ``F.grouped_mm`` (every expert matmul of transformers' mixture-of-experts
-layers) calls ``torch._grouped_mm``; fp8 linears call ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``."""
+layers) calls ``torch._grouped_mm``; fp8 linears call ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``.  So do
+the ``torch._foreach_*`` calls (:func:`api_table` adds every one): the multi-tensor optimizer updates, the
+optimizers' default on CUDA, named ``Torch__foreach_add__N``; and the fused optimizer updates
+(``torch._fused_adamw_``...)."""
 
 
 def _short_name(func: Any) -> str:
@@ -108,7 +111,8 @@ def api_table() -> Mapping[Callable, ApiInfo]:
                 table[func] = ApiInfo(prefix, name if name.startswith(extra) else extra + name)
             except TypeError:  # an unhashable descriptor: not a callable API
                 continue
-    for name, info in {**_PRIVATE_APIS, **{n: ApiInfo("Torch", n) for n in _FACTORIES}}.items():
+    foreach = {n: ApiInfo("Torch", n) for n in dir(torch) if n.startswith(("_foreach_", "_fused_adam", "_fused_sgd"))}
+    for name, info in {**_PRIVATE_APIS, **foreach, **{n: ApiInfo("Torch", n) for n in _FACTORIES}}.items():
         func = getattr(torch, name, None)
         if func is not None and func not in table:
             table[func] = info

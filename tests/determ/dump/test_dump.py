@@ -1332,3 +1332,31 @@ def test_a_second_backward_through_one_graph_records_its_own_gradients(tmp_path)
     files = dump.export_npy(a, tmp_path / "npy").files
     assert len({f.name for f in files}) == len(files)
     assert (tmp_path / "npy" / "Functional_linear_0_backward_output.1_1.npy").is_file()
+
+
+def test_a_foreach_optimizer_update_is_dumped_and_blamed(tmp_path, monkeypatch):
+    """The multi-tensor optimizer updates (``torch._foreach_*``, the default on CUDA) are dumped: a fault in the
+    update is blamed on it, not on the next step's first layer, whose weight it made differ."""
+    def steps(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    a = dump_run(tmp_path, "a", sequential(), step=steps)
+    assert "Torch__foreach_add__0_forward" in names(a)
+    update = dump.read_dump(a).by_name("Torch__foreach_add__0_forward")
+    assert len([t for t in update["outputs"] if t.get("shape")]) == 4  # the four parameters it wrote
+    real = torch._foreach_add_
+
+    def off(tensors, other, *args, **kwargs):  # the update a little off: its alpha, which the dump leaves out
+        if "alpha" in kwargs:
+            kwargs["alpha"] *= 1.001
+        return real(tensors, other, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_add_", off)
+    b = dump_run(tmp_path, "b", sequential(), step=steps)
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert _root_causes(cmp) == ["Torch__foreach_add__0_forward"], _root_causes(cmp)
