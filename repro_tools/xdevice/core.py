@@ -61,7 +61,10 @@ def _kind(targets: List[str]) -> str:
         return "traces"
     p = Path(t)
     if p.is_dir():
-        return "repro" if (p / "graph.py").is_file() else "traces"
+        if (p / "graph.py").is_file() or (p / "repro.py").is_file():  # a graph directory, or a repro's
+            return "repro"
+        raise ConfigError(f"{t}: a directory holding no graph.py or repro.py; expected a repro.py (or the directory "
+                          f"holding it), a graph directory, a user script, or two traces (A.jsonl,B.jsonl)")
     if p.suffix == ".py":
         from repro_tools.repro.script import read_meta
 
@@ -286,6 +289,9 @@ def run(args: argparse.Namespace) -> int:
     script_args = _script_args(args.script_args)
     specs = _devices(args.devices, needed=kind != "traces")
     src = Path(args.targets[0])
+    if kind == "repro" and src.is_dir() and not (src / "graph.py").is_file():  # the directory of a repro.py
+        src = src / "repro.py"
+        args.targets = [str(src)]
     min_out = out_dir_for(src, args.out, name="xdevice") if args.minify else None
     summary: Dict[str, Any] = {"target": kind, "devices": list(specs)}
     if kind == "traces":

@@ -142,6 +142,12 @@ def test_a_root_with_several_outputs_is_named_in_a_loaded_repro(tmp_path, capsys
     assert code == 1 and [r["op"] for r in s["root_causes"]] == ["aten.native_layer_norm.default[0]"]
 
 
+def test_the_directory_of_a_repro_is_the_repro(repro, capsys):
+    """A flow's output directory (``repro/aot-0``, ``minify-0``) names its ``repro.py``."""
+    code, s = xdevice(capsys, str(repro.parent), "--devices", DEVICES)
+    assert code == 1 and s["target"] == "repro" and _root(s) == "sub"
+
+
 def test_repro_agrees_within_a_loose_tolerance(repro, capsys):
     code, s = xdevice(capsys, str(repro), "--devices", DEVICES, "--tol", "100")
     assert code == 0 and not s["divergent"] and s["first_divergence"] is None
@@ -247,6 +253,7 @@ def test_a_zero_tolerance_across_dtypes_compares_values_not_bits():
 @pytest.mark.parametrize("make, needle", [
     (lambda d: d / "missing.py", "no such script"),
     (lambda d: d / "one.jsonl", "a single trace"),
+    (lambda d: d, "a directory holding no graph.py or repro.py"),
 ])
 def test_bad_targets_exit_2(tmp_path, capsys, make, needle):
     target = make(tmp_path)
