@@ -16,6 +16,10 @@
 * An op **only one run has** (an extra hook, a missing cast) is the root cause when
   its inputs are paired and agree and its value feeds a live divergence of its
   run (through other such ops): the runs part there, before any paired record.
+* A value that enters a graph call from outside it (an input, a parameter) after an
+  earlier graph call of the run failed is no root cause: the program passed it on from
+  that failing output (a backward's saved activations and incoming gradients, weights an
+  optimizer updated from wrong gradients).
 * When no record satisfies the rule, the first live divergence is reported as the
   **first divergence**, never marked a root cause.
 * A divergence that reaches no failing output is a **masked** note, never a root
@@ -402,6 +406,7 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
         if bad and not here:
             unexplained.append(next((p for p in group if id(p) in live and p.equal is False), bad[0]))
         candidates.extend(here)
+    candidates = _not_after_earlier_divergence(candidates, symptoms, pairs)
     # memory allocated and never written holds whatever was there: two runs' differ, and while nothing failing reads
     # it that is no divergence at all (a masked note of garbage made every MoE model's index map look divergent)
     for p in [p for p in masked if is_allocation(p.rec)]:
@@ -418,6 +423,34 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
     masked.sort(key=lambda p: order[id(p)])
     roots.sort(key=lambda p: order[id(p)])
     return Comparison(pairs, roots, mode, masked=masked, symptoms=symptoms, unexplained=unexplained)
+
+
+def _not_after_earlier_divergence(candidates: List[Pair], symptoms: List[Pair], pairs: List[Pair]) -> List[Pair]:
+    """The candidates, less the values that entered a graph call from outside it (its inputs and parameters) after
+    an earlier graph call of the same rank already failed: what the program passed on from a failing output (the
+    activations a forward saved for its backward, the backward's incoming gradients, the parameters an optimizer
+    updated from wrong gradients) differs because of it, and is no root cause of its own.  Calls are ordered as
+    the trace first holds them (``pairs`` follows it).  Each keeps the earlier call in its metrics
+    (``after_earlier_divergence``)."""
+    failing = {(p.rec.rank, _group_key(p.rec)) for p in symptoms}
+    if len(failing) < 2 and not any(k[1] != _group_key(p.rec) for p in candidates for k in failing):
+        return candidates
+    order: Dict[tuple, int] = {}
+    for p in pairs:
+        order.setdefault(_group_key(p.rec), len(order))
+    keep: List[Pair] = []
+    for p in candidates:
+        r = p.rec
+        here = order.get(_group_key(r), 0)
+        if p.paired and r.kind in ("input", "param") and not p.a.inputs and not p.b.inputs:
+            earlier = sorted((order.get(k, here), k) for rank, k in failing
+                             if rank == r.rank and order.get(k, here) < here)
+            if earlier:
+                graph, stage, call = earlier[0][1]
+                p.metrics["after_earlier_divergence"] = f"{graph} {stage} call {call}"
+                continue
+        keep.append(p)
+    return keep
 
 
 _ALLOCATION = re.compile(r"^aten\.(new_)?empty(_like|_strided|_permuted)?\.|^uninitialized$")

@@ -395,3 +395,37 @@ def test_a_chain_of_unjudged_diamonds_is_walked_in_linear_time():
         prev = f"j{i}"
     spec += [("end", (prev,), False), ("out", ("end",), False, "output")]
     assert _names(find_roots(_pairs(spec), "t").root_causes) == ["end"]
+
+
+def test_values_passed_on_from_an_earlier_failing_graph_call_are_not_root_causes(tmp_path):
+    """Two training steps under ``determ_aot_eager``, one weight element changed in run B: the weight is the one
+    root cause.  The backward's inputs (the activations the forward saved, the incoming gradient) and the second
+    step's parameters differ because the forward failed first: each says so, none is blamed."""
+    from backend_helpers import run_mod
+    from determ_backend.trace.stream import read_trace
+
+    def run(name, planted):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+        if planted:
+            with torch.no_grad():
+                m[0].weight[0, 0] += 1e-2
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+        torch._dynamo.reset()
+        model = torch.compile(m, backend="determ_aot_eager", options={"dir": str(tmp_path), "run_id": name})
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        run_mod.finish_all()
+        return read_trace(tmp_path / name)
+
+    cmp = compare_traces(run("a", False), run("b", True))
+    assert [(p.rec.stage, p.rec.call, p.rec.node) for p in cmp.root_causes] == [("aot_forward", 0, "0.weight")]
+    passed_on = [p for p in cmp.pairs if p.metrics.get("after_earlier_divergence")]
+    stages = {(p.rec.stage, p.rec.call) for p in passed_on}
+    assert ("aot_backward", 0) in stages and ("aot_forward", 1) in stages, stages
+    assert all(p.metrics["after_earlier_divergence"] == "g0 aot_forward call 0" for p in passed_on)
