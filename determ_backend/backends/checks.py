@@ -115,8 +115,8 @@ def _ref_name(rec: Record) -> Optional[str]:
 def _inputs_intact(result: CallResult, args: List[Any]) -> bool:
     """Whether the call's tensor inputs still hold what the trace recorded at its start (a compiled backward
     may reuse its inputs' memory): their fingerprints against the input records', in order."""
-    recs = [r for r in result.records if r.kind in ("input", "param")]
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    recs = [r for r in result.records if r.kind in ("input", "param") and r.op != "get_attr"]  # not the constants
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]                                  # the graph holds
     if len(recs) != len(tensors) or any(r.hash is None for r in recs):
         return False
     return [format_hash(h) for h in hash_tensors(tensors)] == [r.hash for r in recs]
@@ -464,6 +464,9 @@ class GraphExec:
                    "creations": len(found) + len(masked)}
         if intact:
             summary["repro"] = self._write_repro("nan", args)
+        elif self.reference_gm is not None:  # said, not left out silently: the finding stands without it
+            summary["repro_skipped"] = ("the call's inputs no longer hold what it read (a compiled backward reuses "
+                                        "their memory): no repro of this call")
         self.run.add_finding("nan", summary)
 
     def _note_sources(self, sources: List[Record]) -> None:
@@ -543,7 +546,7 @@ class GraphExec:
         if backward and batch_sym is None:
             return f"graph {r0.graph} {r0.stage}: its forward graph was not checked for batch invariance"
         if not backward:
-            kinds = iter([r.kind for r in result.records if r.kind in ("input", "param")])
+            kinds = iter([r.kind for r in result.records if r.kind in ("input", "param") and r.op != "get_attr"])
             for n, a, val in zip(placeholders, args, vals):
                 kind = next(kinds, None) if isinstance(a, torch.Tensor) else None
                 if kind == "input" and a.dim() > dim and isinstance(val, torch.Tensor):

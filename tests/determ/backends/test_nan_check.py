@@ -4,6 +4,7 @@ determ_aot_eager, determ_eager and determ_inductor (real compiles), named once a
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,21 @@ def test_forward_creator_is_named_and_its_consumers_are_not(tmp_path, backend, o
     (inp,) = fd["inputs"]
     assert inp["min"] < 0.5 and inp["max"] is not None  # the input's range shows why
     assert report["checker_errors"] == []
+
+
+class SqrtWithConstant(SqrtOfShifted):
+    """:class:`SqrtOfShifted` with a tensor constant in its graph (``get_attr``: every Hugging Face decoder has
+    some), which is no argument of the call."""
+
+    def forward(self, x):
+        return super().forward(x + torch.tensor(0.0))
+
+
+def test_a_graph_holding_a_tensor_constant_gets_its_repro(tmp_path):
+    report = _run(SqrtWithConstant, "determ_aot_eager", tmp_path, "const")
+    f = _nan_findings(report)[0]
+    assert f["first_divergence"]["op"] == "aten.sqrt.default"
+    assert f.get("repro") and Path(f["repro"]).is_file() and "repro_skipped" not in f, f
 
 
 def test_backward_creator_names_the_forward_line(tmp_path):
