@@ -125,9 +125,13 @@ def _inputs_intact(result: CallResult, args: List[Any]) -> bool:
 def _row_pairs(full: CallResult, part: CallResult, batch: int, b: int) -> List[Pair]:
     """The records of the two runs paired by node, judged on their matching rows: the fingerprint of the first
     rows of each full-batch value (kept by this call) against the sub-batch record's own fingerprint.  Inputs
-    agree by construction; values with no batch dimension are not judged."""
+    agree by construction.  A value with no batch dimension is judged whole (the two fingerprints) where rows are
+    made of it (a batch-carrying value consumes it, directly or through other such values): a reduction over the
+    batch that feeds every row (``h + h.mean(0)``) is where rows start to depend on the batch.  Elsewhere (a loss,
+    a weight's gradient: outputs that sum over the batch by design) it is not judged."""
     by_node = {r.node: r for r in part.records}
     pairs, slices, judged = [], [], []
+    whole: List[Pair] = []  # no batch dimension: judged whole if rows are made of it
     for r in full.records:
         q = by_node.get(r.node)
         p = Pair(r, q)
@@ -143,9 +147,29 @@ def _row_pairs(full: CallResult, part: CallResult, batch: int, b: int) -> List[P
         if where is not None:
             slices.append(v.narrow(where[0], 0, where[1]))
             judged.append(p)
+        elif isinstance(v, torch.Tensor) and r.hash is not None and q.hash is not None and q.dtype == r.dtype \
+                and list(v.shape) == list(q.shape):
+            whole.append(p)
     for p, h in zip(judged, hash_tensors(slices) if slices else ()):
         p.equal = format_hash(h) == p.b.hash
+    feeds = _feeds_rows({p.a.node for p in judged}, full.records)
+    for p in whole:
+        if p.a.node in feeds:
+            p.equal = p.a.hash == p.b.hash
     return pairs
+
+
+def _feeds_rows(rows: set, records) -> set:
+    """The nodes from which a value with rows (``rows``) is made, directly or through values without rows."""
+    users: Dict[str, List[str]] = {}
+    for r in records:
+        for n in r.inputs:
+            users.setdefault(n, []).append(r.node)
+    out: set = set()
+    for r in reversed(records):  # consumers come after their inputs: one pass from the end sees every path
+        if any(u in rows or u in out for u in users.get(r.node, ())):
+            out.add(r.node)
+    return out
 
 
 def _mentions(expr: Any, sym: Any) -> bool:

@@ -51,6 +51,28 @@ def test_the_batch_dependent_op_is_the_root_cause(tmp_path, backend, node):
     assert report["checker_errors"] == []
 
 
+class _BatchMean(torch.nn.Module):
+    """Every row gets a little of the batch's mean: the mean over the batch, a value with no rows, is where rows
+    start to depend on the batch; the add that consumes it only carries that in."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(256, 64), torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = h + h.mean(0, keepdim=True) * 1e-3  # the culprit: the mean
+        return self.b(h)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_reduction_over_the_batch_that_feeds_every_row_is_the_root_cause(tmp_path, train):
+    report = _run(_BatchMean(), "determ_aot_eager", tmp_path, f"mean{train}", train=train)
+    found = [f for f in report["findings"] if f["check"] == "batch_invariance"]
+    assert found and [r["op"] for r in found[0]["root_causes"]] == ["aten.mean.dim"], found
+    assert report["checker_errors"] == []
+
+
 def test_a_row_wise_model_passes(tmp_path):
     report = _run(RowWise(), "determ_aot_eager", tmp_path, "rows")
     assert report["findings"] == [] and report["checker_errors"] == []
