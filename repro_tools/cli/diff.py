@@ -14,9 +14,8 @@ import math
 from typing import Any, Dict, List, Optional, Sequence
 
 from determ_backend.compare import Comparison, compare_traces, is_allocation, metrics_text
-from determ_backend.errors import ConfigError, TraceFormatError
+from determ_backend.errors import ConfigError
 from determ_backend.trace.store import store_for
-from determ_backend.trace.stream import TraceFile
 
 __all__ = ["register", "run_diff", "format_table"]
 
@@ -45,20 +44,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--limit {args.limit}: expected a number of rows >= 0")
 
 
-def _load(path: str, allow_partial: bool) -> TraceFile:
-    from repro_tools.cli import trace_formats
-
-    tf = trace_formats.load_file(path, allow_partial=allow_partial)
-    if not tf.records:
-        why = f" ({tf.limited})" if tf.limited else "" if tf.complete else " (partial trace: the producer died early)"
-        raise TraceFormatError(f"{path}: the trace holds no records, nothing to compare{why}")
-    return tf
-
-
 def run_diff(args: argparse.Namespace) -> int:
     _check_args(args)
-    a = _load(args.a, args.allow_partial)
-    b = _load(args.b, args.allow_partial)
+    from repro_tools.cli.trace_formats import load_compared
+
+    a = load_compared(args.a, args.allow_partial)
+    b = load_compared(args.b, args.allow_partial)
     cmp = compare_traces(a.records, b.records, tol=args.tol, store_a=store_for(args.a), store_b=store_for(args.b))
     summary = diff_summary(cmp, {"a": (args.a, a), "b": (args.b, b)})
     if args.json:

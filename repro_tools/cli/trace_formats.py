@@ -11,7 +11,7 @@ from typing import Callable, List, Tuple
 from determ_backend.errors import TraceFormatError
 from determ_backend.trace.stream import Record, TraceFile, read_trace_file
 
-__all__ = ["load_any", "load_file", "is_trace_file", "LOADERS"]
+__all__ = ["load_any", "load_file", "load_compared", "is_trace_file", "LOADERS"]
 
 
 def _first_line(path: Path) -> bytes:
@@ -70,6 +70,16 @@ def load_file(path: str, allow_partial: bool = False) -> TraceFile:
         if accepts(p):
             return loader(p, allow_partial)
     return read_trace_file(p, allow_partial=allow_partial)
+
+
+def load_compared(path: str, allow_partial: bool = False) -> TraceFile:
+    """:func:`load_file` of a trace to compare with another: one holding no records is an input error, never a run
+    shown identical to anything."""
+    tf = load_file(path, allow_partial)
+    if not tf.records:
+        why = f" ({tf.limited})" if tf.limited else "" if tf.complete else " (partial trace: the producer died early)"
+        raise TraceFormatError(f"{path}: the trace holds no records, nothing to compare{why}")
+    return tf
 
 
 def load_any(path: str, allow_partial: bool = False) -> List[Record]:

@@ -161,9 +161,9 @@ def _narrower_hint(spec: str, error: str) -> str:
 
 
 def compare_trace_pair(a: str, b: str, tol: float) -> Comparison:
-    from repro_tools.cli.trace_formats import load_file
+    from repro_tools.cli.trace_formats import load_compared
 
-    fa, fb = load_file(a), load_file(b)
+    fa, fb = load_compared(a), load_compared(b)
     cmp = compare_traces(fa.records, fb.records, tol=tol, store_a=store_for(a), store_b=store_for(b))
     cmp.files = {"a": (a, fa), "b": (b, fb)}
     return cmp

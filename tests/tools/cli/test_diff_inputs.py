@@ -87,6 +87,11 @@ def test_a_trace_without_records_is_an_input_error_naming_it(tmp_path, capsys, s
     rc, out, err = diff(capsys, *args)
     assert rc == 2 and not out
     one_error(err, str(empty), "no records")
+    for argv in (args, [empty, empty]):  # the page of two traces exits as diff does, and writes no page
+        rc = cli(["report", *map(str, argv), "-o", str(tmp_path / "page.html")])
+        out = capsys.readouterr()
+        assert rc == 2 and not (tmp_path / "page.html").exists()
+        one_error(out.err.strip().splitlines(), str(empty), "no records")
 
 
 # -- partial traces: only a cut last line is tolerated ------------------------------------------------
