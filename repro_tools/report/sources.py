@@ -27,8 +27,8 @@ from determ_backend.trace.stream import TRACE_NAME, rank_subdirs, read_trace_fil
 
 from repro_tools.minify.minifier import STATE_FILE, SUMMARY_FILE
 from repro_tools.repro.script import repro_class_span
-from repro_tools.report.model import (Report, find_row, limit_rows, rows_from_pairs, rows_from_records,
-                                      source_snippet)
+from repro_tools.report.model import (TRACE_COLUMNS, Report, find_row, limit_rows, rows_from_pairs,
+                                      rows_from_records, source_snippet)
 
 __all__ = ["build", "detect"]
 
@@ -175,6 +175,10 @@ def _root_of(fd: Optional[Dict[str, Any]], rows: List[Dict[str, Any]]) -> Option
 
 
 def _finish(rep: Report) -> Report:
+    if rep.series[1] and not any(isinstance(r.get("r"), (int, float)) for r in rep.rows):
+        # no row has a second value (a reference's error against float64): no key or column names one
+        rep.series = [rep.series[0], ""]
+        rep.columns = [c for c in (rep.columns or TRACE_COLUMNS) if c[0] != "r"]
     root_row = rep.root.get("row") if rep.root else None
     rep.rows, root_row, rep.table_note = limit_rows(rep.rows, root_row)
     if rep.root:

@@ -121,6 +121,9 @@ def test_two_traces_are_compared_like_diff(tmp_path, capsys):
     assert "nd_rowsum" in out.read_text()
     same = build([str(a), str(a)])
     assert not same.divergent and same.verdict == "identical" and {r["v"] for r in same.rows} <= {"equal", "unjudged"}
+    # two traces hold no error against float64: neither the chart's key nor the table names one
+    assert rep.series[1] == "" and "r" not in {c[0] for c in rep.data()["columns"]}
+    assert '<span class="key ref">' not in out.read_text()
 
 
 def test_a_single_trace_renders_without_a_verdict(tmp_path):
