@@ -98,14 +98,41 @@ def align(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
         pairs: List[Pair] = []
         for key, recs in ga.items():
             pairs.extend(_align_group(recs, gb[key]))
+        return _apart(pairs, _holds_alike)
+    # other stages (an aot_eager trace against an inductor one, eager against compiled): the graphs differ, so
+    # only records of one source line are taken for one value (a mul of the next line is not "the" mul)
+    sourced = {k[1] for k in ga} != {k[1] for k in gb}
+    pairs = _align_group(a, b, sourced)
+    return _apart(pairs, _same_source if sourced else _holds_alike)
+
+
+def _holds_alike(x: Record, y: Record) -> bool:
+    """Whether the two records hold the same kind of value: an inductor buffer labelled ``holds`` (``partial``: a
+    ``mean`` realized as the undivided sum) is never the value of a record without that label."""
+    return (x.extra or {}).get("holds") == (y.extra or {}).get("holds")
+
+
+def _same_source(x: Record, y: Record) -> bool:
+    return _holds_alike(x, y) and (x.source is None or y.source is None or x.source == y.source)
+
+
+def _apart(pairs: List[Pair], alike: Callable[[Record, Record], bool]) -> List[Pair]:
+    """``pairs`` with each pair whose records are not ``alike`` split into two records that pair with nothing."""
+    if all(not p.paired or alike(p.a, p.b) for p in pairs):
         return pairs
-    return _align_group(a, b)
+    out: List[Pair] = []
+    for p in pairs:
+        if p.paired and not alike(p.a, p.b):
+            out += [Pair(p.a, None), Pair(None, p.b)]
+        else:
+            out.append(p)
+    return out
 
 
-def _align_group(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
+def _align_group(a: Sequence[Record], b: Sequence[Record], sourced: bool = False) -> List[Pair]:
     if len(a) == len(b) and all(x.node == y.node and x.signature == y.signature for x, y in zip(a, b)):
         return [Pair(x, y) for x, y in zip(a, b)]
-    pairs = _by_inputs(_align_by_sequence(a, b))
+    pairs = _by_inputs(_align_by_sequence(a, b, sourced))
     return _same_name_other_shape(pairs) if _located(a) and _located(b) else pairs
 
 
@@ -352,14 +379,17 @@ def _any_float(r: Record) -> str:
     return _signature(r)
 
 
-def _align_by_sequence(a: Sequence[Record], b: Sequence[Record]) -> List[Pair]:
+def _align_by_sequence(a: Sequence[Record], b: Sequence[Record], sourced: bool = False) -> List[Pair]:
     # by full signature; inside a changed block, records of the same op and shape pair in order, the rest stay
     # unmatched.
     # Runs that computed in different floating dtypes (float32 against float64, bfloat16 against float32) share
     # no float signature: there the floating dtype is left out, or every value would pair by op in order and
     # one extra cast would shift every pair after it.
     sig = _any_float if _float_dtypes(a) != _float_dtypes(b) else _signature
-    by_signature = lambda x, y: _match(x, y, sig, lambda x2, y2: _match(x2, y2, _op, _unmatched))  # noqa: E731
+    op = _op
+    if sourced:  # ``sourced``: records of one source line only (see :func:`align`)
+        sig, op = (lambda r, f=sig: f"{r.source}|{f(r)}"), (lambda r: f"{r.source}|{_op(r)}")
+    by_signature = lambda x, y: _match(x, y, sig, lambda x2, y2: _match(x2, y2, op, _unmatched))  # noqa: E731
     if _located(a) and _located(b):
         # names after source lines are stable across runs (an op added elsewhere renames nothing, a run in another
         # dtype keeps every name): by name first.  FX and API names count calls, so one extra shifts them all.

@@ -399,7 +399,9 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
                 p.reaches_output = id(p) in live
         here = [p for p in firsts if id(p) in live]
         masked.extend(p for p in firsts if id(p) not in live)
-        if bad and key in loose:
+        # an op one run lacks is a root only between runs of one kind of program: against another stage (aot_eager
+        # against inductor) the other run did not lack it, it fused it into a buffer that holds no node's value
+        if bad and key in loose and all(p.a.stage == p.b.stage for p in group):
             for p in g.one_sided_roots(loose[key], live):
                 p.metrics["only_in"] = "a" if p.a is not None else "b"
                 here.append(p)

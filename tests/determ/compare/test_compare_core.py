@@ -429,3 +429,33 @@ def test_values_passed_on_from_an_earlier_failing_graph_call_are_not_root_causes
     stages = {(p.rec.stage, p.rec.call) for p in passed_on}
     assert ("aot_backward", 0) in stages and ("aot_forward", 1) in stages, stages
     assert all(p.metrics["after_earlier_divergence"] == "g0 aot_forward call 0" for p in passed_on)
+
+
+def _staged(stage, node, op, source, h, inputs=(), kind="node", output=False, holds=None):
+    extra = dict({"outputs": [0]} if output else {}, **({"holds": holds} if holds else {}))
+    return Record(graph="g0", stage=stage, node=node, op=op, kind=kind, dtype="float32", shape=[4],
+                  inputs=list(inputs), hash=h, source=source, extra=extra or None)
+
+
+def test_traces_of_two_stages_pair_only_values_of_one_line_and_blame_no_op_the_other_fused():
+    """An aot_eager trace against an inductor one of the same RMSNorm + GELU model: inductor's ``mean`` buffer
+    holds the undivided sum (``holds: partial``) and its gelu's ``mul`` lies on the next line; neither is paired
+    with aot_eager's value of that name, and the ops inductor fused into its buffers are not blamed as "only A
+    ran" them."""
+    a = [_staged("aot_forward", "x", "input", None, "x", kind="input"),
+         _staged("aot_forward", "mm", "aten.mm.default", "m.py:9", "mm", ["x"]),
+         _staged("aot_forward", "pow_1", "aten.pow.Tensor_Scalar", "m.py:10", "p", ["mm"]),
+         _staged("aot_forward", "mean", "aten.mean.dim", "m.py:10", "mean", ["pow_1"]),
+         _staged("aot_forward", "mul", "aten.mul.Tensor", "m.py:10", "n", ["mm", "mean"]),
+         _staged("aot_forward", "gelu", "aten.gelu.default", "m.py:11", "g", ["mul"]),
+         _staged("aot_forward", "out", "aten.mm.default", "m.py:12", "o", ["gelu"], output=True)]
+    b = [_staged("inductor_forward", "x", "input", None, "x", kind="input"),
+         _staged("inductor_forward", "mm", "aten.mm.default", "m.py:9", "mm", ["x"]),
+         _staged("inductor_forward", "mean", "aten.mean.dim", "m.py:10", "sum", ["mm"], holds="partial"),
+         _staged("inductor_forward", "mul_3", "aten.mul.Tensor", "m.py:11", "g3", ["mm", "mean"]),
+         _staged("inductor_forward", "out", "aten.mm.default", "m.py:12", "o2", ["mul_3"], output=True)]
+    cmp = compare_traces(a, b)
+    partners = _partners(p for p in cmp.pairs if p.paired)
+    assert ("mean", "mean") not in partners and ("mul", "mul_3") not in partners, partners
+    assert ("mm", "mm") in partners and ("out", "out") in partners
+    assert cmp.divergent and cmp.root_causes == [], [p.rec.node for p in cmp.root_causes]
