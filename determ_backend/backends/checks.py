@@ -43,9 +43,11 @@ The eager runs (the reference values, the causal replay) are
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -69,9 +71,26 @@ from determ_backend.clones import AttributeState, Saved, clone_inputs, read_attr
 from determ_backend.fingerprint.core import hash_tensors
 from determ_backend.trace.stream import Record, format_hash
 
-__all__ = ["GraphExec", "graph_in_dtype", "has_random_ops"]
+__all__ = ["GraphExec", "graph_in_dtype", "has_random_ops", "untraced"]
 
 log = logging.getLogger(__name__)
+
+_UNTRACED = [0]  # how many untraced() regions are open (process-wide: a backward may run in autograd's threads)
+_UNTRACED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Calls of determ-compiled graphs inside run as compiled, recorded nowhere and checked by nothing: a repro
+    flow's own execution of a graph (its accuracy check on the first call's inputs) is no call of the program's,
+    and the trace holds the program's calls alone."""
+    with _UNTRACED_LOCK:
+        _UNTRACED[0] += 1
+    try:
+        yield
+    finally:
+        with _UNTRACED_LOCK:
+            _UNTRACED[0] -= 1
 
 
 def graph_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -320,6 +339,11 @@ class GraphExec:
             args.clear()
         else:
             args_list = list(call_args)
+        if _UNTRACED[0]:
+            try:
+                return self._invoke(args_list)
+            finally:
+                self.recorder.end_call(count=False)  # its captures dropped, the program's next call keeps its index
         if self.run.device is None:
             self.run.device = _device_of(args_list)
         checks = self.config.check

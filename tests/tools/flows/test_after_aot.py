@@ -367,6 +367,10 @@ def test_level4_on_a_healthy_real_model_eval_and_training_step(tmp_path):
     report = _report(tmp_path)
     assert report["checker_errors"] == [] and not report["divergent"]
     assert not (tmp_path / "out" / "r" / "repro").exists() and not (tmp_path / "repro.py").exists()
+    # the trace holds the program's calls alone (each graph ran once), not the check's run of each graph
+    from determ_backend.trace.stream import read_trace
+    calls = {(r.graph, r.stage, r.call) for r in read_trace(tmp_path / "out" / "r", allow_partial=True)}
+    assert calls and {c for _, _, c in calls} == {0}, sorted(calls)
 
 
 @pytest.mark.slow
