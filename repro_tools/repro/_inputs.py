@@ -65,9 +65,18 @@ def read_storage(key):
                               "copy the repro_store directory next to the script)")
     try:
         with open(path, "rb") as f:  # the header, then the tensor's bytes straight into the buffer returned
-            (n,) = struct.unpack("<Q", f.read(8))
+            head = f.read(8)
+            if head.startswith(b"version "):  # a Git LFS pointer where the file should be
+                raise ReproInputError(f"{path}: corrupt content store file (a Git LFS pointer, not the stored "
+                                      "tensor: run git lfs pull, or copy the repro_store directory itself)")
+            size = os.fstat(f.fileno()).st_size
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:  # a length read from other bytes: no allocation of it
+                raise ValueError("not a safetensors header")
             header = json.loads(f.read(n))
             start, end = (header.get(key) or header["data"])["data_offsets"]
+            if not 0 <= start <= end <= size - 8 - n:
+                raise ValueError("data offsets past the end of the file")
             data = bytearray(end - start)
             f.seek(8 + n + start)
             if f.readinto(data) != len(data):

@@ -134,17 +134,23 @@ def _corrupt(store, how):
     f = sorted(store.glob("*.safetensors"))[0]
     if how == "missing":
         f.unlink()
+    elif how == "lfs":  # what a clone without `git lfs pull` leaves: a text pointer, whose bytes read as a huge length
+        f.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 4096\n")
+    elif how == "long":  # a header length past the end of the file
+        f.write_bytes(b"\xff" * 7 + b"\x7f" + f.read_bytes()[8:])
     else:
         data = bytearray(f.read_bytes())
         data[-1] ^= 0xFF
         f.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how, message", [("missing", "missing input file"), ("corrupt", "corrupt content store file")])
+@pytest.mark.parametrize("how, message", [("missing", "missing input file"), ("corrupt", "corrupt content store file"),
+                                          ("lfs", "corrupt content store file (a Git LFS pointer"),
+                                          ("long", "corrupt content store file")])
 def test_bad_content_store_is_one_clear_error(dynamo_graph, tmp_path, capsys, how, message):
     path = write_repro(*dynamo_graph, tmp_path / "repro.py", meta={"kind": "compile_error"})
     _corrupt(tmp_path / "repro_store", how)
-    with pytest.raises(ReproError, match=message):
+    with pytest.raises(ReproError, match=re.escape(message)):
         load_repro(path)
     assert run_main(path, "run") == 2
     err = capsys.readouterr().err
