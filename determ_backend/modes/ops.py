@@ -72,11 +72,22 @@ _UNDECLARED_WRITES = {name: ((3, "running_mean"), (4, "running_var"))
                       for name in ("aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm")}
 
 
+# collectives that return only their ``Work`` and write their outputs without a ``Tensor(a!)`` in their schema (the
+# others return the tensors they wrote); point-to-point receives are left out: their values are final only once the
+# program waits, which the eager modes must not do for it (see wait_collective)
+_COLLECTIVE_WRITES = {"c10d::" + name: ((0, arg),) for name, arg in (
+    ("alltoall_base_", "output"), ("allgather_coalesced_", "output_lists"), ("allreduce_coalesced_", "tensors"),
+    ("allgather_into_tensor_coalesced_", "outputs"), ("reduce_scatter_tensor_coalesced_", "outputs"),
+    ("gather_", "output_tensors"), ("reduce_", "tensors"))}
+
+
 def schema_writes(func, undeclared: bool = False) -> Tuple[Tuple[int, str], ...]:
-    """Positions and names of the arguments ``func`` writes to (``Tensor(a!)``); ``undeclared``: also those it
-    writes without saying so (batch norm's running statistics, in training)."""
+    """Positions and names of the arguments ``func`` writes to (``Tensor(a!)``, and the outputs of the collectives
+    whose schema does not say so); ``undeclared``: also those it writes without saying so (batch norm's running
+    statistics, in training)."""
     schema = _torch_compat.op_schema(func)
-    extra = _UNDECLARED_WRITES.get(_torch_compat.op_schema_name(func), ()) if undeclared else ()
+    name = _torch_compat.op_schema_name(func)
+    extra = (_UNDECLARED_WRITES.get(name, ()) if undeclared else ()) + _COLLECTIVE_WRITES.get(name, ())
     if schema is None or not schema.is_mutable:
         return extra
     return tuple((i, a.name) for i, a in enumerate(schema.arguments)
@@ -98,9 +109,9 @@ def wait_collective(func, result: Any) -> None:
     waits only for the others to join).  Sends, receives and barriers are left alone: waiting on a send could wait
     for a receive the program posts later."""
     name = _torch_compat.op_schema_name(func) or ""
-    if not name.startswith("c10d::") or name in _POINT_TO_POINT or not isinstance(result, (tuple, list)):
+    if not name.startswith("c10d::") or name in _POINT_TO_POINT:
         return
-    for x in result:
+    for x in (result if isinstance(result, (tuple, list)) else (result,)):  # (tensors, Work), or the Work alone
         if isinstance(x, torch.ScriptObject) and hasattr(x, "wait"):
             x.wait()
 
