@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -46,6 +47,24 @@ __all__ = ["Installation", "compiled_modules", "OPAQUE_NOTE"]
 log = logging.getLogger(__name__)
 
 _NO_OUTPUT = frozenset({"send", "isend", "barrier", "gather"})
+# collectives whose first argument is only written (an output buffer: its memory before the call, often torch.empty's,
+# is no input of theirs), and ``gather``'s second (its gather_list)
+_WRITES_ONLY = {name: 0 for name in ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                                     "all_to_all_single", "scatter", "recv", "irecv")}
+_WRITES_ONLY["gather"] = 1
+
+
+def _read_items(orig: Callable, name: str, items: List[tuple]) -> List[tuple]:
+    """``items`` less the output buffer a collective only writes (by position or by keyword)."""
+    pos = _WRITES_ONLY.get(name)
+    if pos is None:
+        return items
+    try:
+        kw = list(inspect.signature(orig).parameters)[pos]
+    except (TypeError, ValueError, IndexError):  # no signature to read: by position alone
+        kw = None
+    drop = (f"input.{pos}", f"input.{kw}")
+    return [(n, v) for n, v in items if not any(n == d or n.startswith(d + ".") for d in drop)]
 
 
 def compiled_modules(model: torch.nn.Module) -> List[tuple]:
@@ -76,7 +95,7 @@ def _dist_wrapper(rec: ApiRecorder, name: str, orig: Callable) -> Callable:
             return orig(*args, **kwargs)
         with guard():
             items = call_items(args, kwargs)
-            ins = rec.describe(items, "input")
+            ins = rec.describe(_read_items(orig, name, items), "input")
             source = user_source()
         work = orig(*args, **kwargs)
         with guard():

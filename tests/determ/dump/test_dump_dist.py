@@ -199,3 +199,33 @@ def test_ranks_with_several_indexes_in_a_rank_folder_names_its_index_flag(ddp_du
     assert "several indexes (api_stack_dump.pkl, other.pkl); name the one to check (repro-tools ranks --index NAME" \
         in capsys.readouterr().err
     assert cli_main(["ranks", str(root), "--index", "api_stack_dump.pkl"]) == 0
+
+
+def _a2a_worker(rank: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for tag, fill in (("a", 0.0), ("b", 7.0)):  # what the output buffer held before: as torch.empty's, it varies
+            o = torch.full((8,), fill)  # made before the dump: only the collective sees it
+            dump.set_dump_path(root, dump_tag=tag)
+            dump.register_hook(torch.nn.Linear(1, 1), dump.acc_cmp_dump)
+            dump.set_dump_switch("ON")
+            h = torch.arange(8.0) * (rank + 1)
+            dist.all_to_all_single(o, h)
+            dump.set_dump_switch("OFF")
+            dump.remove_hooks()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_collectives_output_buffer_is_no_input_of_it(tmp_path, free_port):
+    """``all_to_all_single(output, input)`` only writes its output: what the buffer held before is not recorded as
+    an input, so two runs whose buffers held other bytes agree."""
+    mp.spawn(_a2a_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    a, b = (tmp_path / tag / "rank0" / "dump.pkl" for tag in ("a", "b"))
+    (entry,) = [e for e in dump.read_dump(a).entries if e["name"].startswith("Distributed_all_to_all_single")]
+    assert [t["name"] for t in entry["inputs"]] == ["input.1"] and entry["outputs"]
+    cmp = dump.compare({"npu_pkl_path": str(a), "bench_pkl_path": str(b)}, tmp_path / "out")
+    assert not cmp.divergent
