@@ -63,5 +63,10 @@ def run_ranks(args: argparse.Namespace) -> int:
     if report.ok:
         print("all replicas agree" + (" on the records every rank holds" if report.cut else ""))
         return 0
+    if report.first is None:
+        print("nothing checked: the dumps hold no record every replica must share (parameters and gradients are "
+              "recorded before optimizer.step(); collectives when called through torch.distributed), so the replicas "
+              "are not shown to agree (--all compares every record, for ranks fed the same data)")
+        return 1
     print(f"first disagreement: rank {report.first.rank} at {report.first.name}")
     return 1

@@ -48,8 +48,8 @@ from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.stream import Record, atomic_write_text
 from determ_backend.dump.comparison import compiled as cc
 from determ_backend.dump.comparison.metrics import accuracy_reached, payload_metrics, stats_metrics, tensor_record
-from determ_backend.dump.comparison.parse import (Dump, check_path, check_rank, data_dir_of, find_index, open_dump,
-                                                  rank_dirs, read_header)
+from determ_backend.dump.comparison.parse import (Dump, check_path, check_rank, check_world, data_dir_of, find_index,
+                                                  open_dump, rank_dirs, read_header)
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
 
 __all__ = ["compare", "compare_dumps", "InputsRule", "compare_distributed", "auto_analyze", "analyze", "analysis", "DumpComparison",
@@ -842,13 +842,18 @@ def compare_distributed(npu_dump_dir: Union[str, Path], bench_dump_dir: Union[st
     if not ra:
         raise TraceFormatError(f"{npu_dump_dir}: no rank<N> directories")
     if sorted(ra) != sorted(rb):
+        same = "the same ranks" if len(ra) == len(rb) else "the same number of ranks"
         raise TraceFormatError(f"compare_distributed: {npu_dump_dir} has ranks {sorted(ra)} but {bench_dump_dir} has "
-                               f"{sorted(rb)}; both runs must use the same number of ranks")
+                               f"{sorted(rb)}; both runs must use {same}")
+    indexes = {rank: (find_index(ra[rank]), find_index(rb[rank])) for rank in ra}
+    for side, root in enumerate((npu_dump_dir, bench_dump_dir)):
+        headers = {rank: read_header(pair[side]) for rank, pair in indexes.items()}
+        for rank, header in headers.items():
+            check_rank(indexes[rank][side], header, rank)
+        check_world(root, headers)
     results = []
     for rank in ra:
-        pa, pb = find_index(ra[rank]), find_index(rb[rank])
-        for index in (pa, pb):
-            check_rank(index, read_header(index), rank)
+        pa, pb = indexes[rank]
         param = {"npu_pkl_path": str(pa), "bench_pkl_path": str(pb), "is_print_compare_log": printing}
         cmp = compare(param, output_path, suffix=f"{suffix}_rank{rank}-rank{rank}", **kwargs)
         cmp.rank = rank

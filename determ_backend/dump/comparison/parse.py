@@ -36,7 +36,7 @@ from determ_backend.trace import jsonl
 from determ_backend.trace.store import TensorStore, fingerprint_key
 
 __all__ = ["Dump", "read_dump", "open_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank",
-           "read_header", "data_dir_of", "holds_index"]
+           "check_world", "read_header", "data_dir_of", "holds_index"]
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,20 @@ def check_rank(path: Path, header: Dict[str, Any], rank: int) -> None:
     if said is not None and said != rank:
         raise TraceFormatError(f"{path}: its header says rank {said}, but it is in folder rank{rank} "
                                f"(copied from another rank?)")
+
+
+def check_world(root: Union[str, Path], headers: Dict[int, Dict[str, Any]]) -> None:
+    """A :class:`TraceFormatError` when the rank folders of ``root`` (their indexes' ``headers``, by folder rank)
+    are not every rank of the run their headers name (``world_size``): a rank whose folder is gone would pass every
+    replica check and every rank-by-rank comparison unseen."""
+    worlds = {h.get("world_size") for h in headers.values()}
+    world = worlds.pop() if len(worlds) == 1 else None
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        return  # not said, or said differently (each folder's own header is checked on its own)
+    missing = sorted(set(range(world)) - set(headers))
+    if missing:
+        raise TraceFormatError(f"{root}: holds rank folders {sorted(headers)}, but their dumps say the run had "
+                               f"{world} ranks: {', '.join(f'rank{r}' for r in missing)} missing")
 
 
 def read_header(path: Union[str, Path]) -> Dict[str, Any]:

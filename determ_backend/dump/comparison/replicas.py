@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from determ_backend.errors import TraceFormatError
-from determ_backend.dump.comparison.parse import Dump, check_rank, find_index, open_dump, rank_dirs
+from determ_backend.dump.comparison.parse import Dump, check_rank, check_world, find_index, open_dump, rank_dirs
 
 __all__ = ["check_replicas", "ReplicaReport", "Disagreement", "INVARIANT_COLLECTIVES"]
 
@@ -59,7 +59,9 @@ class ReplicaReport:
 
     @property
     def ok(self) -> bool:
-        return not self.disagreements
+        """No disagreement, on at least one record checked (replicas of which nothing was compared are not shown
+        to agree)."""
+        return not self.disagreements and self.checked > 0
 
     @property
     def first(self) -> Optional[Disagreement]:
@@ -109,6 +111,7 @@ def _load(root: Union[str, Path], index: Optional[str]) -> Dict[int, Dump]:
     dumps = {r: open_dump(d / index if index else find_index(d, several)) for r, d in dirs.items()}
     for r, d in dumps.items():
         check_rank(d.path, d.header, r)
+    check_world(root, {r: d.header for r, d in dumps.items()})
     return dumps
 
 

@@ -144,6 +144,44 @@ def _replicas_in_one_process(root, bad_rank: int) -> None:
         dump.remove_hooks()
 
 
+def test_a_rank_folder_missing_from_the_run_is_an_input_error(tmp_path, capsys):
+    """Three ranks' dumps whose headers say a 3-rank job, rank1's folder gone: never 'all replicas agree'."""
+    import json
+    import shutil
+
+    for tag in ("a", "b"):
+        _replicas_in_one_process(tmp_path / tag, bad_rank=-1)
+        for rank in range(3):  # as a real 3-rank job writes them
+            index = tmp_path / tag / "ptdbg_dump" / f"rank{rank}" / "dump.pkl"
+            lines = index.read_text().splitlines(keepends=True)
+            head = json.loads(lines[0])
+            head["world_size"] = 3
+            index.write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    assert cli_main(["ranks", str(tmp_path / "a" / "ptdbg_dump")]) == 0
+    for tag in ("a", "b"):
+        shutil.rmtree(tmp_path / tag / "ptdbg_dump" / "rank1")
+    capsys.readouterr()
+    assert cli_main(["ranks", str(tmp_path / "a" / "ptdbg_dump")]) == 2
+    assert "the run had 3 ranks: rank1 missing" in capsys.readouterr().err
+    with pytest.raises(TraceFormatError, match="rank1 missing"):
+        dump.compare_distributed(tmp_path / "a" / "ptdbg_dump", tmp_path / "b" / "ptdbg_dump", tmp_path / "out")
+
+
+def test_replicas_of_which_nothing_was_checked_are_not_said_to_agree(tmp_path, capsys):
+    for rank in range(2):  # a forward and backward, no optimizer step: no parameter is recorded
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        dump.set_dump_path(tmp_path)
+        dump.register_hook(model, dump.acc_cmp_dump, rank=rank)
+        dump.set_dump_switch("ON", summary_only=True)
+        model(torch.randn(2, 4)).sum().backward()
+        dump.set_dump_switch("OFF")
+        dump.remove_hooks()
+    assert cli_main(["ranks", str(tmp_path / "ptdbg_dump")]) == 1
+    out = capsys.readouterr().out
+    assert "records checked: 0" in out and "nothing checked" in out and "all replicas agree" not in out
+
+
 @pytest.mark.parametrize("limit, code, expect, absent", [
     ("-1", 2, "argument --limit: expected a non-negative int, got -1", "more"),
     ("0", 1, "... 2 more", "disagrees with rank 0"),
