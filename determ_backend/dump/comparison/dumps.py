@@ -265,6 +265,7 @@ class InputsRule:
 
     def __init__(self, remembered: Optional[int] = None):
         self.diverged_before = False
+        self.unpaired_before = False  # a call ran in one dump only (a hook's extra op): read-outs depend on it too
         self._last_diverged: Optional[int] = None  # ``seq`` of the last call whose output diverged
         self._forward: Dict[str, bool] = {}
         self._remembered = remembered
@@ -276,7 +277,7 @@ class InputsRule:
         ins = all(x is True for x in computed) and not (self.diverged_before and any(x is False for x in given))
         name = str(entry.get("name", ""))
         if str(entry.get("op", "")).startswith("Parameter."):
-            return not self.diverged_before
+            return not (self.diverged_before or self.unpaired_before)
         first = entry.get("first")
         if isinstance(first, int) and self._last_diverged is not None and self._last_diverged >= first:
             ins = False
@@ -297,6 +298,7 @@ class InputsRule:
         """A call ran in one dump only (a hook's extra op) at ``seq`` of the judged dump's numbering (for a call of
         the other dump, that of the last call before it): a module around it is explained by it, as by a call that
         diverged, instead of being a root cause itself."""
+        self.unpaired_before = True
         if isinstance(seq, int):
             self._last_diverged = max(self._last_diverged if self._last_diverged is not None else seq, seq)
 
@@ -730,10 +732,18 @@ def analysis(cmp: DumpComparison) -> str:
         lines = [f"first divergence: {p.name}, {why}: no root cause among the paired APIs",
                  f"  at {(p.a or {}).get('source') or '?'}"]
         i = cmp.pairs.index(p)
-        extra = [q for q in cmp.pairs[max(0, i - 5): i] if q.a is None or q.b is None]
+        extra: List[ApiPair] = []  # the calls one dump alone has since the last paired call that diverged, latest 5
+        for q in reversed(cmp.pairs[:i]):
+            if q.a is not None and q.b is not None and q.output_diverges:
+                break
+            if q.a is None or q.b is None:
+                extra.insert(0, q)
+        extra = extra[-5:]
         if extra:
             lines.append("  unpaired calls just before it (present in one dump only; a likely culprit): " +
-                         ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'})" for q in extra))
+                         ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'}"
+                                   f"{', at ' + (q.a or q.b)['source'] if (q.a or q.b).get('source') else ''})"
+                                   for q in extra))
         elif not p.explained:
             lines.append("  (the model inputs differ, or the culprit was not dumped)")
     elif not cmp.paired:

@@ -612,7 +612,29 @@ def test_an_extra_add_is_not_paired_with_the_residual_add_beside_it(tmp_path):
     cmp = compare_two(run("hook", True), run("plain", False), tmp_path / "out")
     unpaired = [p for p in cmp.pairs if p.a is None or p.b is None]
     assert [(p.a or p.b)["name"] for p in unpaired] == ["Tensor_add_0_forward"] and unpaired[0].b is None
-    assert "unpaired calls just before it" in cmp.analysis and "Tensor_add_0_forward (NPU)" in cmp.analysis
+    assert "unpaired calls just before it" in cmp.analysis and "Tensor_add_0_forward (NPU, at " in cmp.analysis
+
+
+def test_a_gradient_hook_only_one_run_has_is_the_likely_culprit_not_the_gradient_read_out(tmp_path):
+    """``bias.register_hook(lambda g: g * 1.01)`` in one run: the gradient read before ``optimizer.step()`` differs,
+    but it depends on every call before it, the hook's mul among them, which the analysis names with its line."""
+    def run(tag, hook):
+        torch.manual_seed(0)
+        net = sequential()
+        if hook:
+            net[0].bias.register_hook(lambda g: g * 1.01)  # the culprit
+
+        def step(m):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            m(torch.randn(4, 16, generator=torch.Generator().manual_seed(1))).pow(2).sum().backward()
+            opt.step()
+        return dump_run(tmp_path, tag, net, step=step, summary_only=True)
+
+    cmp = compare_two(run("hook", True), run("plain", False), tmp_path / "out")
+    assert _root_causes(cmp) == [] and cmp.divergent, _root_causes(cmp)
+    assert cmp.first_divergence.name.startswith("Parameter_0.bias_")
+    line = next(ln for ln in cmp.analysis.splitlines() if "a likely culprit" in ln)
+    assert "Tensor_mul_0_forward (NPU, at " in line and "test_dump.py" in line
 
 
 class _Unusual(torch.nn.Module):
