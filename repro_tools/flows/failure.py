@@ -41,7 +41,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -87,6 +87,16 @@ def print_summary(title: str, lines: Sequence[str], final: Optional[Path]) -> No
     if final is not None:
         out.append(str(final))
     print("\n".join(out), file=sys.stderr, flush=True)
+
+
+def to_working_dir(src: Path, name: Optional[str] = None) -> Tuple[Path, str]:
+    """``src`` copied into the working directory as ``name`` (default ``repro.py``): ``(the copy, "copied to the
+    working directory:")``; when the working directory cannot be written (read-only, full), ``(src, why)``: the
+    repro written under the run directory is the one to act on, and the flow's work is not called failed."""
+    try:
+        return copy_repro(src, Path.cwd() / (name or REPRO)), "copied to the working directory:"
+    except OSError as e:
+        return src, f"not copied to the working directory ({type(e).__name__}: {e.strerror or e}); the repro:"
 
 
 def report_flow_error(config: DetermConfig, after: str, what: str, error: BaseException) -> None:
@@ -207,8 +217,8 @@ class GraphDump:
         lines = [detail or (f"{type(error).__name__}: {str(error).strip()[:300]}" if error else kind)]
         if level == 1:
             path = self.write(REPRO, inputs, kind, error)
-            final = copy_repro(path, Path.cwd() / REPRO)
-            print_summary(what, lines + [f"repro: {path}", f"copied to the working directory: {final}"], final)
+            final, where = to_working_dir(path)
+            print_summary(what, lines + [f"repro: {path}", where], final)
             return final
         if launcher is None or level != 3:
             launcher = self.write(LAUNCHER, inputs, kind, error, launcher=True)
@@ -228,7 +238,8 @@ class GraphDump:
         if rc != 1:
             raise ReproError(f"minifying {launcher} {where} ended with exit status {rc} (see above); "
                              f"the launcher is kept: python {launcher}")
-        return Path.cwd() / REPRO
+        # the minifier copied its result into the working directory, unless it cannot be written there
+        return Path.cwd() / REPRO if os.access(Path.cwd(), os.W_OK) else launcher
 
 
 _SOURCE_LINE = re.compile(r"^(.*?:\d+)(?::\s|$)")
@@ -339,11 +350,11 @@ def minify_script(path: Path, argv: Sequence[str] = (), own_process: bool = True
             return rc
         return _not_minified(path, out, kind, f"the minifier stopped (exit {rc}; see above)")
     if _is_cwd_repro(path):  # never over the script being minified: it may be the only full copy
-        final = copy_repro(minimal, Path.cwd() / MINIMAL)
-        where = f"copied to the working directory (./{REPRO} is the original, kept):"
+        final, where = to_working_dir(minimal, MINIMAL)
+        if final != minimal:
+            where = f"copied to the working directory (./{REPRO} is the original, kept):"
     else:
-        final = copy_repro(minimal, Path.cwd() / REPRO)
-        where = "copied to the working directory:"
+        final, where = to_working_dir(minimal)
     print_summary(f"minimal repro of {kind} ({path.name})",
                   [f"original: {path}", f"checkpoints: {out / 'checkpoints'}", f"minimal: {minimal}", where], final)
     return 1
@@ -379,9 +390,9 @@ def _not_minified(path: Path, out: Path, kind: str, why: str) -> int:
         print_summary(f"repro of {kind} ({path.name}), NOT minified: {why}",
                       [f"original (unchanged): {path}", "repro:"], full)
         return 1
-    final = copy_repro(full, Path.cwd() / REPRO)
+    final, where = to_working_dir(full)
     print_summary(f"repro of {kind} ({path.name}), NOT minified: {why}",
-                  [f"original: {path}", f"repro: {full}", "copied to the working directory:"], final)
+                  [f"original: {path}", f"repro: {full}", where], final)
     return 1
 
 

@@ -425,3 +425,40 @@ def test_level4_minifies_a_divergence_only_in_gradients(tmp_path, capsys):
     assert read_meta(tmp_path / "repro.py")["only_fwd"] is False
     assert_reproduces(tmp_path / "repro.py", "accuracy", "torch.relu(")
     assert " @ " not in forward_source(tmp_path / "repro.py")  # minimal: the relu alone
+
+
+def test_a_read_only_working_directory_leaves_the_repro_under_the_run_and_says_where(tmp_path):
+    """Level 1 with a working directory that cannot be written: the repro under the run directory is named (the
+    summary's last line, the finding's ``repro``), and the flow is not said to have failed."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    prog = tmp_path / "prog.py"
+    prog.write_text(
+        "import torch, determ_backend\n"
+        "from repro_helpers import model, model_inputs\n"
+        "try:\n"
+        "    torch.compile(model, backend=determ_backend.wrap_backend('relu_compile_error_TESTING_ONLY'))(*model_inputs())\n"
+        "except Exception as e:\n"
+        "    print('program saw', type(e).__name__)\n")
+    env = dict(os.environ, REPRO_AFTER="dynamo", REPRO_LEVEL="1", DETERM_DIR=str(tmp_path / "out"), DETERM_RUN_ID="r",
+               PYTHONPATH=os.pathsep.join([str(repro_helpers.TESTS), os.environ.get("PYTHONPATH", "")]))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+        cmd, cwd = [sys.executable, str(prog)], ro
+    elif shutil.which("unshare") and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0:
+        cmd = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {ro} && cd {ro} && exec {sys.executable} {prog}"]
+        cwd = tmp_path
+    else:
+        pytest.skip("no way to make a read-only working directory for this user")
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert "program saw" in p.stdout, p.stderr[-3000:]
+    repro = _graph_dir(tmp_path) / "repro.py"
+    assert repro.is_file() and last_stderr_line(p.stderr) == str(repro), p.stderr[-3000:]
+    assert "not copied to the working directory" in p.stderr and "could not run" not in p.stderr
+    report = json.loads((tmp_path / "out" / "r" / "report.json").read_text())
+    assert any(f.get("repro") == str(repro.parent) for f in report["findings"]), report["findings"]
