@@ -46,7 +46,7 @@ from determ_backend.backends.checks import untraced
 from determ_backend.backends.extract import lift_random_draws
 from repro_tools.minify.accuracy import call_maybe_boxed, same_two_models
 from repro_tools.minify.compilers import compile_graph
-from repro_tools.flows.failure import GraphDump, act_on_accuracy, graph_snapshot, report_flow_error
+from repro_tools.flows.failure import GraphDump, InputsBefore, act_on_accuracy, graph_snapshot, report_flow_error
 from repro_tools.repro.script import compiler_ref, unimportable_label
 
 __all__ = ["wrap_compiler", "inductor_backend", "aot_backend"]
@@ -103,9 +103,11 @@ def _runtime(compiled: Callable, cfg: DetermConfig, dump: GraphDump, launcher) -
     raised by that call and every later one, as after dynamo: a program that catches it and goes on must not get
     the wrong values silently from the next step on."""
     state: Dict[str, Any] = {}
+    before = InputsBefore(dump.gm)
 
     def run(args: List[Any]) -> Any:
         saved = list(args)
+        kept = before.keep(saved)
         if cfg.repro_level == 4 and not state.get("checked"):
             state["checked"] = True
             try:
@@ -117,7 +119,7 @@ def _runtime(compiled: Callable, cfg: DetermConfig, dump: GraphDump, launcher) -
         try:
             return call_maybe_boxed(compiled, args)
         except Exception as e:
-            dump.on_failure("runtime_error", saved, e, launcher)
+            dump.on_failure("runtime_error", before.restore(saved, kept, dump), e, launcher)
             raise
 
     return tc.set_boxed(run)

@@ -41,7 +41,7 @@ from determ_backend.backends.checks import untraced
 from determ_backend.clones import AttributeState
 
 from repro_tools.minify.accuracy import same_two_models
-from repro_tools.flows.failure import GraphDump, act_on_accuracy, report_flow_error
+from repro_tools.flows.failure import GraphDump, InputsBefore, act_on_accuracy, report_flow_error
 from repro_tools.repro.script import compiler_ref, unimportable_label
 
 __all__ = ["wrap_backend"]
@@ -152,12 +152,15 @@ def _check_accuracy(compiled: Callable, gm: fx.GraphModule, inputs: list, cfg: D
 
 
 def _guard_runtime(compiled: Callable, dump: GraphDump, launcher) -> Callable:
+    before = InputsBefore(dump.gm)
+
     def run(*args: Any) -> Any:
         saved = list(args)
+        kept = before.keep(saved)
         try:
             return compiled(*args)
         except Exception as e:
-            dump.on_failure("runtime_error", saved, e, launcher)
+            dump.on_failure("runtime_error", before.restore(saved, kept, dump), e, launcher)
             raise
 
     return run

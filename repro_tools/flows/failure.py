@@ -50,6 +50,7 @@ from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig
 from determ_backend.errors import AccuracyError, DetermError, ReproError, first_line
 from determ_backend.backends.extract import graph_snapshot
+from determ_backend.backends.instrument import written_inputs
 from determ_backend.backends.run import get_run
 from determ_backend.trace.stream import is_module_place
 
@@ -87,6 +88,43 @@ def print_summary(title: str, lines: Sequence[str], final: Optional[Path]) -> No
     if final is not None:
         out.append(str(final))
     print("\n".join(out), file=sys.stderr, flush=True)
+
+
+_KEEP_BYTES = 256 << 20  # inputs a graph writes in place, kept per call for a runtime error's dump up to this size
+
+
+class InputsBefore:
+    """The values of the inputs a graph writes in place (:func:`~determ_backend.backends.instrument.written_inputs`),
+    kept before each call, so a runtime error is dumped with the inputs the program passed, not with what the failing
+    call had already written into them (``x.mul_(2)`` before the kernel that raised: the repro doubled ``x`` again).
+    Kept up to ``_KEEP_BYTES`` a call; past it the dump says its written inputs hold what the failing call left."""
+
+    def __init__(self, gm: fx.GraphModule):
+        try:
+            written = set(written_inputs(gm))
+            self.positions = [i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+                              if n.name in written]
+        except Exception:  # a graph this cannot read: its inputs are dumped as the call leaves them
+            self.positions = []
+
+    def keep(self, args: Sequence[Any]) -> Dict[int, Any]:
+        """The written inputs' values now (``{position: copy}``); empty when they are too large to copy."""
+        held = [i for i in self.positions if i < len(args) and isinstance(args[i], torch.Tensor)]
+        if not held or sum(args[i].numel() * args[i].element_size() for i in held) > _KEEP_BYTES:
+            return {}
+        with torch.no_grad():
+            return {i: args[i].detach().clone() for i in held}
+
+    def restore(self, args: Sequence[Any], kept: Dict[int, Any], dump: "GraphDump") -> List[Any]:
+        """``args`` with the kept values in place of what the call wrote; the dump notes written inputs not kept."""
+        out = list(args)
+        for i, v in kept.items():
+            out[i] = v
+        lost = [i for i in self.positions if i < len(args) and i not in kept and isinstance(args[i], torch.Tensor)]
+        if lost:
+            dump.extra_meta["inputs_note"] = (f"inputs {lost} are written in place by the graph and were too large to "
+                                              f"keep: they hold what the failing call left in them")
+        return out
 
 
 def to_working_dir(src: Path, name: Optional[str] = None) -> Tuple[Path, str]:

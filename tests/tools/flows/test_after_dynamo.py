@@ -462,3 +462,25 @@ def test_a_read_only_working_directory_leaves_the_repro_under_the_run_and_says_w
     assert "not copied to the working directory" in p.stderr and "could not run" not in p.stderr
     report = json.loads((tmp_path / "out" / "r" / "report.json").read_text())
     assert any(f.get("repro") == str(repro.parent) for f in report["findings"]), report["findings"]
+
+
+def test_a_runtime_error_is_dumped_with_the_inputs_the_program_passed_not_what_the_call_wrote(tmp_path, capsys):
+    """``x.mul_(2)`` runs before the relu that raises: the repro holds the ``x`` the program passed."""
+    from repro_tools.repro.script import load_repro
+
+    w = torch.randn(8, 8)
+
+    def f(x):
+        x.mul_(2)
+        return torch.relu(x @ w)
+
+    x = torch.randn(4, 8)
+    before = x.clone()
+    torch._dynamo.reset()
+    with pytest.raises(Exception):
+        torch.compile(f, backend=determ_backend.wrap_backend("relu_runtime_error_TESTING_ONLY",
+                                                             repro_config(tmp_path, 1)))(x)
+    assert torch.equal(x, before * 2)  # the program's x: the call wrote it before failing
+    _, inputs, _ = load_repro(_graph_dir(tmp_path) / "repro.py")
+    (dumped,) = [t for t in inputs if isinstance(t, torch.Tensor) and t.shape == x.shape]
+    assert torch.equal(dumped, before)
