@@ -67,6 +67,31 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
+_OPEN: Dict[str, "weakref.ref"] = {}  # resolved file -> the mode writing it now (one writer per file)
+_OPEN_LOCK = threading.Lock()
+
+
+def _claim(mode: "HashMode", paths: List[Path]) -> None:
+    """Note that ``mode`` writes ``paths``; a :class:`ConfigError` when another open mode writes one of them (two
+    threads given one trace path each recorded, and the file kept one thread's ops: the other's were lost)."""
+    keys = [str(p.resolve()) for p in paths if p is not None]
+    with _OPEN_LOCK:
+        for k in keys:
+            holder = _OPEN.get(k)
+            other = holder() if holder is not None else None
+            if other is not None and other is not mode and not other._closed:
+                raise ConfigError(f"{k}: another {type(other).__name__} is writing this file (a mode of another "
+                                  f"thread, or one not closed yet); give each mode its own path")
+        for k in keys:
+            _OPEN[k] = weakref.ref(mode)
+
+
+def _release(mode: "HashMode") -> None:
+    with _OPEN_LOCK:
+        for k in [k for k, ref in _OPEN.items() if ref() is mode or ref() is None]:
+            del _OPEN[k]
+
+
 def _weak_sink(mode: "HashMode") -> Callable[[List[OpEvent], bool], None]:
     """``mode._sink`` without a reference to ``mode``: the recorder the mode owns must not point back at it, so
     that a mode the program lets go of (one per step, say) is freed at once with its records and the tensors it
@@ -194,7 +219,11 @@ class HashMode(_compat.TorchDispatchMode):
             self._thread = threading.get_ident()
             self._on_stack = True
         self._recorder.rank = _rank()
-        self._open()
+        try:
+            self._open()
+        except BaseException:  # a file it may not write (another mode writes it): the mode never went on
+            self._on_stack = False
+            raise
         self._active = True
         return super().__enter__()
 
@@ -284,6 +313,7 @@ class HashMode(_compat.TorchDispatchMode):
     # -- sinks -------------------------------------------------------------------------------------
     def _open(self) -> None:
         if self.trace_path is not None and self._writer is None:
+            _claim(self, [self.trace_path])
             self._writer = TraceWriter(self.trace_path, run=self.run, meta={"producer": type(self).__name__})
 
     def _sink(self, events: List[OpEvent], early: bool = False) -> None:
@@ -322,9 +352,12 @@ class HashMode(_compat.TorchDispatchMode):
                            "'determ_inductor') without this mode.", type(self).__name__)
 
     def _finish(self, aborted: Optional[str] = None) -> None:
-        if self._writer is not None:
-            self._writer.close(aborted)
-            self._writer = None
+        try:
+            if self._writer is not None:
+                self._writer.close(aborted)
+                self._writer = None
+        finally:
+            _release(self)
 
     @property
     def masked_creations(self) -> List[Creation]:
@@ -402,6 +435,8 @@ class HashDebugTrace(HashMode):
         self._log: Optional[LogWriter] = None
 
     def _open(self) -> None:
+        if self._log is None:
+            _claim(self, [self.log_path])
         super()._open()
         if self._log is None:
             self._log = LogWriter(self.log_path, self.run, torch.__version__, echo=self.verbose,

@@ -972,6 +972,41 @@ def test_one_mode_entered_by_a_second_thread_is_refused_in_one_line(tmp_path):
     assert ops.count("aten.relu.default") == 1, ops  # the first thread's ops alone
 
 
+@pytest.mark.parametrize("make", [lambda p: HashMode(trace_path=p / "run.jsonl"),
+                                  lambda p: HashDebugTrace(log_path=p / "run.log")])
+def test_two_modes_given_one_file_are_refused_in_one_line_and_the_first_keeps_its_trace(tmp_path, make):
+    """Two threads, a mode each, one trace path: both recorded and the file kept one thread's ops.  Now the second
+    mode is refused while the first writes; once the first is closed, the path is free again (a mode per step)."""
+    import threading
+
+    inside, done, errors = threading.Event(), threading.Event(), []
+
+    def first():
+        with make(tmp_path):
+            torch.ones(4).relu()
+            inside.set()
+            done.wait(30)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert inside.wait(30)
+    try:
+        with make(tmp_path):
+            torch.ones(4).sin()
+    except ConfigError as e:
+        errors.append(str(e))
+    finally:
+        done.set()
+    t.join(30)
+    assert len(errors) == 1 and "another" in errors[0] and "give each mode its own path" in errors[0], errors
+    jsonl = tmp_path / "run.jsonl"
+    ops = [r.op for r in read_trace_file(jsonl).records]
+    assert "aten.relu.default" in ops and "aten.sin.default" not in ops, ops
+    with make(tmp_path):  # the first was closed: a later mode writes the path again
+        torch.ones(4).sin()
+    assert "aten.sin.default" in [r.op for r in read_trace_file(jsonl).records]
+
+
 @pytest.mark.parametrize("tool", ["log", "jsonl"])
 def test_a_write_through_a_view_is_what_the_base_is_read_as(tmp_path, tool):
     """``buf[:2] = h`` and ``w[0, 0] += e`` write a tensor through a view of it: read next as an object no op
