@@ -121,14 +121,18 @@ def _flat(x):
     return [x]
 
 
-def run_fwd_maybe_bwd(fn, args, params=(), after=None):
+def run_fwd_maybe_bwd(fn, args, params=(), after=None, positions=None):
     """Outputs, then the gradients of float leaves (inputs requiring grad, parameters) when any output needs one.
-    ``after``: receives the argument copies the run was given, as the run left them."""
+    ``after``: receives the argument copies the run was given, as the run left them; ``positions``: each tensor
+    output's position among everything the graph returns (its sizes too), as the flows number outputs."""
     args = _clone(args)
     if after is not None:
         after.extend(args)
     with torch.set_grad_enabled(not META.get("only_fwd", True)):  # a forward-only graph ran without grad
-        outs = [o for o in _flat(fn(args)) if isinstance(o, torch.Tensor)]
+        flat = _flat(fn(args))
+    outs = [o for o in flat if isinstance(o, torch.Tensor)]
+    if positions is not None:
+        positions.extend(i for i, o in enumerate(flat) if isinstance(o, torch.Tensor))
     diff = [o for o in outs if o.requires_grad]
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(params)
     if META.get("only_fwd", True) or not diff or not leaves:
@@ -189,8 +193,8 @@ def check_accuracy(mod, fn, args, tol, strict):
     tensors = _module_tensors(mod)
     saved = {k: t.detach().clone() for k, t in tensors.items()}
     try:
-        e_after, c_after = [], []
-        eager = run_fwd_maybe_bwd(lambda a: mod(*a), args, params, e_after)
+        e_after, c_after, positions = [], [], []
+        eager = run_fwd_maybe_bwd(lambda a: mod(*a), args, params, e_after, positions)
         e_args = {i: a.detach() for i, (x, a) in enumerate(zip(args, e_after))
                   if isinstance(x, torch.Tensor) and isinstance(a, torch.Tensor) and not _bitwise_equal([x], [a])}
         e_attrs = _written_state(tensors, saved)
@@ -212,7 +216,8 @@ def check_accuracy(mod, fn, args, tol, strict):
         _put_back(tensors, saved)
     if len(eager) != len(comp):
         return f"compiled returned {len(comp)} tensors, eager {len(eager)}"
-    names = [f"output {i}" for i in range(len(eager))]
+    # numbered as the flows number them: an output by its place in what the graph returns, then the gradients
+    names = [f"output {p}" for p in positions] + [f"gradient {k}" for k in range(len(eager) - len(positions))]
     for i in sorted(e_args):  # an input only compiled code wrote is scratch memory it was given
         eager.append(e_args[i])
         comp.append(c_after[i].detach())

@@ -354,6 +354,25 @@ def test_standalone_accuracy_check_judges_what_a_graph_writes_and_leaves_the_sta
     assert torch.equal(mod.avg, torch.ones(4))
 
 
+def test_the_standalone_check_numbers_outputs_as_the_flows_do():
+    """A graph that returns a size before the tensor that fails: the flow says "output 2" (its place in what the
+    graph returns) and so does the repro's own check, which counted tensors only ("output 1")."""
+    from repro_tools.repro import _harness
+
+    class Repro(torch.nn.Module):
+        def forward(self, x):
+            return x.sum(), x.shape[0] * 2, torch.relu(x)
+
+    mod, x = Repro(), torch.randn(4)
+
+    def wrong(args):
+        s, n, r = mod(*args)
+        return s, n, r + 1
+
+    msg = _harness.check_accuracy(mod, wrong, [x], 1e-3, False)
+    assert msg is not None and msg.startswith("output 2"), msg
+
+
 def test_storages_that_hold_equal_bytes_stay_distinct_and_views_stay_views(tmp_path):
     """Store files are named by their bytes: an optimizer's zero-filled moments (one per parameter) loaded as one
     tensor, and each in-place update of one moved them all."""
