@@ -16,10 +16,11 @@
 * An op **only one run has** (an extra hook, a missing cast) is the root cause when
   its inputs are paired and agree and its value feeds a live divergence of its
   run (through other such ops): the runs part there, before any paired record.
-* A value that enters a graph call from outside it (an input, a parameter) after an
-  earlier graph call of the run failed is no root cause: the program passed it on from
-  that failing output (a backward's saved activations and incoming gradients, weights an
-  optimizer updated from wrong gradients).
+* A value that enters a graph call from outside it (an input, a parameter) is no root
+  cause when an earlier failing call of the run handed it on: a forward of its own graph
+  for a backward's saved activations and incoming gradients, a backward of its own graph for
+  parameters an optimizer updated from wrong gradients, or any call that produced that
+  very value in both runs (a graph break's hand-over).
 * When no record satisfies the rule, the first live divergence is reported as the
   **first divergence**, never marked a root cause.
 * A divergence that reaches no failing output is a **masked** note, never a root
@@ -428,30 +429,52 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
 
 
 def _not_after_earlier_divergence(candidates: List[Pair], symptoms: List[Pair], pairs: List[Pair]) -> List[Pair]:
-    """The candidates, less the values that entered a graph call from outside it (its inputs and parameters) after
-    an earlier graph call of the same rank already failed: what the program passed on from a failing output (the
-    activations a forward saved for its backward, the backward's incoming gradients, the parameters an optimizer
-    updated from wrong gradients) differs because of it, and is no root cause of its own.  Calls are ordered as
-    the trace first holds them (``pairs`` follows it).  Each keeps the earlier call in its metrics
-    (``after_earlier_divergence``)."""
+    """The candidates, less the values that entered a graph call from outside it (its inputs and parameters) from an
+    earlier graph call of the same rank that failed, where data flows from one to the other:
+
+    * a backward's inputs (the activations its forward saved, the incoming gradients) when a forward call of its own
+      graph failed before;
+    * a forward's parameters when a backward call of its own graph failed before (an optimizer updated them from its
+      wrong gradients);
+    * any value that is, in both runs, the value of a differing record of an earlier failing call (a graph break's
+      hand-over, a cache).
+
+    A value of another graph with no such link (a second model's weight, a later batch of data) stays a root cause.
+    Calls are ordered as the trace first holds them (``pairs`` follows it).  Each value passed on keeps the earlier
+    call in its metrics (``after_earlier_divergence``)."""
     failing = {(p.rec.rank, _group_key(p.rec)) for p in symptoms}
-    if len(failing) < 2 and not any(k[1] != _group_key(p.rec) for p in candidates for k in failing):
+    if not any(k[1] != _group_key(p.rec) for p in candidates for k in failing):
         return candidates
     order: Dict[tuple, int] = {}
     for p in pairs:
         order.setdefault(_group_key(p.rec), len(order))
+    handed: Dict[tuple, tuple] = {}  # (rank, hash a, hash b) of a differing value of a failing call -> that call
+    for p in pairs:
+        if p.paired and p.equal is False and (p.rec.rank, _group_key(p.rec)) in failing and p.a.hash and p.b.hash:
+            handed.setdefault((p.rec.rank, p.a.hash, p.b.hash), _group_key(p.rec))
     keep: List[Pair] = []
     for p in candidates:
         r = p.rec
-        here = order.get(_group_key(r), 0)
-        if p.paired and r.kind in ("input", "param") and not p.a.inputs and not p.b.inputs:
-            earlier = sorted((order.get(k, here), k) for rank, k in failing
-                             if rank == r.rank and order.get(k, here) < here)
-            if earlier:
-                graph, stage, call = earlier[0][1]
-                p.metrics["after_earlier_divergence"] = f"{graph} {stage} call {call}"
-                continue
-        keep.append(p)
+        if not (p.paired and r.kind in ("input", "param") and not p.a.inputs and not p.b.inputs):
+            keep.append(p)
+            continue
+        key = _group_key(r)
+        graph, stage = key[0], key[1]
+        here = order.get(key, 0)
+        before = sorted((order.get(k, here), k) for rank, k in failing if rank == r.rank and order.get(k, here) < here)
+        # a backward's inputs come from a forward of its graph, a forward's parameters from the gradients a backward of
+        # its graph computed (a loop of forward calls alone hands no weight from one call to the next)
+        own = [k for _, k in before if k[0] == graph and k[1].endswith("forward" if stage.endswith("backward")
+                                                                       else "backward")]
+        source = handed.get((r.rank, p.a.hash, p.b.hash))
+        if source is not None and order.get(source, here) < here:
+            link = source
+        elif own and (stage.endswith("backward") or r.kind == "param"):
+            link = own[-1]
+        else:
+            keep.append(p)
+            continue
+        p.metrics["after_earlier_divergence"] = " ".join(map(str, (link[0], link[1], "call", link[2])))
     return keep
 
 
