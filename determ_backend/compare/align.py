@@ -9,6 +9,7 @@ rule in :mod:`.roots`.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -112,8 +113,18 @@ def _holds_alike(x: Record, y: Record) -> bool:
     return (x.extra or {}).get("holds") == (y.extra or {}).get("holds")
 
 
+_LINE = re.compile(r"^(.*?:\d+)")
+
+
+def _line(source: Optional[str]) -> Optional[str]:
+    """``file:line`` of a record's source: compiled traces add what runs there (``m.py:37 (forward)``), eager ones
+    do not."""
+    m = _LINE.match(source) if source else None
+    return m.group(1) if m else source
+
+
 def _same_source(x: Record, y: Record) -> bool:
-    return _holds_alike(x, y) and (x.source is None or y.source is None or x.source == y.source)
+    return _holds_alike(x, y) and (x.source is None or y.source is None or _line(x.source) == _line(y.source))
 
 
 def _apart(pairs: List[Pair], alike: Callable[[Record, Record], bool]) -> List[Pair]:
@@ -388,7 +399,7 @@ def _align_by_sequence(a: Sequence[Record], b: Sequence[Record], sourced: bool =
     sig = _any_float if _float_dtypes(a) != _float_dtypes(b) else _signature
     op = _op
     if sourced:  # ``sourced``: records of one source line only (see :func:`align`)
-        sig, op = (lambda r, f=sig: f"{r.source}|{f(r)}"), (lambda r: f"{r.source}|{_op(r)}")
+        sig, op = (lambda r, f=sig: f"{_line(r.source)}|{f(r)}"), (lambda r: f"{_line(r.source)}|{_op(r)}")
     by_signature = lambda x, y: _match(x, y, sig, lambda x2, y2: _match(x2, y2, op, _unmatched))  # noqa: E731
     if _located(a) and _located(b):
         # names after source lines are stable across runs (an op added elsewhere renames nothing, a run in another

@@ -70,7 +70,7 @@ def diff_summary(cmp: Comparison, files: Dict[str, tuple], checks: Sequence[str]
     if s["unmatched_a"] or s["unmatched_b"]:
         why = "" if not all(tf.complete for _, tf in files.values()) else (
             " (records pair by graph, stage, call and node name, else by op signature; traces of different "
-            "backends or stages do not pair)")
+            "backends or stages pair only values of one source line)")
         notes.append(f"not paired: {s['unmatched_a']} records of A and {s['unmatched_b']} of B have no counterpart, "
                      f"so the runs are not shown identical{why}")
     if s["unjudged"]:
