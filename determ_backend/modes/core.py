@@ -223,6 +223,7 @@ class HashMode(_compat.TorchDispatchMode):
             self._open()
         except BaseException:  # a file it may not write (another mode writes it): the mode never went on
             self._on_stack = False
+            _release(self)  # nor holds any of its paths
             raise
         self._active = True
         return super().__enter__()
@@ -436,7 +437,7 @@ class HashDebugTrace(HashMode):
 
     def _open(self) -> None:
         if self._log is None:
-            _claim(self, [self.log_path])
+            _claim(self, [self.log_path, self.jsonl_path])  # both or neither
         super()._open()
         if self._log is None:
             self._log = LogWriter(self.log_path, self.run, torch.__version__, echo=self.verbose,

@@ -972,9 +972,12 @@ def test_one_mode_entered_by_a_second_thread_is_refused_in_one_line(tmp_path):
     assert ops.count("aten.relu.default") == 1, ops  # the first thread's ops alone
 
 
-@pytest.mark.parametrize("make", [lambda p: HashMode(trace_path=p / "run.jsonl"),
-                                  lambda p: HashDebugTrace(log_path=p / "run.log")])
-def test_two_modes_given_one_file_are_refused_in_one_line_and_the_first_keeps_its_trace(tmp_path, make):
+_TRACE = lambda p: HashMode(trace_path=p / "run.jsonl")  # noqa: E731
+_LOGGED = lambda p: HashDebugTrace(log_path=p / "run.log")  # noqa: E731  (its trace: run.jsonl)
+
+
+@pytest.mark.parametrize("make, second", [(_TRACE, _TRACE), (_LOGGED, _LOGGED), (_TRACE, _LOGGED)])
+def test_two_modes_given_one_file_are_refused_in_one_line_and_the_first_keeps_its_trace(tmp_path, make, second):
     """Two threads, a mode each, one trace path: both recorded and the file kept one thread's ops.  Now the second
     mode is refused while the first writes; once the first is closed, the path is free again (a mode per step)."""
     import threading
@@ -990,8 +993,9 @@ def test_two_modes_given_one_file_are_refused_in_one_line_and_the_first_keeps_it
     t = threading.Thread(target=first)
     t.start()
     assert inside.wait(30)
+    refused = second(tmp_path)  # kept alive: a refused mode must not hold on to any of its paths
     try:
-        with make(tmp_path):
+        with refused:
             torch.ones(4).sin()
     except ConfigError as e:
         errors.append(str(e))
@@ -1002,7 +1006,7 @@ def test_two_modes_given_one_file_are_refused_in_one_line_and_the_first_keeps_it
     jsonl = tmp_path / "run.jsonl"
     ops = [r.op for r in read_trace_file(jsonl).records]
     assert "aten.relu.default" in ops and "aten.sin.default" not in ops, ops
-    with make(tmp_path):  # the first was closed: a later mode writes the path again
+    with second(tmp_path):  # the first was closed: a later mode writes the paths again
         torch.ones(4).sin()
     assert "aten.sin.default" in [r.op for r in read_trace_file(jsonl).records]
 
