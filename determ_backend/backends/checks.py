@@ -75,7 +75,8 @@ __all__ = ["GraphExec", "graph_in_dtype", "has_random_ops", "untraced"]
 
 log = logging.getLogger(__name__)
 
-_UNTRACED = [0]  # how many untraced() regions are open (process-wide: a backward may run in autograd's threads)
+_UNTRACED = threading.local()  # untraced() regions open in this thread
+_UNTRACED_ANY = [0]  # ... in any thread: read by threads Python did not start (autograd's device threads)
 _UNTRACED_LOCK = threading.Lock()
 
 
@@ -83,14 +84,23 @@ _UNTRACED_LOCK = threading.Lock()
 def untraced() -> Iterator[None]:
     """Calls of determ-compiled graphs inside run as compiled, recorded nowhere and checked by nothing: a repro
     flow's own execution of a graph (its accuracy check on the first call's inputs) is no call of the program's,
-    and the trace holds the program's calls alone."""
+    and the trace holds the program's calls alone.  It holds for this thread, and for the threads autograd runs a
+    backward in for it (threads Python did not start); another thread of the program is traced as ever."""
+    _UNTRACED.depth = getattr(_UNTRACED, "depth", 0) + 1
     with _UNTRACED_LOCK:
-        _UNTRACED[0] += 1
+        _UNTRACED_ANY[0] += 1
     try:
         yield
     finally:
+        _UNTRACED.depth -= 1
         with _UNTRACED_LOCK:
-            _UNTRACED[0] -= 1
+            _UNTRACED_ANY[0] -= 1
+
+
+def _untraced_here() -> bool:
+    if getattr(_UNTRACED, "depth", 0):
+        return True
+    return bool(_UNTRACED_ANY[0]) and isinstance(threading.current_thread(), threading._DummyThread)
 
 
 def graph_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -339,7 +349,7 @@ class GraphExec:
             args.clear()
         else:
             args_list = list(call_args)
-        if _UNTRACED[0]:
+        if _UNTRACED_ANY[0] and _untraced_here():
             try:
                 return self._invoke(args_list)
             finally:

@@ -674,3 +674,38 @@ def test_a_graph_holding_collectives_is_known_in_dynamo_and_aot_form(free_port):
     g = fx.Graph()
     g.output(g.call_function(torch.relu, (g.placeholder("x"),)))
     assert not holds_collectives(fx.GraphModule(torch.nn.Module(), g))
+
+
+def test_an_untraced_region_leaves_out_this_threads_calls_alone(tmp_path):
+    """A repro flow's own run of a graph (``untraced()``) is no call of the program's; a call another thread of the
+    program makes meanwhile is one, and is recorded."""
+    import threading
+
+    from determ_backend.backends.checks import untraced
+    from determ_backend.trace.stream import read_trace
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    f = torch.compile(torch.nn.Linear(4, 4), backend="determ_aot_eager",
+                      options={"dir": str(tmp_path), "run_id": "r"})
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        f(x)  # call 0
+        with untraced():
+            f(x)  # this thread's: not a call
+            errors = []
+
+            def other():
+                try:
+                    with torch.no_grad():
+                        f(x)
+                except Exception as e:  # shown by the assertion below
+                    errors.append(repr(e))
+
+            worker = threading.Thread(target=other)  # another thread's: call 1
+            worker.start()
+            worker.join(60)
+        f(x)  # call 2
+    run_mod.finish_all()
+    calls = sorted({r.call for r in read_trace(tmp_path / "r")})
+    assert not errors and calls == [0, 1, 2], (calls, errors)
