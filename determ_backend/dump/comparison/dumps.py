@@ -84,6 +84,8 @@ class ApiPair:
     explained: Optional[str] = None
     """Why a call whose inputs agree within the tolerance is no root cause although its output diverges: the
     precision its inputs carry, or a discrete result they may flip."""
+    handed_by: Optional[Dict[str, Any]] = None
+    """A parameter read-out whose value a call of one dump alone made: that call (a hook's, the likely culprit)."""
     negligible: bool = False
     """Explained as a gradient zero in exact arithmetic (:func:`_zero_at_precision`): no divergence of the runs on
     its own account."""
@@ -255,7 +257,8 @@ class InputsRule:
       perturbed weight blames its first consumer, gelu's ``approximate='tanh'`` the gelu); after a divergence it
       may be its consequence (an optimizer step updated the weight from a differing gradient, an argument came from
       a differing ``.item()``): then it is an input that differs like any other.
-    * A parameter or gradient read-out (``Parameter.*``) depends on everything before it.
+    * A parameter or gradient read-out (``Parameter.*``) depends on everything before it, and on a call only one
+      dump has that made its very value (a gradient hook's ``g * 1.01``: the same fingerprint).
     * A backward call's inputs do not agree when its forward's did not, weights and arguments included.
     * A module boundary whose ``first`` inner call (by ``seq``) came before the last call whose output diverged from
       agreeing inputs is explained by it (entries without ``seq`` leave this rule out); so is a module's backward
@@ -265,19 +268,19 @@ class InputsRule:
 
     def __init__(self, remembered: Optional[int] = None):
         self.diverged_before = False
-        self.unpaired_before = False  # a call ran in one dump only (a hook's extra op): read-outs depend on it too
         self._last_diverged: Optional[int] = None  # ``seq`` of the last call whose output diverged
         self._forward: Dict[str, bool] = {}
         self._remembered = remembered
         self._ins = False  # the verdict :meth:`inputs_agree` gave last (the call :meth:`output_judged` judges next)
 
     def inputs_agree(self, entry: Dict[str, Any], computed: Sequence[Optional[bool]],
-                     given: Sequence[Optional[bool]]) -> bool:
-        """The verdict for ``entry`` (judged before its output) from its ``computed`` and ``given`` inputs' verdicts."""
+                     given: Sequence[Optional[bool]], handed: bool = False) -> bool:
+        """The verdict for ``entry`` (judged before its output) from its ``computed`` and ``given`` inputs' verdicts;
+        ``handed``: a read-out whose value a call of one dump alone made (a gradient hook's ``g * 1.01``)."""
         ins = all(x is True for x in computed) and not (self.diverged_before and any(x is False for x in given))
         name = str(entry.get("name", ""))
         if str(entry.get("op", "")).startswith("Parameter."):
-            return not (self.diverged_before or self.unpaired_before)
+            return not (self.diverged_before or handed)
         first = entry.get("first")
         if isinstance(first, int) and self._last_diverged is not None and self._last_diverged >= first:
             ins = False
@@ -298,7 +301,6 @@ class InputsRule:
         """A call ran in one dump only (a hook's extra op) at ``seq`` of the judged dump's numbering (for a call of
         the other dump, that of the last call before it): a module around it is explained by it, as by a call that
         diverged, instead of being a root cause itself."""
-        self.unpaired_before = True
         if isinstance(seq, int):
             self._last_diverged = max(self._last_diverged if self._last_diverged is not None else seq, seq)
 
@@ -553,11 +555,13 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
     judged_any = False
     judged: List[Pair] = []
     api: Dict[int, ApiPair] = {}
+    made_alone: Dict[str, Dict[str, Any]] = {}  # fingerprint of an output of a call one dump alone has -> that call
     for pa in pairs:
         if pa.a is None or pa.b is None:
             for side, e, d in (("NPU", pa.a, da), ("Bench", pa.b, db)):
                 if e is not None:
                     _unmatched_rows(pa, e, side)
+                    made_alone.update((t["hash"], e) for t in e.get("outputs", []) if t.get("hash"))
             if pa.a is not None and isinstance(pa.a.get("seq"), int):
                 last_seq = pa.a["seq"]
             rule.unpaired(last_seq)
@@ -565,7 +569,10 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         if isinstance(pa.a.get("seq"), int):
             last_seq = pa.a["seq"]
         v = _pair_tensors(pa, da, db, exact, tol)
-        ins = rule.inputs_agree(pa.a, v["inputs"], v["given"])
+        if str(pa.a.get("op", "")).startswith("Parameter.") and made_alone:
+            pa.handed_by = next((made_alone[t["hash"]] for e in (pa.a, pa.b) for t in e.get("outputs", [])
+                                 if t.get("hash") in made_alone), None)
+        ins = rule.inputs_agree(pa.a, v["inputs"], v["given"], handed=pa.handed_by is not None)
         pa.inputs_match = ins
         pa.output_diverges = any(x is False for x in v["outputs"])
         judged_any = judged_any or any(x is not None for x in v["outputs"])
@@ -728,8 +735,10 @@ def analysis(cmp: DumpComparison) -> str:
     elif cmp.first_divergence is not None:
         p = cmp.first_divergence
         why = (f"its inputs agree within the tolerance, but {p.explained}" if p.explained
+               else f"its value is the output of {p.handed_by['name']}, a call one dump alone has (at "
+                    f"{p.handed_by.get('source') or '?'}), the likely culprit;" if p.handed_by
                else "but its inputs already differ")
-        lines = [f"first divergence: {p.name}, {why}: no root cause among the paired APIs",
+        lines = [f"first divergence: {p.name}, {why}{'' if p.handed_by else ':'} no root cause among the paired APIs",
                  f"  at {(p.a or {}).get('source') or '?'}"]
         i = cmp.pairs.index(p)
         extra: List[ApiPair] = []  # the calls one dump alone has since the last paired call that diverged, latest 5
@@ -739,7 +748,7 @@ def analysis(cmp: DumpComparison) -> str:
             if q.a is None or q.b is None:
                 extra.insert(0, q)
         extra = extra[-5:]
-        if extra:
+        if extra and not p.handed_by:
             lines.append("  unpaired calls just before it (present in one dump only; a likely culprit): " +
                          ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'}"
                                    f"{', at ' + (q.a or q.b)['source'] if (q.a or q.b).get('source') else ''})"
