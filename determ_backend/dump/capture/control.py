@@ -50,7 +50,7 @@ from determ_backend.dump.capture.writer import PAYLOAD_FILE
 
 __all__ = ["acc_cmp_dump", "overflow_check", "current_rank", "dump_open", "seed_all", "set_dump_path", "register_hook", "set_dump_switch",
            "set_overflow_check_switch", "module_dump", "module_dump_end", "remove_hooks", "dump_parameters",
-           "get_dump_dir", "dump_off"]
+           "get_dump_dir", "dump_off", "select_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class _Controller:
         self.installation: Optional[Installation] = None
         self.settings: Optional[DumpSettings] = None
         self.started_at = 0  # the dump's record count when it was last switched on
+        self.selected_ranks: Optional[List[int]] = None  # PrecisionDebugger's rank selection (None: every rank)
         self.ring_bytes: Optional[int] = None
         self.written: Set[Path] = set()
         """Index files this process created: only these may be started afresh (never another run's dump)."""
@@ -130,6 +131,8 @@ class _Controller:
         self._refuse_earlier_dump(rank_dir, name)
         header = default_header(self.dump_rank(), devices.rank_and_world()[1], mode, task)
         header["device"] = _model_device(self.models)
+        if self.selected_ranks:  # the ranks the dump was told to cover: the others' folders are not missing
+            header["ranks"] = sorted(self.selected_ranks)
         s = DumpSession(rank_dir, name, header, tensors=task in ("tensor", "overflow_check"),
                         ring_bytes=self.ring_bytes)
         self.sessions[name] = s
@@ -384,6 +387,12 @@ def dump_open(index: Union[str, os.PathLike]) -> bool:
     return any(not s.closed and s.index_path.resolve() == target for s in _STATE.sessions.values())
 
 
+def select_ranks(ranks: Optional[Sequence[int]]) -> None:
+    """The ranks a dump covers (msprobe's ``rank`` key), written into each index's header: a folder of a rank left
+    out is then no missing folder to readers that check every rank of the run is there."""
+    _STATE.selected_ranks = list(ranks) if ranks else None
+
+
 def dump_off() -> int:
     """Switch the dump off, as ``set_dump_switch("OFF")`` without its warning; how many records it wrote since it was
     switched on (callers that say themselves what a selection that recorded nothing means)."""
@@ -395,6 +404,7 @@ def remove_hooks() -> None:
     _STATE.switch_off()
     purge_retired_modes()
     _STATE.models.clear()
+    _STATE.selected_ranks = None
     _STATE.regions.clear()
     _STATE.overflow = None
     _STATE.overflow_name = None

@@ -226,6 +226,7 @@ class PrecisionDebugger:
             raise ConfigError(f"PrecisionDebugger: level={self.level!r} records module boundaries: pass the model "
                               f"(PrecisionDebugger(..., model=m) or start(m))")
         control.set_dump_path(self.dump_path, dump_tag=f"step{self.current_step}")
+        control.select_ranks(self.config.ranks)
         if self.task == "overflow_check":
             control.register_hook(model if model is not None else torch.nn.Module(), control.overflow_check,
                                   overflow_nums=self.config.overflow_nums)

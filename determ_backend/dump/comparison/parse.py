@@ -230,13 +230,19 @@ def check_rank(path: Path, header: Dict[str, Any], rank: int) -> None:
 
 def check_world(root: Union[str, Path], headers: Dict[int, Dict[str, Any]]) -> None:
     """A :class:`TraceFormatError` when the rank folders of ``root`` (their indexes' ``headers``, by folder rank)
-    are not every rank of the run their headers name (``world_size``): a rank whose folder is gone would pass every
-    replica check and every rank-by-rank comparison unseen."""
+    are not every rank of the run their headers name (``world_size``; of the ranks the dump was told to cover, when
+    they say so: ``ranks``): a rank whose folder is gone would pass every replica check and every rank-by-rank
+    comparison unseen."""
     worlds = {h.get("world_size") for h in headers.values()}
     world = worlds.pop() if len(worlds) == 1 else None
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         return  # not said, or said differently (each folder's own header is checked on its own)
-    missing = sorted(set(range(world)) - set(headers))
+    due = set(range(world))
+    for h in headers.values():  # a dump told to cover some ranks (msprobe's ``rank`` key): only those are due
+        chosen = h.get("ranks")
+        if isinstance(chosen, list) and all(isinstance(r, int) for r in chosen):
+            due &= set(chosen)
+    missing = sorted(due - set(headers))
     if missing:
         raise TraceFormatError(f"{root}: holds rank folders {sorted(headers)}, but their dumps say the run had "
                                f"{world} ranks: {', '.join(f'rank{r}' for r in missing)} missing")

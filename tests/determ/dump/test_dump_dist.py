@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -145,8 +146,8 @@ def _replicas_in_one_process(root, bad_rank: int) -> None:
 
 
 def test_a_rank_folder_missing_from_the_run_is_an_input_error(tmp_path, capsys):
-    """Three ranks' dumps whose headers say a 3-rank job, rank1's folder gone: never 'all replicas agree'."""
-    import json
+    """Three ranks' dumps whose headers say a 3-rank job, rank1's folder gone: never 'all replicas agree'; unless
+    the dump was told to cover ranks 0 and 2 alone."""
     import shutil
 
     for tag in ("a", "b"):
@@ -165,6 +166,26 @@ def test_a_rank_folder_missing_from_the_run_is_an_input_error(tmp_path, capsys):
     assert "the run had 3 ranks: rank1 missing" in capsys.readouterr().err
     with pytest.raises(TraceFormatError, match="rank1 missing"):
         dump.compare_distributed(tmp_path / "a" / "ptdbg_dump", tmp_path / "b" / "ptdbg_dump", tmp_path / "out")
+    for tag in ("a", "b"):  # a dump told to cover ranks 0 and 2 (msprobe's "rank" key) says so: nothing is missing
+        for rank in (0, 2):
+            index = tmp_path / tag / "ptdbg_dump" / f"rank{rank}" / "dump.pkl"
+            lines = index.read_text().splitlines(keepends=True)
+            index.write_text(json.dumps(dict(json.loads(lines[0]), ranks=[0, 2])) + "\n" + "".join(lines[1:]))
+    assert cli_main(["ranks", str(tmp_path / "a" / "ptdbg_dump")]) == 0
+    assert len(dump.compare_distributed(tmp_path / "a" / "ptdbg_dump", tmp_path / "b" / "ptdbg_dump",
+                                        tmp_path / "out2")) == 2
+
+
+def test_a_precision_debugger_told_to_dump_some_ranks_says_which_in_its_headers(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"task": "statistics", "dump_path": str(tmp_path / "out"), "rank": [0]}))
+    model = torch.nn.Linear(4, 4)
+    dbg = dump.PrecisionDebugger(config_path=str(config), model=model)
+    dbg.start(model)
+    model(torch.randn(2, 4)).sum().backward()
+    dbg.stop()
+    assert dump.read_dump(tmp_path / "out" / "step0" / "rank0").header["ranks"] == [0]
+    dump.remove_hooks()
 
 
 def test_replicas_of_which_nothing_was_checked_are_not_said_to_agree(tmp_path, capsys):
