@@ -85,7 +85,8 @@ class ApiPair:
     """Why a call whose inputs agree within the tolerance is no root cause although its output diverges: the
     precision its inputs carry, or a discrete result they may flip."""
     handed_by: Optional[Dict[str, Any]] = None
-    """A parameter read-out whose value a call of one dump alone made: that call (a hook's, the likely culprit)."""
+    """For a parameter read-out holding the very output of a call one dump alone has (the same fingerprint: a
+    gradient hook's ``g * 1.01``, an edit of the gradient), that call: the analysis names it with its line."""
     negligible: bool = False
     """Explained as a gradient zero in exact arithmetic (:func:`_zero_at_precision`): no divergence of the runs on
     its own account."""
@@ -257,8 +258,7 @@ class InputsRule:
       perturbed weight blames its first consumer, gelu's ``approximate='tanh'`` the gelu); after a divergence it
       may be its consequence (an optimizer step updated the weight from a differing gradient, an argument came from
       a differing ``.item()``): then it is an input that differs like any other.
-    * A parameter or gradient read-out (``Parameter.*``) depends on everything before it, and on a call only one
-      dump has that made its very value (a gradient hook's ``g * 1.01``: the same fingerprint).
+    * A parameter or gradient read-out (``Parameter.*``) depends on everything before it.
     * A backward call's inputs do not agree when its forward's did not, weights and arguments included.
     * A module boundary whose ``first`` inner call (by ``seq``) came before the last call whose output diverged from
       agreeing inputs is explained by it (entries without ``seq`` leave this rule out); so is a module's backward
@@ -274,13 +274,12 @@ class InputsRule:
         self._ins = False  # the verdict :meth:`inputs_agree` gave last (the call :meth:`output_judged` judges next)
 
     def inputs_agree(self, entry: Dict[str, Any], computed: Sequence[Optional[bool]],
-                     given: Sequence[Optional[bool]], handed: bool = False) -> bool:
-        """The verdict for ``entry`` (judged before its output) from its ``computed`` and ``given`` inputs' verdicts;
-        ``handed``: a read-out whose value a call of one dump alone made (a gradient hook's ``g * 1.01``)."""
+                     given: Sequence[Optional[bool]]) -> bool:
+        """The verdict for ``entry`` (judged before its output) from its ``computed`` and ``given`` inputs' verdicts."""
         ins = all(x is True for x in computed) and not (self.diverged_before and any(x is False for x in given))
         name = str(entry.get("name", ""))
         if str(entry.get("op", "")).startswith("Parameter."):
-            return not (self.diverged_before or handed)
+            return not self.diverged_before
         first = entry.get("first")
         if isinstance(first, int) and self._last_diverged is not None and self._last_diverged >= first:
             ins = False
@@ -572,7 +571,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
         if str(pa.a.get("op", "")).startswith("Parameter.") and made_alone:
             pa.handed_by = next((made_alone[t["hash"]] for e in (pa.a, pa.b) for t in e.get("outputs", [])
                                  if t.get("hash") in made_alone), None)
-        ins = rule.inputs_agree(pa.a, v["inputs"], v["given"], handed=pa.handed_by is not None)
+        ins = rule.inputs_agree(pa.a, v["inputs"], v["given"])
         pa.inputs_match = ins
         pa.output_diverges = any(x is False for x in v["outputs"])
         judged_any = judged_any or any(x is not None for x in v["outputs"])
@@ -725,6 +724,9 @@ def analysis(cmp: DumpComparison) -> str:
         elif cc.nodes_unpaired(p.nodes):
             lines.append(f"  ({cc.UNPAIRED_HINT})")
         lines += [f"    {s}" for s in p.a.get("stack") or []]
+        if p.handed_by:
+            lines.append(f"  its value is the output of {p.handed_by['name']}, a call one dump alone has (at "
+                         f"{p.handed_by.get('source') or '?'}): look there")
         if len(roots) > 1:
             lines.append(f"  ({len(roots) - 1} more root-cause APIs in the CSV)")
     elif cmp.first_divergence is not None and not cmp.divergent:
@@ -735,10 +737,8 @@ def analysis(cmp: DumpComparison) -> str:
     elif cmp.first_divergence is not None:
         p = cmp.first_divergence
         why = (f"its inputs agree within the tolerance, but {p.explained}" if p.explained
-               else f"its value is the output of {p.handed_by['name']}, a call one dump alone has (at "
-                    f"{p.handed_by.get('source') or '?'}), the likely culprit;" if p.handed_by
                else "but its inputs already differ")
-        lines = [f"first divergence: {p.name}, {why}{'' if p.handed_by else ':'} no root cause among the paired APIs",
+        lines = [f"first divergence: {p.name}, {why}: no root cause among the paired APIs",
                  f"  at {(p.a or {}).get('source') or '?'}"]
         i = cmp.pairs.index(p)
         extra: List[ApiPair] = []  # the calls one dump alone has since the last paired call that diverged, latest 5
@@ -748,7 +748,7 @@ def analysis(cmp: DumpComparison) -> str:
             if q.a is None or q.b is None:
                 extra.insert(0, q)
         extra = extra[-5:]
-        if extra and not p.handed_by:
+        if extra:
             lines.append("  unpaired calls just before it (present in one dump only; a likely culprit): " +
                          ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'}"
                                    f"{', at ' + (q.a or q.b)['source'] if (q.a or q.b).get('source') else ''})"
