@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import subprocess
@@ -936,16 +937,15 @@ def test_a_model_built_on_the_meta_device_diffs_identical_with_itself(tmp_path, 
     assert all(r.hash for r in recs)
 
 
-def test_one_mode_entered_by_a_second_thread_is_refused_in_one_line(tmp_path):
-    """Two threads in one HashMode interleaved their records in one trace under one set of names, lost some, and
-    two identical runs diffed as divergent: the second thread now gets a ConfigError, the first records alone."""
+@contextlib.contextmanager
+def _another_thread_recording(mode):
+    """The body runs while another thread sits inside ``mode`` (entered, one relu recorded)."""
     import threading
 
-    m = HashMode(trace_path=str(tmp_path / "run.jsonl"))
-    inside, done, errors = threading.Event(), threading.Event(), []
+    inside, done = threading.Event(), threading.Event()
 
     def first():
-        with m:
+        with mode:
             torch.ones(4).relu()
             inside.set()
             done.wait(30)
@@ -953,6 +953,20 @@ def test_one_mode_entered_by_a_second_thread_is_refused_in_one_line(tmp_path):
     t = threading.Thread(target=first)
     t.start()
     assert inside.wait(30)
+    try:
+        yield
+    finally:
+        done.set()
+        t.join(30)
+
+
+def test_one_mode_entered_by_a_second_thread_is_refused_in_one_line(tmp_path):
+    """Two threads in one HashMode interleaved their records in one trace under one set of names, lost some, and
+    two identical runs diffed as divergent: the second thread now gets a ConfigError, the first records alone."""
+    import threading
+
+    m = HashMode(trace_path=str(tmp_path / "run.jsonl"))
+    errors = []
 
     def second():
         try:
@@ -960,13 +974,11 @@ def test_one_mode_entered_by_a_second_thread_is_refused_in_one_line(tmp_path):
                 torch.ones(4).relu()
         except ConfigError as e:
             errors.append(str(e))
-        finally:
-            done.set()
 
-    u = threading.Thread(target=second)
-    u.start()
-    u.join(30)
-    t.join(30)
+    with _another_thread_recording(m):
+        u = threading.Thread(target=second)
+        u.start()
+        u.join(30)
     assert len(errors) == 1 and "make one per thread" in errors[0], errors
     ops = [r.op for r in read_trace_file(tmp_path / "run.jsonl").records]
     assert ops.count("aten.relu.default") == 1, ops  # the first thread's ops alone
@@ -980,28 +992,14 @@ _LOGGED = lambda p: HashDebugTrace(log_path=p / "run.log")  # noqa: E731  (its t
 def test_two_modes_given_one_file_are_refused_in_one_line_and_the_first_keeps_its_trace(tmp_path, make, second):
     """Two threads, a mode each, one trace path: both recorded and the file kept one thread's ops.  Now the second
     mode is refused while the first writes; once the first is closed, the path is free again (a mode per step)."""
-    import threading
-
-    inside, done, errors = threading.Event(), threading.Event(), []
-
-    def first():
-        with make(tmp_path):
-            torch.ones(4).relu()
-            inside.set()
-            done.wait(30)
-
-    t = threading.Thread(target=first)
-    t.start()
-    assert inside.wait(30)
-    refused = second(tmp_path)  # kept alive: a refused mode must not hold on to any of its paths
-    try:
-        with refused:
-            torch.ones(4).sin()
-    except ConfigError as e:
-        errors.append(str(e))
-    finally:
-        done.set()
-    t.join(30)
+    errors = []
+    with _another_thread_recording(make(tmp_path)):
+        refused = second(tmp_path)  # kept alive: a refused mode must not hold on to any of its paths
+        try:
+            with refused:
+                torch.ones(4).sin()
+        except ConfigError as e:
+            errors.append(str(e))
     assert len(errors) == 1 and "another" in errors[0] and "give each mode its own path" in errors[0], errors
     jsonl = tmp_path / "run.jsonl"
     ops = [r.op for r in read_trace_file(jsonl).records]
