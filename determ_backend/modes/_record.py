@@ -180,6 +180,10 @@ class OpRecorder:
         self._view_written: Dict[int, object] = {}  # first byte -> a weak reference to that storage
         weakref.finalize(self, _release_refs, self._view_written).atexit = False
         self._counts: Dict[tuple, int] = {}
+        # (location, record, seq after it) of the last collective: a tensor first seen by the very next op of that
+        # line is a buffer the collective's own completion code reads (gloo's reduce_scatter copies its result out of
+        # one in ``work.wait()``), made of its value, not an input of the program's
+        self._collective_at: Optional[tuple] = None
         self._hashes = PendingHashes(stats)
         self._events: List[OpEvent] = []
         self._unsettled: List[tuple] = []  # (tensor, Record, is view) of the last op
@@ -346,6 +350,10 @@ class OpRecorder:
             alias = self._silent_alias(t, source, loc, events, gathered)
             if alias is not None:
                 return alias
+        after = self._collective_at
+        if (after is not None and after[0] == loc and after[2] == self.seq and not unread and not gathered
+                and not t.requires_grad and id(t) not in self.names):  # never a parameter, nor a value autograd tracks
+            return self._alias_of(t, source, loc, events, [after[1]], after[1])
         if self._view_written and not unread and not gathered and self._written_through_view_before(t):
             alias = self._alias_of(t, source, loc, events, self._records_over(t), None)  # the writes into its bytes
             if alias is not None:
@@ -591,6 +599,8 @@ class OpRecorder:
             recs.append(rec)
         if info[6]:  # a collective returns the tensors it wrote (its schema declares no writes)
             self._written_silently(outs, recs)
+            if recs:
+                self._collective_at = (loc, recs[-1], self.seq)
         elif writes:
             self._written_through_view(outs)
         if compiled:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -100,7 +101,7 @@ def test_ddp_gradients_are_recorded_as_all_reduced_and_identical_runs_diff_ident
     assert roots == ["c10d.allreduce_.default"], roots  # rank 0 first sees rank 1's weight in the all-reduce
 
 
-def _all_to_all_worker(rank: int, port: int, root: str, perturb: bool) -> None:
+def _all_to_all_worker(rank: int, port: int, root: str, perturb: bool, op: str = "all_to_all") -> None:
     from determ_backend import HashMode
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -112,27 +113,39 @@ def _all_to_all_worker(rank: int, port: int, root: str, perturb: bool) -> None:
         if perturb and rank == 1:
             src[0] += 1.0  # rank 1 sends other data
         with HashMode(trace_path=os.path.join(root, f"rank{rank}.jsonl"), stats=True):
-            o = torch.empty(8)
-            dist.all_to_all_single(o, src * 2)  # returns only its Work: the schema does not say it writes o
+            if op == "all_to_all":
+                o = torch.empty(8)
+                dist.all_to_all_single(o, src * 2)  # returns only its Work: the schema does not say it writes o
+            else:  # gloo copies the result out of a buffer of its own in Python's work.wait(), after the op
+                o = torch.empty(4)
+                dist.reduce_scatter_tensor(o, src * 2)
             (o * 3).sum()
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_a_collective_that_returns_only_its_work_is_recorded_and_blamed(tmp_path, free_port):
+@pytest.mark.parametrize("op, recorded", [("all_to_all", "c10d.alltoall_base_.default"),
+                                          ("reduce_scatter", "c10d._reduce_scatter_base_.default")])
+def test_a_collective_that_returns_only_its_work_is_recorded_and_blamed(tmp_path, free_port, op, recorded):
     """``all_to_all_single`` writes its output unannounced: it is recorded with the value it left, its consumer
-    reads that record, and another rank's different data is blamed on the collective, not on the consumer."""
+    reads that record, and another rank's different data is blamed on the collective, not on the consumer.
+    gloo's ``reduce_scatter_tensor`` copies its result out of a buffer of its own after the op: that buffer is the
+    collective's value, not a second root cause."""
     from repro_tools.cli import main as cli
 
     for name, perturb in (("a", False), ("b", True)):
         (tmp_path / name).mkdir()
-        mp.spawn(_all_to_all_worker, args=(free_port(), str(tmp_path / name), perturb), nprocs=WORLD, join=True)
+        mp.spawn(_all_to_all_worker, args=(free_port(), str(tmp_path / name), perturb, op), nprocs=WORLD, join=True)
     recs = [json.loads(line) for line in (tmp_path / "a" / "rank0.jsonl").read_text().splitlines()[1:-1]]
-    (a2a,) = [r for r in recs if r["op"].startswith("c10d.alltoall_base_")]
-    (mul,) = [r for r in recs if r["op"] == "aten.mul.Tensor" and r["inputs"] == [a2a["node"]]]
-    assert mul["in_hashes"] == [a2a["hash"]]
+    (coll,) = [r for r in recs if r["op"] == recorded]
+    assert len([r for r in recs if r["op"] == "input"]) == 1  # src alone: gloo's own buffer is no input
+    if op == "reduce_scatter":
+        assert [r["inputs"] for r in recs if r["op"] == "alias"] == [[coll["node"]]]  # it is the collective's value
+    if op == "all_to_all":
+        (mul,) = [r for r in recs if r["op"] == "aten.mul.Tensor" and r["inputs"] == [coll["node"]]]
+        assert mul["in_hashes"] == [coll["hash"]]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = cli(["diff", str(tmp_path / "a" / "rank0.jsonl"), str(tmp_path / "b" / "rank0.jsonl"), "--json"])
-    assert code == 1 and [r["op"] for r in json.loads(buf.getvalue())["root_causes"]] == ["c10d.alltoall_base_.default"]
+    assert code == 1 and [r["op"] for r in json.loads(buf.getvalue())["root_causes"]] == [recorded]
