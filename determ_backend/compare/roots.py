@@ -319,7 +319,9 @@ class _Graph:
         """Records only one run has whose inputs are paired and agree and whose value feeds (through other such
         records) a live divergence of that run: where the two runs part."""
         found: List[Pair] = []
-        parted = [p for p in self.pairs if id(p) in live and p.equal is False and self.wired_alike(p) is False]
+        # where the runs are wired apart: a differing record, or one not judged (a view both runs take of values
+        # only one run made each: sdpa against bmm attention)
+        parted = [p for p in self.pairs if id(p) in live and p.equal is not True and self.wired_alike(p) is False]
         for i, side in enumerate(("a", "b")):
             mine = {getattr(p, side).node: p for p in loose if getattr(p, side) is not None}
             if not mine:

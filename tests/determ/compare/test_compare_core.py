@@ -503,3 +503,20 @@ def test_an_eager_trace_pairs_with_a_compiled_one_by_line_whatever_the_compiled_
            _staged("aot_forward", "mm", "aten.mm.default", "m.py:9 (forward)", "mm", ["x", "w"], output=True)]
     cmp = compare_traces(eager, aot)
     assert ("mm", "mm") in _partners(p for p in cmp.pairs if p.paired) and cmp.divergent
+
+
+def test_ops_only_one_run_has_are_found_behind_a_view_both_runs_take():
+    """Attention as sdpa in A and as bmm in B: each path is an op one run alone has, read through a view both runs
+    take (paired, not judged: a view's value is its input's) into the projection that differs.  Both paths are
+    named; nothing was."""
+    def run(attn):
+        return [_staged("aot_forward", "x", "input", "m.py:1 (forward)", "x", kind="input"),
+                _staged("aot_forward", "q", "aten.mm.default", "m.py:2 (forward)", "q", ["x"]),
+                _staged("aot_forward", attn, f"aten.{attn}.default", "m.py:3 (forward)", attn, ["q"]),
+                Record(graph="g0", stage="aot_forward", node="view", op="aten.view.default", kind="view",
+                       dtype="float32", shape=[4], inputs=[attn], source="m.py:4 (forward)"),
+                _staged("aot_forward", "out", "aten.mm.default", "m.py:5 (forward)", "o" + attn, ["view"],
+                        output=True)]
+
+    cmp = compare_traces(run("sdpa"), run("bmm"))
+    assert sorted((p.rec.node, p.metrics.get("only_in")) for p in cmp.root_causes) == [("bmm", "b"), ("sdpa", "a")]
