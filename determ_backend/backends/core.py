@@ -40,7 +40,9 @@ def _active(cfg: DetermConfig) -> bool:
 
 def _recorder(run: Run, cfg: DetermConfig, graph: str, stage: str, infos: List[NodeInfo],
               eager_writes: bool = False) -> Recorder:
-    return Recorder(graph, stage, infos, stats=cfg.stats, rank=run.rank, run=run.id,
+    # the nan check reads the NaN/Inf counts of the statistics: it records them whatever DETERM_STATS says (with
+    # them off it found nothing and said the run was clean)
+    return Recorder(graph, stage, infos, stats=cfg.stats or "nan" in cfg.check, rank=run.rank, run=run.id,
                     memo=run.memo if cfg.reuse_saved else None, eager_writes=eager_writes)
 
 

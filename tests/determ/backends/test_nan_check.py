@@ -222,3 +222,11 @@ def test_a_nan_that_comes_in_with_a_parameter_is_said_not_blamed(tmp_path, caplo
     (note,) = [n for n in rep["notes"] if n.get("notice")]
     assert (note["node"], note["kind"], note["metrics"]) == ("0.weight", "param", {"nan": 0, "inf": 1})
     assert "comes from param 0.weight" in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["determ_aot_eager", "determ_eager"])
+def test_the_nan_check_records_its_statistics_when_they_are_turned_off(tmp_path, backend):
+    """``stats=False`` (DETERM_STATS=0) left the check without the NaN counts it reads: the run was said clean."""
+    report = _run(SqrtOfShifted, backend, tmp_path, backend, stats=False)
+    (f,) = _nan_findings(report)
+    assert f["first_divergence"]["op"] in ("aten.sqrt.default", "torch.sqrt") and report["checker_errors"] == []
