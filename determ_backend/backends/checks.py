@@ -71,36 +71,38 @@ from determ_backend.clones import AttributeState, Saved, clone_inputs, read_attr
 from determ_backend.fingerprint.core import hash_tensors
 from determ_backend.trace.stream import Record, format_hash
 
-__all__ = ["GraphExec", "graph_in_dtype", "has_random_ops", "untraced"]
+__all__ = ["GraphExec", "graph_in_dtype", "has_random_ops", "unrecorded"]
 
 log = logging.getLogger(__name__)
 
-_UNTRACED = threading.local()  # untraced() regions open in this thread
-_UNTRACED_ANY = [0]  # ... in any thread: read by threads Python did not start (autograd's device threads)
-_UNTRACED_LOCK = threading.Lock()
+_UNRECORDED = threading.local()  # unrecorded() regions open in this thread
+_UNRECORDED_ANY = [0]  # ... in any thread: read by threads Python did not start (autograd's device threads)
+_UNRECORDED_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def untraced() -> Iterator[None]:
+def unrecorded() -> Iterator[None]:
     """Calls of determ-compiled graphs inside run as compiled, recorded nowhere and checked by nothing: a repro
     flow's own execution of a graph (its accuracy check on the first call's inputs) is no call of the program's,
     and the trace holds the program's calls alone.  It holds for this thread, and for the threads autograd runs a
-    backward in for it (threads Python did not start); another thread of the program is traced as ever."""
-    _UNTRACED.depth = getattr(_UNTRACED, "depth", 0) + 1
-    with _UNTRACED_LOCK:
-        _UNTRACED_ANY[0] += 1
+    backward in for it (threads Python did not start); another thread of the program is traced as ever.  Graphs
+    compiled inside are configured as ever: :func:`determ_backend.config.flows_suspended` is the compile-time
+    counterpart (the minifier's candidates get no tracing at all)."""
+    _UNRECORDED.depth = getattr(_UNRECORDED, "depth", 0) + 1
+    with _UNRECORDED_LOCK:
+        _UNRECORDED_ANY[0] += 1
     try:
         yield
     finally:
-        _UNTRACED.depth -= 1
-        with _UNTRACED_LOCK:
-            _UNTRACED_ANY[0] -= 1
+        _UNRECORDED.depth -= 1
+        with _UNRECORDED_LOCK:
+            _UNRECORDED_ANY[0] -= 1
 
 
-def _untraced_here() -> bool:
-    if getattr(_UNTRACED, "depth", 0):
+def _unrecorded_here() -> bool:
+    if getattr(_UNRECORDED, "depth", 0):
         return True
-    return bool(_UNTRACED_ANY[0]) and isinstance(threading.current_thread(), threading._DummyThread)
+    return bool(_UNRECORDED_ANY[0]) and isinstance(threading.current_thread(), threading._DummyThread)
 
 
 def graph_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -349,7 +351,7 @@ class GraphExec:
             args.clear()
         else:
             args_list = list(call_args)
-        if _UNTRACED_ANY[0] and _untraced_here():
+        if _UNRECORDED_ANY[0] and _unrecorded_here():
             try:
                 return self._invoke(args_list)
             finally:

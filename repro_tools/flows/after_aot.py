@@ -42,7 +42,7 @@ import torch.fx as fx
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig, load_config
 from determ_backend.errors import AccuracyError
-from determ_backend.backends.checks import untraced
+from determ_backend.backends.checks import unrecorded
 from determ_backend.backends.extract import lift_random_draws
 from repro_tools.minify.accuracy import call_maybe_boxed, same_two_models
 from repro_tools.minify.compilers import compile_graph
@@ -143,7 +143,7 @@ def _check_accuracy(compiled: Callable, inputs: List[Any], cfg: DetermConfig, du
     except Exception as e:
         report_flow_error(cfg, "aot", f"taking the {stage} graph's random draws as inputs for the accuracy check", e)
         return
-    with untraced():  # the check's run of the compiled graph is no call of the program's
+    with unrecorded():  # the check's run of the compiled graph is no call of the program's
         result = same_two_models(reference, compiled, inputs, only_fwd=True, tol=cfg.tol,
                                  multiplier=cfg.fp64_multiplier, strict=cfg.strict)
     act_on_accuracy(result, cfg, dump, inputs, "repro accuracy (after aot)", f"compiled {stage} graph ({dump.compiler})")

@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from determ_backend import _torch_compat as tc
 from determ_backend.config import DetermConfig, load_config
-from determ_backend.backends.checks import untraced
+from determ_backend.backends.checks import unrecorded
 from determ_backend.clones import AttributeState
 
 from repro_tools.minify.accuracy import same_two_models
@@ -143,7 +143,7 @@ def _check_accuracy(compiled: Callable, gm: fx.GraphModule, inputs: list, cfg: D
     except Exception as e:
         report_flow_error(cfg, "dynamo", "reading the graph's tensor attributes for the accuracy check", e)
         return
-    with untraced():  # the check's run of the compiled graph is no call of the program's
+    with unrecorded():  # the check's run of the compiled graph is no call of the program's
         result = same_two_models(reference, unboxed, inputs, only_fwd=False, tol=cfg.tol,
                                  multiplier=cfg.fp64_multiplier, strict=cfg.strict, compiled_attributes=attrs)
     if result.status == "not_judged":  # a dynamo graph's draws cannot be cut out; AOT's aten graphs' can

@@ -676,12 +676,12 @@ def test_a_graph_holding_collectives_is_known_in_dynamo_and_aot_form(free_port):
     assert not holds_collectives(fx.GraphModule(torch.nn.Module(), g))
 
 
-def test_an_untraced_region_leaves_out_this_threads_calls_alone(tmp_path):
-    """A repro flow's own run of a graph (``untraced()``) is no call of the program's; a call another thread of the
+def test_an_unrecorded_region_leaves_out_this_threads_calls_alone(tmp_path):
+    """A repro flow's own run of a graph (``unrecorded()``) is no call of the program's; a call another thread of the
     program makes meanwhile is one, and is recorded."""
     import threading
 
-    from determ_backend.backends.checks import untraced
+    from determ_backend.backends.checks import unrecorded
     from determ_backend.trace.stream import read_trace
 
     torch._dynamo.reset()
@@ -691,7 +691,7 @@ def test_an_untraced_region_leaves_out_this_threads_calls_alone(tmp_path):
     x = torch.randn(2, 4)
     with torch.no_grad():
         f(x)  # call 0
-        with untraced():
+        with unrecorded():
             f(x)  # this thread's: not a call
             errors = []
 
