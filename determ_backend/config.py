@@ -195,7 +195,8 @@ def flows_suspended(untraced: bool = False) -> Iterator[None]:
     would dump and minify each candidate in turn (the level-4 flow recursed until Python's limit).  ``untraced``
     (the minifier): no tracing, checks or reference either, so a determ backend compiles each candidate as the
     backend it wraps does (bit for bit), and the candidates' graphs do not enter the program's run as graphs and
-    findings of its own."""
+    findings of its own.  Graphs compiled before are left as they are: leaving their calls out of the trace is
+    :func:`determ_backend.backends.checks.unrecorded`'s job (a level-4 check's own run of a graph)."""
     _FLOWS_OFF[0] += 1
     _UNTRACED[0] += int(untraced)
     try:
