@@ -143,11 +143,17 @@ def _ref_name(rec: Record) -> Optional[str]:
     return rec.node if "#" not in rec.node else None
 
 
+def _argument_records(result: CallResult) -> List[Record]:
+    """The records of the call's tensor arguments, in order: its ``input``/``param`` records less the constants the
+    graph holds (``get_attr``: every Hugging Face decoder has some), which are no argument of the call."""
+    return [r for r in result.records if r.kind in ("input", "param") and r.op != "get_attr"]
+
+
 def _inputs_intact(result: CallResult, args: List[Any]) -> bool:
     """Whether the call's tensor inputs still hold what the trace recorded at its start (a compiled backward
     may reuse its inputs' memory): their fingerprints against the input records', in order."""
-    recs = [r for r in result.records if r.kind in ("input", "param") and r.op != "get_attr"]  # not the constants
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]                                  # the graph holds
+    recs = _argument_records(result)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if len(recs) != len(tensors) or any(r.hash is None for r in recs):
         return False
     return [format_hash(h) for h in hash_tensors(tensors)] == [r.hash for r in recs]
@@ -606,7 +612,7 @@ class GraphExec:
         if backward and batch_sym is None:
             return f"graph {r0.graph} {r0.stage}: its forward graph was not checked for batch invariance"
         if not backward:
-            kinds = iter([r.kind for r in result.records if r.kind in ("input", "param") and r.op != "get_attr"])
+            kinds = iter([r.kind for r in _argument_records(result)])
             for n, a, val in zip(placeholders, args, vals):
                 kind = next(kinds, None) if isinstance(a, torch.Tensor) else None
                 if kind == "input" and a.dim() > dim and isinstance(val, torch.Tensor):
