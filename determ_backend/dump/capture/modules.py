@@ -30,7 +30,7 @@ import functools
 import inspect
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,16 +54,23 @@ _WRITES_ONLY = {name: 0 for name in ("all_gather", "all_gather_into_tensor", "re
 _WRITES_ONLY["gather"] = 1
 
 
-def _read_items(orig: Callable, name: str, items: List[tuple]) -> List[tuple]:
-    """``items`` less the output buffer a collective only writes (by position or by keyword)."""
+def _written_only(orig: Callable, name: str) -> Tuple[str, ...]:
+    """The item names (:func:`~.entries.call_items`) of the output buffer collective ``name`` only writes: its
+    position and, read from ``orig``'s signature, its keyword."""
     pos = _WRITES_ONLY.get(name)
     if pos is None:
-        return items
+        return ()
     try:
         kw = list(inspect.signature(orig).parameters)[pos]
     except (TypeError, ValueError, IndexError):  # no signature to read: by position alone
-        kw = None
-    drop = (f"input.{pos}", f"input.{kw}")
+        return (f"input.{pos}",)
+    return (f"input.{pos}", f"input.{kw}")
+
+
+def _read_items(items: List[tuple], drop: Tuple[str, ...]) -> List[tuple]:
+    """``items`` less those under the names ``drop`` (:func:`_written_only`)."""
+    if not drop:
+        return items
     return [(n, v) for n, v in items if not any(n == d or n.startswith(d + ".") for d in drop)]
 
 
@@ -85,6 +92,7 @@ def compiled_modules(model: torch.nn.Module) -> List[tuple]:
 
 def _dist_wrapper(rec: ApiRecorder, name: str, orig: Callable) -> Callable:
     info = ApiInfo("Distributed", name)
+    written_only = _written_only(orig, name)  # read once, not at every call
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
@@ -95,7 +103,7 @@ def _dist_wrapper(rec: ApiRecorder, name: str, orig: Callable) -> Callable:
             return orig(*args, **kwargs)
         with guard():
             items = call_items(args, kwargs)
-            ins = rec.describe(_read_items(orig, name, items), "input")
+            ins = rec.describe(_read_items(items, written_only), "input")
             source = user_source()
         work = orig(*args, **kwargs)
         with guard():

@@ -48,7 +48,7 @@ from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.stream import Record, atomic_write_text
 from determ_backend.dump.comparison import compiled as cc
 from determ_backend.dump.comparison.metrics import accuracy_reached, payload_metrics, stats_metrics, tensor_record
-from determ_backend.dump.comparison.parse import (Dump, check_path, check_rank, check_world, data_dir_of, find_index,
+from determ_backend.dump.comparison.parse import (Dump, check_path, check_rank_folders, data_dir_of, find_index,
                                                   open_dump, rank_dirs, read_header)
 from determ_backend.dump.capture.writer import PAYLOAD_FILE
 
@@ -866,10 +866,7 @@ def compare_distributed(npu_dump_dir: Union[str, Path], bench_dump_dir: Union[st
                                f"{sorted(rb)}; both runs must use {same}")
     indexes = {rank: (find_index(ra[rank]), find_index(rb[rank])) for rank in ra}
     for side, root in enumerate((npu_dump_dir, bench_dump_dir)):
-        headers = {rank: read_header(pair[side]) for rank, pair in indexes.items()}
-        for rank, header in headers.items():
-            check_rank(indexes[rank][side], header, rank)
-        check_world(root, headers)
+        check_rank_folders(root, {rank: (pair[side], read_header(pair[side])) for rank, pair in indexes.items()})
     results = []
     for rank in ra:
         pa, pb = indexes[rank]

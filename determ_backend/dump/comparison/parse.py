@@ -24,7 +24,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -36,7 +36,7 @@ from determ_backend.trace import jsonl
 from determ_backend.trace.store import TensorStore, fingerprint_key
 
 __all__ = ["Dump", "read_dump", "open_dump", "find_index", "parse", "rank_dirs", "check_path", "check_rank",
-           "check_world", "read_header", "data_dir_of", "holds_index"]
+           "check_rank_folders", "read_header", "data_dir_of", "holds_index"]
 
 log = logging.getLogger(__name__)
 
@@ -228,11 +228,15 @@ def check_rank(path: Path, header: Dict[str, Any], rank: int) -> None:
                                f"(copied from another rank?)")
 
 
-def check_world(root: Union[str, Path], headers: Dict[int, Dict[str, Any]]) -> None:
-    """A :class:`TraceFormatError` when the rank folders of ``root`` (their indexes' ``headers``, by folder rank)
+def check_rank_folders(root: Union[str, Path], found: Dict[int, Tuple[Path, Dict[str, Any]]]) -> None:
+    """The rank folders of ``root`` (``{folder rank: (its index, the index's header)}``): each index written by its
+    folder's rank (:func:`check_rank`), and every rank of the run there; a :class:`TraceFormatError` when the folders
     are not every rank of the run their headers name (``world_size``; of the ranks the dump was told to cover, when
     they say so: ``ranks``): a rank whose folder is gone would pass every replica check and every rank-by-rank
     comparison unseen."""
+    for rank, (path, header) in found.items():
+        check_rank(path, header, rank)
+    headers = {rank: header for rank, (_, header) in found.items()}
     worlds = {h.get("world_size") for h in headers.values()}
     world = worlds.pop() if len(worlds) == 1 else None
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from determ_backend.errors import TraceFormatError
-from determ_backend.dump.comparison.parse import Dump, check_rank, check_world, find_index, open_dump, rank_dirs
+from determ_backend.dump.comparison.parse import Dump, check_rank_folders, find_index, open_dump, rank_dirs
 
 __all__ = ["check_replicas", "ReplicaReport", "Disagreement", "INVARIANT_COLLECTIVES"]
 
@@ -109,9 +109,7 @@ def _load(root: Union[str, Path], index: Optional[str]) -> Dict[int, Dump]:
     # a killed job's dumps (no end line) are read up to their last whole entry, as compare reads them
     several = "name the one to check (repro-tools ranks --index NAME; index= in Python)"
     dumps = {r: open_dump(d / index if index else find_index(d, several)) for r, d in dirs.items()}
-    for r, d in dumps.items():
-        check_rank(d.path, d.header, r)
-    check_world(root, {r: d.header for r, d in dumps.items()})
+    check_rank_folders(root, {r: (d.path, d.header) for r, d in dumps.items()})
     return dumps
 
 
