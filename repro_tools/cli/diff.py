@@ -17,7 +17,7 @@ from determ_backend.compare import Comparison, compare_traces, is_allocation, me
 from determ_backend.errors import ConfigError
 from determ_backend.trace.store import store_for
 
-__all__ = ["register", "run_diff", "format_table"]
+__all__ = ["register", "run_diff", "format_table", "compare_trace_pair", "diff_summary"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,14 +44,22 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--limit {args.limit}: expected a number of rows >= 0")
 
 
-def run_diff(args: argparse.Namespace) -> int:
-    _check_args(args)
+def compare_trace_pair(a: str, b: str, tol: Optional[float], allow_partial: bool = False) -> Comparison:
+    """Two trace files (or run directories, or logs) compared as ``diff`` compares them; ``cmp.files`` holds each
+    one's path and :class:`~determ_backend.trace.stream.TraceFile` (completeness, limits) for :func:`diff_summary`.
+    A trace holding no records is an input error."""
     from repro_tools.cli.trace_formats import load_compared
 
-    a = load_compared(args.a, args.allow_partial)
-    b = load_compared(args.b, args.allow_partial)
-    cmp = compare_traces(a.records, b.records, tol=args.tol, store_a=store_for(args.a), store_b=store_for(args.b))
-    summary = diff_summary(cmp, {"a": (args.a, a), "b": (args.b, b)})
+    fa, fb = load_compared(a, allow_partial), load_compared(b, allow_partial)
+    cmp = compare_traces(fa.records, fb.records, tol=tol, store_a=store_for(a), store_b=store_for(b))
+    cmp.files = {"a": (a, fa), "b": (b, fb)}
+    return cmp
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    _check_args(args)
+    cmp = compare_trace_pair(args.a, args.b, args.tol, args.allow_partial)
+    summary = diff_summary(cmp, cmp.files)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:

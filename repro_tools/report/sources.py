@@ -308,7 +308,7 @@ def _load_trace(paths: List[str]) -> Report:
 
 
 def _comparison_report(kind: str, a: str, b: str, tol: Optional[float], title: str, checked: str) -> Report:
-    from repro_tools.xdevice.core import compare_trace_pair
+    from repro_tools.cli.diff import compare_trace_pair
 
     cmp = compare_trace_pair(a, b, tol)
     rows = rows_from_pairs([pair_row(p) for p in cmp.pairs])

@@ -37,13 +37,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from tqdm import tqdm
 
-from determ_backend.compare import Comparison, compare_traces, metrics_text
+from determ_backend.compare import Comparison, metrics_text
 from determ_backend.devices import parse_device_spec, require
 from determ_backend.errors import ConfigError, DetermError, ReproError, exception_line, first_line
-from determ_backend.trace.store import store_for
 
 from repro_tools.cli.args import tol_arg
-from repro_tools.cli.diff import diff_summary, format_table
+from repro_tools.cli.diff import compare_trace_pair, diff_summary, format_table
 
 __all__ = ["register", "run", "compare_repro", "compare_trace_pair", "compare_script"]
 
@@ -158,15 +157,6 @@ def _narrower_hint(spec: str, error: str) -> str:
             f"makes are only widened), so a value the model meant to follow x.dtype, float32 where the graph was "
             f"traced, can meet {name} in an op that does not promote: compare against cpu:float64, or run the model "
             f"itself in {name} on both sides")
-
-
-def compare_trace_pair(a: str, b: str, tol: float) -> Comparison:
-    from repro_tools.cli.trace_formats import load_compared
-
-    fa, fb = load_compared(a), load_compared(b)
-    cmp = compare_traces(fa.records, fb.records, tol=tol, store_a=store_for(a), store_b=store_for(b))
-    cmp.files = {"a": (a, fa), "b": (b, fb)}
-    return cmp
 
 
 def _label(i: int, spec: str) -> str:
