@@ -312,9 +312,13 @@ class HashMode(_compat.TorchDispatchMode):
         return self._recorder.compiled_ops
 
     # -- sinks -------------------------------------------------------------------------------------
+    def _files(self) -> List[Path]:
+        """The files this mode writes (claimed together when it opens them)."""
+        return [self.trace_path]
+
     def _open(self) -> None:
         if self.trace_path is not None and self._writer is None:
-            _claim(self, [self.trace_path])
+            _claim(self, self._files())  # all of them or none
             self._writer = TraceWriter(self.trace_path, run=self.run, meta={"producer": type(self).__name__})
 
     def _sink(self, events: List[OpEvent], early: bool = False) -> None:
@@ -435,9 +439,10 @@ class HashDebugTrace(HashMode):
         self.verbose, self.max_ops_logged, self.auto_flush = verbose, max_ops_logged, auto_flush
         self._log: Optional[LogWriter] = None
 
+    def _files(self) -> List[Path]:
+        return [self.log_path, self.jsonl_path]
+
     def _open(self) -> None:
-        if self._log is None:
-            _claim(self, [self.log_path, self.jsonl_path])  # both or neither
         super()._open()
         if self._log is None:
             self._log = LogWriter(self.log_path, self.run, torch.__version__, echo=self.verbose,
