@@ -321,13 +321,27 @@ def has_relu(family: str) -> bool:
     return family in RELU_FAMILIES
 
 
-def build(family: str, seq: int = 16, seed: int = 0) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor]]:
-    """A freshly initialized small model of ``family`` (seeded) and its keyword inputs."""
+def build(family: str, seq: int = 16, seed: int = 0, **config: Any) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor]]:
+    """A freshly initialized small model of ``family`` (seeded) and its keyword inputs; ``config`` overrides
+    fields of its ``transformers`` config (``hidden_act="relu"``)."""
     import transformers as T
 
     torch.manual_seed(seed)
-    model, inputs = FAMILIES[family](T, seq)
+    model, inputs = FAMILIES[family](_Overridden(T, config) if config else T, seq)
     return model, inputs
+
+
+class _Overridden:
+    """The ``transformers`` module with ``config`` applied to every ``*Config`` class a builder makes."""
+
+    def __init__(self, module: Any, config: Dict[str, Any]):
+        self._module, self._config = module, config
+
+    def __getattr__(self, name: str) -> Any:
+        obj = getattr(self._module, name)
+        if not name.endswith("Config"):
+            return obj
+        return lambda *args, **kwargs: obj(*args, **{**kwargs, **self._config})
 
 
 def loss_of(out: Any) -> torch.Tensor:

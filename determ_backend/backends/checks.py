@@ -56,7 +56,7 @@ from determ_backend import _torch_compat, devices
 from determ_backend.backends import flows, narrow
 from determ_backend.backends.extract import node_draws
 from determ_backend.compare import (Comparison, Pair, align, batch_rows, compare_traces, dtype_tol, find_roots,
-                                    is_float, is_output, judge, largest_magnitude, rmse, sub_batches,
+                                    is_float, is_output, judge, rmse, rounds_alike, sub_batches,
                                     tensor_metrics)
 from determ_backend.compare.nonfinite import causal_creations, first_created
 from determ_backend.config import DetermConfig
@@ -234,7 +234,6 @@ def _kernel_of(node: str, records) -> Optional[str]:
 _MAX_NARROW = 4
 """Fused kernels narrowed into per graph call (one compile per root in them).  A backward graph recomputes a
 forward op in each kernel that needs it (a relu per expert of a mixture): every such kernel's root is one."""
-_LOCAL_ULPS = 16  # units in the last place a kernel may round one node apart from eager on the same inputs
 
 
 def _accuracy_metrics(got: torch.Tensor, exp: torch.Tensor, e64: Optional[torch.Tensor]) -> Dict[str, Any]:
@@ -726,7 +725,7 @@ class GraphExec:
             kernels.add(kernel)
             try:
                 found = narrow.narrow_root(self.reference_gm, name, judged, ref, ref64, self.compile_region,
-                                           self._judge, self._computed_alike)
+                                           self._judge, rounds_alike)
             except Exception as e:  # the region could not be compiled or run alone: the buffer stays the answer
                 self.run.add_checker_error("accuracy", f"narrowing {rec.node} inside {kernel} failed: "
                                                        f"{type(e).__name__}: {first_line(e)}")
@@ -796,23 +795,6 @@ class GraphExec:
             narrowest = self._computed_from.get(name) if name is not None else None
             tol = dtype_tol(tol, exp.dtype, got.dtype, *([narrowest] if narrowest is not None else []))
         return judge(exp, got, e64, tol=tol, fp64_multiplier=self.config.fp64_multiplier, strict=True)
-
-    def _computed_alike(self, exp: Any, got: Any, name: str, inputs: Sequence[Any] = ()) -> Optional[bool]:
-        """Whether ``got`` (a node's compiled value) is ``exp`` (eager's value of that node on the same ``inputs``)
-        up to the kernel's own rounding: a few units in the last place of the value's dtype, of its own size and,
-        for each of the k input elements an output element may sum, of the largest input (an honest sum that cancels
-        to about 0 rounds at the size of what it sums, while a 1% wrong mean of small squares is far beyond)."""
-        if not (isinstance(exp, torch.Tensor) and isinstance(got, torch.Tensor)) or exp.shape != got.shape:
-            return None
-        if not (exp.is_floating_point() and got.is_floating_point()):
-            return bool(torch.equal(exp, got.to(exp.dtype)))
-        ulps = _LOCAL_ULPS * max(torch.finfo(exp.dtype).eps, torch.finfo(got.dtype).eps)
-        floats = [x.detach().double() for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()
-                  and x.numel()]
-        e, g = exp.detach().double(), got.detach().double()
-        k = max([x.numel() for x in floats] + [1]) / max(e.numel(), 1)
-        scale = max(largest_magnitude(x) for x in floats + [e])
-        return bool(torch.allclose(e, g, atol=ulps * max(k, 1.0) * scale, rtol=ulps, equal_nan=True))
 
     @functools.cached_property
     def _computed_from(self) -> Dict[str, torch.dtype]:

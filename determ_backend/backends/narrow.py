@@ -143,14 +143,14 @@ def _allocates(n: fx.Node) -> bool:
 
 def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, Any], ref64: Dict[str, Any],
                 compile_region: Callable[[fx.GraphModule, List[Any]], Callable], judge: Judge,
-                local: Optional[Callable[[Any, Any, str, List[Any]], Optional[bool]]] = None) -> Optional[Narrowed]:
+                local: Optional[Callable[[Any, Any, List[Any]], Optional[bool]]] = None) -> Optional[Narrowed]:
     """The first node of ``node``'s fused region (in graph order) whose compiled value fails ``judge``
     when the region is compiled alone; a :class:`Narrowed` with no node when none does; None when there
     is nothing to narrow (a region of one op; one holding collectives, which this rank alone would run, when
     several ranks run).  :class:`CannotNarrow` and the compiler's own errors
     propagate to the caller.
 
-    ``local(expected, compiled, name, inputs)``: whether a node's compiled value is what eager computes from the
+    ``local(expected, compiled, inputs)``: whether a node's compiled value is what eager computes from the
     node's own compiled ``inputs`` (up to the kernel's rounding).  A first failing node that passes it computes
     correctly from inputs that already carried the error, within ``judge``'s absolute tolerance (a 1% wrong
     ``mean`` of small squares, which ``rsqrt`` scales up): the culprit is then the first of its producers in the
@@ -183,7 +183,7 @@ def narrow_root(gm: fx.GraphModule, node: str, judged: Set[str], ref: Dict[str, 
 
 
 def _computes_wrongly(gm: fx.GraphModule, region: List[fx.Node], symptom: fx.Node, got: Dict[str, Any],
-                      ref: Dict[str, Any], local: Callable[[Any, Any, str, List[Any]], Optional[bool]]) -> fx.Node:
+                      ref: Dict[str, Any], local: Callable[[Any, Any, List[Any]], Optional[bool]]) -> fx.Node:
     """``symptom``, unless it computes its compiled value from its compiled inputs: then the first of its producers
     in ``region`` (graph order) that does not -- run eagerly on the compiled values of its own inputs (the region's
     frontier on the eager ones), its value is not the compiled one; ``symptom`` when none is found."""
@@ -199,7 +199,7 @@ def _computes_wrongly(gm: fx.GraphModule, region: List[fx.Node], symptom: fx.Nod
         except Exception:  # cannot tell
             return False
         ins = [values[a.name] for a in n.all_input_nodes if isinstance(values.get(a.name), torch.Tensor)]
-        return local(mine, got[n.name], n.name, ins) is False
+        return local(mine, got[n.name], ins) is False
 
     if wrong(symptom):
         return symptom

@@ -7,11 +7,13 @@ so a node that only amplifies an error it was handed looks guilty: a LayerNorm a
 
 :class:`Upstream` asks of such a node whether it is **innocent**: the reference graph is replayed
 with the suspect side's values of the node's inputs substituted, and the node's replayed value is
-compared with the suspect's own value relative to its size (:func:`~determ_backend.compare.close_to_scale`).
-If they agree, the node computes the suspect value from the suspect inputs: the error came in
-through them.  :func:`move_innocent_roots` then follows the one input that carries the error
-(differs relative to its size), step by step, while each is innocent in turn; where several inputs
-carry it, or none does, the root stays and says it computes right from its inputs.
+compared with the suspect's own value, up to the node's own rounding on those inputs
+(:func:`~determ_backend.compare.rounds_alike`: a sum that cancels is judged at the size of what it sums),
+or relative to its size (:func:`~determ_backend.compare.close_to_scale`) and element by element.  If they
+agree, the node computes the suspect value from the suspect inputs: the error came in through them.
+:func:`move_innocent_roots` then follows the one input that carries the error (differs relative to its
+size), step by step, while each is innocent in turn; where several inputs carry it, or none does, the
+root stays and says it computes right from its inputs.
 
 Used by the backends' accuracy check (compiled against eager) and by ``repro-tools xdevice`` (one
 device against another).
@@ -27,7 +29,7 @@ import torch.fx as fx
 
 from determ_backend.backends.eager import replay
 from determ_backend.backends.extract import ancestors
-from determ_backend.compare import Comparison, Pair, close_to_scale
+from determ_backend.compare import Comparison, Pair, close_to_scale, rounds_alike
 
 __all__ = ["Upstream", "move_innocent_roots", "MAX_UPSTREAM"]
 
@@ -66,11 +68,15 @@ class Upstream:
         inject = {n.name: self.convert(self.suspect[n.name]) for n in self.frontier(node)}
         if not inject:
             return None
+        args = [a.name for a in node.all_input_nodes]
         try:
-            replayed = replay(self.gm, self.args, self.rng, inject=inject, keep={name}, rank_local=True).get(name)
+            values = replay(self.gm, self.args, self.rng, inject=inject, keep={name, *args}, rank_local=True)
         except Exception as e:
             log.info("determ: replay of %s from the suspect side's inputs failed (%s)", name, e)
             return None
+        replayed = values.get(name)
+        if rounds_alike(replayed, value, [values.get(a) for a in args]) is True:
+            return True  # the node's own rounding on these inputs: a sum that cancels is judged at what it sums
         scaled = close_to_scale(replayed, value, self.tol)
         if scaled is not True:
             return scaled

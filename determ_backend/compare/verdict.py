@@ -18,7 +18,8 @@ Meaning (PyTorch's ``same(..., fp64_ref)``):
 
 :func:`close_to_scale` is the relative-to-size test the accuracy check asks of a root it suspects innocent
 (whether a node computes its compiled value from its compiled inputs), where an absolute tolerance would
-pass any two small tensors.
+pass any two small tensors; :func:`rounds_alike` the tighter test of one kernel's own rounding, which also
+holds for a sum that cancels to far below the size of what it sums.
 
 :func:`tensor_metrics` measures a pair (max abs/rel error, cosine, errors vs fp64);
 :func:`judge_records` judges two trace records from their fingerprints, their
@@ -36,7 +37,8 @@ from determ_backend.fingerprint.core import hash_tensor, hash_tensors
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 
-__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "close_to_scale", "largest_magnitude", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows", "sub_batches",
+__all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "close_to_scale", "rounds_alike", "KERNEL_ULPS",
+           "largest_magnitude", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows", "sub_batches",
            "stats_metrics", "judge_records", "dtype_tol", "metrics_text"]
 
 DEFAULT_TOL = 1e-3
@@ -137,6 +139,30 @@ def close_to_scale(exp: Any, got: Any, tol: float) -> Optional[bool]:
         return None
     e, g = exp.detach().double().cpu(), got.detach().double().cpu()
     return bool(torch.allclose(e, g, atol=tol * largest_magnitude(e), rtol=tol, equal_nan=True))
+
+
+KERNEL_ULPS = 16
+"""Units in the last place one kernel may round a node's value apart from eager's, on the same inputs."""
+
+
+def rounds_alike(exp: Any, got: Any, inputs: Sequence[Any] = (), ulps: int = KERNEL_ULPS) -> Optional[bool]:
+    """Whether ``got`` is ``exp`` (two computations of one node from the same ``inputs``) up to a kernel's own
+    rounding: ``ulps`` units in the last place of the wider-rounding dtype, of the value's own size and, for each
+    of the k input elements an output element may combine, of the largest input.  An honest sum that cancels to
+    about 0 rounds at the size of what it sums (a LayerNorm backward's ``sum(dy * w * xhat)``), while a 1% wrong
+    mean of small squares is far beyond.  Non-floating values compare exactly; None when they are not two tensors
+    of one shape."""
+    if not (isinstance(exp, torch.Tensor) and isinstance(got, torch.Tensor)) or exp.shape != got.shape:
+        return None
+    if not (exp.is_floating_point() and got.is_floating_point()):
+        return bool(torch.equal(exp.cpu(), got.to(exp.dtype).cpu()))
+    tol = ulps * max(torch.finfo(exp.dtype).eps, torch.finfo(got.dtype).eps)
+    floats = [x.detach().double().cpu() for x in inputs
+              if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()]
+    e, g = exp.detach().double().cpu(), got.detach().double().cpu()
+    k = max([x.numel() for x in floats] + [1]) / max(e.numel(), 1)
+    scale = max(largest_magnitude(x) for x in floats + [e])
+    return bool(torch.allclose(e, g, atol=tol * max(k, 1.0) * scale, rtol=tol, equal_nan=True))
 
 
 def tensor_metrics(a: torch.Tensor, b: torch.Tensor, ref64: Optional[torch.Tensor] = None) -> Dict[str, Any]:

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from determ_backend.backends import narrow
 from determ_backend.backends.eager import eager_node_values
-from determ_backend.compare import judge
+from determ_backend.compare import judge, rounds_alike
 from conftest import relu_as_plus_one
 
 aten = torch.ops.aten
@@ -206,16 +206,7 @@ def test_a_small_wrong_value_is_named_not_the_consumer_that_scales_it_past_the_t
     gm = _rms_graph()
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0)) * 0.02
     ref, ref64 = eager_node_values(gm, [x]), eager_node_values(gm, [x.double()])
-    local = lambda exp, got, name, inputs: judge_close(exp, got, inputs)  # noqa: E731
-    found = narrow.narrow_root(gm, "mul", set(), ref, ref64, _mean_one_percent_high, _judge, local)
+    found = narrow.narrow_root(gm, "mul", set(), ref, ref64, _mean_one_percent_high, _judge, rounds_alike)
     assert found.node.name == "mean"
     assert narrow.narrow_root(gm, "mul", set(), ref, ref64, _mean_one_percent_high, _judge).node.name == "rsqrt"
 
-
-def judge_close(exp, got, inputs):
-    """A few float32 ulps of the value and, per summed element, of its largest input (as the accuracy check's
-    ``GraphExec._computed_alike`` asks)."""
-    ulps = 16 * torch.finfo(torch.float32).eps
-    k = max(max(t.numel() for t in inputs) / exp.numel(), 1.0)
-    scale = max(float(t.abs().max()) for t in [exp, *inputs])
-    return bool(torch.allclose(exp, got, atol=ulps * k * scale, rtol=ulps))

@@ -1,0 +1,46 @@
+"""The innocence test of a root (:class:`determ_backend.backends.upstream.Upstream`) on a sum that cancels."""
+
+import torch
+import torch.fx as fx
+
+from determ_backend.backends.upstream import Upstream
+from determ_backend.devices import get_rng_state
+
+
+def _cancelling(seed: int = 0):
+    """A graph ``(x * c).sum(-1)`` and a compiled side whose products are large and cancel to a small sum; the
+    compiled side sums them in another order than eager does (pairs first), as a fused kernel may."""
+    def f(x, c):
+        return (x * c).sum(-1)
+
+    gm = fx.symbolic_trace(f)
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randn(8, 128, generator=g) * 1e4
+    x = torch.cat([half, half + torch.randn(8, 128, generator=g) * 1e-2], dim=1)
+    c = torch.cat([torch.ones(8, 128), -torch.ones(8, 128)], dim=1)
+    prod = x * c
+    compiled_sum = (prod[:, :128] + prod[:, 128:]).sum(-1)  # the pairs cancel first: another rounding than eager's
+    eager = {"mul": prod, "sum_1": f(x, c)}
+    return gm, [x, c], prod, compiled_sum, eager
+
+
+def test_a_sum_that_cancels_computes_right_from_its_inputs_when_it_differs_only_by_its_own_rounding():
+    """Eager's order and the pairs-first order round apart by far more than the tolerance of the small sum itself,
+    but by a few units in the last place of what it sums: the sum computes right from its inputs (a LayerNorm
+    backward's ``sum(dy * w * xhat)`` after a wrong relu had been named a root beside the relu)."""
+    gm, args, prod, compiled_sum, eager = _cancelling()
+    assert (compiled_sum - eager["sum_1"]).abs().max() > 1e-3 * compiled_sum.abs().max()  # the case at hand
+    up = Upstream(gm, args, get_rng_state(), {"mul": prod, "sum_1": compiled_sum}, eager, tol=1e-3)
+    assert up.innocent("sum_1") is True
+
+
+def test_a_sum_wrong_by_one_of_its_terms_is_not_innocent():
+    """The same cancelling sum missing one of its products (or with one 1% off) is wrong by far more than its
+    rounding."""
+    gm, args, prod, compiled_sum, eager = _cancelling()
+    wrong = compiled_sum - prod[:, 0]
+    up = Upstream(gm, args, get_rng_state(), {"mul": prod, "sum_1": wrong}, eager, tol=1e-3)
+    assert up.innocent("sum_1") is False
+    wrong = compiled_sum + 0.01 * prod[:, 0]
+    up = Upstream(gm, args, get_rng_state(), {"mul": prod, "sum_1": wrong}, eager, tol=1e-3)
+    assert up.innocent("sum_1") is False
