@@ -111,10 +111,10 @@ class DetermConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.dir, str) or not self.dir:
             raise ConfigError(f"DETERM_DIR={self.dir!r}; expected a directory path")
-        if self.run_id is not None and (self.run_id in (".", "..") or any(
+        if self.run_id is not None and (self.run_id in (".", "..") or not self.run_id.strip() or any(
                 c in self.run_id for c in ("/", "\\", os.sep, os.altsep or "/"))):
             raise ConfigError(f"DETERM_RUN_ID={self.run_id!r}; expected a plain directory name "
-                              f"(no path separators, not '.' or '..')")
+                              f"(no path separators, not blank, '.' or '..')")
         bad = [c for c in self.check if c not in CHECKS]
         if bad:
             raise ConfigError(f"DETERM_CHECK={','.join(self.check)!r}: unknown check(s) {', '.join(bad)}; expected a comma-separated subset of {', '.join(CHECKS)}")
@@ -212,10 +212,11 @@ def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mappi
     ``repro-tools bisect`` (``DETERM_BISECT_DIR`` set) the output directory and run id are bisect's."""
     env = os.environ if env is None else env
     values = {}
-    given_as: Dict[str, Tuple[str, Any]] = {}  # field -> (the options key it came from, the value as given)
+    given_as: Dict[str, Tuple[str, Any]] = {}  # field -> (the variable or options key it came from, the value as given)
     for name, var in _ENV.items():
         if var in env:
             values[name] = _coerce(name, env[var], var)
+            given_as[name] = (var, env[var])
     for key, value in (options or {}).items():
         name = _BY_ENV.get(key, key)
         if name not in _ENV:
@@ -224,10 +225,10 @@ def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mappi
         given_as[name] = (f"options[{key!r}]", value)
     if env.get("DETERM_BISECT_DIR"):  # set by repro-tools bisect, which must find each run's report
         values["dir"] = _coerce("dir", env["DETERM_BISECT_DIR"], "DETERM_BISECT_DIR")
-        given_as.pop("dir", None)
+        given_as["dir"] = ("DETERM_BISECT_DIR", env["DETERM_BISECT_DIR"])
         if "DETERM_RUN_ID" in env:
             values["run_id"] = _coerce("run_id", env["DETERM_RUN_ID"], "DETERM_RUN_ID")
-            given_as.pop("run_id", None)
+            given_as["run_id"] = ("DETERM_RUN_ID", env["DETERM_RUN_ID"])
     try:
         return _built(values, base)
     except ConfigError as e:
@@ -235,8 +236,9 @@ def load_config(options: Optional[Mapping[str, Any]] = None, env: Optional[Mappi
 
 
 def _as_given(message: str, given_as: Mapping[str, Tuple[str, Any]]) -> str:
-    """A value check's one line (``REPRO_LEVEL='7'; expected ...``) naming the ``options`` key and the value the
-    user gave, when the setting came from ``options`` rather than from the environment variable it names."""
+    """A value check's one line (``REPRO_LEVEL='7'; expected ...``) naming where the setting came from (the
+    environment variable or the ``options`` key) and the value as the user gave it (``DETERM_TOL='-1'``, not the
+    number it was converted to)."""
     for name, (label, value) in given_as.items():
         var = _ENV[name]
         if message.startswith(var + "="):

@@ -29,7 +29,10 @@ from determ_backend.backends.run import Run
     ({}, {"DETERM_RUN_ID": "../../escape"}, "DETERM_RUN_ID='../../escape'; expected a plain directory name"),
     ({"run_id": ".."}, {}, "options['run_id']='..'; expected a plain directory name"),
     ({}, {"DETERM_TRACE": "2"}, "DETERM_TRACE='2': expected a boolean"),
-    ({}, {"DETERM_TOL": "-1"}, "DETERM_TOL='-1.0'; expected a non-negative number"),
+    ({}, {"DETERM_TOL": "-1"}, "DETERM_TOL='-1'; expected a non-negative number"),  # as given, not as converted
+    ({}, {"DETERM_FP64_MULTIPLIER": "0"}, "DETERM_FP64_MULTIPLIER='0'; expected a positive number"),
+    ({}, {"DETERM_RUN_ID": " "}, "DETERM_RUN_ID=' '; expected a plain directory name"),
+    ({"run_id": "\t"}, {}, "options['run_id']='\\t'; expected a plain directory name"),
     ({"check": "speed"}, {}, "options['check']='speed': unknown check(s) speed"),
     # a value out of range names the options key the user gave, not the environment variable (unset)
     ({"repro_level": 7}, {"REPRO_LEVEL": "2"}, "options['repro_level']=7; expected 1, 2, 3 or 4"),
