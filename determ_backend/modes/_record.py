@@ -72,7 +72,7 @@ def op_info(func) -> tuple:
     ``adopts storage``: :func:`~.ops.adopts_storage`, recorded as nothing: the tensor is an input where it is used)."""
     info = _OP_INFO.get(id(func))  # by id: OpOverload's __hash__ is Python code
     if info is None or info[5] is not func:
-        info = _OP_INFO[id(func)] = (schema_writes(func), returns_view(func), uninitialized(func),
+        info = _OP_INFO[id(func)] = (schema_writes(func, undeclared=True), returns_view(func), uninitialized(func),
                                      COPIES.get(_compat.op_schema_name(func)), str(func), func,
                                      str(getattr(func, "namespace", "")) == "c10d", out_args(func),
                                      adopts_storage(func))

@@ -67,8 +67,9 @@ def _walk(path: str, a: Any, out: list, with_values: bool) -> None:
         out.append((path, a))
 
 
-# ops that write arguments their schema does not mark ``Tensor(a!)``: batch norm updates its running statistics
-_UNDECLARED_WRITES = {name: ((3, "running_mean"), (4, "running_var"))
+# ops that write arguments their schema does not mark ``Tensor(a!)``: batch norm updates its running statistics when
+# its ``training`` argument is true (a third item: the argument, by position and name, that must be true)
+_UNDECLARED_WRITES = {name: ((3, "running_mean", (5, "training")), (4, "running_var", (5, "training")))
                       for name in ("aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm")}
 
 
@@ -81,10 +82,11 @@ _COLLECTIVE_WRITES = {"c10d::" + name: ((0, arg),) for name, arg in (
     ("gather_", "output_tensors"), ("reduce_", "tensors"))}
 
 
-def schema_writes(func, undeclared: bool = False) -> Tuple[Tuple[int, str], ...]:
+def schema_writes(func, undeclared: bool = False) -> Tuple[tuple, ...]:
     """Positions and names of the arguments ``func`` writes to (``Tensor(a!)``, and the outputs of the collectives
     whose schema does not say so); ``undeclared``: also those it writes without saying so (batch norm's running
-    statistics, in training)."""
+    statistics, in training: such an entry has a third item, the argument that says whether the call writes, which
+    :func:`written_tensors` reads)."""
     schema = _torch_compat.op_schema(func)
     name = _torch_compat.op_schema_name(func)
     extra = (_UNDECLARED_WRITES.get(name, ()) if undeclared else ()) + _COLLECTIVE_WRITES.get(name, ())
@@ -189,21 +191,28 @@ def returns_view(func) -> bool:
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
-def written_tensors(result: Any, writes: Tuple[Tuple[int, str], ...], args: Sequence, kwargs: Dict[str, Any]) -> list:
-    """Tensors an op produced: those it returns, then those it wrote to but did not return."""
+def written_tensors(result: Any, writes: Tuple[tuple, ...], args: Sequence, kwargs: Dict[str, Any]) -> list:
+    """Tensors an op produced: those it returns, then those it wrote to but did not return (:func:`schema_writes`;
+    an entry written only when an argument is true, only then)."""
     if not writes and isinstance(result, torch.Tensor):  # most ops: one returned tensor
         return [result]
     outs: list = []
     _leaves(result, outs)
     if writes:
         seen = {id(t) for t in outs if isinstance(t, torch.Tensor)}
-        for i, name in writes:
-            a = args[i] if i < len(args) else kwargs.get(name)
+        for i, name, *when in writes:
+            if when and not _argument(args, kwargs, *when[0]):
+                continue
+            a = _argument(args, kwargs, i, name)
             for t in _leaves(a, []):
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
                     seen.add(id(t))
                     outs.append(t)
     return outs
+
+
+def _argument(args: Sequence, kwargs: Dict[str, Any], i: int, name: str) -> Any:
+    return args[i] if i < len(args) else kwargs.get(name)
 
 
 def _leaves(x: Any, out: list) -> list:

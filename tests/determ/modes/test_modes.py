@@ -1358,3 +1358,33 @@ def test_a_resized_tensor_is_fingerprinted_by_dtype_and_shape():
         torch.zeros(2).resize_as_(q)
     grown = [r for r in m.records if r.op in ("aten.resize_.default", "aten.resize_as_.default")]
     assert len(grown) == 2 and all(r.hash == uninitialized_hash(r) and r.stats is None for r in grown)
+
+
+def _batch_norm_run(path, momentum: float):
+    """A training forward (batch norm updates its running statistics) then an eval forward (reads them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8, momentum=momentum))
+    x = torch.randn(16, 8)
+    with HashMode(trace_path=path, stats=True, module=model), torch.no_grad():
+        model.train()
+        model(x)  # the training line
+        model.eval()
+        return model(x)  # the eval line
+
+
+def test_batch_norms_running_statistics_written_in_training_are_recorded_and_blamed_there(tmp_path):
+    """native_batch_norm writes running_mean and running_var without saying so in its schema: their later reads were
+    recorded with the fingerprints of their first read, and a momentum that differs was blamed on the eval forward's
+    batch norm, whose inputs looked alike.  The training call's written statistics are its records now; the eval call
+    writes none."""
+    _batch_norm_run(tmp_path / "a.jsonl", 0.1)
+    _batch_norm_run(tmp_path / "b.jsonl", 0.2)
+    recs = [r for r in read_trace_file(tmp_path / "a.jsonl").records if r.op == "aten.native_batch_norm.default"]
+    lines = sorted({r.source.rsplit(":", 1)[1] for r in recs})
+    train_line, eval_line = lines
+    assert len([r for r in recs if r.source.endswith(":" + train_line)]) == 5  # output, saved mean/invstd, the stats
+    assert len([r for r in recs if r.source.endswith(":" + eval_line)]) == 3  # eval: no write
+    cmp = compare_traces(read_trace_file(tmp_path / "a.jsonl").records, read_trace_file(tmp_path / "b.jsonl").records)
+    assert cmp.root_causes and all(p.rec.op == "aten.native_batch_norm.default" and
+                                   p.rec.source.endswith(":" + train_line) for p in cmp.root_causes), \
+        [(p.rec.node, p.rec.source) for p in cmp.root_causes]
