@@ -16,8 +16,8 @@ traces lives in :mod:`determ_backend.trace.stream`.
 from determ_backend.compare.align import Pair, align
 from determ_backend.compare.roots import (Comparison, Confirm, compare_traces, describe, find_roots, is_allocation,
                                           is_output, pair_row)
-from determ_backend.compare.verdict import (DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, EPS, close_to_scale, rounds_alike, KERNEL_ULPS, dtype_tol, largest_magnitude, is_float, judge, judge_records, metrics_text, batch_rows, rmse, rows_agree, stats_metrics, sub_batches, tensor_metrics)
+from determ_backend.compare.verdict import (DEFAULT_FP64_MULTIPLIER, DEFAULT_TOL, EPS, close_to_scale, rounds_alike, KERNEL_ULPS, dtype_tol, largest_magnitude, is_float, judge, judge_records, metrics_text, batch_rows, by_statistics, rmse, rows_agree, stats_metrics, sub_batches, tensor_metrics)
 
 __all__ = ["Pair", "align", "Comparison", "Confirm", "compare_traces", "describe", "find_roots", "is_allocation", "is_output", "pair_row",
-           "DEFAULT_FP64_MULTIPLIER", "DEFAULT_TOL", "EPS", "close_to_scale", "rounds_alike", "KERNEL_ULPS", "dtype_tol", "largest_magnitude", "is_float", "judge", "judge_records", "metrics_text", "rmse",
+           "DEFAULT_FP64_MULTIPLIER", "DEFAULT_TOL", "EPS", "close_to_scale", "rounds_alike", "KERNEL_ULPS", "dtype_tol", "largest_magnitude", "is_float", "judge", "judge_records", "metrics_text", "by_statistics", "rmse",
            "batch_rows", "rows_agree", "sub_batches", "stats_metrics", "tensor_metrics"]

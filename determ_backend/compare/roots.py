@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from determ_backend.trace.store import TensorStore
 from determ_backend.trace.stream import Record
 from determ_backend.compare.align import Pair, align, carries, re_views
-from determ_backend.compare.verdict import is_float, judge_records
+from determ_backend.compare.verdict import by_statistics, is_float, judge_records
 
 __all__ = ["Comparison", "describe", "pair_row", "find_roots", "compare_traces", "is_output", "is_allocation", "Confirm",
            "MAX_CONFIRM"]
@@ -369,6 +369,63 @@ def _inherit_views(pairs: List[Pair], by_id: Dict[tuple, Pair]) -> None:
                 p.equal, p.metrics = False, {"inherited_view": True}
 
 
+def _given_differently(roots: List[Pair], by_id: Dict[tuple, Pair]) -> List[Pair]:
+    """Roots judged within a tolerance whose inputs agree by their statistics alone (:func:`_upstream_by_statistics`)
+    carry that in their metrics (``inputs_agree_by_statistics_only``).  In an eager trace, where a record with no
+    inputs is a tensor the run was given (a parameter, a batch) rather than one an op made, such a root fed through
+    values of that kind by a given tensor whose fingerprint differs (same dtype and shape: not another device's
+    rounding) moves to it: the runs were given different values, which statistics within the tolerance cannot show
+    to agree element by element (one weight element 10x the tolerance off, the optimizer carrying it into the next
+    step where a matmul crosses the tolerance).  With no such tensor (both runs given the same values) the root
+    stays where the values first cross the tolerance."""
+    out: List[Pair] = []
+    walks = [(p, *_upstream_by_statistics(p, by_id)) for p in roots]  # every walk before any pair is changed
+    for p, weak, given in walks:
+        if weak:
+            p.metrics["inputs_agree_by_statistics_only"] = weak
+        if not given or p.a is None or p.a.stage != "eager":
+            if p not in out:
+                out.append(p)
+            continue
+        p.metrics["carries_a_given_difference"] = [q.a.node for q in given]
+        for q in given:
+            q.equal, q.reaches_output = False, True
+            q.metrics["within_tol_by_statistics_only"] = True
+            if q not in out:
+                out.append(q)
+    return out
+
+
+def _upstream_by_statistics(p: Pair, by_id: Dict[tuple, Pair]) -> tuple:
+    """``(names, given)``: the inputs of ``p`` (looked through views and copies that carry their input's fingerprint)
+    whose fingerprints differ and that agree within the tolerance by statistics alone, which bound no element error;
+    and the records with no inputs upstream of ``p`` through such values whose fingerprints differ (same dtype and
+    shape)."""
+    if p.a is None:
+        return [], []
+    names: List[str] = []
+    given: List[Pair] = []
+    seen: set = set()
+    stack = [((p.a.graph, p.a.stage, p.a.call, n), True) for n in p.a.inputs]
+    while stack and len(seen) < 4096:
+        key, direct = stack.pop(0)
+        q = by_id.get(key)
+        if q is None or key in seen or not q.paired:
+            continue
+        seen.add(key)
+        weak = q.equal is True and by_statistics(q.metrics)
+        if weak and direct:
+            names.append(q.a.node)
+        if not (weak or (q.equal is True and _derived(q.a))):
+            continue  # agreeing bitwise (or not judged, or differing): no path for a hidden difference
+        if not q.a.inputs:
+            if weak and q.a.kind in ("input", "param") and q.a.dtype == q.b.dtype and q.a.shape == q.b.shape:
+                given.append(q)
+            continue
+        stack.extend(((q.a.graph, q.a.stage, q.a.call, n), direct and not weak) for n in q.a.inputs)
+    return names, given
+
+
 def _counts(p: Pair, strict: bool) -> bool:
     return p.equal is False and p.paired and (strict or p.rec.dtype is None or is_float(p.rec.dtype))
 
@@ -418,7 +475,7 @@ def find_roots(pairs: List[Pair], mode: str, *, strict: bool = False,
         masked.remove(p)
         p.equal = True
         p.metrics["uninitialized"] = True
-    roots = _confirmed(candidates, confirm, masked) if candidates else []
+    roots = _given_differently(_confirmed(candidates, confirm, masked) if candidates else [], by_id)
     for p in roots:
         p.root_cause = True
     for p in masked:

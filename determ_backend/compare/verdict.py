@@ -39,7 +39,7 @@ from determ_backend.trace.stream import Record
 
 __all__ = ["DEFAULT_TOL", "DEFAULT_FP64_MULTIPLIER", "EPS", "judge", "close_to_scale", "rounds_alike", "KERNEL_ULPS",
            "largest_magnitude", "is_float", "tensor_metrics", "rmse", "rows_agree", "batch_rows", "sub_batches",
-           "stats_metrics", "judge_records", "dtype_tol", "metrics_text"]
+           "stats_metrics", "by_statistics", "judge_records", "dtype_tol", "metrics_text"]
 
 DEFAULT_TOL = 1e-3
 """The default tolerance of every verdict (``DETERM_TOL``, ``--tol``)."""
@@ -212,6 +212,12 @@ def metrics_text(m: Optional[Dict[str, Any]], skip: Sequence[str] = ()) -> str:
     if deltas:
         parts.append(f"statistics |a-b| (not element errors): {' '.join(deltas)}")
     return " ".join(parts)
+
+
+def by_statistics(m: Optional[Dict[str, Any]]) -> bool:
+    """Whether a pair's metrics were judged from the two records' statistics, their fingerprints differing: an
+    agreement of statistics, which no element error bounds (a permutation of the values keeps every one)."""
+    return bool(m) and m.get("bitwise") is False and any(k in m for k in _STAT_DELTAS)
 
 
 def stats_metrics(a: Record, b: Record) -> Dict[str, Any]:

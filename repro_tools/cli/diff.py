@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
-from determ_backend.compare import Comparison, compare_traces, is_allocation, metrics_text
+from determ_backend.compare import Comparison, by_statistics, compare_traces, is_allocation, metrics_text
 from determ_backend.errors import ConfigError
 from determ_backend.trace.store import store_for
 
@@ -94,6 +94,12 @@ def diff_summary(cmp: Comparison, files: Dict[str, tuple], checks: Sequence[str]
         rest = s["unjudged"] - no_tol
         why += ("; " if why and rest else "") + (f"{rest} carry no fingerprint and no judged input" if rest else "")
         notes.append(f"not judged: {s['unjudged']} paired records: {why}")
+    weak = s["by_statistics"] = sum(1 for p in cmp.pairs if p.paired and p.equal is True and by_statistics(p.metrics))
+    if weak:
+        notes.append(f"by statistics: {weak} paired record(s) differ in their fingerprints and agree within the "
+                     f"tolerance by their min/max/mean/L2 alone, which bound no element error (the same values in "
+                     f"another order keep them all); only stored tensors (DETERM_SAVE_TENSORS=1 on both sides) "
+                     f"are judged element by element")
     for side, (path, tf) in files.items():
         if tf.limited:
             notes.append(f"{side.upper()} ({path}): {tf.limited}; only those are compared, so the runs are not "
@@ -132,8 +138,10 @@ def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None)
             lines.append(f"{s['divergent_pairs']} paired record(s) differ, but no output differs: no divergence "
                          f"reaches an output")
         elif s["identical"]:
+            weak = s.get("by_statistics")
             lines.append("identical" if s["mode"] == "bitwise" else
-                         f"agree within {s['mode']}: every record pairs and none differs beyond it")
+                         f"agree within {s['mode']}: every record pairs and none differs beyond it" + (
+                             f" ({weak} of them by statistics alone, see above)" if weak else ""))
         elif s.get("notes"):
             lines.append(f"no divergence among the {s['pairs']} paired records, but the runs are not shown identical")
         else:
@@ -145,5 +153,10 @@ def format_table(cmp, limit: int = 20, summary: Optional[Dict[str, Any]] = None)
             kind = f"root cause (an op only {side.upper()} ran, fed by agreeing values)" if side else "root cause"
         lines.append(f"{kind}: graph={fd['graph']} stage={fd['stage']} node={fd['node']} op={fd['op']} "
                      f"source={fd['source'] or '?'}")
+        weak = (fd.get("metrics") or {}).get("inputs_agree_by_statistics_only") if fd["root_cause"] else None
+        if weak:
+            lines.append(f"  its input {weak[0]}{f' (and {len(weak) - 1} more)' if len(weak) > 1 else ''} differs in "
+                         f"its fingerprint and agrees within the tolerance by statistics alone: the difference may "
+                         f"have entered there (see 'by statistics' above)")
     return "\n".join(lines)
 

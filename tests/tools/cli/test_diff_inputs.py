@@ -256,7 +256,51 @@ def test_views_and_copies_under_a_tolerance_take_their_inputs_verdict(tmp_path, 
     rc, out, _ = diff(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--tol", "1e-3")
     assert rc == 0 and "agree within tol=0.001" in out and "not judged" not in out
     rep = build([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], tol=1e-3)
-    assert not rep.divergent and rep.verdict == "agree within tol=0.001"
+    assert not rep.divergent and rep.verdict.startswith("agree within tol=0.001")
+    assert "by statistics alone" in rep.verdict  # x differs by 1e-7: its statistics agree, no element error bounded
+
+
+def _two_steps(path: Path, delta: float = 0.0, flip: bool = False) -> Path:
+    """Two AdamW steps of a small MLP under HashMode with statistics; ``delta`` added to one weight element, or the
+    batch's rows in reverse order (``flip``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].weight[3, 5] += delta
+    x = torch.randn(8, 16)
+    x = x.flip(0).contiguous() if flip else x
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with HashMode(trace_path=path, stats=True, module=model):
+        for _ in range(2):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return path
+
+
+def test_a_weight_given_differently_is_the_root_though_its_statistics_agree_within_the_tolerance(tmp_path, capsys):
+    """One weight element 1e-2 off, --tol 1e-4: the weight's min/max/mean/L2 move by about the tolerance, so it
+    'agreed', and the second step's matmul, where the values first cross the tolerance, was named the root cause.
+    A tensor the run was given that differs in its fingerprint is where the difference comes from."""
+    a, b = _two_steps(tmp_path / "a.jsonl"), _two_steps(tmp_path / "b.jsonl", delta=1e-2)
+    rc, out, _ = diff(capsys, a, b, "--tol", "1e-4", "--json")
+    s = json.loads(out)
+    assert rc == 1 and [r["node"] for r in s["root_causes"]] == ["0.weight"], s["root_causes"]
+    assert s["root_causes"][0]["metrics"]["within_tol_by_statistics_only"] is True
+    rc, out, _ = diff(capsys, a, b, "--tol", "1e-4")
+    assert "root cause: graph=eager stage=eager node=0.weight" in out and "by statistics:" in out
+    rc, out, _ = diff(capsys, a, b)  # bitwise says the same
+    assert rc == 1 and "root cause: graph=eager stage=eager node=0.weight" in out
+
+
+def test_an_agreement_by_statistics_alone_says_so(tmp_path, capsys):
+    """The same batch in another row order: every statistic agrees, elements do not.  The runs agree within the
+    tolerance only as far as statistics tell, and diff says that, with how many records rest on them."""
+    a, b = _two_steps(tmp_path / "a.jsonl"), _two_steps(tmp_path / "b.jsonl", flip=True)
+    rc, out, _ = diff(capsys, a, b, "--tol", "1e-3")
+    last = out.strip().splitlines()[-1]
+    assert "by statistics:" in out and "bound no element error" in out
+    assert last.startswith("agree within tol=0.001") and "by statistics alone" in last, last
 
 
 def test_a_multi_rank_run_directory_names_its_ranks(tmp_path, capsys):
