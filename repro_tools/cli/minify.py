@@ -43,8 +43,8 @@ def _config_items(items: List[str]) -> Dict[str, Any]:
             raise ConfigError(f"--config {item!r}: expected KEY=VALUE, e.g. cpp.inject_relu_bug_TESTING_ONLY=accuracy")
         try:
             out[key] = json.loads(raw)
-        except ValueError:
-            out[key] = raw
+        except ValueError:  # Python's spelling of the JSON literals too (None, True, False), else the text
+            out[key] = {"None": None, "True": True, "False": False}.get(raw, raw)
         problem = tc.inductor_config_problem(key, out[key])
         if problem:
             raise ConfigError(f"--config {item!r}: {problem}")
@@ -103,6 +103,10 @@ def _print_text(s: Dict[str, Any]) -> None:
     print(f"failure: {s['failure']}")
     if c:
         print(f"culprit: {c['node']} = {c['op']}" + (f"  at {c['source']}" if c.get("source") else ""))
+    elif s["ops_after"] > 1:
+        print(f"culprit: none named: {s['ops_after']} ops are left and none was localized"
+              + (" (the budget ran out before the graph was minimal)" if s["budget_exhausted"] else
+                 " (the failure needs them together)"))
     print(f"repro: {s['repro_path']}")
 
 

@@ -189,10 +189,11 @@ def _make_runner(spec: OracleSpec, isolate: bool):
 
 
 def _culprit_info(view: GraphView, r: Reducer) -> Optional[Dict[str, Any]]:
+    """The node the minification blames: the one it localized, or the one op left; None when several are left and
+    none was localized (a budget that ran out, or a failure that needs them together): the last node kept is no
+    culprit (a LayerNorm's residual add was named while the relu that went wrong was still in the graph)."""
     keep = r.current.keep
-    name = r.culprit if r.culprit in keep else None
-    if name is None:
-        name = max(keep, key=view.order.__getitem__) if keep else None
+    name = r.culprit if r.culprit in keep else next(iter(keep)) if len(keep) == 1 else None
     if name is None:
         return None
     node = view.by_name[name]

@@ -462,3 +462,25 @@ def test_grads_candidates_need_no_gradient_where_the_graph_cut_it_off():
     x_, w_ = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
     need = GraphView(gm, [x_, w_], grads=True).grad_names
     assert {"x", "w", "mul", "add"} <= need and not need & {"detach", "sin", "cos"}
+
+
+def test_a_budget_that_runs_out_before_the_graph_is_minimal_names_no_culprit(capsys):
+    """Not localized, two queries: several ops are left, and the last of them (an innocent LayerNorm's op) was
+    printed as the culprit beside '(budget exhausted)'.  None is named; the line says why."""
+    gm, inputs = H.mlp_graph(layers=3)
+    res = minify(gm, inputs, OracleSpec(kind="accuracy", compiler="minifier_helpers:wrong_erf"), budget=2,
+                 localize=False, progress=False)
+    s = res.summary
+    assert s["budget_exhausted"] and s["ops_after"] > 1 and s["culprit"] is None, s
+    from repro_tools.cli.minify import _print_text
+    _print_text(dict(s, repro_path=None))
+    assert "culprit: none named: " in capsys.readouterr().out
+
+
+def test_a_config_value_in_pythons_spelling_is_its_literal():
+    """``--config cpp.inject_relu_bug_TESTING_ONLY=None`` was the text 'None', which inductor refused at the first
+    query, and the repro was said not to fail."""
+    from repro_tools.cli.minify import _config_items
+    assert _config_items(["cpp.inject_relu_bug_TESTING_ONLY=None", "max_autotune=False", "cpp.simdlen=null"]) == {
+        "cpp.inject_relu_bug_TESTING_ONLY": None, "max_autotune": False, "cpp.simdlen": None}
+    assert _config_items(["cpp.inject_relu_bug_TESTING_ONLY=accuracy"]) == {"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"}
