@@ -126,7 +126,8 @@ def relu_abort_backend(gm, example_inputs):
 
 def aot_relu_compile_error(gm, example_inputs):
     if _has_relu(gm):
-        raise RuntimeError("relu is not supported by this compiler")
+        # several lines, as a C++ compile error's (its message, then the command line and the compiler's output)
+        raise RuntimeError("relu is not supported by this compiler\n\nCommand:\ng++ kernel.cpp -o kernel.so")
     return gm
 
 

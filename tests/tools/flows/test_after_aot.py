@@ -39,7 +39,9 @@ def _in_tmp(tmp_path, monkeypatch):
 def test_level1_writes_a_repro(tmp_path, capsys, kind, compiler):
     err = compile_and_fail(aot_backend(compiler, config=repro_config(tmp_path, 1)))
     assert "relu" in str(err)
-    assert last_stderr_line(capsys.readouterr().err) == str(tmp_path / "repro.py")
+    stderr = capsys.readouterr().err
+    assert last_stderr_line(stderr) == str(tmp_path / "repro.py")
+    assert "Command:" not in stderr  # the summary's error line is the error's first line alone
     meta = read_meta(tmp_path / "repro.py")
     assert meta["after"] == "aot" and meta["compiler"] == f"repro_helpers:{compiler.__name__}"
     assert meta["regenerated_inputs"] == (2 if kind == "compile_error" else 0)  # fake at compile time, real at run time
