@@ -65,7 +65,7 @@ class Upstream:
         node, value = self.nodes.get(name), self.suspect.get(name)
         if node is None or not isinstance(value, torch.Tensor):
             return None
-        inject = {n.name: self.convert(self.suspect[n.name]) for n in self.frontier(node)}
+        inject = {n.name: self._as_reference(n.name) for n in self.frontier(node)}
         if not inject:
             return None
         args = [a.name for a in node.all_input_nodes]
@@ -84,6 +84,16 @@ class Upstream:
         # tensor holds one large element (an error of 1 beside 1e4) would pass for computing right
         r, v = replayed.detach().double().cpu(), value.detach().double().cpu()
         return bool(torch.allclose(r, v, atol=self.tol, rtol=self.tol, equal_nan=True))
+
+    def _as_reference(self, name: str) -> Any:
+        """The suspect's value of node ``name`` as the reference graph holds it: converted (another device), and in
+        the reference's dtype where that differs (a float64 suspect replayed on a float32 side, which runs its ops,
+        a float32-only kernel bug included, in float32)."""
+        value, ref = self.convert(self.suspect[name]), self.reference.get(name)
+        if isinstance(ref, torch.Tensor) and isinstance(value, torch.Tensor) and ref.dtype != value.dtype \
+                and ref.is_floating_point() and value.is_floating_point():
+            value = value.to(ref.dtype)
+        return value
 
     def carriers(self, name: str) -> List[str]:
         """The inputs of node ``name`` (:meth:`frontier`) whose suspect values differ from the reference's relative

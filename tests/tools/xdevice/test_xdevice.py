@@ -529,3 +529,32 @@ def test_the_narrower_side_hint_is_given_for_a_clash_of_its_dtype_only():
                   "the same"):  # a clash of devices
         assert _narrower_hint("cpu:bfloat16", other) == "", other
     assert _narrower_hint("cpu:float16", "RuntimeError: expected scalar type Half but found Float") != ""
+
+
+def _float32_only_bug():
+    """A custom op whose float32 kernel adds 1e-2 (every other dtype computes right), registered once."""
+    if not hasattr(torch.ops.determ_test, "f32_bug"):
+        @torch.library.custom_op("determ_test::f32_bug", mutates_args=())
+        def f32_bug(x: torch.Tensor) -> torch.Tensor:
+            return x + 1e-2 if x.dtype == torch.float32 else x.clone()
+
+        f32_bug.register_fake(lambda x: torch.empty_like(x))
+    return torch.ops.determ_test.f32_bug
+
+
+@pytest.mark.parametrize("devices", ["cpu,cpu:float64", "cpu:float64,cpu"])
+def test_either_order_of_the_devices_names_an_op_wrong_in_one_dtype_alone(tmp_path, capsys, devices):
+    """``a = (x * 1e-3 + 1e3) - 1e3`` loses digits in float32 (within the absolute tolerance), then an op wrong in
+    float32 alone.  With the float64 side first, its values were replayed on the float32 side in float64 (the side's
+    spec names no dtype), where the op computes right: it was cleared, and the root moved to the sub."""
+    bug = _float32_only_bug()
+
+    def f(x):
+        a = (x * 1e-3 + 1e3) - 1e3
+        return bug(a) * 2
+
+    torch.manual_seed(0)
+    path = write_repro(fx.symbolic_trace(f), [torch.randn(16, 16)], tmp_path / "repro.py",
+                       meta={"kind": "cross_device", "compiler": "eager"})
+    code, s = xdevice(capsys, str(path), "--devices", devices)
+    assert code == 1 and [r["node"] for r in s["root_causes"]] == ["f32_bug"], s["root_causes"]
