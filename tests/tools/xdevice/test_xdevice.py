@@ -558,3 +558,15 @@ def test_either_order_of_the_devices_names_an_op_wrong_in_one_dtype_alone(tmp_pa
                        meta={"kind": "cross_device", "compiler": "eager"})
     code, s = xdevice(capsys, str(path), "--devices", devices)
     assert code == 1 and [r["node"] for r in s["root_causes"]] == ["f32_bug"], s["root_causes"]
+
+
+def test_a_healthy_bfloat16_graph_agrees_with_float64_within_its_dtypes_precision(tmp_path, capsys):
+    """A LayerNorm and a Linear in bfloat16 against float64: one unit in the last place of bfloat16 (7.8e-3) is far
+    beyond --tol 1e-3, and the LayerNorm was named the root cause of a healthy graph.  A bfloat16 side's values are
+    judged to a few units in the last place of its dtype, and the mode says so."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    path = write_repro(fx.symbolic_trace(m), [torch.randn(4, 16, 64).to(torch.bfloat16)], tmp_path / "repro.py",
+                       meta={"kind": "cross_device", "compiler": "eager"})
+    code, s = xdevice(capsys, str(path), "--devices", "cpu,cpu:float64")
+    assert code == 0 and not s["divergent"] and "bfloat16" in s["mode"], s
