@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from determ_backend import _torch_compat as tc
-from determ_backend.errors import ConfigError, ReproError
+from determ_backend.errors import ConfigError
 
 from repro_tools.cli.args import check_writable_dir, seconds_arg, tol_arg
 from repro_tools.minify.minifier import STATE_FILE, minify_repro
 from repro_tools.minify.oracles import KINDS
+from repro_tools.minify.repro_files import repro_target
 
 __all__ = ["register", "parse_args", "run", "out_dir_for"]
 
@@ -134,18 +135,6 @@ def out_dir_for(src: Path, given: Optional[str], resume: Optional[bool] = None, 
     return out
 
 
-def _repro_path(given: str) -> Path:
-    """The repro file or graph directory to load; a directory holding a repro script stands for that script."""
-    p = Path(given)
-    if p.is_dir() and not (p / "graph.py").is_file():
-        for name in ("repro.py", "minifier_launcher.py"):
-            if (p / name).is_file():
-                return p / name
-        raise ReproError(f"{p}: a directory without repro.py, minifier_launcher.py or graph.py; expected a repro "
-                         "script or a graph directory (graph.py + inputs.pt)")
-    return p
-
-
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(signum)
 
@@ -182,7 +171,7 @@ def _interrupted(e: KeyboardInterrupt, args: argparse.Namespace, out: Path) -> i
 def run(args: argparse.Namespace) -> int:
     if args.max_queries < 1:
         raise ConfigError(f"--max-queries must be >= 1, got {args.max_queries}")
-    src = _repro_path(args.repro)
+    src = repro_target(args.repro)
     out = out_dir_for(src, args.out, args.resume)  # a bad --out fails before the (slow) load and input check
     config = _config_items(args.config)
     overrides = {"kind": args.kind, "compiler": args.compiler, "tol": args.tol, "strict": args.strict,

@@ -56,6 +56,20 @@ def write_repro_any(gm: fx.GraphModule, inputs: Sequence[Any], directory: Union[
     return Path(write_repro(gm, list(inputs), d / "repro.py", meta=meta))
 
 
+def repro_target(given: Union[str, Path]) -> Path:
+    """The repro file or graph directory a command loads for ``given``: a directory holding a repro script (a flow's
+    ``repro/aot-0`` holds ``repro.py``, or only ``minifier_launcher.py`` at level 4 without minifying) stands for
+    that script; a :class:`ReproError` for a directory holding none of them."""
+    p = Path(given)
+    if p.is_dir() and not (p / "graph.py").is_file():
+        for name in ("repro.py", "minifier_launcher.py"):
+            if (p / name).is_file():
+                return p / name
+        raise ReproError(f"{p}: a directory without repro.py, minifier_launcher.py or graph.py; expected a repro "
+                         "script or a graph directory (graph.py + inputs.pt)")
+    return p
+
+
 def load_repro_any(path: Union[str, Path]) -> Tuple[fx.GraphModule, List[Any], Dict[str, Any]]:
     """``(gm, inputs, meta)`` from a repro script, or from an internal graph directory / its ``graph.py``."""
     p = Path(path)

@@ -60,8 +60,8 @@ def _kind(targets: List[str]) -> str:
         return "traces"
     p = Path(t)
     if p.is_dir():
-        if (p / "graph.py").is_file() or (p / "repro.py").is_file():  # a graph directory, or a repro's
-            return "repro"
+        if (p / "graph.py").is_file() or (p / "repro.py").is_file() or (p / "minifier_launcher.py").is_file():
+            return "repro"  # a graph directory, or a repro's (a flow's repro/aot-0, which may hold the launcher alone)
         raise ConfigError(f"{t}: a directory holding no graph.py or repro.py; expected a repro.py (or the directory "
                           f"holding it), a graph directory, a user script, or two traces (A.jsonl,B.jsonl)")
     if p.suffix == ".py":
@@ -270,6 +270,7 @@ def _print(cmp: Comparison, specs: Tuple[str, ...], limit: int, summary: Dict[st
 
 def run(args: argparse.Namespace) -> int:
     from repro_tools.cli.minify import out_dir_for
+    from repro_tools.minify.repro_files import repro_target
 
     kind = _kind(args.targets)
     if args.limit < 0:
@@ -278,10 +279,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--minify needs a repro.py (or graph directory) target: traces and scripts carry no graph")
     script_args = _script_args(args.script_args)
     specs = _devices(args.devices, needed=kind != "traces")
-    src = Path(args.targets[0])
-    if kind == "repro" and src.is_dir() and not (src / "graph.py").is_file():  # the directory of a repro.py
-        src = src / "repro.py"
-        args.targets = [str(src)]
+    src = repro_target(args.targets[0]) if kind == "repro" else Path(args.targets[0])
     min_out = out_dir_for(src, args.out, name="xdevice") if args.minify else None
     summary: Dict[str, Any] = {"target": kind, "devices": list(specs)}
     if kind == "traces":
@@ -290,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.targets[0]}: expected two traces separated by one comma")
         cmp = compare_trace_pair(pair[0], pair[1], args.tol)
     elif kind == "repro":
-        cmp, gm, inputs, note = compare_repro(args.targets[0], specs, args.tol)
+        cmp, gm, inputs, note = compare_repro(str(src), specs, args.tol)
         if note:
             summary["inputs_note"] = note
     else:

@@ -148,6 +148,14 @@ def test_the_directory_of_a_repro_is_the_repro(repro, capsys):
     assert code == 1 and s["target"] == "repro" and _root(s) == "sub"
 
 
+def test_a_flow_directory_holding_its_launcher_alone_is_that_launcher(repro, tmp_path, capsys):
+    """A level-4 flow with DETERM_MINIFY=0 leaves ``minifier_launcher.py`` alone in ``repro/aot-0``: the directory
+    was refused as holding no repro, while ``repro-tools minify`` took it."""
+    shutil.copy(repro, tmp_path / "minifier_launcher.py")
+    code, s = xdevice(capsys, str(tmp_path), "--devices", DEVICES)
+    assert code == 1 and s["target"] == "repro" and _root(s) == "sub", s
+
+
 def test_repro_agrees_within_a_loose_tolerance(repro, capsys):
     code, s = xdevice(capsys, str(repro), "--devices", DEVICES, "--tol", "100")
     assert code == 0 and not s["divergent"] and s["first_divergence"] is None
