@@ -27,7 +27,7 @@ from determ_backend._frames import in_torch
 from determ_backend.backends.recorder import NodeInfo, Recorder
 from determ_backend.trace.stream import dtype_name, module_place
 
-__all__ = ["node_source", "module_place_of", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos",
+__all__ = ["OP_NAME", "node_source", "module_place_of", "op_name", "is_view", "param_names", "instrument_graph", "graph_node_infos",
            "written_args", "held_written", "written_inputs"]
 
 # the file name is everything up to the last '", line N, in ' of the line: it may hold quotes itself
@@ -53,7 +53,15 @@ def module_place_of(node: fx.Node) -> Optional[str]:
     return module_place(found[0] or "(top)", found[1]) if found is not None else None
 
 
+OP_NAME = "determ_op_name"
+"""``node.meta`` key: the op a node is recorded as when a rewrite changed its target (a ``.float()`` widened to
+``.to(float64)`` on a ``cpu:float64`` side is still the model's ``Tensor.float``)."""
+
+
 def op_name(node: fx.Node) -> str:
+    named = node.meta.get(OP_NAME)
+    if named is not None:
+        return named
     t = node.target
     if node.op == "placeholder":
         return "input"

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from determ_backend import _torch_compat, devices
+from determ_backend.backends.instrument import OP_NAME
 
 __all__ = ["on_device", "Converter", "converter", "moved_graph", "widen_casts", "widened", "stage_scope", "scoped_wrap"]
 
@@ -93,7 +94,8 @@ def widen_casts(graph: fx.Graph, dtype: torch.dtype) -> None:
             n.args = (n.args[0], widened(n.args[1], dtype), *n.args[2:])
             continue
         if n.op == "call_method" and n.target in _TO_METHODS and len(n.args) == 1 and not n.kwargs:
-            if widen(_TO_METHODS[n.target]) is dtype:
+            if widen(_TO_METHODS[n.target]) is dtype:  # recorded under the model's op (op_name), so that the two
+                n.meta[OP_NAME] = f"Tensor.{n.target}"  # sides' records of the cast pair by their signature
                 n.target, n.args = "to", (n.args[0], dtype)
             continue
         if n.op not in ("call_function", "call_method"):

@@ -578,3 +578,16 @@ def test_a_healthy_bfloat16_graph_agrees_with_float64_within_its_dtypes_precisio
                        meta={"kind": "cross_device", "compiler": "eager"})
     code, s = xdevice(capsys, str(path), "--devices", "cpu,cpu:float64")
     assert code == 0 and not s["divergent"] and "bfloat16" in s["mode"], s
+
+
+def test_a_cast_widened_on_a_float64_side_is_recorded_as_the_models_cast():
+    """Under ``cpu:float64`` the model's ``pos.float()`` runs as ``.to(float64)``; it was recorded as ``Tensor.to``
+    while the float32 side recorded ``Tensor.float``, so a healthy Llama's cast did not pair and xdevice said the runs
+    were not shown identical."""
+    from determ_backend.backends.instrument import op_name
+    from determ_backend.backends.retarget import widen_casts
+
+    gm = fx.symbolic_trace(lambda x, pos: x * pos.float())
+    widen_casts(gm.graph, torch.float64)
+    cast = next(n for n in gm.graph.nodes if n.op == "call_method")
+    assert cast.target == "to" and cast.args[1] is torch.float64 and op_name(cast) == "Tensor.float"
