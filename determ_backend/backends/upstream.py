@@ -7,9 +7,8 @@ so a node that only amplifies an error it was handed looks guilty: a LayerNorm a
 
 :class:`Upstream` asks of such a node whether it is **innocent**: the reference graph is replayed
 with the suspect side's values of the node's inputs substituted, and the node's replayed value is
-compared with the suspect's own value, up to the node's own rounding on those inputs
-(:func:`~determ_backend.compare.rounds_alike`: a sum that cancels is judged at the size of what it sums),
-or relative to its size (:func:`~determ_backend.compare.close_to_scale`) and element by element.  If they
+compared with the suspect's own value, up to the rounding of what it sums for a sum or matmul (one that
+cancels is judged at the size of its terms, :func:`_within_sum_rounding`), or relative to its size (:func:`~determ_backend.compare.close_to_scale`) and element by element.  If they
 agree, the node computes the suspect value from the suspect inputs: the error came in through them.
 :func:`move_innocent_roots` then follows the one input that carries the error (differs relative to its
 size), step by step, while each is innocent in turn; where several inputs carry it, or none does, the
@@ -29,7 +28,8 @@ import torch.fx as fx
 
 from determ_backend.backends.eager import replay
 from determ_backend.backends.extract import ancestors
-from determ_backend.compare import Comparison, Pair, close_to_scale, rounds_alike
+from determ_backend.backends.instrument import op_name
+from determ_backend.compare import KERNEL_ULPS, Comparison, Pair, close_to_scale
 
 __all__ = ["Upstream", "move_innocent_roots", "MAX_UPSTREAM"]
 
@@ -75,8 +75,8 @@ class Upstream:
             log.info("determ: replay of %s from the suspect side's inputs failed (%s)", name, e)
             return None
         replayed = values.get(name)
-        if rounds_alike(replayed, value, [values.get(a) for a in args]) is True:
-            return True  # the node's own rounding on these inputs: a sum that cancels is judged at what it sums
+        if _within_sum_rounding(node, replayed, value, values):
+            return True  # a sum that cancels differs by the rounding of what it sums, however small its result
         scaled = close_to_scale(replayed, value, self.tol)
         if scaled is not True:
             return scaled
@@ -117,6 +117,50 @@ class Upstream:
             else:
                 stack.extend(n.all_input_nodes)
         return found
+
+
+_SUMS = frozenset({"sum", "mean", "mm", "bmm", "matmul", "addmm", "linear"})
+"""Ops whose value is a sum of products of their inputs' elements (``operator.matmul`` included): evaluated on the
+inputs' magnitudes, each gives the sum of the magnitudes of the terms an output element adds up."""
+
+
+def _within_sum_rounding(node: fx.Node, replayed: Any, value: Any, values: Mapping[str, Any]) -> bool:
+    """Whether ``value`` (the suspect's) differs from ``replayed`` (the node run on the suspect's inputs) by no more
+    than summing rounds, element by element: a few units in the last place of the accumulation (float32 at least)
+    times the square root of the terms' count times the sum of their magnitudes, plus two units of the value's own
+    dtype of its size.  A LayerNorm backward's ``sum(dy * w * xhat)`` that cancels to ~1e-8 rounds at the size of
+    its ~1e-4 terms; a matmul 10% wrong, or any op not a sum (an attention whose mask holds -3.4e38), is not cleared
+    this way."""
+    if not (isinstance(replayed, torch.Tensor) and isinstance(value, torch.Tensor)) or replayed.shape != value.shape \
+            or not (replayed.is_floating_point() and value.is_floating_point()) or not value.numel():
+        return False
+    name = op_name(node)
+    base = name.split(".")[1] if name.startswith("aten.") else name.rsplit(".", 1)[-1]
+    if base not in _SUMS or node.op not in ("call_function", "call_method"):
+        return False
+
+    def magnitude(a: Any) -> Any:
+        v = values.get(a.name) if isinstance(a, fx.Node) else a
+        return v.detach().double().abs() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+    try:
+        args = fx.node.map_aggregate(node.args, magnitude)
+        kwargs = fx.node.map_aggregate(node.kwargs, magnitude)
+        if node.op == "call_method":
+            terms = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            terms = node.target(*args, **kwargs)
+    except Exception:  # cannot tell: not cleared this way
+        return False
+    if not isinstance(terms, torch.Tensor) or terms.shape != value.shape:
+        return False
+    ins = [values.get(a.name) for a in node.all_input_nodes]
+    count = max([x.numel() for x in ins if isinstance(x, torch.Tensor)] + [1]) / value.numel()
+    acc = min(torch.finfo(torch.float32).eps, *(torch.finfo(t.dtype).eps for t in (replayed, value)))
+    own = max(torch.finfo(t.dtype).eps for t in (replayed, value))
+    r, v = replayed.detach().double().cpu(), value.detach().double().cpu()
+    bound = KERNEL_ULPS * acc * max(count, 1.0) ** 0.5 * terms.abs().cpu() + 2 * own * v.abs()
+    return bool(((r - v).abs() <= bound).all())
 
 
 def move_innocent_roots(cmp: Comparison, up: Upstream, node_of: Callable[[Pair], Optional[str]],

@@ -18,8 +18,8 @@ Meaning (PyTorch's ``same(..., fp64_ref)``):
 
 :func:`close_to_scale` is the relative-to-size test the accuracy check asks of a root it suspects innocent
 (whether a node computes its compiled value from its compiled inputs), where an absolute tolerance would
-pass any two small tensors; :func:`rounds_alike` the tighter test of one kernel's own rounding, which also
-holds for a sum that cancels to far below the size of what it sums.
+pass any two small tensors; :func:`rounds_alike` the test of one kernel's own rounding that narrowing a fused
+kernel asks of a node run on its compiled inputs.
 
 :func:`tensor_metrics` measures a pair (max abs/rel error, cosine, errors vs fp64);
 :func:`judge_records` judges two trace records from their fingerprints, their

@@ -44,3 +44,37 @@ def test_a_sum_wrong_by_one_of_its_terms_is_not_innocent():
     wrong = compiled_sum + 0.01 * prod[:, 0]
     up = Upstream(gm, args, get_rng_state(), {"mul": prod, "sum_1": wrong}, eager, tol=1e-3)
     assert up.innocent("sum_1") is False
+
+
+def _values(gm, args):
+    """Every call node's value (eager), by name."""
+    from determ_backend.backends.eager import eager_node_values
+    return {k: v for k, v in eager_node_values(gm, args).items() if isinstance(v, torch.Tensor)}
+
+
+def test_a_matmul_ten_percent_wrong_is_not_innocent():
+    """A vector-matrix product of 4096 terms, 10% off: its rounding is about 1e-6 of its terms' magnitudes, and the
+    whole weight's size times its element count had let it pass for rounding."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 4096, generator=g), torch.randn(4096, 256, generator=g)
+    gm = fx.symbolic_trace(lambda x, w: (x * 2) @ (w * 1))
+    right = _values(gm, [x, w])
+    node = [n.name for n in gm.graph.nodes if n.op == "call_function"][-1]
+    up = Upstream(gm, [x, w], get_rng_state(), {**right, node: right[node] * 1.1}, right, tol=1e-3)
+    assert up.innocent(node) is False
+    other_order = ((x * 2).double() @ w.double()).float()
+    up = Upstream(gm, [x, w], get_rng_state(), {**right, node: other_order}, right, tol=1e-3)
+    assert up.innocent(node) is True  # another summation order is rounding
+
+
+def test_an_op_beside_a_huge_mask_is_judged_on_its_own_values():
+    """An additive attention mask holds -3.4e38: a bound taken from the largest input passed any value of the op."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(4, 8, generator=g)
+    mask = torch.zeros(4, 8)
+    mask[:, 6:] = torch.finfo(torch.float32).min
+    gm = fx.symbolic_trace(lambda s, mask: torch.softmax((s * 2) + mask, -1))
+    right = _values(gm, [s, mask])
+    node = [n.name for n in gm.graph.nodes if n.op == "call_function"][-1]
+    up = Upstream(gm, [s, mask], get_rng_state(), {**right, node: right[node] * 1.5}, right, tol=1e-3)
+    assert up.innocent(node) is False
