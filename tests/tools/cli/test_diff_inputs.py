@@ -4,6 +4,7 @@ partial, corrupt and wrongly typed traces, limited text logs, and bad options.""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,18 @@ def test_allocations_of_two_dtypes_are_said_to_hold_no_values_not_to_lack_statis
     cli(["diff", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--tol", "0.01"])
     out = capsys.readouterr().out
     assert "memory as allocated" in out and "record them with stats" not in out, out
+
+
+def test_a_batch_that_differs_by_rounding_alone_is_not_blamed_for_a_wrong_op(tmp_path, capsys):
+    """B's batch went through preprocessing that rounds one unit apart on half its rows, and B scales by 1.1 where A
+    scales by 1.0: the mul is the root, not the batch, whose difference is rounding noise."""
+    for name, scale in (("a", 1.0), ("b", 1.1)):
+        torch.manual_seed(0)
+        x = torch.randn(8, 16)
+        if name == "b":
+            x[:4] = torch.nextafter(x[:4], torch.full_like(x[:4], math.inf))
+        with HashMode(trace_path=tmp_path / f"{name}.jsonl", stats=True):
+            torch.tanh(x @ torch.ones(16, 16)).mul(scale).sum()
+    rc, out, _ = diff(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--tol", "1e-3", "--json")
+    s = json.loads(out)
+    assert rc == 1 and [r["op"] for r in s["root_causes"]] == ["aten.mul.Tensor"], s["root_causes"]
