@@ -591,3 +591,31 @@ def test_a_cast_widened_on_a_float64_side_is_recorded_as_the_models_cast():
     widen_casts(gm.graph, torch.float64)
     cast = next(n for n in gm.graph.nodes if n.op == "call_method")
     assert cast.target == "to" and cast.args[1] is torch.float64 and op_name(cast) == "Tensor.float"
+
+
+def _bf16_double_softmax():
+    """A custom softmax whose bfloat16 kernel returns twice the probabilities (other dtypes compute right)."""
+    if not hasattr(torch.ops.determ_test, "bf16_softmax"):
+        @torch.library.custom_op("determ_test::bf16_softmax", mutates_args=())
+        def bf16_softmax(x: torch.Tensor) -> torch.Tensor:
+            p = torch.softmax(x, -1)
+            return p * 2 if x.dtype == torch.bfloat16 else p
+
+        bf16_softmax.register_fake(lambda x: torch.empty_like(x))
+    return torch.ops.determ_test.bf16_softmax
+
+
+def test_a_bfloat16_op_wrong_by_far_more_than_its_rounding_is_named(tmp_path, capsys):
+    """Probabilities over 256 keys, each far below 0.03, twice what they should be on the bfloat16 side: an absolute
+    tolerance of a few bfloat16 units passed them (exit 0); judged relative to the value's size they differ."""
+    sm = _bf16_double_softmax()
+
+    def f(q, k):
+        return sm(q @ k.transpose(-1, -2))
+
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 8, 16) * 0.05).to(torch.bfloat16), torch.randn(2, 256, 16).to(torch.bfloat16)  # flat
+    path = write_repro(fx.symbolic_trace(f), [q, k], tmp_path / "repro.py", meta={"kind": "cross_device",
+                                                                                   "compiler": "eager"})
+    code, s = xdevice(capsys, str(path), "--devices", "cpu,cpu:float64")
+    assert code == 1 and [r["node"] for r in s["root_causes"]] == ["bf16_softmax"], s["root_causes"]
