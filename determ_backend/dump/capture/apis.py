@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Mapping, Tuple
 
 import torch
 
-__all__ = ["ApiInfo", "api_table", "is_inplace", "DISTRIBUTED_APIS", "TENSOR_OUTPUT_ONLY"]
+__all__ = ["ApiInfo", "api_table", "is_inplace", "DISTRIBUTED_APIS"]
 
 # Calls that read metadata, convert to Python, manage autograd or storage: not numerical APIs.
 _SKIP_NAMES = frozenset("""
@@ -50,9 +50,6 @@ DISTRIBUTED_APIS: Tuple[str, ...] = (
     "all_to_all_single", "barrier",
 )
 """``torch.distributed`` collectives wrapped while a dump is on (they bypass ``__torch_function__``)."""
-
-TENSOR_OUTPUT_ONLY = frozenset({"all_reduce", "broadcast", "reduce"})
-"""Collectives that work in place on their first argument: its value after the call is the output."""
 
 _PREFIX_BY_NAMESPACE = (
     (torch, "Torch", ""),
