@@ -158,8 +158,10 @@ def _within_sum_rounding(node: fx.Node, replayed: Any, value: Any, values: Mappi
     count = max([x.numel() for x in ins if isinstance(x, torch.Tensor)] + [1]) / value.numel()
     acc = min(torch.finfo(torch.float32).eps, *(torch.finfo(t.dtype).eps for t in (replayed, value)))
     own = max(torch.finfo(t.dtype).eps for t in (replayed, value))
-    r, v = replayed.detach().double().cpu(), value.detach().double().cpu()
-    bound = KERNEL_ULPS * acc * max(count, 1.0) ** 0.5 * terms.abs().cpu() + 2 * own * v.abs()
+    r, v, t = replayed.detach().double().cpu(), value.detach().double().cpu(), terms.abs().cpu()
+    if not (torch.isfinite(r).all() and torch.isfinite(v).all() and torch.isfinite(t).all()):
+        return False  # an overflow, or an inf it sums, bounds nothing: judged as any op is
+    bound = KERNEL_ULPS * acc * max(count, 1.0) ** 0.5 * t + 2 * own * v.abs()
     return bool(((r - v).abs() <= bound).all())
 
 

@@ -78,3 +78,22 @@ def test_an_op_beside_a_huge_mask_is_judged_on_its_own_values():
     node = [n.name for n in gm.graph.nodes if n.op == "call_function"][-1]
     up = Upstream(gm, [s, mask], get_rng_state(), {**right, node: right[node] * 1.5}, right, tol=1e-3)
     assert up.innocent(node) is False
+
+
+def test_a_sum_that_overflows_or_sums_an_inf_is_not_cleared_as_rounding():
+    """An inf in the value or among its terms made the rounding bound inf, and any value passed under it."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    gm = fx.symbolic_trace(lambda x: (x * 2).sum(-1))
+    right = _values(gm, [x])
+    node = [n.name for n in gm.graph.nodes if n.op == "call_method"][-1]
+    wrong = right[node].clone()
+    wrong[0] = torch.inf
+    up = Upstream(gm, [x], get_rng_state(), {**right, node: wrong}, right, tol=1e-3)
+    assert up.innocent(node) is False
+    x_inf = x.clone()
+    x_inf[1, 2] = torch.inf
+    right = _values(gm, [x_inf])
+    wrong = right[node].clone()
+    wrong[1] = -torch.inf
+    up = Upstream(gm, [x_inf], get_rng_state(), {**right, node: wrong}, right, tol=1e-3)
+    assert up.innocent(node) is False
