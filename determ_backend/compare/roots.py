@@ -431,10 +431,12 @@ def _upstream_by_statistics(p: Pair, by_id: Dict[tuple, Pair]) -> tuple:
 
 
 def _beyond_rounding(q: Pair) -> bool:
-    """Whether a pair's statistics differ by more than rounding noise would move them: the L2 norm by more than
-    :data:`~determ_backend.compare.verdict.KERNEL_ULPS` units in the last place of the dtype (relative), or the min,
-    max or mean by more than that of the larger side's largest magnitude.  A batch whose rows went through
-    preprocessing that rounds apart (one unit) is no difference the run was given; a weight element 1e-2 off is."""
+    """Whether a pair's statistics differ by more than rounding noise would move them:
+    :data:`~determ_backend.compare.verdict.KERNEL_ULPS` units in the last place of the dtype of the L2 norm
+    (relative), of the largest magnitude (the min and max), or of the RMS size (the mean: rounding moves each element
+    by a unit of its own size at most, so the mean by one of the mean magnitude).  A batch whose rows went through
+    preprocessing that rounds apart (one unit) is no difference the run was given; a weight element 1e-2 off, or one
+    of a million flipped in sign, is."""
     try:
         eps = torch.finfo(getattr(torch, str(q.a.dtype).replace("torch.", ""))).eps
     except (AttributeError, TypeError):
@@ -443,9 +445,14 @@ def _beyond_rounding(q: Pair) -> bool:
     m, stats = q.metrics, [r.stats or {} for r in (q.a, q.b)]
     scale = max([abs(v) for st in stats for k, v in st.items() if k in ("min", "max")
                  and isinstance(v, (int, float)) and math.isfinite(v)] + [0.0])
+    numel = math.prod(q.a.shape) if q.a.shape else 1
+    rms = max([abs(st["l2"]) / math.sqrt(numel) for st in stats if isinstance(st.get("l2"), (int, float))
+               and math.isfinite(st["l2"]) and numel] + [0.0])
     if isinstance(m.get("l2_rel"), (int, float)) and m["l2_rel"] > ulps:
         return True
-    return any(isinstance(m.get(k), (int, float)) and m[k] > ulps * scale for k in ("min_diff", "max_diff", "mean_diff"))
+    if isinstance(m.get("mean_diff"), (int, float)) and m["mean_diff"] > ulps * rms:
+        return True
+    return any(isinstance(m.get(k), (int, float)) and m[k] > ulps * scale for k in ("min_diff", "max_diff"))
 
 
 def _counts(p: Pair, strict: bool) -> bool:

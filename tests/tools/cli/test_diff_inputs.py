@@ -344,3 +344,22 @@ def test_a_batch_that_differs_by_rounding_alone_is_not_blamed_for_a_wrong_op(tmp
     rc, out, _ = diff(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--tol", "1e-3", "--json")
     s = json.loads(out)
     assert rc == 1 and [r["op"] for r in s["root_causes"]] == ["aten.mul.Tensor"], s["root_causes"]
+
+
+def test_one_element_of_a_large_weight_flipped_in_sign_is_the_root(tmp_path, capsys):
+    """A 1024x1024 weight with one element's sign flipped: its L2 norm, min and max do not move and its mean by
+    3e-7; a rounding bound taken from its largest magnitude (0.2) called that noise, and the sum after the matmul was
+    blamed.  The mean moved by far more than rounding moves it (units of its RMS size, ~0.03)."""
+    for name, sign in (("a", -1.0), ("b", 1.0)):
+        g = torch.Generator().manual_seed(0)
+        w = (torch.rand(1024, 1024, generator=g) * 2 - 1) * 0.05
+        w[0, 0], w[0, 1] = 0.2, -0.2  # the min and the max, which the flip leaves alone
+        w[3, 10] = sign * 0.15
+        x = torch.zeros(2, 1024)
+        x[:, 3] = 1.0
+        with HashMode(trace_path=tmp_path / f"{name}.jsonl", stats=True):
+            torch.tanh(x @ w).sum()
+    rc, out, _ = diff(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--tol", "1e-3", "--json")
+    s = json.loads(out)
+    assert rc == 1 and [r["op"] for r in s["root_causes"]] == ["input"], s["root_causes"]
+    assert s["root_causes"][0]["shape"] == [1024, 1024]
