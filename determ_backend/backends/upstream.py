@@ -126,9 +126,9 @@ inputs' magnitudes, each gives the sum of the magnitudes of the terms an output 
 
 def _within_sum_rounding(node: fx.Node, replayed: Any, value: Any, values: Mapping[str, Any]) -> bool:
     """Whether ``value`` (the suspect's) differs from ``replayed`` (the node run on the suspect's inputs) by no more
-    than summing rounds, element by element: a few units in the last place of the accumulation (float32 at least)
-    times the square root of the terms' count times the sum of their magnitudes, plus two units of the value's own
-    dtype of its size.  A LayerNorm backward's ``sum(dy * w * xhat)`` that cancels to ~1e-8 rounds at the size of
+    than summing rounds, element by element: a few units in the last place of the accumulation (the coarser side's
+    dtype, but no coarser than float32: bfloat16 sums accumulate in float32) times the square root of the terms'
+    count times the sum of their magnitudes, plus two units of the value's own dtype of its size.  A LayerNorm backward's ``sum(dy * w * xhat)`` that cancels to ~1e-8 rounds at the size of
     its ~1e-4 terms; a matmul 10% wrong, or any op not a sum (an attention whose mask holds -3.4e38), is not cleared
     this way."""
     if not (isinstance(replayed, torch.Tensor) and isinstance(value, torch.Tensor)) or replayed.shape != value.shape \
@@ -156,8 +156,8 @@ def _within_sum_rounding(node: fx.Node, replayed: Any, value: Any, values: Mappi
         return False
     ins = [values.get(a.name) for a in node.all_input_nodes]
     count = max([x.numel() for x in ins if isinstance(x, torch.Tensor)] + [1]) / value.numel()
-    acc = min(torch.finfo(torch.float32).eps, *(torch.finfo(t.dtype).eps for t in (replayed, value)))
     own = max(torch.finfo(t.dtype).eps for t in (replayed, value))
+    acc = min(torch.finfo(torch.float32).eps, own)  # the wider-rounding side sums in float32 at least
     r, v, t = replayed.detach().double().cpu(), value.detach().double().cpu(), terms.abs().cpu()
     if not (torch.isfinite(r).all() and torch.isfinite(v).all() and torch.isfinite(t).all()):
         return False  # an overflow, or an inf it sums, bounds nothing: judged as any op is

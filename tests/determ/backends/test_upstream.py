@@ -97,3 +97,14 @@ def test_a_sum_that_overflows_or_sums_an_inf_is_not_cleared_as_rounding():
     wrong[1] = -torch.inf
     up = Upstream(gm, [x_inf], get_rng_state(), {**right, node: wrong}, right, tol=1e-3)
     assert up.innocent(node) is False
+
+
+def test_a_float32_sum_that_cancels_is_judged_at_float32_against_a_float64_replay():
+    """xdevice, cpu against cpu:float64: the float32 side's cancelling sum replayed in float64 differs by float32's
+    rounding of its terms; the bound had taken float64's unit (the finer of the two) and never cleared it."""
+    gm, args, prod, _, eager = _cancelling()
+    ref = {k: v.double() for k, v in eager.items()}
+    assert (eager["sum_1"].double() - prod.double().sum(-1)).abs().max() > 1e-3 * eager["sum_1"].abs().max()
+    up = Upstream(gm, [a.double() for a in args], get_rng_state(), {"mul": prod, "sum_1": eager["sum_1"]}, ref,
+                  tol=1e-3, convert=lambda v: v.double())
+    assert up.innocent("sum_1") is True
