@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import pprint
+import re
 import sys
 import sysconfig
 import types
@@ -56,6 +57,9 @@ def call_key(kind: str, target: Any) -> str:
     return f"{kind}:{getattr(target, '__module__', None) or ''}.{name}"
 _RUNTIME = [Path(__file__).with_name("_inputs.py"), Path(__file__).with_name("_harness.py")]
 _HEADER = "import torch\nimport torch.fx\nfrom torch import device\n"
+
+
+_FX_WRAP = re.compile(r"^torch\.fx\._symbolic_trace\.wrap\(")
 
 
 def _import_line(name: str, value: Any) -> Optional[str]:
@@ -135,7 +139,10 @@ class CodeWriter:
         elif any(src for _, src, _ in nodes):  # a checkpoint's body: its nodes keep their names and user lines
             self.subgraph_nodes[prefix.rstrip(".")] = nodes
         init = self._init_lines(gm, prefix)
-        body = "\n".join("    " + ln if ln.strip() else "" for ln in code.src.strip("\n").splitlines())
+        # fx's ``wrap("math_sqrt")`` lines (a symbolically traced call to a wrapped function) only matter to a later
+        # trace of this code, and are refused anywhere but at a module's top level: the class runs without them
+        lines = [ln for ln in code.src.strip("\n").splitlines() if not _FX_WRAP.match(ln)]
+        body = "\n".join("    " + ln if ln.strip() else "" for ln in lines)
         src = f"class {cls_name}(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
         src += "".join(f"        {ln}\n" for ln in init)
         if not prefix and self.store is not None:

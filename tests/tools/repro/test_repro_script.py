@@ -681,3 +681,17 @@ def test_a_repro_cut_from_one_with_several_op_modules_imports_none_of_them(tmp_p
     path = write_repro(fx.symbolic_trace(WithParams()), [torch.randn(3, 4)], tmp_path / "cut.py", meta=meta)
     got = read_meta(path)
     assert "imports" not in got and "op_imports" not in got, got
+
+
+def test_a_symbolically_traced_call_to_a_wrapped_function_loads(tmp_path):
+    """fx wraps ``math.sqrt`` of a shape in a traced graph and its code calls ``wrap("math_sqrt")`` first, which fx
+    refuses anywhere but at a module's top level: written inside the repro's class, the repro did not import."""
+    import math
+
+    def f(x):
+        return x * math.sqrt(x.shape[-1])
+
+    x = torch.randn(2, 4)
+    path = write_repro(fx.symbolic_trace(f), [x], tmp_path / "repro.py", meta={"kind": "accuracy", "compiler": "eager"})
+    gm, inputs, _ = load_repro(path)
+    assert torch.equal(gm(*inputs), x * 2.0)
