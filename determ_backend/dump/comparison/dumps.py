@@ -488,6 +488,21 @@ def _choice_flipped(pa: ApiPair) -> bool:
                and is_float(r.get("Bench Tensor Dtype")) for r in pa.rows)
 
 
+def _output_hashes(entry: Dict[str, Any]) -> List[Optional[str]]:
+    return [t.get("hash") for t in entry.get("outputs", [])]
+
+
+def _read_out_of(pa: ApiPair, noise: Dict[tuple, ApiPair]) -> Optional[ApiPair]:
+    """The negligible call an output of which a ``Parameter`` read-out holds in each dump (the same fingerprints;
+    the two runs may order a backward's outputs differently): the gradient it read out is that call's rounding
+    noise, not a divergence of its own."""
+    found = {id(noise.get((side, h))) if noise.get((side, h)) is not None else None
+             for side, e in (("a", pa.a), ("b", pa.b)) for h in _output_hashes(e)}
+    if len(found) != 1 or None in found:
+        return None
+    return next(q for q in noise.values() if id(q) in found)
+
+
 def _excuse(pa: ApiPair, tol: float) -> Optional[str]:
     """Within a tolerance, for a call whose inputs agree and whose output diverges: why it is no root cause (the
     precision its inputs carry, a near tie its discrete result flips, a gradient mask its saved values flip), or
@@ -555,6 +570,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
     judged: List[Pair] = []
     api: Dict[int, ApiPair] = {}
     made_alone: Dict[str, Dict[str, Any]] = {}  # fingerprint of an output of a call one dump alone has -> that call
+    noise: Dict[tuple, ApiPair] = {}  # (side, fingerprint of a negligible call's output there) -> that call
     for pa in pairs:
         if pa.a is None or pa.b is None:
             for side, e, d in (("NPU", pa.a, da), ("Bench", pa.b, db)):
@@ -582,6 +598,12 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
             pa.negligible = True
             note = ("a gradient zero in exact arithmetic: one run holds it within its finer dtype's rounding of the "
                     "gradients the call was given, the other within the tolerance (apart only in rounding noise)")
+            noise.update(((side, h), pa) for side, e in (("a", pa.a), ("b", pa.b)) for h in _output_hashes(e) if h)
+        elif pa.output_diverges and str(pa.a.get("op", "")).startswith("Parameter.") and not exact:
+            source = _read_out_of(pa, noise)
+            if source is not None:  # the parameter's gradient read out: the very values that call left
+                pa.negligible, carried = True, True
+                note = f"the gradient {source.name} left, zero in exact arithmetic there (rounding noise)"
         if carried:
             for r in pa.rows:
                 if r["_io"] == "outputs" and r["_match"] is False:
@@ -747,7 +769,7 @@ def analysis(cmp: DumpComparison) -> str:
                 break
             if q.a is None or q.b is None:
                 extra.insert(0, q)
-        extra = extra[-5:]
+        extra = extra[-5:] if not p.explained else []  # precision carried along: no culprit to look for
         if extra:
             lines.append("  unpaired calls just before it (present in one dump only; a likely culprit): " +
                          ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'}"

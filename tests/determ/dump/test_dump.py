@@ -1273,6 +1273,56 @@ def test_a_gradient_zero_at_either_precision_is_no_divergence_of_a_mixed_precisi
     assert compare_two(c, a, tmp_path / "out2").divergent
 
 
+def test_a_parameters_gradient_read_out_of_a_gradient_zero_in_exact_arithmetic_is_no_divergence(tmp_path, capsys):
+    """With an optimizer step in the dump, each parameter's gradient is read out (``Parameter_..._backward``) before
+    the step: the key bias's read-out holds the very gradient the linear's backward was excused for, and it was judged
+    a divergence of its own (exit 1 where the README promises exit 0).  The advisor names no 'likely culprit' for a
+    first divergence that precision carried along."""
+    def step(autocast):
+        def run(model):
+            _bert_step(autocast)(model)
+            torch.optim.SGD(model.parameters(), lr=0.0).step()
+        return run
+
+    a = dump_run(tmp_path, "a", _tiny_bert(), step=step(False), summary_only=True)
+    b = dump_run(tmp_path, "b", _tiny_bert(), step=step(True), summary_only=True)
+    cmp = compare_two(b, a, tmp_path / "out")
+    read_outs = [p for p in cmp.pairs if p.name.startswith("Parameter_") and "key.bias" in p.name
+                 and p.name.endswith("_backward")]
+    assert read_outs and all(p.negligible for p in read_outs if p.output_diverges), [p.name for p in read_outs]
+    assert not cmp.divergent and cmp.shown_to_agree
+    assert "likely culprit" not in capsys.readouterr().out
+
+
+def test_a_first_divergence_precision_carried_along_names_no_likely_culprit(tmp_path, capsys):
+    """GPT-2, a bf16 autocast step against a float32 one, AdamW (foreach): the first divergence is the update,
+    whose inputs carry bf16's error; the advisor went on to name the backward of the loss's ``.float()`` (a call only
+    the bf16 run has, hundreds of calls earlier) 'a likely culprit'."""
+    import real_models
+
+    def step(autocast):
+        def run(model):
+            _, inputs = real_models.build("gpt2", seq=8)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(**inputs)
+            real_models.loss_of(out).backward()
+            opt.step()
+        return run
+
+    def model():
+        m, _ = real_models.build("gpt2", seq=8)
+        return m.eval()
+
+    a = dump_run(tmp_path, "a", model(), step=step(False))
+    b = dump_run(tmp_path, "b", model(), step=step(True))
+    capsys.readouterr()
+    cmp = compare_two(b, a, tmp_path / "out")
+    out = capsys.readouterr().out
+    assert cmp.first_divergence is not None and cmp.first_divergence.explained, out
+    assert "likely culprit" not in out, out
+
+
 def test_a_small_gradient_that_one_run_computes_wrong_is_still_a_divergence(tmp_path):
     """Small input features make a weight's gradient about 1% of the gradient its linear is given; a fault that
     triples it in the bf16 run (the input saved for backward comes back tripled) is a divergence, not rounding noise:
