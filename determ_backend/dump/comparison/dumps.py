@@ -488,19 +488,32 @@ def _choice_flipped(pa: ApiPair) -> bool:
                and is_float(r.get("Bench Tensor Dtype")) for r in pa.rows)
 
 
+_CASTS = frozenset({"Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double", "Tensor.to", "Tensor.type",
+                    "Tensor.type_as", "Torch._to_copy"})
+"""Calls that only change a tensor's dtype: a run in a narrower dtype (autocast) has some the other lacks."""
+
+
 def _output_hashes(entry: Dict[str, Any]) -> List[Optional[str]]:
     return [t.get("hash") for t in entry.get("outputs", [])]
 
 
-def _read_out_of(pa: ApiPair, noise: Dict[tuple, ApiPair]) -> Optional[ApiPair]:
+def _read_out_of(pa: ApiPair, noise: Dict[tuple, ApiPair], tol: float, fine: Optional[float]) -> Optional[ApiPair]:
     """The negligible call an output of which a ``Parameter`` read-out holds in each dump (the same fingerprints;
-    the two runs may order a backward's outputs differently): the gradient it read out is that call's rounding
-    noise, not a divergence of its own."""
+    the two runs may order a backward's outputs differently), when the read-out itself is what that call's excuse
+    says of its outputs: within ``tol`` of the gradients the call was given in both runs, and within the finer
+    dtype's rounding of them in the run that holds it smaller.  A read-out of another of the call's outputs (two
+    parameters' gradients swapped) is a value, not that noise."""
     found = {id(noise.get((side, h))) if noise.get((side, h)) is not None else None
              for side, e in (("a", pa.a), ("b", pa.b)) for h in _output_hashes(e)}
-    if len(found) != 1 or None in found:
+    if len(found) != 1 or None in found or fine is None:
         return None
-    return next(q for q in noise.values() if id(q) in found)
+    source = next(q for q in noise.values() if id(q) in found)
+    size, sizes = source.errors.get("inputs_size") or [], pa.errors.get("outputs_size") or []
+    smaller = pa.errors.get("outputs_smaller") or []
+    if not (size and sizes and smaller) or max(sizes) > tol * max(size) \
+            or max(smaller) > _growth(source) * fine * max(size):
+        return None
+    return source
 
 
 def _excuse(pa: ApiPair, tol: float) -> Optional[str]:
@@ -600,7 +613,7 @@ def compare_dumps(a: Union[str, Path, Dump], b: Union[str, Path, Dump], exact: O
                     "gradients the call was given, the other within the tolerance (apart only in rounding noise)")
             noise.update(((side, h), pa) for side, e in (("a", pa.a), ("b", pa.b)) for h in _output_hashes(e) if h)
         elif pa.output_diverges and str(pa.a.get("op", "")).startswith("Parameter.") and not exact:
-            source = _read_out_of(pa, noise)
+            source = _read_out_of(pa, noise, tol, fine)
             if source is not None:  # the parameter's gradient read out: the very values that call left
                 pa.negligible, carried = True, True
                 note = f"the gradient {source.name} left, zero in exact arithmetic there (rounding noise)"
@@ -769,7 +782,9 @@ def analysis(cmp: DumpComparison) -> str:
                 break
             if q.a is None or q.b is None:
                 extra.insert(0, q)
-        extra = extra[-5:] if not p.explained else []  # precision carried along: no culprit to look for
+        if p.explained:  # precision carried along: the casts only the narrower run has are no culprits
+            extra = [q for q in extra if str((q.a or q.b).get("op", "")) not in _CASTS]
+        extra = extra[-5:]
         if extra:
             lines.append("  unpaired calls just before it (present in one dump only; a likely culprit): " +
                          ", ".join(f"{q.name} ({'NPU' if q.a else 'bench'}"

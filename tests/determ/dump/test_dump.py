@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -1321,6 +1322,57 @@ def test_a_first_divergence_precision_carried_along_names_no_likely_culprit(tmp_
     out = capsys.readouterr().out
     assert cmp.first_divergence is not None and cmp.first_divergence.explained, out
     assert "likely culprit" not in out, out
+
+
+class _TwoBiases(torch.nn.Module):
+    """``softmax(x + b1)`` (a shift every row shares: b1's gradient is zero in exact arithmetic) plus ``b2 * x``;
+    ``swap`` stacks them, the other way round when true (a port bug the forward does not show, both being zero), and
+    ``hook`` scales b2's gradient in this run alone."""
+
+    def __init__(self, swap: Optional[bool] = None, hook: bool = False):
+        super().__init__()
+        self.b1, self.b2 = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8))
+        self.swap = swap
+        if hook:
+            self.b2.register_hook(lambda g: g * 1.01)
+
+    def forward(self, x):
+        if self.swap is None:
+            p0, p1 = self.b1, self.b2
+        else:
+            p0, p1 = torch.stack([self.b2, self.b1] if self.swap else [self.b1, self.b2]).unbind(0)
+        return torch.softmax(x + p0, dim=0) + p1 * x
+
+
+def _two_biases_step(dtype):
+    def run(m):
+        g = torch.Generator().manual_seed(1)
+        x, w = torch.randn(6, 8, generator=g).to(dtype), torch.randn(6, 8, generator=g).to(dtype)
+        (m(x) * w).sum().backward()
+        torch.optim.SGD(m.parameters(), lr=0.0).step()
+    return run
+
+
+def test_a_read_out_of_another_output_of_an_excused_call_is_a_divergence(tmp_path):
+    """float64 against float32 with the biases stacked the other way: the stack's backward is excused (b1's part is
+    zero in exact arithmetic), but b1 now reads out b2's real gradient.  A read-out is excused only when it is the
+    noise that call's excuse describes, not any output of it."""
+    a = dump_run(tmp_path, "a", _TwoBiases(swap=False).double(), step=_two_biases_step(torch.float64))
+    b = dump_run(tmp_path, "b", _TwoBiases(swap=True).float(), step=_two_biases_step(torch.float32))
+    cmp = compare_two(b, a, tmp_path / "out")
+    assert cmp.divergent
+    assert not any(p.negligible for p in cmp.pairs if p.name.startswith("Parameter_") and p.output_diverges)
+
+
+def test_a_hook_only_one_run_has_is_named_after_an_excused_first_divergence(tmp_path, capsys):
+    """The first divergence is b1's excused gradient; the hook scaling b2's in one run alone comes after it and is
+    still named among the calls only one dump has (only casts are left out there)."""
+    a = dump_run(tmp_path, "a", _TwoBiases().double(), step=_two_biases_step(torch.float64))
+    b = dump_run(tmp_path, "b", _TwoBiases(hook=True).float(), step=_two_biases_step(torch.float32))
+    capsys.readouterr()
+    cmp = compare_two(b, a, tmp_path / "out")
+    out = capsys.readouterr().out
+    assert cmp.divergent and "likely culprit): Tensor_mul_" in out, out
 
 
 def test_a_small_gradient_that_one_run_computes_wrong_is_still_a_divergence(tmp_path):
