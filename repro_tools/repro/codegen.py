@@ -124,6 +124,7 @@ class CodeWriter:
         self.nodes: List[List[Any]] = []
         self.subgraph_nodes: Dict[str, List[List[Any]]] = {}  # the same of each subgraph, by its dotted path
         self.main_ops: Dict[str, str] = {}  # custom ops no module can give the script -> the file that defined them
+        self.wraps: Dict[str, None] = {}  # fx wrap() lines of traced graphs, for the module's top level
 
     def module_class(self, gm: fx.GraphModule, cls_name: str, prefix: str = "") -> str:
         code = gm.graph.python_code(root_module="self", verbose=self.verbose)
@@ -139,9 +140,14 @@ class CodeWriter:
         elif any(src for _, src, _ in nodes):  # a checkpoint's body: its nodes keep their names and user lines
             self.subgraph_nodes[prefix.rstrip(".")] = nodes
         init = self._init_lines(gm, prefix)
-        # fx's ``wrap("math_sqrt")`` lines (a symbolically traced call to a wrapped function) only matter to a later
-        # trace of this code, and are refused anywhere but at a module's top level: the class runs without them
-        lines = [ln for ln in code.src.strip("\n").splitlines() if not _FX_WRAP.match(ln)]
+        # fx's ``wrap("math_sqrt")`` lines (a symbolically traced call to a wrapped function) keep the function a leaf
+        # when the script traces its class back into a graph; fx refuses them anywhere but at a module's top level
+        lines = []
+        for ln in code.src.strip("\n").splitlines():
+            if _FX_WRAP.match(ln):
+                self.wraps.setdefault(ln.strip(), None)
+            else:
+                lines.append(ln)
         body = "\n".join("    " + ln if ln.strip() else "" for ln in lines)
         src = f"class {cls_name}(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
         src += "".join(f"        {ln}\n" for ln in init)
@@ -185,7 +191,7 @@ class CodeWriter:
         not torch's is imported under a guard: run as a script where it cannot be imported, the script says so in
         one line and exits 2 (bad input), not with a traceback and exit 1 (which means "reproduced")."""
         return (_HEADER + "".join(_module_import(mod) for mod in dict.fromkeys([*modules, *self.op_modules]))
-                + "\n".join(sorted(self.imports.values())) + "\n")
+                + "\n".join(sorted(self.imports.values())) + "\n" + "".join(f"{w}\n" for w in self.wraps))
 
     def _scan_custom_ops(self, gm: fx.GraphModule) -> None:
         for n in gm.graph.nodes:

@@ -683,15 +683,25 @@ def test_a_repro_cut_from_one_with_several_op_modules_imports_none_of_them(tmp_p
     assert "imports" not in got and "op_imports" not in got, got
 
 
-def test_a_symbolically_traced_call_to_a_wrapped_function_loads(tmp_path):
-    """fx wraps ``math.sqrt`` of a shape in a traced graph and its code calls ``wrap("math_sqrt")`` first, which fx
-    refuses anywhere but at a module's top level: written inside the repro's class, the repro did not import."""
+def test_a_symbolically_traced_call_to_a_wrapped_function_loads(tmp_path, monkeypatch):
+    """fx wraps ``math.sqrt`` of a shape, and a user's ``@torch.fx.wrap`` function (data-dependent inside), and the
+    traced code calls ``wrap("...")`` first, which fx refuses anywhere but at a module's top level: written inside the
+    repro's class, the repro did not import; left out, the repro's own trace of its class went into the function."""
+    import importlib
     import math
 
+    (tmp_path / "wrapped_user_mod.py").write_text(
+        "import torch, torch.fx\n"
+        "@torch.fx.wrap\n"
+        "def scale(x):\n"
+        "    return x * 2 if x.sum() > -1e9 else x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("wrapped_user_mod")
+
     def f(x):
-        return x * math.sqrt(x.shape[-1])
+        return mod.scale(x) * math.sqrt(x.shape[-1])
 
     x = torch.randn(2, 4)
     path = write_repro(fx.symbolic_trace(f), [x], tmp_path / "repro.py", meta={"kind": "accuracy", "compiler": "eager"})
     gm, inputs, _ = load_repro(path)
-    assert torch.equal(gm(*inputs), x * 2.0)
+    assert torch.equal(gm(*inputs), f(x))
