@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -66,8 +67,11 @@ def _run(cwd: Path, name: str, body: str, kind: str = "gpu", check: bool = True)
     (cwd / "model.py").write_text(_MODEL)
     (cwd / name).write_text(textwrap.dedent(body))
     env = dict(os.environ, DEVICE_KIND=kind, PYTHONPATH=f"{cwd}{os.pathsep}{ROOT}")
+    before = set(cwd.iterdir())
     r = subprocess.run([sys.executable, name], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode != 0 and _GLOO_ABORT in r.stderr:  # torch's own teardown flake (no determ needed): once more
+    if r.returncode != 0 and _GLOO_ABORT in r.stderr:  # torch's own teardown flake (no determ needed): once more,
+        for made in set(cwd.iterdir()) - before:  # without the dumps the first try left (never overwritten)
+            shutil.rmtree(made) if made.is_dir() else made.unlink()
         r = subprocess.run([sys.executable, name], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     if check:
         assert r.returncode == 0, r.stderr[-3000:]
