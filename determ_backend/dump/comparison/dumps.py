@@ -470,9 +470,19 @@ def _zero_at_precision(pa: ApiPair, tol: float, fine: Optional[float]) -> bool:
     if fine is None or (pa.a or {}).get("dir") != "backward":
         return False
     smaller = pa.errors.get("outputs_smaller") or []
-    if not smaller or len(smaller) != len(pa.errors.get("outputs") or []) or not _within_tol_of_inputs(pa, tol):
+    if len(smaller) != len(pa.errors.get("outputs") or []):
         return False
-    return max(smaller) <= _growth(pa) * fine * max(pa.errors["inputs_size"])
+    return _rounding_noise(pa.errors.get("outputs_size") or [], smaller, pa.errors.get("inputs_size") or [],
+                           _growth(pa), tol, fine)
+
+
+def _rounding_noise(sizes: List[float], smaller: List[float], given: List[float], growth: float, tol: float,
+                    fine: float) -> bool:
+    """Whether outputs of ``sizes`` (the larger run's) and ``smaller`` (the other run's) are a value zero in exact
+    arithmetic: within ``tol`` of the largest magnitude the call was ``given``, and in the run that holds them
+    smaller within ``growth`` times the finer dtype's rounding (``fine``) of it."""
+    return bool(sizes and smaller and given) and max(sizes) <= tol * max(given) \
+        and max(smaller) <= growth * fine * max(given)
 
 
 def _choice_flipped(pa: ApiPair) -> bool:
@@ -503,15 +513,12 @@ def _read_out_of(pa: ApiPair, noise: Dict[tuple, ApiPair], tol: float, fine: Opt
     says of its outputs: within ``tol`` of the gradients the call was given in both runs, and within the finer
     dtype's rounding of them in the run that holds it smaller.  A read-out of another of the call's outputs (two
     parameters' gradients swapped) is a value, not that noise."""
-    found = {id(noise.get((side, h))) if noise.get((side, h)) is not None else None
-             for side, e in (("a", pa.a), ("b", pa.b)) for h in _output_hashes(e)}
-    if len(found) != 1 or None in found or fine is None:
+    sources = [noise.get((side, h)) for side, e in (("a", pa.a), ("b", pa.b)) for h in _output_hashes(e)]
+    if fine is None or not sources or any(q is None or q is not sources[0] for q in sources):
         return None
-    source = next(q for q in noise.values() if id(q) in found)
-    size, sizes = source.errors.get("inputs_size") or [], pa.errors.get("outputs_size") or []
-    smaller = pa.errors.get("outputs_smaller") or []
-    if not (size and sizes and smaller) or max(sizes) > tol * max(size) \
-            or max(smaller) > _growth(source) * fine * max(size):
+    source = sources[0]
+    if not _rounding_noise(pa.errors.get("outputs_size") or [], pa.errors.get("outputs_smaller") or [],
+                           source.errors.get("inputs_size") or [], _growth(source), tol, fine):
         return None
     return source
 
