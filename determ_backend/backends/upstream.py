@@ -8,8 +8,9 @@ so a node that only amplifies an error it was handed looks guilty: a LayerNorm a
 :class:`Upstream` asks of such a node whether it is **innocent**: the reference graph is replayed
 with the suspect side's values of the node's inputs substituted, and the node's replayed value is
 compared with the suspect's own value, up to the rounding of what it sums for a sum or matmul (one that
-cancels is judged at the size of its terms, :func:`_within_sum_rounding`), or relative to its size (:func:`~determ_backend.compare.close_to_scale`) and element by element.  If they
-agree, the node computes the suspect value from the suspect inputs: the error came in through them.
+cancels is judged at the size of its terms, :func:`_within_sum_rounding`), or relative to its size
+(:func:`~determ_backend.compare.close_to_scale`) and element by element.  If they agree, the node
+computes the suspect value from the suspect inputs: the error came in through them.
 :func:`move_innocent_roots` then follows the one input that carries the error (differs relative to its
 size), step by step, while each is innocent in turn; where several inputs carry it, or none does, the
 root stays and says it computes right from its inputs.
@@ -128,9 +129,9 @@ def _within_sum_rounding(node: fx.Node, replayed: Any, value: Any, values: Mappi
     """Whether ``value`` (the suspect's) differs from ``replayed`` (the node run on the suspect's inputs) by no more
     than summing rounds, element by element: a few units in the last place of the accumulation (the coarser side's
     dtype, but no coarser than float32: bfloat16 sums accumulate in float32) times the square root of the terms'
-    count times the sum of their magnitudes, plus two units of the value's own dtype of its size.  A LayerNorm backward's ``sum(dy * w * xhat)`` that cancels to ~1e-8 rounds at the size of
-    its ~1e-4 terms; a matmul 10% wrong, or any op not a sum (an attention whose mask holds -3.4e38), is not cleared
-    this way."""
+    count times the sum of their magnitudes, plus two units of the value's own dtype of its size.  A LayerNorm
+    backward's ``sum(dy * w * xhat)`` that cancels to ~1e-8 rounds at the size of its ~1e-4 terms; a matmul 10%
+    wrong, or any op not a sum (an attention whose mask holds -3.4e38), is not cleared this way."""
     if not (isinstance(replayed, torch.Tensor) and isinstance(value, torch.Tensor)) or replayed.shape != value.shape \
             or not (replayed.is_floating_point() and value.is_floating_point()) or not value.numel():
         return False
@@ -157,7 +158,7 @@ def _within_sum_rounding(node: fx.Node, replayed: Any, value: Any, values: Mappi
     ins = [values.get(a.name) for a in node.all_input_nodes]
     count = max([x.numel() for x in ins if isinstance(x, torch.Tensor)] + [1]) / value.numel()
     own = max(torch.finfo(t.dtype).eps for t in (replayed, value))
-    acc = min(torch.finfo(torch.float32).eps, own)  # the wider-rounding side sums in float32 at least
+    acc = min(torch.finfo(torch.float32).eps, own)  # the coarser side's unit, but bf16 sums accumulate in float32
     r, v, t = replayed.detach().double().cpu(), value.detach().double().cpu(), terms.abs().cpu()
     if not (torch.isfinite(r).all() and torch.isfinite(v).all() and torch.isfinite(t).all()):
         return False  # an overflow, or an inf it sums, bounds nothing: judged as any op is

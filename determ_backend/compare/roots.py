@@ -98,6 +98,12 @@ class Comparison:
                 return found[0]
         return None
 
+    @property
+    def by_statistics(self) -> int:
+        """Paired records that agree by their statistics alone (:func:`~.verdict.by_statistics`): how much of an
+        agreement within a tolerance bounds no element error."""
+        return sum(1 for p in self.pairs if p.paired and p.equal is True and by_statistics(p.metrics))
+
     def summary(self, checks: Sequence[str] = ()) -> Dict[str, Any]:
         fd = self.first_divergence
         out = {

@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
-from determ_backend.compare import Comparison, by_statistics, compare_traces, is_allocation, metrics_text
+from determ_backend.compare import Comparison, compare_traces, is_allocation, metrics_text
 from determ_backend.errors import ConfigError
 from determ_backend.trace.store import store_for
 
@@ -94,7 +94,7 @@ def diff_summary(cmp: Comparison, files: Dict[str, tuple], checks: Sequence[str]
         rest = s["unjudged"] - no_tol
         why += ("; " if why and rest else "") + (f"{rest} carry no fingerprint and no judged input" if rest else "")
         notes.append(f"not judged: {s['unjudged']} paired records: {why}")
-    weak = s["by_statistics"] = sum(1 for p in cmp.pairs if p.paired and p.equal is True and by_statistics(p.metrics))
+    weak = s["by_statistics"] = cmp.by_statistics
     if weak:
         notes.append(f"by statistics: {weak} paired record(s) differ in their fingerprints and agree within the "
                      f"tolerance by their min/max/mean/L2 alone, which bound no element error (the same values in "

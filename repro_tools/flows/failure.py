@@ -252,8 +252,8 @@ class GraphDump:
                     launcher: Optional[Path], detail: str) -> Optional[Path]:
         level = self.config.repro_level
         what = f"{kind} in a graph compiled with {self.compiler!r} (after {self.after}, level {level})"
-        lines = [detail or (f"{type(error).__name__}: {first_line(error)}" if error else kind)]  # one line: a C++
-        # compile error holds the command line and the compiler's output after its first
+        # one line: a C++ compile error holds the command line and the compiler's output after its first
+        lines = [detail or (f"{type(error).__name__}: {first_line(error)}" if error else kind)]
         if level == 1:
             path = self.write(REPRO, inputs, kind, error)
             final, where = to_working_dir(path)

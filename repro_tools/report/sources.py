@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from determ_backend.compare import DEFAULT_TOL, by_statistics, metrics_text, pair_row
+from determ_backend.compare import DEFAULT_TOL, metrics_text, pair_row
 from determ_backend.errors import ConfigError, TraceFormatError
 from determ_backend.trace.stream import TRACE_NAME, rank_subdirs, read_trace_file
 
@@ -320,7 +320,7 @@ def _comparison_report(kind: str, a: str, b: str, tol: Optional[float], title: s
         where = f": root cause {rep.root['node']} ({rep.root.get('op')})" if rep.root else ""
         rep.verdict = f"divergent ({cmp.mode}){where}"
     else:
-        weak = sum(1 for p in cmp.pairs if p.paired and p.equal is True and by_statistics(p.metrics))
+        weak = cmp.by_statistics
         rep.verdict = (("identical" if tol is None else f"agree within tol={tol:g}" + (
             f" ({weak} records by statistics alone, which bound no element error)" if weak else ""))
             if cmp.identical else f"no output differs ({cmp.mode})")

@@ -60,8 +60,13 @@ def _kind(targets: List[str]) -> str:
         return "traces"
     p = Path(t)
     if p.is_dir():
-        if (p / "graph.py").is_file() or (p / "repro.py").is_file() or (p / "minifier_launcher.py").is_file():
-            return "repro"  # a graph directory, or a repro's (a flow's repro/aot-0, which may hold the launcher alone)
+        from repro_tools.minify.repro_files import repro_target
+
+        try:
+            repro_target(p)  # a graph directory, or a repro's (a flow's repro/aot-0 may hold its launcher alone)
+            return "repro"
+        except ReproError:
+            pass
         raise ConfigError(f"{t}: a directory holding no graph.py or repro.py; expected a repro.py (or the directory "
                           f"holding it), a graph directory, a user script, or two traces (A.jsonl,B.jsonl)")
     if p.suffix == ".py":

@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from determ_backend.compare import DEFAULT_FP64_MULTIPLIER, Comparison, Pair, dtype_tol, find_roots, judge, tensor_metrics
+from determ_backend.compare import (DEFAULT_FP64_MULTIPLIER, Comparison, Pair, dtype_tol, find_roots, judge,
+                                    tensor_metrics)
 from determ_backend.devices import parse_device_spec
 from determ_backend.backends.instrument import graph_node_infos, instrument_graph
 from determ_backend.backends.recorder import CallResult, Recorder
